@@ -1,0 +1,194 @@
+"""LLaDA as Flax linen modules.
+
+One block = RMSNorm -> q/k/v -> rotate-half RoPE (float32) -> bidirectional attention ->
+attn_out -> RMSNorm -> SwiGLU MLP, with residuals. Blocks are stacked with ``nn.scan``
+(parameters carry a leading [n_layers] axis), so 32 layers compile to one loop body.
+
+The block's methods are the per-layer pieces the cached decode engine reuses:
+``attention_input`` (norm), ``project_qkv`` (projection + RoPE), ``output_and_mlp``;
+the engine supplies its own attention (over a flat K/V cache) in between.
+
+Parameter tree (``params`` collection)::
+
+  wte/embedding               [V, D]
+  layers/attn_norm/weight     [NL, D]
+  layers/{q,k,v}_proj/kernel  [NL, D, H*Dh] (k, v: [NL, D, KVH*Dh])
+  layers/attn_out/kernel      [NL, H*Dh, D]
+  layers/ff_norm/weight       [NL, D]
+  layers/{ff_proj,up_proj}/kernel [NL, D, F]   (ff_proj is the SiLU-gated branch)
+  layers/ff_out/kernel        [NL, F, D]
+  ln_f/weight                 [D]
+  lm_head/kernel              [D, V]  (absent when weight_tying)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from dllm_jax.attention import dense_attention
+from dllm_jax.config import ModelConfig
+from dllm_jax.rope import apply_rope, rope_cos_sin
+
+Params = Any  # a nested dict of arrays, the "params" collection
+
+_INIT = nn.initializers.normal(stddev=0.02)
+
+
+class Linear(nn.Module):
+    """y = x @ kernel with float32 accumulation; returns float32 (callers round once)."""
+
+    features: int
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.param("kernel", _INIT, (x.shape[-1], self.features), self.dtype)
+        return jnp.dot(x.astype(self.dtype), kernel, preferred_element_type=jnp.float32)
+
+
+class RMSNorm(nn.Module):
+    """weight * cast(x * rsqrt(mean(x^2) + eps)): statistics in float32, weight applied in x's dtype."""
+
+    eps: float
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return normed.astype(x.dtype) * weight.astype(x.dtype)
+
+
+class LLaDABlock(nn.Module):
+    """One transformer block. Inputs are [..., T, D] residual rows in config.dtype."""
+
+    config: ModelConfig
+
+    def setup(self):
+        c = self.config
+        dt = c.jnp_dtype
+        self.attn_norm = RMSNorm(c.rms_norm_eps, dt)
+        self.q_proj = Linear(c.n_heads * c.head_dim, dt)
+        self.k_proj = Linear(c.kv_dim, dt)
+        self.v_proj = Linear(c.kv_dim, dt)
+        self.attn_out = Linear(c.d_model, dt)
+        self.ff_norm = RMSNorm(c.rms_norm_eps, dt)
+        self.ff_proj = Linear(c.mlp_hidden_size, dt)
+        self.up_proj = Linear(c.mlp_hidden_size, dt)
+        self.ff_out = Linear(c.d_model, dt)
+
+    def attention_input(self, h: jax.Array) -> jax.Array:
+        """The pre-attention RMSNorm: [..., T, D] -> [..., T, D]."""
+        return self.attn_norm(h)
+
+    def project_qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Normed rows -> RoPE'd q [..., T, H, Dh], k and v [..., T, KVH, Dh], in config.dtype.
+
+        RoPE is applied to the float32 accumulators and the result rounded once, as the fused
+        kernel does. positions: int [..., T] absolute positions.
+        """
+        c = self.config
+        dt = c.jnp_dtype
+        lead = x.shape[:-1]
+        q = self.q_proj(x).reshape(*lead, c.n_heads, c.head_dim)
+        k = self.k_proj(x).reshape(*lead, c.n_kv_heads, c.head_dim)
+        v = self.v_proj(x).reshape(*lead, c.n_kv_heads, c.head_dim)
+        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)
+        # [..., T, 1, Dh/2]: one angle per row, shared by all heads
+        cos, sin = cos[..., None, :], sin[..., None, :]
+        return apply_rope(q, cos, sin).astype(dt), apply_rope(k, cos, sin).astype(dt), v.astype(dt)
+
+    def output_and_mlp(self, h: jax.Array, attn: jax.Array) -> jax.Array:
+        """Residual rows h [..., T, D] and attention output [..., T, H*Dh] -> next residual rows."""
+        dt = self.config.jnp_dtype
+        h = h + self.attn_out(attn).astype(dt)
+        x = self.ff_norm(h)
+        gate = self.ff_proj(x).astype(dt)
+        up = self.up_proj(x).astype(dt)
+        return h + self.ff_out(nn.silu(gate) * up).astype(dt)
+
+    def __call__(self, h: jax.Array, positions: jax.Array, mask: jax.Array) -> tuple[jax.Array, None]:
+        """Full bidirectional block over [B, T, D]; mask broadcastable to [B, T, T]."""
+        q, k, v = self.project_qkv(self.attention_input(h), positions)
+        return self.output_and_mlp(h, dense_attention(q, k, v, mask)), None
+
+
+class LLaDAModel(nn.Module):
+    """The whole mask predictor: tokens -> logits for every position (no causal mask)."""
+
+    config: ModelConfig
+
+    def setup(self):
+        c = self.config
+        dt = c.jnp_dtype
+        self.wte = nn.Embed(c.vocab_size, c.d_model, dtype=dt, param_dtype=dt, embedding_init=_INIT)
+        self.layers = nn.scan(
+            LLaDABlock,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=(nn.broadcast, nn.broadcast),
+            length=c.n_layers,
+        )(c)
+        self.ln_f = RMSNorm(c.rms_norm_eps, dt)
+        if not c.weight_tying:
+            self.lm_head = Linear(c.vocab_size, dt)
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        """int tokens [...] -> residual rows [..., D]."""
+        return self.wte(tokens)
+
+    def logits(self, h: jax.Array) -> jax.Array:
+        """Final norm and LM head: [..., D] -> [..., V] in config.dtype."""
+        x = self.ln_f(h)
+        if self.config.weight_tying:
+            return self.wte.attend(x).astype(self.config.jnp_dtype)
+        return self.lm_head(x).astype(self.config.jnp_dtype)
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array | None = None,
+        key_valid: jax.Array | None = None,
+    ) -> jax.Array:
+        """Logits of every position.
+
+        Args:
+          tokens: int [B, T].
+          positions: int [B, T]; default 0..T-1.
+          key_valid: bool [B, T]; False marks padding keys nobody attends to. Default all True.
+        Returns:
+          [B, T, V] logits in config.dtype.
+        """
+        B, T = tokens.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        if key_valid is None:
+            key_valid = jnp.ones((B, T), dtype=bool)
+        h = self.embed(tokens)
+        h, _ = self.layers(h, positions, key_valid[:, None, :])
+        return self.logits(h)
+
+
+def init_params(config: ModelConfig, rng: jax.Array) -> Params:
+    """Random parameters (normal(0.02) matrices, unit norms) in config.dtype."""
+    tokens = jnp.zeros((1, 2), dtype=jnp.int32)
+    return LLaDAModel(config).init(rng, tokens)["params"]
+
+
+def abstract_params(config: ModelConfig) -> Params:
+    """The parameter tree as jax.ShapeDtypeStruct leaves, without allocating."""
+    return jax.eval_shape(lambda rng: init_params(config, rng), jax.random.key(0))
+
+
+def count_params(params: Params) -> int:
+    return sum(int(leaf.size) for leaf in jax.tree_util.tree_leaves(params))
+
+
+def forward(config: ModelConfig, params: Params, tokens: jax.Array, positions=None, key_valid=None) -> jax.Array:
+    """Functional full forward: LLaDAModel(config).apply on the params tree."""
+    return LLaDAModel(config).apply({"params": params}, tokens, positions, key_valid)
