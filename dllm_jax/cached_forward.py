@@ -1,0 +1,175 @@
+"""One model pass over a set of query rows that reads and writes the flat K/V cache.
+
+Every decode step of every method is this pass (or the read-only verify pass): the query rows
+of a group (all rows of a group belong to one slot) are embedded, and in every layer their
+K/V are written into their cache rows before the group's rows attend to the slot's keys
+``[0, key_len)`` in the cache, so queries see each other's fresh K/V and everything else as
+cached. Logits are computed only for the candidate rows.
+
+Shapes: S groups, R query rows per group, C candidate rows per group, L = max_len positions
+per slot, D model width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+from dllm_jax.attention import dense_attention
+from dllm_jax.config import ModelConfig
+from dllm_jax.flat_cache import FlatCache, flat_rows
+from dllm_jax.model import LLaDABlock, LLaDAModel, Params
+
+Backend = Literal["xla", "pallas"]
+BACKENDS: tuple[str, ...] = ("xla", "pallas")
+
+# The published code accumulates tracking scores from the third layer up (block_idx > 1).
+SCORE_START_LAYER = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class PassSpec:
+    """Static description of a pass.
+
+    max_len: L, cache rows per slot.
+    backend: "xla" (pure jnp, any device) or "pallas" (fused kernels).
+    score_scale: factor applied to the summed raw logits of the score rows (1 / (W * H) for
+      Flash-Cache's mean over window rows and heads); None = no tracking scores.
+    interpret: run Pallas kernels in interpret mode (CPU tests).
+    """
+
+    max_len: int
+    backend: Backend = "xla"
+    score_scale: float | None = None
+    interpret: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyKeys:
+    """Extra inputs of the read-only verify pass.
+
+    key_exclude: bool [S, L], cached keys the group must not read (their rows are in the query).
+    extra_mask: bool [S, R, R], which in-query rows each query row may attend to.
+    """
+
+    key_exclude: jax.Array
+    extra_mask: jax.Array
+
+
+def _slot_keys(cache_layer: jax.Array, group_slot: jax.Array | None, max_len: int, config: ModelConfig) -> jax.Array:
+    """The L cache rows of each group's slot: [M, KVD] -> [S, L, KVH, Dh]."""
+    rows = cache_layer.shape[0] - 1
+    per_slot = cache_layer[:rows].reshape(rows // max_len, max_len, config.n_kv_heads, config.head_dim)
+    return per_slot if group_slot is None else per_slot[group_slot]
+
+
+def tracking_scores(q: jax.Array, keys: jax.Array, score_rows: jax.Array) -> jax.Array:
+    """Sum over score rows and query heads of the raw logits q . k, for every key.
+
+    Linear in q, so the rows are summed first: one vector-matrix product per group.
+    q: [S, R, H, Dh]; keys: [S, L, KVH, Dh]; score_rows: bool [S, R]. Returns float32 [S, L].
+    """
+    S, R, H, Dh = q.shape
+    kv_heads = keys.shape[2]
+    q_sum = jnp.sum(jnp.where(score_rows[:, :, None, None], q.astype(jnp.float32), 0.0), axis=1)
+    # [S, KVH, Dh]: the query heads sharing a kv head add up
+    q_sum = q_sum.reshape(S, kv_heads, H // kv_heads, Dh).sum(axis=2)
+    return jnp.einsum("skd,slkd->sl", q_sum, keys.astype(jnp.float32))
+
+
+def _xla_layer_attention(config, spec, q, k_cache_layer, v_cache_layer, group_slot, key_len, score_rows, verify, extra_kv):
+    keys = _slot_keys(k_cache_layer, group_slot, spec.max_len, config)
+    values = _slot_keys(v_cache_layer, group_slot, spec.max_len, config)
+    # [S, 1, L]: a key-padding mask per group
+    mask = (jnp.arange(spec.max_len)[None, :] < key_len[:, None])[:, None, :]
+    scores = None
+    if spec.score_scale is not None:
+        scores = tracking_scores(q, keys, score_rows) * (jnp.arange(spec.max_len)[None] < key_len[:, None])
+    if verify is not None:
+        mask = mask & ~verify.key_exclude[:, None, :]
+        k_extra, v_extra = extra_kv
+        keys = jnp.concatenate([keys, k_extra], axis=1)
+        values = jnp.concatenate([values, v_extra], axis=1)
+        mask = jnp.concatenate([jnp.broadcast_to(mask, (*verify.extra_mask.shape[:2], spec.max_len)), verify.extra_mask], axis=2)
+    return dense_attention(q, keys, values, mask), scores
+
+
+def cached_forward(
+    config: ModelConfig,
+    spec: PassSpec,
+    params: Params,
+    cache: FlatCache,
+    tokens: jax.Array,
+    positions: jax.Array,
+    row_valid: jax.Array,
+    group_slot: jax.Array | None,
+    key_len: jax.Array,
+    candidate_rows: jax.Array,
+    score_rows: jax.Array | None = None,
+    verify: VerifyKeys | None = None,
+) -> tuple[jax.Array, jax.Array | None, FlatCache]:
+    """Runs the model on the query rows over the cache.
+
+    Args:
+      tokens, positions: int32 [S, R] input token and rotary position of each query row.
+      row_valid: bool [S, R]; invalid rows write to the trash row and their outputs are unused.
+      group_slot: int32 [S] slot of each group, or None when group s is slot s (S = slots).
+      key_len: int32 [S] number of key positions of each group's slot.
+      candidate_rows: int32 [S, C] rows whose logits are returned.
+      score_rows: bool [S, R] rows feeding the tracking score (when spec.score_scale is set).
+      verify: read-only pass (Flash-Verify): the rows' K/V are not written to the cache;
+        instead each row attends to the allowed cached keys plus the allowed in-query rows.
+    Returns:
+      logits [S, C, V] (model dtype), scores float32 [S, L] or None, the updated cache.
+    """
+    S, R = tokens.shape
+    slots = jnp.arange(S, dtype=jnp.int32) if group_slot is None else group_slot
+    rows = flat_rows(slots, positions, row_valid, spec.max_len, cache.trash_row)
+    block = LLaDABlock(config)
+    model = LLaDAModel(config)
+    h = model.apply({"params": params}, tokens, method=LLaDAModel.embed)
+    stacked = params["layers"]
+    if spec.backend == "pallas":
+        from dllm_jax.kernel_backend import pallas_layer_attention, pallas_qkv_to_cache
+
+    def layer_step(carry, layer):
+        h, k_cache, v_cache, scores = carry
+        lp = {"params": jax.tree_util.tree_map(lambda w: w[layer], stacked)}
+        x = block.apply(lp, h, method=LLaDABlock.attention_input)
+        extra_kv = None
+        if spec.backend == "pallas" and verify is None:
+            q, k_cache, v_cache = pallas_qkv_to_cache(config, spec, stacked, x, positions, rows, k_cache, v_cache, layer)
+        else:
+            q, k, v = block.apply(lp, x, positions, method=LLaDABlock.project_qkv)
+            if verify is None:
+                k_cache = k_cache.at[layer, rows].set(k.reshape(S, R, -1))
+                v_cache = v_cache.at[layer, rows].set(v.reshape(S, R, -1))
+            else:
+                extra_kv = (k, v)
+        if spec.backend == "pallas":
+            out, layer_scores = pallas_layer_attention(
+                config, spec, q, k_cache, v_cache, layer, group_slot, key_len, score_rows, verify, extra_kv
+            )
+        else:
+            out, layer_scores = _xla_layer_attention(
+                config, spec, q, k_cache[layer], v_cache[layer], group_slot, key_len, score_rows, verify, extra_kv
+            )
+        if scores is not None:
+            scores = scores + jnp.where(layer >= SCORE_START_LAYER, layer_scores, 0.0)
+        h = block.apply(lp, h, out.reshape(S, R, -1), method=LLaDABlock.output_and_mlp)
+        return (h, k_cache, v_cache, scores), None
+
+    scores0 = None if spec.score_scale is None else jnp.zeros((S, spec.max_len), jnp.float32)
+    (h, k_cache, v_cache, scores), _ = jax.lax.scan(
+        layer_step, (h, cache.k, cache.v, scores0), jnp.arange(config.n_layers, dtype=jnp.int32)
+    )
+    # [S, C, D] -> [S, C, V]: the LM head runs on candidate rows only
+    h_candidates = jnp.take_along_axis(h, candidate_rows[:, :, None], axis=1)
+    logits = model.apply({"params": params}, h_candidates, method=LLaDAModel.logits)
+    if scores is not None:
+        scores = scores * spec.score_scale
+    return logits, scores, FlatCache(k=k_cache, v=v_cache)
+

@@ -1,0 +1,294 @@
+"""The decode loop: one jitted ``lax.while_loop`` over a static-shape state, for every policy.
+
+Each iteration advances every active slot by exactly one step:
+  1. slots whose next step is a full pass (a new request, a block boundary, or every step of
+     LLaDA) run it in a batch of F "lanes", F the smallest of `lane_sizes` that fits them
+     (``lax.switch``, so a lone refill does not pay for a full batch);
+  2. all other active slots run the policy's sparse pass over the flat cache;
+  3. the policy commits tokens from the candidates' logits;
+  4. finished slots write their results and are refilled from the request queue, which lives
+     on the device: continuous batching without a host round trip.
+The queue and the results are rings of Q entries (request g at entry g % Q), so the compiled
+loop does not depend on how many requests a call has: the host calls the loop in chunks of
+iterations, and between chunks collects finished results and pushes waiting requests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from dllm_jax.cached_forward import PassSpec, cached_forward
+from dllm_jax.config import ModelConfig
+from dllm_jax.decode_config import DecodeKnobs
+from dllm_jax.flat_cache import FlatCache, allocate_cache
+from dllm_jax.model import Params
+from dllm_jax.policies import DecodePolicy
+from dllm_jax.slots import Slots, empty_slots, install
+
+
+@struct.dataclass
+class RequestQueue:
+    """A ring of prompts: request g (global index) sits at entry g % Q.
+
+    tokens int32 [Q, P_max] (padded), lengths int32 [Q]; count: requests pushed so far by the
+    host; next: requests installed so far (next < count: requests are waiting).
+    """
+
+    tokens: jax.Array
+    lengths: jax.Array
+    count: jax.Array
+    next: jax.Array
+
+
+@struct.dataclass
+class Results:
+    """A ring of per-request outputs, request g at entry g % Q (done: not yet collected).
+
+    tokens int32 [Q, G]: the canvas after the prompt; request: the global index.
+    """
+
+    tokens: jax.Array
+    request: jax.Array
+    num_tokens: jax.Array
+    steps: jax.Array
+    passes: jax.Array
+    verify_passes: jax.Array
+    accepted: jax.Array
+    start_iter: jax.Array
+    end_iter: jax.Array
+    done: jax.Array
+
+
+@struct.dataclass
+class DecodeState:
+    slots: Slots
+    cache: FlatCache
+    queue: RequestQueue
+    results: Results
+    iteration: jax.Array
+
+
+def _where_tree(pred: jax.Array, new, old):
+    """Per-slot select between two Slots pytrees (pred bool [B])."""
+
+    def pick(a, b):
+        return jnp.where(pred.reshape(pred.shape + (1,) * (a.ndim - 1)), a, b)
+
+    return jax.tree_util.tree_map(pick, new, old)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeLoop:
+    """A compiled-once decode loop for one (policy, slots, max_len, backend) combination."""
+
+    model: ModelConfig
+    policy: DecodePolicy
+    num_slots: int
+    max_len: int
+    gen_length: int
+    backend: str = "xla"
+    interpret: bool = False
+
+    @property
+    def lane_sizes(self) -> tuple[int, ...]:
+        """Full-pass batch sizes; policies without sparse steps always use every slot."""
+        B = self.num_slots
+        if self.policy.num_sparse_rows == 0:
+            return (B,)
+        return tuple(sorted({1, max(1, B // 4), B}))
+
+    @property
+    def _spec(self) -> PassSpec:
+        return PassSpec(
+            max_len=self.max_len, backend=self.backend, score_scale=self.policy.score_scale, interpret=self.interpret
+        )
+
+    # ----- state -------------------------------------------------------------------------
+
+    def init_state(self, prompts: jax.Array, lengths: jax.Array, count: jax.Array) -> DecodeState:
+        """Empty slots, a zero cache, the queue; the first requests are installed.
+
+        prompts: int32 [Q, P_max]; lengths: int32 [Q]; count: requests pushed (<= Q).
+        """
+        Q = prompts.shape[0]
+        zeros = jnp.zeros((Q,), jnp.int32)
+        state = DecodeState(
+            slots=empty_slots(self.num_slots, self.max_len),
+            cache=allocate_cache(self.model, self.num_slots, self.max_len),
+            queue=RequestQueue(tokens=prompts, lengths=lengths, count=jnp.int32(count), next=jnp.int32(0)),
+            results=Results(
+                tokens=jnp.zeros((Q, self.gen_length), jnp.int32),
+                request=zeros,
+                num_tokens=zeros,
+                steps=zeros,
+                passes=zeros,
+                verify_passes=zeros,
+                accepted=zeros,
+                start_iter=zeros,
+                end_iter=zeros,
+                done=jnp.zeros((Q,), bool),
+            ),
+            iteration=jnp.int32(0),
+        )
+        return self._refill(state)
+
+    def _refill(self, state: DecodeState) -> DecodeState:
+        """Installs waiting requests into free slots, lowest slot first, in request order."""
+        slots, queue = state.slots, state.queue
+        free = ~slots.active
+        request = queue.next + jnp.cumsum(free) - 1
+        take = free & (request < queue.count)
+        entry = request % queue.tokens.shape[0]
+        lengths = queue.lengths[entry]
+        installed = jax.vmap(install, in_axes=(0, 0, 0, 0, 0, None, None, None, None))(
+            slots,
+            queue.tokens[entry],
+            lengths,
+            request,
+            self.policy.key_length(lengths),
+            self.gen_length,
+            self.model.mask_token_id,
+            self.model.eos_token_id,
+            state.iteration,
+        )
+        slots = _where_tree(take, installed, slots)
+        return state.replace(slots=slots, queue=queue.replace(next=queue.next + jnp.sum(take)))
+
+    # ----- one iteration -----------------------------------------------------------------
+
+    def _full_pass(self, params, state: DecodeState, run_full: jax.Array, lanes: int):
+        """Full forward of up to `lanes` slots needing it; returns logits/scores scattered to [B, ...]."""
+        B, L, C = self.num_slots, self.max_len, self.policy.num_candidates
+        slots = state.slots
+        lane_slot = jnp.nonzero(run_full, size=lanes, fill_value=B)[0].astype(jnp.int32)
+        lane_valid = lane_slot < B
+        safe_slot = jnp.minimum(lane_slot, B - 1)
+        lane = jax.tree_util.tree_map(lambda x: x[safe_slot], slots)
+        positions = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (lanes, L))
+        row_valid = lane_valid[:, None] & (positions < lane.key_len[:, None])
+        candidates, candidate_valid = jax.vmap(self.policy.candidates)(lane)
+        score_rows = jax.vmap(lambda c, v: jnp.zeros((L,), bool).at[jnp.where(v, c, L)].set(True, mode="drop"))(
+            candidates, candidate_valid
+        )
+        logits, scores, cache = cached_forward(
+            self.model, self._spec, params, state.cache, lane.tokens, positions, row_valid,
+            safe_slot, lane.key_len, candidates, score_rows,
+        )
+        V = logits.shape[-1]
+        full_logits = jnp.zeros((B, C, V), logits.dtype).at[lane_slot].set(logits, mode="drop")
+        full_scores = jnp.zeros((B, L), jnp.float32)
+        if scores is not None:
+            full_scores = full_scores.at[lane_slot].set(scores, mode="drop")
+        return full_logits, full_scores, cache
+
+    def _sparse_pass(self, params, state: DecodeState, run_sparse: jax.Array):
+        """The policy's sparse step for every slot (rows of other slots are invalid)."""
+        B, L, C = self.num_slots, self.max_len, self.policy.num_candidates
+        slots = state.slots
+        positions, row_valid = jax.vmap(self.policy.sparse_rows)(slots)
+        row_valid = row_valid & run_sparse[:, None]
+        tokens = jnp.take_along_axis(slots.tokens, positions, axis=1)
+        R = positions.shape[1]
+        candidate_rows = jnp.broadcast_to(jnp.arange(C, dtype=jnp.int32), (B, C))
+        score_rows = row_valid & (jnp.arange(R) < C)[None, :]
+        logits, scores, cache = cached_forward(
+            self.model, self._spec, params, state.cache, tokens, positions, row_valid,
+            None, slots.key_len, candidate_rows, score_rows,
+        )
+        if scores is None:
+            scores = jnp.zeros((B, L), jnp.float32)
+        return logits, scores, cache
+
+    def _model_passes(self, params, state: DecodeState, run_full, run_sparse):
+        B, L, C = self.num_slots, self.max_len, self.policy.num_candidates
+        V = self.model.vocab_size
+        dtype = self.model.jnp_dtype
+        none = (jnp.zeros((B, C, V), dtype), jnp.zeros((B, L), jnp.float32), state.cache)
+
+        sizes = self.lane_sizes
+        branches = [lambda st: none[:2] + (st.cache,)]
+        branches += [lambda st, n=n: self._full_pass(params, st, run_full, n) for n in sizes]
+        n_full = jnp.sum(run_full)
+        branch = jnp.where(n_full == 0, 0, 1 + jnp.searchsorted(jnp.array(sizes), n_full))
+        full_logits, full_scores, cache = jax.lax.switch(branch, branches, state)
+        state = state.replace(cache=cache)
+
+        if self.policy.num_sparse_rows == 0:
+            return full_logits, full_scores, state.cache
+        sparse_logits, sparse_scores, cache = jax.lax.cond(
+            jnp.any(run_sparse),
+            lambda st: self._sparse_pass(params, st, run_sparse),
+            lambda st: none[:2] + (st.cache,),
+            state,
+        )
+        pick = run_full[:, None]
+        logits = jnp.where(pick[:, :, None], full_logits, sparse_logits)
+        scores = jnp.where(pick, full_scores, sparse_scores)
+        return logits, scores, cache
+
+    def _step(self, params, knobs: DecodeKnobs, seed: jax.Array, state: DecodeState) -> DecodeState:
+        slots = state.slots
+        run_full = slots.active & slots.needs_full
+        run_sparse = slots.active & ~slots.needs_full
+        ran = run_full | run_sparse
+        logits, scores, cache = self._model_passes(params, state, run_full, run_sparse)
+
+        base = jax.random.key(seed)
+        rngs = jax.vmap(lambda r, s: jax.random.fold_in(jax.random.fold_in(base, r), s))(slots.request, slots.steps)
+        committed = jax.vmap(self.policy.commit, in_axes=(0, 0, 0, None, 0))(slots, logits, scores, knobs, rngs)
+        committed = committed.replace(steps=committed.steps + 1, passes=committed.passes + 1)
+        slots = _where_tree(ran, committed, slots)
+
+        finished = ran & jax.vmap(self.policy.finished)(slots)
+        results = self._record(state.results, slots, finished, state.iteration + 1)
+        slots = slots.replace(active=slots.active & ~finished)
+        state = state.replace(slots=slots, cache=cache, results=results, iteration=state.iteration + 1)
+        return self._refill(state)
+
+    def _record(self, results: Results, slots: Slots, finished: jax.Array, iteration: jax.Array) -> Results:
+        Q = results.tokens.shape[0]
+        target = jnp.where(finished, slots.request % Q, Q)  # Q is out of range: dropped
+        answer = jax.vmap(lambda t, p: jax.lax.dynamic_slice(t, (p,), (self.gen_length,)))(slots.tokens, slots.prompt_len)
+        num_tokens = jax.vmap(self.policy.num_tokens)(slots)
+
+        def put(array, values):
+            return array.at[target].set(values, mode="drop")
+
+        return Results(
+            tokens=put(results.tokens, answer),
+            request=put(results.request, slots.request),
+            num_tokens=put(results.num_tokens, num_tokens),
+            steps=put(results.steps, slots.steps),
+            passes=put(results.passes, slots.passes),
+            verify_passes=put(results.verify_passes, slots.verify_passes),
+            accepted=put(results.accepted, slots.accepted),
+            start_iter=put(results.start_iter, slots.start_iter),
+            end_iter=put(results.end_iter, jnp.broadcast_to(iteration, finished.shape)),
+            done=put(results.done, jnp.ones_like(finished)),
+        )
+
+    # ----- the loop ------------------------------------------------------------------------
+
+    def run(
+        self,
+        params: Params,
+        state: DecodeState,
+        knobs: DecodeKnobs,
+        seed: jax.Array,
+        stop_iteration: jax.Array,
+        host_has_more: jax.Array,
+    ) -> DecodeState:
+        """Steps until all work is done, `stop_iteration` is reached, or a slot is free while the
+        device queue is empty and the host has more requests to push (jit this, donate state)."""
+
+        def keep_going(st: DecodeState):
+            starved = jnp.any(~st.slots.active) & (st.queue.next >= st.queue.count) & host_has_more
+            return jnp.any(st.slots.active) & (st.iteration < stop_iteration) & ~starved
+
+        # requests the host pushed since the last call take their free slots first
+        state = self._refill(state)
+        return jax.lax.while_loop(keep_going, lambda st: self._step(params, knobs, seed, st), state)

@@ -1,0 +1,333 @@
+"""The engine: prompts in, answers and statistics out, over the jitted decode loop.
+
+``Engine.generate(prompts, DecodeConfig(...))`` tokenizes (applying the chat template when
+asked), buckets the shapes (prompt length to a power of two, request count to a power of
+two) so that requests of different lengths in a bucket reuse one compiled loop, runs the loop
+in chunks of iterations (a progress bar and timings between chunks, no host round trip per
+step), and returns results in request order.
+
+Token accounting (the throughput numerator): for flash_cache, the committed generated
+positions when the request stops (it stops once every position before the first committed
+EOS is decoded), as the published Flash-dLLM code counts; for llada and fast_dllm, which
+decode all gen_length positions, the positions up to and including the first EOS.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from dllm_jax.config import ModelConfig
+from dllm_jax.decode_config import DecodeConfig
+from dllm_jax.decode_loop import DecodeLoop, DecodeState
+from dllm_jax.flat_cache import cache_bytes
+from dllm_jax.model import Params
+from dllm_jax.policies import make_policy
+
+# Key positions are rounded to this; also the slack of max_len (reference-spec B.1).
+_KEY_TILE = 128
+_MIN_PROMPT_BUCKET = 16
+
+
+class GenerationError(ValueError):
+    """Bad input to generate(); the message names the request and the problem."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationResult:
+    """One request's answer and counters.
+
+    token_ids: generated ids before the first EOS; text: their decoding (None without a
+    tokenizer); num_tokens: tokens credited for throughput (see module docstring);
+    steps: decode steps (the first full pass included); forward_passes: model passes over
+    this request's rows (main + verify); accepted_drafts: drafts accepted by Flash-Verify;
+    seconds: wall time from install to finish, interpolated between chunk timestamps.
+    """
+
+    index: int
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    num_tokens: int
+    steps: int
+    forward_passes: int
+    verify_passes: int
+    accepted_drafts: int
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationStats:
+    num_requests: int
+    num_tokens: int
+    steps: int
+    forward_passes: int
+    iterations: int
+    wall_seconds: float
+    compile_seconds: float
+    cache_bytes: int
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.num_tokens / self.wall_seconds if self.wall_seconds > 0 else float("nan")
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.num_tokens / self.steps if self.steps else float("nan")
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationOutput:
+    results: list[GenerationResult]
+    stats: GenerationStats
+
+
+def _next_power_of_two(n: int, minimum: int) -> int:
+    return max(minimum, 1 << max(0, (n - 1).bit_length()))
+
+
+def resolve_backend(backend: str) -> str:
+    """'auto' -> 'pallas' on NVIDIA GPUs when the kernels are available, else 'xla'."""
+    if backend not in ("auto", "xla", "pallas"):
+        raise GenerationError(f"backend={backend!r}: expected 'auto', 'xla' or 'pallas'")
+    if backend != "auto":
+        return backend
+    from dllm_jax.kernel_backend import pallas_preferred
+
+    return "pallas" if pallas_preferred() else "xla"
+
+
+class Engine:
+    """Holds a model and its compiled decode loops.
+
+    Args:
+      config: the model architecture.
+      params: its parameter tree (on the device).
+      tokenizer: a dllm_jax tokenizer (encode/decode), needed for text prompts.
+      backend: "auto", "xla" or "pallas".
+      interpret: run Pallas kernels in interpret mode (CPU tests).
+      chunk_iterations: loop iterations per device call (progress/timing granularity).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        params: Params,
+        tokenizer: Any = None,
+        *,
+        backend: str = "auto",
+        interpret: bool = False,
+        chunk_iterations: int = 64,
+    ):
+        self.config = config
+        self.params = params
+        self.tokenizer = tokenizer
+        self.backend = resolve_backend(backend)
+        self.interpret = interpret
+        self.chunk_iterations = chunk_iterations
+        self._executables: dict[tuple, tuple[Any, Any]] = {}
+
+    @classmethod
+    def from_pretrained(cls, path: str, *, dtype: str = "bfloat16", **kwargs) -> Engine:
+        """Loads a Hugging Face LLaDA folder or a converted checkpoint (dllm_jax.load_model)."""
+        from dllm_jax.loading import load_model
+
+        loaded = load_model(path, dtype=dtype)
+        return cls(loaded.config, loaded.params, loaded.tokenizer, **kwargs)
+
+    @property
+    def num_compilations(self) -> int:
+        """Decode loops compiled so far (one per static configuration and shape bucket)."""
+        return len(self._executables)
+
+    # ----- inputs ----------------------------------------------------------------------------
+
+    def encode(self, prompts: Sequence[str | Sequence[int]], chat: bool | None) -> list[list[int]]:
+        encoded = []
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                if self.tokenizer is None:
+                    raise GenerationError(f"prompt {i} is text but the engine has no tokenizer; pass token ids")
+                if not prompt.strip():
+                    raise GenerationError(f"prompt {i} is empty")
+                use_chat = self.tokenizer.has_chat_template if chat is None else chat
+                ids = list(self.tokenizer.encode(prompt, chat=use_chat))
+            else:
+                ids = [int(t) for t in prompt]
+            if not ids:
+                raise GenerationError(f"prompt {i} is empty")
+            bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+            if bad:
+                raise GenerationError(f"prompt {i} has token ids outside [0, {self.config.vocab_size}): {bad[:5]}")
+            encoded.append(ids)
+        return encoded
+
+    def _check_lengths(self, encoded: list[list[int]], decode: DecodeConfig) -> None:
+        limit = self.config.max_sequence_length
+        for i, ids in enumerate(encoded):
+            if len(ids) + decode.gen_length > limit:
+                raise GenerationError(
+                    f"prompt {i} has {len(ids)} tokens; with gen_length={decode.gen_length} that is "
+                    f"{len(ids) + decode.gen_length} positions, more than the model's max_sequence_length={limit}"
+                )
+
+    # ----- compiled loops --------------------------------------------------------------------
+
+    def decode_loop(self, decode: DecodeConfig, max_prompt_len: int) -> DecodeLoop:
+        """The loop for this config and prompt-length bucket (max_len from the bucket)."""
+        bucket = _next_power_of_two(max_prompt_len, _MIN_PROMPT_BUCKET)
+        max_len = ((bucket + decode.gen_length + decode.window) // _KEY_TILE + 1) * _KEY_TILE
+        policy = make_policy(decode, self.config, max_len)
+        return DecodeLoop(
+            model=self.config,
+            policy=policy,
+            num_slots=decode.batch_size,
+            max_len=max_len,
+            gen_length=decode.gen_length,
+            backend=self.backend,
+            interpret=self.interpret,
+        )
+
+    def _compiled(self, loop: DecodeLoop, prompts, lengths, knobs, seed) -> tuple[Any, Any, float]:
+        key = (loop, prompts.shape)
+        if key in self._executables:
+            init, run = self._executables[key]
+            return init, run, 0.0
+        start = time.perf_counter()
+        init = jax.jit(loop.init_state).lower(prompts, lengths, jnp.int32(0)).compile()
+        state_shape = jax.eval_shape(loop.init_state, prompts, lengths, jnp.int32(0))
+        run = (
+            jax.jit(loop.run, donate_argnums=1)
+            .lower(self.params, state_shape, knobs, seed, jnp.int32(0), jnp.bool_(False))
+            .compile()
+        )
+        self._executables[key] = (init, run)
+        return init, run, time.perf_counter() - start
+
+    # ----- generation ------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        decode: DecodeConfig,
+        *,
+        chat: bool | None = None,
+        progress: bool = False,
+    ) -> GenerationOutput:
+        """Generates an answer for every prompt (text or token ids), results in request order.
+
+        chat: apply the tokenizer's chat template to text prompts (None: when it has one).
+        """
+        if not prompts:
+            raise GenerationError("no prompts given")
+        encoded = self.encode(prompts, chat)
+        self._check_lengths(encoded, decode)
+        longest = max(len(p) for p in encoded)
+        loop = self.decode_loop(decode, longest)
+        queue = _HostQueue(encoded, capacity=max(16, 4 * decode.batch_size), width=_next_power_of_two(longest, _MIN_PROMPT_BUCKET))
+        knobs = decode.knobs()
+        seed = jnp.int32(decode.seed)
+        tokens, lengths = queue.arrays()
+        init, run, compile_seconds = self._compiled(loop, tokens, lengths, knobs, seed)
+
+        start = time.perf_counter()
+        state: DecodeState = init(tokens, lengths, jnp.int32(queue.pushed))
+        timeline = [(0, start)]
+        rows: dict[int, dict[str, Any]] = {}
+        bar = tqdm(total=len(encoded), desc=decode.method, unit="req", disable=not progress)
+        while len(rows) < len(encoded):
+            stop = timeline[-1][0] + self.chunk_iterations
+            state = run(self.params, state, knobs, seed, jnp.int32(stop), jnp.bool_(queue.pushed < len(encoded)))
+            results, iteration = jax.device_get((state.results, state.iteration))
+            timeline.append((int(iteration), time.perf_counter()))
+            finished = np.nonzero(results.done)[0]
+            for entry in finished:
+                rows[int(results.request[entry])] = {f.name: getattr(results, f.name)[entry] for f in dataclasses.fields(results)}
+                queue.collected(int(results.request[entry]))
+            if len(finished):
+                state = state.replace(results=state.results.replace(done=jnp.zeros_like(state.results.done)))
+            if queue.push():
+                tokens, lengths = queue.arrays()
+                state = state.replace(queue=state.queue.replace(tokens=tokens, lengths=lengths, count=jnp.int32(queue.pushed)))
+            elif not len(finished) and not bool(jax.device_get(jnp.any(state.slots.active))):
+                raise RuntimeError(f"decode loop stalled with {len(encoded) - len(rows)} requests unfinished")
+            bar.update(len(rows) - bar.n)
+        bar.close()
+        wall = timeline[-1][1] - start
+        results = self._results(rows, encoded, timeline)
+        stats = GenerationStats(
+            num_requests=len(encoded),
+            num_tokens=sum(r.num_tokens for r in results),
+            steps=sum(r.steps for r in results),
+            forward_passes=sum(r.forward_passes for r in results),
+            iterations=timeline[-1][0],
+            wall_seconds=wall,
+            compile_seconds=compile_seconds,
+            cache_bytes=cache_bytes(self.config, loop.num_slots, loop.max_len),
+        )
+        return GenerationOutput(results=results, stats=stats)
+
+    def _results(self, rows: dict[int, dict[str, Any]], encoded, timeline) -> list[GenerationResult]:
+        iters = np.array([t[0] for t in timeline], np.float64)
+        times = np.array([t[1] for t in timeline], np.float64)
+        eos = self.config.eos_token_id
+        results = []
+        for i, prompt in enumerate(encoded):
+            r = rows[i]
+            tokens = [int(t) for t in r["tokens"]]
+            ids = tokens[: tokens.index(eos)] if eos in tokens else tokens
+            text = self.tokenizer.decode(ids) if self.tokenizer is not None else None
+            seconds = float(np.interp(r["end_iter"], iters, times) - np.interp(r["start_iter"], iters, times))
+            results.append(
+                GenerationResult(
+                    index=i,
+                    prompt_ids=list(prompt),
+                    token_ids=ids,
+                    text=text,
+                    num_tokens=int(r["num_tokens"]),
+                    steps=int(r["steps"]),
+                    forward_passes=int(r["passes"] + r["verify_passes"]),
+                    verify_passes=int(r["verify_passes"]),
+                    accepted_drafts=int(r["accepted"]),
+                    seconds=seconds,
+                )
+            )
+        return results
+
+
+class _HostQueue:
+    """The host side of the request ring: request g goes to entry g % capacity once request
+    g - capacity has been collected (its result row is free)."""
+
+    def __init__(self, encoded: list[list[int]], capacity: int, width: int):
+        self.encoded = encoded
+        self.tokens = np.zeros((capacity, width), np.int32)
+        self.lengths = np.zeros((capacity,), np.int32)
+        self.done = [False] * len(encoded)
+        self.pushed = 0
+        self.push()
+
+    def push(self) -> bool:
+        """Pushes every request that fits; True if any was pushed."""
+        capacity = self.tokens.shape[0]
+        before = self.pushed
+        while self.pushed < len(self.encoded) and (self.pushed < capacity or self.done[self.pushed - capacity]):
+            entry, ids = self.pushed % capacity, self.encoded[self.pushed]
+            self.tokens[entry] = 0
+            self.tokens[entry, : len(ids)] = ids
+            self.lengths[entry] = len(ids)
+            self.pushed += 1
+        return self.pushed > before
+
+    def collected(self, request: int) -> None:
+        self.done[request] = True
+
+    def arrays(self) -> tuple[jax.Array, jax.Array]:
+        return jnp.asarray(self.tokens), jnp.asarray(self.lengths)

@@ -1,0 +1,35 @@
+"""Decode policies: llada and fast_dllm (block decoding), flash_cache (sliding window)."""
+
+from __future__ import annotations
+
+from dllm_jax.config import ModelConfig
+from dllm_jax.decode_config import DecodeConfig
+from dllm_jax.policies.base import DecodePolicy
+from dllm_jax.policies.block import BlockPolicy
+from dllm_jax.policies.flash_cache import FlashCachePolicy
+
+
+def make_policy(decode: DecodeConfig, model: ModelConfig, max_len: int) -> DecodePolicy:
+    """The policy object (static, hashable) implementing a DecodeConfig."""
+    W = decode.window
+    if decode.method == "flash_cache":
+        return FlashCachePolicy(
+            window=W,
+            lookahead=(decode.mask_num - 1) * W,
+            tracked=decode.track_num * W if decode.track_num >= 0 else -1,
+            gen_length=decode.gen_length,
+            max_len=max_len,
+            n_heads=model.n_heads,
+            eos_id=model.eos_token_id,
+        )
+    blocks = decode.gen_length // W
+    return BlockPolicy(
+        block=W,
+        gen_length=decode.gen_length,
+        cache="none" if decode.method == "llada" else decode.cache,
+        steps_per_block=decode.total_steps // blocks if decode.uses_schedule else None,
+        eos_id=model.eos_token_id,
+    )
+
+
+__all__ = ["BlockPolicy", "DecodePolicy", "FlashCachePolicy", "make_policy"]

@@ -1,0 +1,180 @@
+"""A plain-Python decoder, one request at a time, used as the reference in engine tests.
+
+It re-implements each method's step from the reference spec with host-side numpy state and
+explicit per-layer K/V arrays, calling only the model's own per-layer pieces (LLaDABlock
+methods, dense_attention). It shares no code with the engine's cached pass, policies, slot
+state or loop, so agreement token for token checks all of those.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+
+from dllm_jax.attention import dense_attention
+from dllm_jax.config import ModelConfig
+from dllm_jax.decode_config import DecodeConfig
+from dllm_jax.model import LLaDABlock, LLaDAModel, forward
+
+
+class ReferenceDecoder:
+    def __init__(self, config: ModelConfig, params, decode: DecodeConfig, max_len: int):
+        self.cfg, self.params, self.decode, self.L = config, params, decode, max_len
+        block, model = LLaDABlock(config), LLaDAModel(config)
+        self.qkv = jax.jit(
+            lambda lp, h, pos: block.apply(lp, block.apply(lp, h, method=LLaDABlock.attention_input), pos,
+                                           method=LLaDABlock.project_qkv)
+        )
+        self.out_mlp = jax.jit(lambda lp, h, out: block.apply(lp, h, out, method=LLaDABlock.output_and_mlp))
+        self.attend = jax.jit(dense_attention)
+        self.embed = jax.jit(lambda p, t: model.apply({"params": p}, t, method=LLaDAModel.embed))
+        self.head = jax.jit(lambda p, h: model.apply({"params": p}, h, method=LLaDAModel.logits))
+        self.full_forward = jax.jit(lambda p, t: forward(config, p, t))
+        self.layer_params = [
+            {"params": jax.tree_util.tree_map(lambda w: w[i], params["layers"])} for i in range(config.n_layers)
+        ]
+
+    # ----- model pieces -------------------------------------------------------------------
+
+    def rows_forward(self, tokens, rows, K, V, key_len, score_rows):
+        """Recomputes `rows` over the per-layer caches K, V (lists of [L, KVD] numpy arrays).
+
+        Returns logits [len(rows), V] and the tracking score [L] (raw q.k summed over the
+        score rows and heads, layers >= 2, divided by W * H).
+        """
+        c = self.cfg
+        rows = np.asarray(rows)
+        pos = jnp.asarray(rows)[None]
+        h = self.embed(self.params, jnp.asarray(tokens[rows])[None])
+        score = np.zeros(self.L, np.float64)
+        for layer in range(c.n_layers):
+            lp = self.layer_params[layer]
+            q, k, v = self.qkv(lp, h, pos)
+            K[layer][rows] = np.asarray(k[0]).reshape(len(rows), -1)
+            V[layer][rows] = np.asarray(v[0]).reshape(len(rows), -1)
+            keys = jnp.asarray(K[layer][:key_len]).reshape(1, key_len, c.n_kv_heads, c.head_dim)
+            values = jnp.asarray(V[layer][:key_len]).reshape(1, key_len, c.n_kv_heads, c.head_dim)
+            out = self.attend(q, keys, values, jnp.ones((1, 1, key_len), bool))
+            if layer >= 2:
+                qs = np.asarray(q[0], np.float64)[np.asarray(score_rows)]  # [n, H, Dh]
+                kk = np.repeat(np.asarray(keys[0], np.float64), c.n_heads // c.n_kv_heads, axis=1)  # [Kd, H, Dh]
+                score[:key_len] += np.einsum("nhd,khd->k", qs, kk)
+            h = self.out_mlp(lp, h, out)
+        logits = self.head(self.params, h[0])
+        return np.asarray(logits, np.float32), score / (self.decode.window * c.n_heads)
+
+    def empty_cache(self):
+        shape = (self.L, self.cfg.kv_dim)
+        return [np.zeros(shape, np.float32) for _ in range(self.cfg.n_layers)], [
+            np.zeros(shape, np.float32) for _ in range(self.cfg.n_layers)
+        ]
+
+    @staticmethod
+    def confidence(logits):
+        logits = np.asarray(logits, np.float64)
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        tokens = probs.argmax(-1)
+        return tokens, probs[np.arange(len(tokens)), tokens]
+
+    def canvas(self, prompt):
+        c, G = self.cfg, self.decode.gen_length
+        P = len(prompt)
+        tokens = np.full(self.L, c.eos_token_id, np.int64)
+        tokens[:P] = prompt
+        tokens[P : P + G] = c.mask_token_id
+        decoded = np.arange(self.L) < P
+        return tokens, decoded
+
+    # ----- Flash-Cache ----------------------------------------------------------------------
+
+    def flash_cache(self, prompt, *, no_cache: bool = False):
+        """Section C of the reference spec, one request. no_cache: a full model forward every step.
+
+        Returns (answer tokens [G], steps, committed generated positions).
+        """
+        d, c = self.decode, self.cfg
+        W, G, L = d.window, d.gen_length, self.L
+        P = len(prompt)
+        key_len = min(((P + G) // 128 + 1) * 128, L)
+        tokens, decoded = self.canvas(prompt)
+        bound, eos_found = P + G, False
+        K, V = self.empty_cache()
+        scores = np.zeros(L)
+        pinned = np.zeros(L, bool)
+        positions = np.arange(L)
+        steps = 0
+        while np.any(~decoded & (positions < bound)):
+            undecoded = [p for p in range(key_len) if not decoded[p]]
+            window = undecoded[:W]
+            if no_cache:
+                logits_all = self.full_forward(self.params, jnp.asarray(tokens[:key_len])[None])[0]
+                logits = np.asarray(logits_all, np.float32)[window]
+            else:
+                if steps == 0 or d.track_num < 0:
+                    rows = window + [p for p in range(key_len) if p not in window]
+                else:
+                    lookahead = undecoded[W : W + (d.mask_num - 1) * W]
+                    ranked = sorted(
+                        (p for p in range(L) if decoded[p]),
+                        key=lambda p: (0, 0.0, p) if pinned[p] else (1, -scores[p], p),
+                    )
+                    rows = window + lookahead + ranked[: d.track_num * W]
+                score_rows = np.arange(len(rows)) < len(window)
+                logits, scores = self.rows_forward(tokens, rows, K, V, key_len, score_rows)
+                logits = logits[: len(window)]
+            cand, conf = self.confidence(logits)
+            eligible = np.array([p < bound for p in window])
+            order = [i for i in np.argsort(-np.where(eligible, conf, -np.inf), kind="stable") if eligible[i]]
+            keep = max(sum(conf[i] >= d.threshold for i in order), 1)
+            committed = [window[i] for i in order[:keep]]
+            for i in order[:keep]:
+                tokens[window[i]] = cand[i]
+                decoded[window[i]] = True
+            eos_at = [window[i] for i in order[:keep] if cand[i] == c.eos_token_id]
+            if eos_at and not eos_found:
+                bound, eos_found = max(eos_at) + 1, True
+            pinned = np.isin(positions, committed)
+            steps += 1
+        return tokens[P : P + G].copy(), steps, int(decoded[P:].sum())
+
+    # ----- LLaDA and Fast-dLLM block decoding ---------------------------------------------------
+
+    def block_decode(self, prompt, cache: str):
+        """Section H: LLaDA (cache 'none', fixed schedule) or Fast-dLLM ('prefix'/'dual', threshold)."""
+        d, c = self.decode, self.cfg
+        Wb, G = d.window, d.gen_length
+        P = len(prompt)
+        key_len = P + G
+        tokens, decoded = self.canvas(prompt)
+        K, V = self.empty_cache()
+        steps = 0
+        for block_start in range(P, P + G, Wb):
+            block = list(range(block_start, block_start + Wb))
+            step_in_block = 0
+            while not decoded[block].all():
+                if cache == "none":
+                    logits = np.asarray(self.full_forward(self.params, jnp.asarray(tokens[:key_len])[None])[0], np.float32)[block]
+                else:
+                    if step_in_block == 0:
+                        rows = list(range(key_len))
+                    else:
+                        rows = block if cache == "dual" else list(range(block_start, key_len))
+                    logits, _ = self.rows_forward(tokens, rows, K, V, key_len, np.zeros(len(rows), bool))
+                    logits = logits[[rows.index(p) for p in block]]
+                cand, conf = self.confidence(logits)
+                eligible = ~decoded[block]
+                order = [i for i in np.argsort(-np.where(eligible, conf, -np.inf), kind="stable") if eligible[i]]
+                if d.uses_schedule:
+                    spb = d.total_steps // (G // Wb)
+                    count = Wb // spb + (1 if step_in_block < Wb % spb else 0)
+                    chosen = order[:count]
+                else:
+                    chosen = order[:1] + [i for i in order[1:] if conf[i] >= d.threshold]
+                for i in chosen:
+                    tokens[block[i]] = cand[i]
+                    decoded[block[i]] = True
+                steps += 1
+                step_in_block += 1
+        return tokens[P : P + G].copy(), steps
