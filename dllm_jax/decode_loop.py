@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from dllm_jax.cached_forward import PassSpec, cached_forward
+from dllm_jax.cached_forward import PassSpec, VerifyKeys, cached_forward
 from dllm_jax.config import ModelConfig
 from dllm_jax.decode_config import DecodeKnobs
 from dllm_jax.flat_cache import FlatCache, allocate_cache
@@ -239,8 +239,10 @@ class DecodeLoop:
 
         base = jax.random.key(seed)
         rngs = jax.vmap(lambda r, s: jax.random.fold_in(jax.random.fold_in(base, r), s))(slots.request, slots.steps)
-        committed = jax.vmap(self.policy.commit, in_axes=(0, 0, 0, None, 0))(slots, logits, scores, knobs, rngs)
+        committed, draft = jax.vmap(self.policy.commit, in_axes=(0, 0, 0, None, 0))(slots, logits, scores, knobs, rngs)
         committed = committed.replace(steps=committed.steps + 1, passes=committed.passes + 1)
+        if self.policy.verify:
+            committed = self._verify(params, knobs, slots, committed, draft, ran, cache)
         slots = _where_tree(ran, committed, slots)
 
         finished = ran & jax.vmap(self.policy.finished)(slots)
@@ -248,6 +250,25 @@ class DecodeLoop:
         slots = slots.replace(active=slots.active & ~finished)
         state = state.replace(slots=slots, cache=cache, results=results, iteration=state.iteration + 1)
         return self._refill(state)
+
+    def _verify(self, params, knobs: DecodeKnobs, old: Slots, new: Slots, draft, ran: jax.Array, cache: FlatCache) -> Slots:
+        """Flash-Verify: a read-only pass over each slot's verify query, then stage-2 commits."""
+        plan = jax.vmap(self.policy.plan_verify)(old, new, draft)
+        spec = dataclasses.replace(self._spec, score_scale=None)
+
+        def verify_pass(_):
+            logits, _, _ = cached_forward(
+                self.model, spec, params, cache, plan.tokens, plan.positions, plan.row_valid & ran[:, None],
+                None, new.key_len, plan.mask_rows, None,
+                VerifyKeys(key_exclude=plan.key_exclude, extra_mask=plan.extra_mask),
+            )
+            return logits
+
+        B, S = plan.mask_rows.shape
+        logits = jax.lax.cond(
+            jnp.any(ran), verify_pass, lambda _: jnp.zeros((B, S, self.model.vocab_size), self.model.jnp_dtype), None
+        )
+        return jax.vmap(self.policy.verify_commit, in_axes=(0, 0, 0, 0, None))(new, plan, logits, draft, knobs)
 
     def _record(self, results: Results, slots: Slots, finished: jax.Array, iteration: jax.Array) -> Results:
         Q = results.tokens.shape[0]

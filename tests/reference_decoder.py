@@ -64,6 +64,23 @@ class ReferenceDecoder:
         logits = self.head(self.params, h[0])
         return np.asarray(logits, np.float32), score / (self.decode.window * c.n_heads)
 
+    def verify_forward(self, tokens_rows, positions_rows, K, V, key_len, exclude, extra_mask):
+        """Read-only pass: rows attend to cached keys [0, key_len) minus `exclude`, plus each other
+        where extra_mask allows. Returns logits of every row."""
+        c = self.cfg
+        n = len(tokens_rows)
+        pos = jnp.asarray(positions_rows)[None]
+        h = self.embed(self.params, jnp.asarray(tokens_rows)[None])
+        cached = np.array([p for p in range(key_len) if p not in exclude], np.int64)
+        mask = np.concatenate([np.ones((n, len(cached)), bool), extra_mask], axis=1)[None]
+        for layer in range(c.n_layers):
+            lp = self.layer_params[layer]
+            q, k, v = self.qkv(lp, h, pos)
+            keys = jnp.concatenate([jnp.asarray(K[layer][cached]).reshape(1, -1, c.n_kv_heads, c.head_dim), k], axis=1)
+            values = jnp.concatenate([jnp.asarray(V[layer][cached]).reshape(1, -1, c.n_kv_heads, c.head_dim), v], axis=1)
+            h = self.out_mlp(lp, h, self.attend(q, keys, values, jnp.asarray(mask)))
+        return np.asarray(self.head(self.params, h[0]), np.float32)
+
     def empty_cache(self):
         shape = (self.L, self.cfg.kv_dim)
         return [np.zeros(shape, np.float32) for _ in range(self.cfg.n_layers)], [
@@ -103,8 +120,10 @@ class ReferenceDecoder:
         K, V = self.empty_cache()
         scores = np.zeros(L)
         pinned = np.zeros(L, bool)
+        scores_before = scores
         positions = np.arange(L)
         steps = 0
+        self.accepted = 0
         while np.any(~decoded & (positions < bound)):
             undecoded = [p for p in range(key_len) if not decoded[p]]
             window = undecoded[:W]
@@ -135,9 +154,69 @@ class ReferenceDecoder:
             eos_at = [window[i] for i in order[:keep] if cand[i] == c.eos_token_id]
             if eos_at and not eos_found:
                 bound, eos_found = max(eos_at) + 1, True
+            if d.verify:
+                accepted = self._verify_stage(tokens, decoded, window, cand, order[keep:], committed, pinned, scores_before, K, V, key_len, bound)
+                eos_at = [p for p in accepted if tokens[p] == c.eos_token_id]
+                if eos_at and not eos_found:
+                    bound, eos_found = max(eos_at) + 1, True
+                self.accepted += len(accepted)
+                committed = (committed if d.pin == "all_commits" else []) + accepted
             pinned = np.isin(positions, committed)
+            scores_before = scores
             steps += 1
         return tokens[P : P + G].copy(), steps, int(decoded[P:].sum())
+
+    def _verify_stage(self, tokens, decoded, window, cand, rest, committed, pinned, scores, K, V, key_len, bound):
+        """Section E: builds C/D/M rows, runs the read-only pass, commits accepted drafts."""
+        d, c = self.decode, self.cfg
+        W = d.window
+        search = rest[: W // 2]  # window indices, most confident first
+        S = len(search)
+        T = 2 * W - 2 * S
+        ranked = sorted(
+            (p for p in range(self.L) if decoded[p]),
+            key=lambda p: (0, 0.0, p) if p in committed else ((1, 0.0, p) if pinned[p] else (2, -scores[p], p)),
+        )
+        context = ranked[:T]
+        search_pos = [window[i] for i in search]
+        drafts = [int(cand[i]) for i in search]
+        n_c = len(context)
+        rows_tok = [int(tokens[p]) for p in context] + drafts + [c.mask_token_id] * S
+        rows_pos = context + search_pos + search_pos
+        n = n_c + 2 * S
+        role = ["C"] * n_c + ["D"] * S + ["M"] * S
+        idx = list(range(n_c)) + list(range(S)) + list(range(S))
+        mask = np.zeros((n, n), bool)
+        for r in range(n):
+            for col in range(n):
+                if role[col] == "C":
+                    mask[r, col] = True
+                elif role[r] == "C":
+                    mask[r, col] = role[col] == "M"
+                elif role[r] == "D":
+                    mask[r, col] = idx[col] <= idx[r] if role[col] == "D" else idx[col] > idx[r]
+                else:
+                    mask[r, col] = idx[col] < idx[r] if role[col] == "D" else idx[col] >= idx[r]
+        if S == 0:
+            return []
+        logits = self.verify_forward(rows_tok, rows_pos, K, V, key_len, set(context) | set(search_pos), mask)
+        m_logits = np.asarray(logits[n_c + S :], np.float64)
+        probs = np.exp(m_logits - m_logits.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        accepted, running = [], 1.0
+        for i in range(S):
+            p = probs[i, drafts[i]] if search_pos[i] < bound else 0.0
+            if d.accept == "cumprod":
+                running *= p
+                ok = running >= d.gamma
+            else:
+                ok = probs[i].argmax() == drafts[i] and p >= d.gamma
+            if not ok:
+                break
+            accepted.append(search_pos[i])
+            tokens[search_pos[i]] = drafts[i]
+            decoded[search_pos[i]] = True
+        return accepted
 
     # ----- LLaDA and Fast-dLLM block decoding ---------------------------------------------------
 

@@ -21,6 +21,10 @@ def make_policy(decode: DecodeConfig, model: ModelConfig, max_len: int) -> Decod
             max_len=max_len,
             n_heads=model.n_heads,
             eos_id=model.eos_token_id,
+            mask_id=model.mask_token_id,
+            verify=decode.verify,
+            accept=decode.accept,
+            pin=decode.pin,
         )
     blocks = decode.gen_length // W
     return BlockPolicy(

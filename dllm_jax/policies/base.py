@@ -8,7 +8,7 @@ active slot, either a full pass (every position < key_len is a query row) or a s
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import jax
 
@@ -37,10 +37,16 @@ class DecodePolicy(Protocol):
     def sparse_rows(self, slot: Slots) -> tuple[jax.Array, jax.Array]:
         """Query positions int32 [R] (the C candidates first, in `candidates` order) and validity."""
 
+    verify: bool
+    """Runs Flash-Verify after each commit (then also: verify_rows, plan_verify, verify_commit)."""
+
     def commit(
         self, slot: Slots, logits: jax.Array, scores: jax.Array, knobs: DecodeKnobs, rng: jax.Array
-    ) -> Slots:
-        """Applies one step's candidate logits [C, V] (and tracking scores [L]) to the slot."""
+    ) -> tuple[Slots, Any]:
+        """Applies one step's candidate logits [C, V] (and tracking scores [L]) to the slot.
+
+        Returns the slot and what the policy's verify stage needs (None without verify).
+        """
 
     def finished(self, slot: Slots) -> jax.Array:
         """bool: the request in this slot is complete."""

@@ -54,7 +54,9 @@ class BlockPolicy:
         valid = positions < slot.key_len
         return jnp.minimum(positions, slot.tokens.shape[0] - 1), valid
 
-    def commit(self, slot: Slots, logits: jax.Array, scores: jax.Array, knobs: DecodeKnobs, rng: jax.Array) -> Slots:
+    verify = False
+
+    def commit(self, slot: Slots, logits: jax.Array, scores: jax.Array, knobs: DecodeKnobs, rng: jax.Array) -> tuple[Slots, None]:
         positions, valid = self.candidates(slot)
         safe = jnp.minimum(positions, slot.tokens.shape[0] - 1)
         tokens, confidence = sample_tokens(logits, knobs.temperature, rng)
@@ -67,11 +69,12 @@ class BlockPolicy:
             commit = count_commit(confidence, eligible, count)
         slot = commit_tokens(slot, safe, tokens, commit, self.eos_id, stop_at_eos=False)
         block_done = ~jnp.any(valid & ~slot.decoded[safe])
-        return slot.replace(
+        slot = slot.replace(
             block_start=jnp.where(block_done, slot.block_start + self.block, slot.block_start),
             block_step=jnp.where(block_done, 0, slot.block_step + 1),
             needs_full=block_done | (self.cache == "none"),
         )
+        return slot, None
 
     def finished(self, slot: Slots) -> jax.Array:
         return slot.block_start >= slot.gen_end

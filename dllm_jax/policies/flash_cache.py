@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from dllm_jax.decode_config import DecodeKnobs
 from dllm_jax.sampling import sample_tokens, threshold_commit
 from dllm_jax.slots import Slots, answer_remaining, commit_tokens, smallest_undecoded
+from dllm_jax.verify import VerifyPlan, WindowDraft, plan_verify, verify_commit
 
 # Key lengths are rounded up to this (the published kernels' key tile): each slot attends to
 # its canvas plus 1..128 EOS padding positions, as in the reference.
@@ -44,6 +45,10 @@ class FlashCachePolicy:
     max_len: int
     n_heads: int
     eos_id: int
+    mask_id: int
+    verify: bool = False
+    accept: str = "cumprod"
+    pin: str = "all_commits"
 
     @property
     def num_candidates(self) -> int:
@@ -101,7 +106,9 @@ class FlashCachePolicy:
         tracked, tracked_valid = self.tracked_rows(slot, self._tracked_rows)
         return jnp.concatenate([masked, tracked]), jnp.concatenate([masked_valid, tracked_valid])
 
-    def commit(self, slot: Slots, logits: jax.Array, scores: jax.Array, knobs: DecodeKnobs, rng: jax.Array) -> Slots:
+    def commit(
+        self, slot: Slots, logits: jax.Array, scores: jax.Array, knobs: DecodeKnobs, rng: jax.Array
+    ) -> tuple[Slots, WindowDraft]:
         L = self.max_len
         positions, valid = self.candidates(slot)
         tokens, confidence = sample_tokens(logits, knobs.temperature, rng)
@@ -110,7 +117,23 @@ class FlashCachePolicy:
         drafts = slot.drafts.at[jnp.where(valid, positions, L)].set(tokens, mode="drop")
         slot = commit_tokens(slot, positions, tokens, commit, self.eos_id, stop_at_eos=True)
         pinned = jnp.zeros((L,), bool).at[jnp.where(commit, positions, L)].set(True, mode="drop")
-        return slot.replace(drafts=drafts, pinned=pinned, scores=scores, needs_full=jnp.zeros((), bool))
+        slot = slot.replace(drafts=drafts, pinned=pinned, scores=scores, needs_full=jnp.zeros((), bool))
+        return slot, WindowDraft(positions, tokens, confidence, eligible, commit)
+
+    # ----- Flash-Verify ------------------------------------------------------------------------
+
+    @property
+    def verify_rows(self) -> int:
+        return 2 * self.window
+
+    def plan_verify(self, old: Slots, new: Slots, draft: WindowDraft) -> VerifyPlan:
+        return plan_verify(old, new, draft, self.mask_id)
+
+    def verify_commit(self, slot: Slots, plan: VerifyPlan, logits: jax.Array, draft: WindowDraft, knobs: DecodeKnobs) -> Slots:
+        stage1 = jnp.zeros((self.max_len,), bool).at[jnp.where(draft.committed, draft.positions, self.max_len)].set(
+            True, mode="drop"
+        )
+        return verify_commit(slot, plan, logits, stage1, knobs.gamma, self.accept, self.pin, self.eos_id)
 
     def finished(self, slot: Slots) -> jax.Array:
         return ~answer_remaining(slot)
