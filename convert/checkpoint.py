@@ -8,8 +8,9 @@ Layout::
 
 Memory: orbax deep-copies numpy leaves before writing them (all at once), which would double
 the host footprint, so the tree is moved to jax arrays one leaf at a time and written through
-orbax's jax.Array handler, whose host transfers are capped at ``_CONCURRENT_GB`` in flight.
-Restoring is capped the same way.
+orbax's jax.Array handler, uncompressed (compressed chunks are held until the checkpoint
+commits). Its host copies, and the buffers of a restore, are limited to what
+``_one_leaf_at_a_time`` allows in flight: peak = the params plus about their largest leaf.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from convert.errors import ConversionError
@@ -28,8 +30,13 @@ from dllm_jax.model import Params, abstract_params
 METADATA_FILE = "dllm_jax_metadata.json"
 PARAMS_DIR = "params"
 FORMAT_VERSION = 1
+DTYPES = ("bfloat16", "float16", "float32")
 
-_CONCURRENT_GB = 1
+
+def _one_leaf_at_a_time(largest_leaf_bytes: int) -> int:
+    """The in-flight byte limit for orbax: it refuses any single array at or above the limit,
+    so the limit sits just above the largest leaf and the largest leaf travels alone."""
+    return largest_leaf_bytes + 1
 
 
 def move_to_jax(params: dict[str, Any]) -> Params:
@@ -67,8 +74,14 @@ def write_metadata(folder: Path, *, hf_config: dict[str, Any], dtype: str, tenso
 
 def save_params(path: Path, params: Params) -> None:
     """Writes a params tree of jax arrays as an orbax checkpoint at ``path`` (which must not exist)."""
-    handler = ocp.PyTreeCheckpointHandler(save_device_host_concurrent_gb=_CONCURRENT_GB)
-    with ocp.Checkpointer(handler) as checkpointer:
+    largest = max(leaf.nbytes for leaf in jax.tree.leaves(params))
+    handler = ocp.BasePyTreeCheckpointHandler(
+        save_device_host_concurrent_bytes=_one_leaf_at_a_time(largest),
+        # zstd output is buffered until the whole checkpoint commits: with compression the
+        # save holds a second (compressed) copy of the params
+        use_compression=False,
+    )
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(handler_impl=handler)) as checkpointer:
         checkpointer.save(path, args=ocp.args.PyTreeSave(params))
 
 
@@ -84,6 +97,8 @@ def read_metadata(folder: Path) -> dict[str, Any]:
         raise ConversionError(f"{path}: format_version={version!r}, this dllm_jax reads format_version={FORMAT_VERSION}")
     if not isinstance(metadata.get("hf_config"), dict):
         raise ConversionError(f"{path}: missing the 'hf_config' object")
+    if metadata.get("dtype") not in DTYPES:
+        raise ConversionError(f"{path}: dtype={metadata.get('dtype')!r}, expected one of {', '.join(DTYPES)}")
     return metadata
 
 
@@ -97,18 +112,22 @@ def load_converted(folder: Path, *, dtype: str) -> tuple[ModelConfig, Params]:
     params_dir = folder / PARAMS_DIR
     if not params_dir.is_dir():
         raise ConversionError(f"{params_dir}: params checkpoint folder not found")
-    return config, _restore_params(params_dir, config)
+    return config, _restore_params(params_dir, config, stored_dtype=metadata["dtype"])
 
 
-def _restore_params(path: Path, config: ModelConfig) -> Params:
-    """Restores into the tree, shapes and dtype that ``config`` describes (orbax refuses other shapes)."""
+def _restore_params(path: Path, config: ModelConfig, *, stored_dtype: str) -> Params:
+    """Restores into the tree, shapes and dtype that ``config`` describes (orbax refuses other shapes).
+
+    stored_dtype: the dtype on disk; a leaf's read buffer is the larger of it and config.dtype.
+    """
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = jax.tree.map(
-        lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), abstract_params(config)
-    )
-    handler = ocp.PyTreeCheckpointHandler(restore_concurrent_gb=_CONCURRENT_GB)
+    abstract = abstract_params(config)
+    target = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), abstract)
+    itemsize = max(jnp.dtype(stored_dtype).itemsize, config.jnp_dtype.itemsize)
+    largest = max(leaf.size for leaf in jax.tree.leaves(abstract)) * itemsize
+    handler = ocp.BasePyTreeCheckpointHandler(restore_concurrent_bytes=_one_leaf_at_a_time(largest))
     try:
-        with ocp.Checkpointer(handler) as checkpointer:
+        with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(handler_impl=handler)) as checkpointer:
             return checkpointer.restore(
                 path,
                 args=ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)),

@@ -19,12 +19,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from convert.checkpoint import PARAMS_DIR, move_to_jax, save_params, write_metadata
+from convert.checkpoint import DTYPES, PARAMS_DIR, move_to_jax, save_params, write_metadata
 from convert.errors import ConversionError
 from convert.hf_reader import read_checkpoint
 from dllm_jax.tokenizer import TOKENIZER_FILES
-
-DTYPES = ("bfloat16", "float16", "float32")
 
 
 def convert_checkpoint(hf_dir: str | Path, out_dir: str | Path, *, dtype: str = "bfloat16") -> Path:
