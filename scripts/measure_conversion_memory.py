@@ -57,6 +57,16 @@ def make_checkpoint(hf_dir: Path) -> None:
     save_llada_checkpoint(hf_dir, config, init_params(config, jax.random.key(0)), max_shard_bytes=SHARD_BYTES)
 
 
+def largest_leaf_bytes() -> int:
+    import jax
+
+    from dllm_jax.config import ModelConfig
+    from dllm_jax.model import abstract_params
+
+    leaves = jax.tree.leaves(abstract_params(ModelConfig(**CONFIG)))
+    return max(leaf.size * leaf.dtype.itemsize for leaf in leaves)
+
+
 def _children(pid: int) -> list[int]:
     try:
         return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
@@ -127,7 +137,7 @@ def main() -> None:
         ],
     }
     print(f"checkpoint: {sum(shard_sizes) / 1e9:.3f} GB in {len(shard_sizes)} shards, "
-          f"largest shard {max(shard_sizes) / 1e9:.3f} GB")
+          f"largest shard {max(shard_sizes) / 1e9:.3f} GB, largest params leaf {largest_leaf_bytes() / 1e9:.3f} GB")
     print()
     print("| step | max RSS (time -v) | peak anon | peak file-backed | wall |")
     print("|---|---|---|---|---|")
