@@ -62,6 +62,7 @@ def is_converted(path: Path) -> bool:
 
 
 def write_metadata(folder: Path, *, hf_config: dict[str, Any], dtype: str, tensor_count: int, source: Path) -> None:
+    """Writes ``folder/dllm_jax_metadata.json``: what loading needs to rebuild the config, and provenance."""
     metadata = {
         "format_version": FORMAT_VERSION,
         "hf_config": hf_config,
@@ -94,7 +95,9 @@ def read_metadata(folder: Path) -> dict[str, Any]:
         raise ConversionError(f"{path}: cannot read the metadata ({e})") from None
     if not isinstance(metadata, dict) or metadata.get("format_version") != FORMAT_VERSION:
         version = metadata.get("format_version") if isinstance(metadata, dict) else None
-        raise ConversionError(f"{path}: format_version={version!r}, this dllm_jax reads format_version={FORMAT_VERSION}")
+        raise ConversionError(
+            f"{path}: format_version={version!r}, this dllm_jax reads format_version={FORMAT_VERSION}"
+        )
     if not isinstance(metadata.get("hf_config"), dict):
         raise ConversionError(f"{path}: missing the 'hf_config' object")
     if metadata.get("dtype") not in DTYPES:
@@ -126,12 +129,10 @@ def _restore_params(path: Path, config: ModelConfig, *, stored_dtype: str) -> Pa
     itemsize = max(jnp.dtype(stored_dtype).itemsize, config.jnp_dtype.itemsize)
     largest = max(leaf.size for leaf in jax.tree.leaves(abstract)) * itemsize
     handler = ocp.BasePyTreeCheckpointHandler(restore_concurrent_bytes=_one_leaf_at_a_time(largest))
+    restore_args = ocp.checkpoint_utils.construct_restore_args(target)
     try:
         with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(handler_impl=handler)) as checkpointer:
-            return checkpointer.restore(
-                path,
-                args=ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)),
-            )
+            return checkpointer.restore(path, args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args))
     except Exception as e:  # orbax / tensorstore report damaged files with many exception types
         raise ConversionError(f"{path}: cannot restore the params ({type(e).__name__}: {e})") from None
 

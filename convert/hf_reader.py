@@ -120,11 +120,15 @@ def _read_weight_map(index_path: Path) -> dict[str, str]:
         raise ConversionError(f"{index_path}: not valid JSON ({e})") from None
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
-        raise ConversionError(f"{index_path}: expected an object with a non-empty 'weight_map' (tensor name -> shard file)")
+        raise ConversionError(
+            f"{index_path}: expected an object with a non-empty 'weight_map' (tensor name -> shard file)"
+        )
     for name, file_name in weight_map.items():
         # A shard is a plain file of the checkpoint folder; anything else (a path, a number) is malformed.
         if not isinstance(file_name, str) or not file_name or Path(file_name).name != file_name:
-            raise ConversionError(f"{index_path}: weight_map[{name!r}] = {file_name!r} is not a file name in the folder")
+            raise ConversionError(
+                f"{index_path}: weight_map[{name!r}] = {file_name!r} is not a file name in the folder"
+            )
     return weight_map
 
 
@@ -163,7 +167,9 @@ def _read_shard(
             for name in f.keys():
                 entry = entries.get(name)
                 if entry is None:
-                    raise ConversionError(f"{shard}: unexpected tensor {name!r} (not part of a LLaDA checkpoint of this config)")
+                    raise ConversionError(
+                        f"{shard}: unexpected tensor {name!r} (not part of a LLaDA checkpoint of this config)"
+                    )
                 if name in found:
                     raise ConversionError(f"{shard}: tensor {name!r} is also stored in {found[name].name}")
                 tensor = f.get_slice(name)

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import secrets
+import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path

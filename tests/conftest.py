@@ -47,7 +47,8 @@ def tiny_params(tiny_cfg):
 LLADA_CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
     "{%- if loop.first -%}{{ bos_token }}{%- endif -%}"
-    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
+    "{{ message['content'] | trim + '<|eot_id|>' }}"
     "{%- endfor -%}"
     "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
 )

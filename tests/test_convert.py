@@ -154,6 +154,22 @@ def test_converted_folder_with_unknown_format_version_is_refused(hf_dir, tmp_pat
         load_model(out)
 
 
+@pytest.mark.parametrize(
+    "damage,match",
+    [
+        (lambda out: shutil.rmtree(out / PARAMS_DIR), "params checkpoint folder not found"),
+        (lambda out: (out / PARAMS_DIR / "manifest.ocdbt").unlink(), "cannot restore the params"),
+        (lambda out: (out / METADATA_FILE).write_text("{"), "cannot read the metadata"),
+    ],
+    ids=["no params", "damaged params", "damaged metadata"],
+)
+def test_damaged_converted_folder_is_a_conversion_error(hf_dir, tmp_path, damage, match):
+    out = convert_checkpoint(hf_dir, tmp_path / "converted")
+    damage(out)
+    with pytest.raises(ConversionError, match=match):
+        load_model(out)
+
+
 # ---------------------------------------------------------------------------------------------
 # Bad input: a ConversionError naming what is wrong, and nothing left on disk
 
