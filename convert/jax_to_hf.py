@@ -20,8 +20,7 @@ from safetensors.numpy import save_file
 from convert.llada_names import leaf_shape, tensor_entries
 from dllm_jax.config import ModelConfig
 from dllm_jax.model import Params
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+from dllm_jax.tokenizer import TOKENIZER_FILES
 
 
 def _leaf(params: Params, path: tuple[str, ...]) -> jax.Array:

@@ -40,3 +40,58 @@ def tiny_cfg() -> ModelConfig:
 @pytest.fixture
 def tiny_params(tiny_cfg):
     return init_params(tiny_cfg, jax.random.key(0))
+
+
+# A LLaDA-like chat template (reference-spec A.5): BOS before the first message, every turn as
+# header + content (trimmed) + <|eot_id|>, and always an open assistant header at the end.
+LLADA_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if loop.first -%}{{ bos_token }}{%- endif -%}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
+    "{{ message['content'] | trim + '<|eot_id|>' }}"
+    "{%- endfor -%}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+)
+TOKENIZER_SPECIAL_TOKENS = (
+    "<|startoftext|>",
+    "<|endoftext|>",
+    "<|mdm_mask|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+)
+
+
+def save_tiny_tokenizer(folder, *, chat_template: str | None = LLADA_CHAT_TEMPLATE):
+    """Trains a byte-level BPE tokenizer (300 ids, LLaDA's special tokens) and saves it as a HF folder."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    corpus = [
+        "The quick brown fox jumps over the lazy dog.",
+        "What is 2 + 2? The answer is 4.",
+        "Masked diffusion language models decode many tokens in parallel.",
+    ] * 10
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=list(TOKENIZER_SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(corpus, trainer)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token="<|startoftext|>",
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        mask_token="<|mdm_mask|>",
+        chat_template=chat_template,
+    ).save_pretrained(str(folder))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory):
+    return save_tiny_tokenizer(tmp_path_factory.mktemp("tokenizer"))

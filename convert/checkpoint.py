@@ -1,0 +1,138 @@
+"""The converted dllm_jax checkpoint folder: an orbax params tree plus a small metadata file.
+
+Layout::
+
+  params/                  orbax checkpoint of the params tree (layout: dllm_jax.model)
+  dllm_jax_metadata.json   {"format_version", "hf_config", "dtype", "tensor_count", "source"}
+  tokenizer files          copied from the Hugging Face folder when present
+
+Memory: orbax deep-copies numpy leaves before writing them (all at once), which would double
+the host footprint, so the tree is moved to jax arrays one leaf at a time and written through
+orbax's jax.Array handler, uncompressed (compressed chunks are held until the checkpoint
+commits). Its host copies, and the buffers of a restore, are limited to what
+``_one_leaf_at_a_time`` allows in flight: peak = the params plus about their largest leaf.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+
+from convert.errors import ConversionError
+from dllm_jax.config import ConfigError, ModelConfig
+from dllm_jax.model import Params, abstract_params
+
+METADATA_FILE = "dllm_jax_metadata.json"
+PARAMS_DIR = "params"
+FORMAT_VERSION = 1
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+def _one_leaf_at_a_time(largest_leaf_bytes: int) -> int:
+    """The in-flight byte limit for orbax: it refuses any single array at or above the limit,
+    so the limit sits just above the largest leaf and the largest leaf travels alone."""
+    return largest_leaf_bytes + 1
+
+
+def move_to_jax(params: dict[str, Any]) -> Params:
+    """Returns the tree with jax arrays on the default device, emptying ``params`` as it goes.
+
+    Each numpy leaf is dropped as soon as its copy exists, so host memory grows by at most one
+    leaf instead of by the whole tree. The caller must hold no other reference to the leaves.
+    """
+    moved = {}
+    for key in list(params):
+        value = params.pop(key)
+        if isinstance(value, dict):
+            moved[key] = move_to_jax(value)
+        else:
+            moved[key] = jax.device_put(value).block_until_ready()
+        del value
+    return moved
+
+
+def is_converted(path: Path) -> bool:
+    """True when ``path`` is a converted dllm_jax checkpoint folder."""
+    return (path / METADATA_FILE).is_file()
+
+
+def write_metadata(folder: Path, *, hf_config: dict[str, Any], dtype: str, tensor_count: int, source: Path) -> None:
+    """Writes ``folder/dllm_jax_metadata.json``: what loading needs to rebuild the config, and provenance."""
+    metadata = {
+        "format_version": FORMAT_VERSION,
+        "hf_config": hf_config,
+        "dtype": dtype,
+        "tensor_count": tensor_count,
+        "source": str(source),
+    }
+    (folder / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
+
+
+def save_params(path: Path, params: Params) -> None:
+    """Writes a params tree of jax arrays as an orbax checkpoint at ``path`` (which must not exist)."""
+    largest = max(leaf.nbytes for leaf in jax.tree.leaves(params))
+    handler = ocp.BasePyTreeCheckpointHandler(
+        save_device_host_concurrent_bytes=_one_leaf_at_a_time(largest),
+        # zstd output is buffered until the whole checkpoint commits: with compression the
+        # save holds a second (compressed) copy of the params
+        use_compression=False,
+    )
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(handler_impl=handler)) as checkpointer:
+        checkpointer.save(path, args=ocp.args.PyTreeSave(params))
+
+
+def read_metadata(folder: Path) -> dict[str, Any]:
+    """The parsed metadata file of a converted folder, checked for the fields loading needs."""
+    path = folder / METADATA_FILE
+    try:
+        metadata = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConversionError(f"{path}: cannot read the metadata ({e})") from None
+    if not isinstance(metadata, dict) or metadata.get("format_version") != FORMAT_VERSION:
+        version = metadata.get("format_version") if isinstance(metadata, dict) else None
+        raise ConversionError(
+            f"{path}: format_version={version!r}, this dllm_jax reads format_version={FORMAT_VERSION}"
+        )
+    if not isinstance(metadata.get("hf_config"), dict):
+        raise ConversionError(f"{path}: missing the 'hf_config' object")
+    if metadata.get("dtype") not in DTYPES:
+        raise ConversionError(f"{path}: dtype={metadata.get('dtype')!r}, expected one of {', '.join(DTYPES)}")
+    return metadata
+
+
+def load_converted(folder: Path, *, dtype: str) -> tuple[ModelConfig, Params]:
+    """Config and params (jax arrays in ``dtype``, cast on restore) of a converted folder."""
+    metadata = read_metadata(folder)
+    try:
+        config = ModelConfig.from_hf_config(metadata["hf_config"], dtype=dtype, source=str(folder / METADATA_FILE))
+    except ConfigError as e:
+        raise ConversionError(str(e)) from None
+    params_dir = folder / PARAMS_DIR
+    if not params_dir.is_dir():
+        raise ConversionError(f"{params_dir}: params checkpoint folder not found")
+    return config, _restore_params(params_dir, config, stored_dtype=metadata["dtype"])
+
+
+def _restore_params(path: Path, config: ModelConfig, *, stored_dtype: str) -> Params:
+    """Restores into the tree, shapes and dtype that ``config`` describes (orbax refuses other shapes).
+
+    stored_dtype: the dtype on disk; a leaf's read buffer is the larger of it and config.dtype.
+    """
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = abstract_params(config)
+    target = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), abstract)
+    itemsize = max(jnp.dtype(stored_dtype).itemsize, config.jnp_dtype.itemsize)
+    largest = max(leaf.size for leaf in jax.tree.leaves(abstract)) * itemsize
+    handler = ocp.BasePyTreeCheckpointHandler(restore_concurrent_bytes=_one_leaf_at_a_time(largest))
+    restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+    try:
+        with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(handler_impl=handler)) as checkpointer:
+            return checkpointer.restore(path, args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args))
+    except Exception as e:  # orbax / tensorstore report damaged files with many exception types
+        raise ConversionError(f"{path}: cannot restore the params ({type(e).__name__}: {e})") from None
+
