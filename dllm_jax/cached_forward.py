@@ -61,8 +61,8 @@ class VerifyKeys:
 
 def _slot_keys(cache_layer: jax.Array, group_slot: jax.Array | None, max_len: int, config: ModelConfig) -> jax.Array:
     """The L cache rows of each group's slot: [M, KVD] -> [S, L, KVH, Dh]."""
-    rows = cache_layer.shape[0] - 1
-    per_slot = cache_layer[:rows].reshape(rows // max_len, max_len, config.n_kv_heads, config.head_dim)
+    rows = cache_layer.shape[0]
+    per_slot = cache_layer.reshape(rows // max_len, max_len, config.n_kv_heads, config.head_dim)
     return per_slot if group_slot is None else per_slot[group_slot]
 
 
@@ -115,7 +115,7 @@ def cached_forward(
 
     Args:
       tokens, positions: int32 [S, R] input token and rotary position of each query row.
-      row_valid: bool [S, R]; invalid rows write to the trash row and their outputs are unused.
+      row_valid: bool [S, R]; invalid rows write to their slot's trash row, outputs unused.
       group_slot: int32 [S] slot of each group, or None when group s is slot s (S = slots).
       key_len: int32 [S] number of key positions of each group's slot.
       candidate_rows: int32 [S, C] rows whose logits are returned.
@@ -127,7 +127,7 @@ def cached_forward(
     """
     S, R = tokens.shape
     slots = jnp.arange(S, dtype=jnp.int32) if group_slot is None else group_slot
-    rows = flat_rows(slots, positions, row_valid, spec.max_len, cache.trash_row)
+    rows = flat_rows(slots, positions, row_valid, spec.max_len)
     block = LLaDABlock(config)
     model = LLaDAModel(config)
     h = model.apply({"params": params}, tokens, method=LLaDAModel.embed)

@@ -114,7 +114,7 @@ class ReferenceDecoder:
         d, c = self.decode, self.cfg
         W, G, L = d.window, d.gen_length, self.L
         P = len(prompt)
-        key_len = min(((P + G) // 128 + 1) * 128, L)
+        key_len = min(((P + G) // 128 + 1) * 128, L - 1)
         tokens, decoded = self.canvas(prompt)
         bound, eos_found = P + G, False
         K, V = self.empty_cache()

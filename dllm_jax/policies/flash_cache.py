@@ -14,8 +14,9 @@ position every step, which makes each step an exact forward pass.
 Window order and ties: the reference keeps a permutation array and sorts with an unstable
 sort; here the same sets are chosen directly (window = the W smallest undecoded positions,
 which is what the reference's permutation always holds), ties broken by lower position.
-Deviation: positions at or past the answer bound (P + G before any EOS) are never committed,
-so an answer never grows past gen_length.
+Deviations: positions at or past the answer bound (P + G before any EOS) are never committed,
+so an answer never grows past gen_length; and when the rounded key length reaches max_len,
+the slot's last padding position is left out of the keys (it is the slot's trash row).
 """
 
 from __future__ import annotations
@@ -78,7 +79,8 @@ class FlashCachePolicy:
 
     def key_length(self, prompt_len: jax.Array) -> jax.Array:
         rounded = ((prompt_len + self.gen_length) // KEY_ROUNDING + 1) * KEY_ROUNDING
-        return jnp.minimum(rounded, self.max_len).astype(jnp.int32)
+        # the slot's last row is its trash row (flat_cache), never a key
+        return jnp.minimum(rounded, self.max_len - 1).astype(jnp.int32)
 
     def candidates(self, slot: Slots) -> tuple[jax.Array, jax.Array]:
         return smallest_undecoded(slot, self.window)

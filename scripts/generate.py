@@ -1,0 +1,155 @@
+"""Generate answers with a masked diffusion LM.
+
+  python scripts/generate.py --prompt "What is 12+7?"                     # embedded tiny model
+  python scripts/generate.py --model PATH --prompts-file q.jsonl --method flash_cache --verify
+
+--model takes a Hugging Face LLaDA folder or a converted one (python -m convert.hf_to_jax).
+--prompts-file: JSONL, one object per line with a "prompt" string. Prints each answer, then
+a summary; --output writes one JSON object per request. Bad input: a message and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from dllm_jax.decode_config import ACCEPT_RULES, CACHES, METHODS, PIN_POLICIES, DecodeConfig  # noqa: E402
+
+
+def default_model() -> str | None:
+    try:
+        from dllm_jax.assets import tiny_model_path
+
+        return str(tiny_model_path())
+    except (ImportError, FileNotFoundError):
+        return None
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default=default_model(), help="model folder (default: the embedded tiny model)")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
+    source.add_argument("--prompts-file", type=Path, help='JSONL file, one {"prompt": ...} per line')
+    p.add_argument("--method", choices=METHODS, default="flash_cache")
+    p.add_argument("--gen-length", type=int, default=None, help="generated positions (default: 64 on the tiny model, else 256)")
+    p.add_argument("--block-length", type=int, default=None, help="block (llada, fast_dllm) or window (flash_cache) length")
+    p.add_argument("--steps", type=int, default=None, help="llada / fast_dllm schedule: total denoising steps")
+    p.add_argument("--threshold", type=float, default=None, help="confidence threshold (default 0.9; llada uses --steps)")
+    p.add_argument("--cache", choices=CACHES, default="dual", help="fast_dllm cache")
+    p.add_argument("--mask-num", type=int, default=4, help="flash_cache: masked blocks recomputed per step")
+    p.add_argument("--track-num", type=int, default=4, help="flash_cache: tracked blocks per step (<0: refresh all)")
+    p.add_argument("--verify", action="store_true", help="flash_cache: Flash-Verify")
+    p.add_argument("--gamma", type=float, default=0.8, help="verify threshold")
+    p.add_argument("--accept", choices=ACCEPT_RULES, default="cumprod", help="verify acceptance rule")
+    p.add_argument("--pin", choices=PIN_POLICIES, default="all_commits", help="which commits are refreshed next step")
+    p.add_argument("--batch-size", type=int, default=8, help="slots decoded together")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None, help="apply the chat template (default: when the tokenizer has one)")
+    p.add_argument("--backend", choices=("auto", "xla", "pallas"), default="auto")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None, help="default: float32 on the CPU, else bfloat16")
+    p.add_argument("--output", type=Path, help="write results as JSONL here")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    if args.model is None:
+        p.error("--model is required (the embedded tiny model is not installed)")
+    return args
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    if args.prompt:
+        return args.prompt
+    path = args.prompts_file
+    if not path.is_file():
+        raise ValueError(f"{path}: prompts file not found")
+    prompts = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+            raise ValueError(f'{path}:{n}: expected an object with a "prompt" string')
+        prompts.append(record["prompt"])
+    if not prompts:
+        raise ValueError(f"{path}: no prompts")
+    return prompts
+
+
+def write_jsonl_atomically(path: Path, records: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            for record in records:
+                f.write(json.dumps(record) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import jax
+
+    from dllm_jax.engine import Engine
+
+    on_cpu = jax.devices()[0].platform == "cpu"
+    dtype = args.dtype or ("float32" if on_cpu else "bfloat16")
+    tiny = args.model == default_model()
+    try:
+        prompts = read_prompts(args)
+        decode = DecodeConfig(
+            method=args.method,
+            gen_length=args.gen_length or (64 if tiny else 256),
+            block_length=args.block_length,
+            steps=args.steps,
+            threshold=args.threshold,
+            cache=args.cache,
+            mask_num=args.mask_num,
+            track_num=args.track_num,
+            temperature=args.temperature,
+            batch_size=args.batch_size,
+            seed=args.seed,
+            verify=args.verify,
+            gamma=args.gamma,
+            accept=args.accept,
+            pin=args.pin,
+        )
+        engine = Engine.from_pretrained(args.model, dtype=dtype, backend=args.backend)
+        output = engine.generate(prompts, decode, chat=args.chat, progress=not args.no_progress)
+    except ValueError as e:  # every input error of dllm_jax is a ValueError with a message
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for prompt, result in zip(prompts, output.results):
+        print(f"### [{result.index}] {prompt}\n{result.text}\n")
+    s = output.stats
+    print(
+        f"{s.num_requests} requests, {s.num_tokens} tokens in {s.wall_seconds:.2f} s "
+        f"({s.tokens_per_second:.1f} tokens/s; compile {s.compile_seconds:.1f} s) | "
+        f"{s.tokens_per_step:.2f} tokens/step | {s.steps} steps, {s.forward_passes} forward passes, "
+        f"{s.iterations} loop iterations | method={decode.method} backend={engine.backend}"
+    )
+    if args.output:
+        records = [
+            {"index": r.index, "prompt": p, "text": r.text, "num_tokens": r.num_tokens, "steps": r.steps,
+             "forward_passes": r.forward_passes, "verify_passes": r.verify_passes,
+             "accepted_drafts": r.accepted_drafts, "seconds": r.seconds}
+            for p, r in zip(prompts, output.results)
+        ]
+        write_jsonl_atomically(args.output, records)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
