@@ -92,13 +92,17 @@ class DecodeLoop:
     gen_length: int
     backend: str = "xla"
     interpret: bool = False
+    full_pass_lanes: tuple[int, ...] | None = None
 
     @property
     def lane_sizes(self) -> tuple[int, ...]:
-        """Full-pass batch sizes; policies without sparse steps always use every slot."""
+        """Full-pass batch sizes (each a compiled variant): the given ones plus all slots;
+        by default 1, B/4 and B, and only B for policies whose every step is a full pass."""
         B = self.num_slots
         if self.policy.num_sparse_rows == 0:
             return (B,)
+        if self.full_pass_lanes is not None:
+            return tuple(sorted({min(n, B) for n in self.full_pass_lanes} | {B}))
         return tuple(sorted({1, max(1, B // 4), B}))
 
     @property

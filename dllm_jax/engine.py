@@ -114,6 +114,8 @@ class Engine:
       backend: "auto", "xla" or "pallas".
       interpret: run Pallas kernels in interpret mode (CPU tests).
       chunk_iterations: loop iterations per device call (progress/timing granularity).
+      full_pass_lanes: batch sizes of the compiled full-pass variants (None: 1, B/4 and B).
+        Fewer variants compile faster; (B,) suits batches whose slots refill together.
     """
 
     def __init__(
@@ -125,6 +127,7 @@ class Engine:
         backend: str = "auto",
         interpret: bool = False,
         chunk_iterations: int = 64,
+        full_pass_lanes: tuple[int, ...] | None = None,
     ):
         self.config = config
         self.params = params
@@ -132,6 +135,7 @@ class Engine:
         self.backend = resolve_backend(backend)
         self.interpret = interpret
         self.chunk_iterations = chunk_iterations
+        self.full_pass_lanes = full_pass_lanes
         self._executables: dict[tuple, tuple[Any, Any]] = {}
 
     @classmethod
@@ -193,6 +197,7 @@ class Engine:
             gen_length=decode.gen_length,
             backend=self.backend,
             interpret=self.interpret,
+            full_pass_lanes=self.full_pass_lanes,
         )
 
     def _compiled(self, loop: DecodeLoop, prompts, lengths, knobs, seed) -> tuple[Any, Any, float]:

@@ -37,11 +37,17 @@ class Tokenizer:
         if not path.is_dir():
             raise TokenizerError(f"{path}: tokenizer folder not found")
         from transformers import AutoTokenizer  # imported here: a heavy import only tokenizing needs
+        from transformers.utils import logging as hf_logging
 
+        # AutoTokenizer reads config.json and warns that model_type "llada" is unknown to it
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
         try:
             hf_tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
         except Exception as e:  # transformers raises OSError, ValueError, JSON and tokenizers errors alike
             raise TokenizerError(f"{path}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
+        finally:
+            hf_logging.set_verbosity(verbosity)
         return cls(hf_tokenizer)
 
     @property
