@@ -1,8 +1,8 @@
 """The Pallas Triton body of ``cache_attention`` (the wrapper and reference are in cache_attention.py).
 
 One program = one (query tile, kv head, key split, group). It loads its query rows once
-(the G query heads of the kv head, flattened to rows f = r * G + g), then streams the group's
-cache keys of its split in ``block_k`` tiles with an online softmax (float32 logits, P rounded
+(the G query heads of the kv head, flattened to rows f = r * G + g), then streams its share of
+the group's cache keys (the split is cut from the group's key_len at run time) in ``block_k`` tiles with an online softmax (float32 logits, P rounded
 to the value dtype before P.V), adds the in-query "extra" keys in split 0, and writes either
 the final rows or a normalised partial + log-sum-exp for the split combine. The tracking score
 is linear in q: the program sums its score rows' queries into one float32 vector and takes
@@ -32,7 +32,7 @@ class KernelLayout:
       block_q: query rows (flattened r * G + g) per program.
       block_k: keys per step.
       q_tiles: programs along the flattened rows: R * G / block_q (the wrapper pads R).
-      chunk: keys per split (a multiple of block_k).
+      n_splits: most key splits per group (see active_splits).
       max_len: cache rows per slot.
       split_output: write partials + log-sum-exp (more than one split) instead of final rows.
       scores: compute the tracking-score partials.
@@ -45,12 +45,19 @@ class KernelLayout:
     block_q: int
     block_k: int
     q_tiles: int
-    chunk: int
+    n_splits: int
     max_len: int
     split_output: bool
     scores: bool
     exclude: bool
     extra_width: int
+
+
+def active_splits(key_len: jax.Array, n_splits: int, block_k: int) -> jax.Array:
+    """Splits that hold keys for a group of key_len keys: at most n_splits, each with at least
+    2 * block_k keys, at least one. Splits at or past this count write nothing."""
+    min_keys = 2 * block_k
+    return jnp.clip((key_len + min_keys - 1) // min_keys, 1, n_splits)
 
 
 def _softmax_step(carry, logits, v):
@@ -104,8 +111,11 @@ def attention_kernel(*refs, lay: KernelLayout):
         q_sum = jnp.sum(q.astype(jnp.float32) * weight_ref[g_idx, rows][:, None], axis=0)
 
     kv_cols = pl.ds(kv_head * dh, dh)
-    start = split * lay.chunk
-    stop = jnp.minimum(key_len, start + lay.chunk)
+    # this group's keys, cut into `splits` chunks of whole steps (run time, from key_len)
+    splits = active_splits(key_len, lay.n_splits, bk)
+    chunk = ((key_len + splits - 1) // splits + bk - 1) // bk * bk
+    start = split * chunk
+    stop = jnp.minimum(key_len, start + chunk)
     n_steps = (jnp.maximum(stop - start, 0) + bk - 1) // bk
 
     def key_step(t, carry):
@@ -153,8 +163,13 @@ def attention_kernel(*refs, lay: KernelLayout):
     out = acc / l_safe[:, None]
     if lay.split_output:
         part_ref, lse_ref = out_refs
-        plgpu.store(part_ref.at[split, g_idx, rows[:, None], cols], out.astype(part_ref.dtype))
-        plgpu.store(lse_ref.at[split, g_idx, rows, heads], jnp.where(has_keys, m + jnp.log(l_safe), MASKED_LOGIT))
+
+        @pl.when(split < splits)
+        def _write_partial():
+            plgpu.store(part_ref.at[split, g_idx, rows[:, None], cols], out.astype(part_ref.dtype))
+            lse = jnp.where(has_keys, m + jnp.log(l_safe), MASKED_LOGIT)
+            plgpu.store(lse_ref.at[split, g_idx, rows, heads], lse)
+
     else:
         (out_ref,) = out_refs
         plgpu.store(out_ref.at[g_idx, rows[:, None], cols], out.astype(out_ref.dtype))

@@ -19,10 +19,13 @@ Performance at LLaDA-8B layer shapes (H=KVH=32, Dh=128, R=128 rows per slot, bf1
 * 32 slots: S * KVH = 1024 programs, ~4 waves at two programs per SM; no key split. The memory
   floor is ~1.07 GB / 4.3 TB/s = 250 us at Kd=2048 (62 us at 512).
 * 1 slot: 32 programs would leave three quarters of the SMs idle, so the keys are split
-  (flash decoding) into ``num_splits`` static chunks of max_len: 8 x 256 keys at 2048 gives
-  256 programs. Each split writes a normalised partial in q.dtype and a float32 log-sum-exp,
-  which XLA combines; the partials cost 2 * NS * R * H*Dh * 2 B (8 MiB at NS=8), hence few
-  splits for short caches. 8 slots (256 programs) need no split.
+  (flash decoding). The grid has ``num_splits`` programs per (group, kv head), but each group
+  cuts its own key_len at run time into at most that many chunks of at least 2 * block_k keys:
+  at NS=8, 2048 keys give 8 x 256 (256 programs) and 512 keys 4 x 128, the other programs
+  exit at once. Each working split writes a normalised partial in q.dtype and a float32
+  log-sum-exp, which XLA combines: 2 * splits * R * H*Dh * 2 B written and read (16 MiB at 8
+  splits, half the K/V bytes at Kd=2048), so splitting only pays while the grid is small.
+  8 slots (256 programs) need no split.
 * Tracking score: per key tile one [BK, Dh] float32 multiply-add with the summed score
   queries (1/BQ of the QK^T work) and a [S, KVH, max_len] float32 partial (8 MiB at 32 slots)
   reduced by XLA; the published kernel's [rows, heads, keys] logits buffer is never written.
@@ -40,7 +43,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from dllm_jax.attention import dense_attention
-from pallas_kernels._cache_attention_kernel import KernelLayout, attention_kernel
+from pallas_kernels._cache_attention_kernel import KernelLayout, active_splits, attention_kernel
 from pallas_kernels._common import (
     NUM_SMS,
     as_bool,
@@ -65,7 +68,9 @@ class AttentionBlockSizes:
       block_q: most query rows per program (rows are flattened r * G + g); power of two >= 16.
         A call uses min(block_q, next power of two >= R * G), at least 16.
       block_k: keys per step; power of two >= 16.
-      num_splits: static key splits of max_len (flash decoding); 1 = no combine step.
+      num_splits: most key splits per group (flash decoding); a group with key_len keys uses
+        min(num_splits, ceil(key_len / (2 * block_k))) of them, cut from its own key range at
+        run time. 1 = no combine step.
       num_warps, num_stages: Triton launch parameters.
     """
 
@@ -86,13 +91,13 @@ class AttentionBlockSizes:
 def default_attention_block_sizes(
     num_groups: int, rows: int, n_heads: int, n_kv_heads: int, max_len: int
 ) -> AttentionBlockSizes:
-    """128-row tiles and 64-key steps; the keys are split in halves while the grid has fewer
-    programs than SMs and every split keeps at least 256 keys."""
+    """128-row tiles and 64-key steps; the most splits doubles while the grid has fewer
+    programs than SMs and a full slot (max_len keys) still gives every split 128 keys."""
     group_rows = rows * (n_heads // n_kv_heads)
     block_q = min(128, max(16, next_power_of_two(group_rows)))
     programs = num_groups * n_kv_heads * cdiv(group_rows, block_q)
     splits = 1
-    while programs * splits < NUM_SMS and max_len // (2 * splits) >= 256:
+    while programs * splits < NUM_SMS and max_len // (2 * splits) >= 128:
         splits *= 2
     return AttentionBlockSizes(block_q, 64, splits, num_warps=8 if block_q >= 64 else 4, num_stages=2)
 
@@ -168,12 +173,16 @@ def _pad_extra(extra: Extra, width: int) -> Extra:
     )
 
 
-def _combine_splits(part: jax.Array, lse: jax.Array, dtype) -> jax.Array:
-    """Merges per-split normalised outputs [NS, S, R, H*Dh] with their log-sum-exp [NS, S, R, H]."""
+def _combine_splits(part: jax.Array, lse: jax.Array, active: jax.Array, dtype) -> jax.Array:
+    """Merges per-split normalised outputs [NS, S, R, H*Dh] with their log-sum-exp [NS, S, R, H];
+    active bool [NS, S] marks the splits that wrote (the others hold garbage, never read)."""
     n_splits, n_groups, n_rows, n_heads = lse.shape
+    lse = jnp.where(active[:, :, None, None], lse, -jnp.inf)
+    # split 0 is always active, so the max is finite and inactive weights are exactly 0
     weight = jnp.exp(lse - jnp.max(lse, axis=0))
     # [NS, S, R, H, Dh]
-    part = part.reshape(n_splits, n_groups, n_rows, n_heads, -1).astype(jnp.float32)
+    part = jnp.where(active[:, :, None, None, None], part.reshape(n_splits, n_groups, n_rows, n_heads, -1), 0)
+    part = part.astype(jnp.float32)
     out = jnp.sum(weight[..., None] * part, axis=0) / jnp.sum(weight, axis=0)[..., None]
     return out.reshape(n_groups, n_rows, -1).astype(dtype)
 
@@ -240,12 +249,11 @@ def cache_attention(
         if extra is not None:
             extra = (extra[0], extra[1], jnp.pad(extra[2], ((0, 0), (0, pad), (0, 0))))
     q_tiles = padded_rows * group // block_q
-    chunk = cdiv(cdiv(max_len, blocks.num_splits), blocks.block_k) * blocks.block_k
-    n_splits = cdiv(max_len, chunk)
+    n_splits = min(blocks.num_splits, cdiv(max_len, 2 * blocks.block_k))
     extra_width = 0 if extra is None else max(16, next_power_of_two(extra[0].shape[1]))
     lay = KernelLayout(
         group=group, head_dim=args.head_dim, block_q=block_q, block_k=blocks.block_k, q_tiles=q_tiles,
-        chunk=chunk, max_len=max_len, split_output=n_splits > 1, scores=score_rows is not None,
+        n_splits=n_splits, max_len=max_len, split_output=n_splits > 1, scores=score_rows is not None,
         exclude=key_exclude is not None, extra_width=extra_width,
     )
 
@@ -275,7 +283,11 @@ def cache_attention(
         name="cache_attention",
     )(*inputs)
 
-    out = _combine_splits(results[0], results[1], q.dtype) if lay.split_output else results[0]
+    if lay.split_output:
+        active = active_splits(args.key_len, n_splits, blocks.block_k)
+        out = _combine_splits(results[0], results[1], jnp.arange(n_splits)[:, None] < active[None, :], q.dtype)
+    else:
+        out = results[0]
     out = out[:, :n_rows]
     if not lay.scores:
         return out, jnp.zeros((n_groups, max_len), jnp.float32)

@@ -19,8 +19,9 @@ Performance at LLaDA-8B layer shapes (D=4096, H=KVH=32, Dh=128, bf16; H200: ~4.3
 * 1 slot (N=128 rows): 12.9 GFLOP against 96 MiB of weights, so it is memory bound with a
   floor of about 23 us. One row tile (BM=128) reads every weight byte exactly once; the
   parallelism comes from the columns: 3*32 heads * (64/BH) programs = 96 at BH=64 (a quarter of
-  the SMs idle) and 192 at BH=32 (two per SM, all resident), which costs re-reading the 1 MiB
-  of x from L2 twice as often. The XLA path pays three GEMM launches, a float32 round trip
+  the SMs idle) and 192 half-size programs at BH=32 (all resident if two fit per SM: ~72 KiB
+  of shared memory each at 3 stages), which costs re-reading the 1 MiB of x from L2 twice as
+  often. The XLA path pays three GEMM launches, a float32 round trip
   of the [128, 12288] product and two scatters on top of the same weight stream.
 * 32 slots (N=4096): 412 GFLOP, compute bound (~0.5 ms at cuBLAS rates). The fused epilogue
   saves the XLA path's float32 [4096, 12288] write and re-read (~400 MB, ~0.1 ms) and the
@@ -50,6 +51,7 @@ from pallas_kernels._common import (
     check_power_of_two,
     check_shape,
     compiler_params,
+    next_power_of_two,
 )
 
 
@@ -87,7 +89,7 @@ def default_qkv_block_sizes(n_rows: int, d_model: int, head_dim: int, n_columns:
       head_dim: Dh.
       n_columns: total output columns, (H + 2 * KVH) * Dh.
     """
-    block_rows = min(128, max(16, 1 << (max(n_rows, 1) - 1).bit_length()))
+    block_rows = min(128, max(16, next_power_of_two(n_rows)))
     block_pairs = min(64, head_dim // 2)
     while block_pairs > 32 and cdiv(n_rows, block_rows) * n_columns // (2 * block_pairs) < NUM_SMS:
         block_pairs //= 2
@@ -166,7 +168,7 @@ def _check_args(x, wq, wk, wv, k_cache, v_cache, n_heads, n_kv_heads):
     check_float("x", x)
     if x.ndim != 2:
         raise ValueError(f"x.shape={x.shape}: expected [N, D]")
-    n_rows, d_model = x.shape
+    d_model = x.shape[1]
     if not isinstance(n_heads, int) or not isinstance(n_kv_heads, int) or n_heads <= 0 or n_kv_heads <= 0:
         raise ValueError(f"n_heads={n_heads!r}, n_kv_heads={n_kv_heads!r}: expected positive ints")
     if n_heads % n_kv_heads:
