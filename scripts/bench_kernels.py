@@ -8,9 +8,10 @@ bandwidth (bytes read + written); (2) correctness of each kernel against its jnp
 fresh random data with NaN-poisoned caches; (3) per case (slots x 128 query rows, key lengths
 512 and 2048) the median time of each XLA path, of the kernel's default tiling and of a short
 block-size sweep (stopped when --budget-s is spent; every swept tiling is also checked against
-the reference). Times come from jitted chains of --inner calls (each call's output feeds the
-next, so nothing is hoisted) and are medians over --repeats, warm-up excluded. Prints a
-markdown table and writes JSON to --out (default $OUT/bench_kernels.json).
+the reference). Times come from jitted chains of calls (each call's output feeds the next, so
+nothing is hoisted; see time_chain) and are medians over --repeats samples, warm-up excluded.
+Prints a markdown table and writes JSON to --out (default $OUT/bench_kernels.json), updated
+after every case so a run cut short still leaves its results.
 """
 
 from __future__ import annotations
@@ -128,9 +129,16 @@ def attention_candidates(default: AttentionBlockSizes, shapes: Shapes) -> list[A
 # ----------------------------------------------------------------------------- timing
 
 
+RUNS_PER_SAMPLE = 4
+
+
 def time_chain(step: Callable, carry: Any, consts: Any, *, inner: int, repeats: int) -> float:
-    """Seconds per step of `inner` chained calls step(i, carry, consts) -> carry, in one jitted,
-    unrolled program (the carry is donated); median over `repeats`, compile and warm-up excluded."""
+    """Seconds per step of chained calls step(i, carry, consts) -> carry.
+
+    One jitted program runs `inner` steps unrolled (the carry is donated); a sample enqueues
+    RUNS_PER_SAMPLE programs back to back and blocks once, so dispatch latency overlaps with
+    device work. Median over `repeats` samples; compile and warm-up excluded.
+    """
 
     @functools.partial(jax.jit, donate_argnums=0)
     def run(carry, consts):
@@ -140,9 +148,11 @@ def time_chain(step: Callable, carry: Any, consts: Any, *, inner: int, repeats: 
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        carry = jax.block_until_ready(run(carry, consts))
+        for _ in range(RUNS_PER_SAMPLE):
+            carry = run(carry, consts)
+        jax.block_until_ready(carry)
         times.append(time.perf_counter() - start)
-    return statistics.median(times) / inner
+    return statistics.median(times) / (RUNS_PER_SAMPLE * inner)
 
 
 def measure_ceilings(shapes: Shapes, repeats: int) -> dict[str, float]:
@@ -487,8 +497,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="tiny shapes, CPU, Pallas interpret mode")
     parser.add_argument("--out", help="JSON path (default $OUT/bench_kernels.json, else ./bench_kernels.json)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed repeats per measurement (median)")
-    parser.add_argument("--inner", type=int, default=8, help="chained calls per timed program")
+    parser.add_argument("--repeats", type=int, default=5, help="timed samples per measurement (median)")
+    parser.add_argument("--inner", type=int, default=4, help="chained calls per compiled program")
     parser.add_argument("--budget-s", type=float, default=170.0,
                         help="seconds from the start after which no further sweep tilings are tried")
     return parser.parse_args(argv)
