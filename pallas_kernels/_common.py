@@ -1,0 +1,75 @@
+"""Small helpers shared by the Pallas Triton kernels: argument checks and launch parameters."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import triton as plgpu
+
+# Finite stand-in for -inf in the online softmax: a row with no visible key stays finite
+# (exp(MASKED - MASKED) = 1 over zeroed values gives 0), never NaN.
+MASKED_LOGIT = -1e30
+
+# Streaming multiprocessors of the target GPU (H200 / H100 SXM). Only the default block-size
+# heuristics read it, to decide when a grid is too small to fill the chip.
+NUM_SMS = 132
+
+
+def is_power_of_two(n: int) -> bool:
+    return isinstance(n, int) and n > 0 and n & (n - 1) == 0
+
+
+def next_power_of_two(n: int) -> int:
+    """Smallest power of two >= n (n >= 1)."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def check_power_of_two(name: str, value: Any, minimum: int) -> None:
+    """Raises ValueError unless value is a power of two >= minimum."""
+    if not is_power_of_two(value) or value < minimum:
+        raise ValueError(f"{name}={value!r}: expected a power of two >= {minimum}")
+
+
+def check_launch(num_warps: Any, num_stages: Any) -> None:
+    """Raises ValueError for Triton launch parameters the compiler would reject."""
+    if num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"num_warps={num_warps!r}: expected one of 1, 2, 4, 8, 16")
+    if not isinstance(num_stages, int) or not 1 <= num_stages <= 8:
+        raise ValueError(f"num_stages={num_stages!r}: expected an int in [1, 8]")
+
+
+def compiler_params(num_warps: int, num_stages: int) -> plgpu.CompilerParams:
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def check_shape(name: str, x: jax.Array, expected: tuple[int, ...]) -> None:
+    if tuple(x.shape) != tuple(expected):
+        raise ValueError(f"{name}.shape={tuple(x.shape)}: expected {tuple(expected)}")
+
+
+def check_float(name: str, x: jax.Array) -> None:
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"{name}.dtype={x.dtype}: expected a floating dtype (bfloat16, float16 or float32)")
+
+
+def as_int32(name: str, x: jax.Array | int, shape: tuple[int, ...]) -> jax.Array:
+    """x as an int32 array of the given shape; ValueError for a wrong shape or a non-integer dtype."""
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise ValueError(f"{name}.dtype={x.dtype}: expected an integer dtype (int32)")
+    check_shape(name, x, shape)
+    return x.astype(jnp.int32)
+
+
+def as_bool(name: str, x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    x = jnp.asarray(x)
+    if x.dtype != jnp.bool_:
+        raise ValueError(f"{name}.dtype={x.dtype}: expected bool")
+    check_shape(name, x, shape)
+    return x

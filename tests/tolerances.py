@@ -1,0 +1,30 @@
+"""Error measure and thresholds of the kernel tests, declared once.
+
+Kernels and references round at different points (blocked float32 accumulation, P rounded
+before normalisation in the flash loop), so outputs are compared by relative L2 error
+||actual - expected|| / ||expected||, with a threshold per dtype.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import jax.numpy as jnp
+
+REL_L2 = {
+    jnp.dtype(jnp.bfloat16): 1e-2,
+    jnp.dtype(jnp.float32): 1e-5,
+}
+
+
+def rel_l2(actual, expected) -> float:
+    """Relative L2 error in float64; NaN if either side has a NaN."""
+    actual = np.asarray(actual, np.float64)
+    expected = np.asarray(expected, np.float64)
+    return float(np.linalg.norm(actual - expected) / max(np.linalg.norm(expected), 1e-30))
+
+
+def assert_close(actual, expected, dtype, what: str) -> None:
+    """Fails unless the relative L2 error is below the threshold of dtype (NaN fails)."""
+    err = rel_l2(actual, expected)
+    limit = REL_L2[jnp.dtype(dtype)]
+    assert err < limit, f"{what}: relative L2 error {err:.3g} >= {limit:.0e}"
