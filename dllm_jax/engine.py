@@ -104,6 +104,23 @@ def resolve_backend(backend: str) -> str:
     return "pallas" if pallas_preferred() else "xla"
 
 
+@dataclasses.dataclass(frozen=True)
+class CompiledLoop:
+    """A decode loop compiled for one config and shape bucket.
+
+    init(prompts int32 [queue_capacity, prompt_width], lengths int32 [queue_capacity],
+    count) -> DecodeState; run(params, state, knobs, seed, stop_iteration, host_has_more)
+    -> DecodeState (state donated). See DecodeLoop.
+    """
+
+    loop: DecodeLoop
+    queue_capacity: int
+    prompt_width: int
+    init: Any
+    run: Any
+    compile_seconds: float
+
+
 class Engine:
     """Holds a model and its compiled decode loops.
 
@@ -136,7 +153,7 @@ class Engine:
         self.interpret = interpret
         self.chunk_iterations = chunk_iterations
         self.full_pass_lanes = full_pass_lanes
-        self._executables: dict[tuple, tuple[Any, Any]] = {}
+        self._executables: dict[tuple, CompiledLoop] = {}
 
     @classmethod
     def from_pretrained(cls, path: str, *, dtype: str = "bfloat16", **kwargs) -> Engine:
@@ -200,21 +217,25 @@ class Engine:
             full_pass_lanes=self.full_pass_lanes,
         )
 
-    def _compiled(self, loop: DecodeLoop, prompts, lengths, knobs, seed) -> tuple[Any, Any, float]:
-        key = (loop, prompts.shape)
-        if key in self._executables:
-            init, run = self._executables[key]
-            return init, run, 0.0
-        start = time.perf_counter()
-        init = jax.jit(loop.init_state).lower(prompts, lengths, jnp.int32(0)).compile()
-        state_shape = jax.eval_shape(loop.init_state, prompts, lengths, jnp.int32(0))
-        run = (
-            jax.jit(loop.run, donate_argnums=1)
-            .lower(self.params, state_shape, knobs, seed, jnp.int32(0), jnp.bool_(False))
-            .compile()
-        )
-        self._executables[key] = (init, run)
-        return init, run, time.perf_counter() - start
+    def compile(self, decode: DecodeConfig, longest_prompt: int) -> CompiledLoop:
+        """The compiled loop for this config and prompt-length bucket (compiled once, then cached)."""
+        loop = self.decode_loop(decode, longest_prompt)
+        capacity = max(16, 4 * decode.batch_size)
+        width = _next_power_of_two(longest_prompt, _MIN_PROMPT_BUCKET)
+        key = (loop, capacity, width)
+        if key not in self._executables:
+            start = time.perf_counter()
+            prompts = jax.ShapeDtypeStruct((capacity, width), jnp.int32)
+            lengths = jax.ShapeDtypeStruct((capacity,), jnp.int32)
+            count = jax.ShapeDtypeStruct((), jnp.int32)
+            init = jax.jit(loop.init_state).lower(prompts, lengths, count).compile()
+            state = jax.eval_shape(loop.init_state, prompts, lengths, count)
+            knobs = jax.eval_shape(decode.knobs)
+            scalar = jax.ShapeDtypeStruct((), jnp.int32)
+            flag = jax.ShapeDtypeStruct((), jnp.bool_)
+            run = jax.jit(loop.run, donate_argnums=1).lower(self.params, state, knobs, scalar, scalar, flag).compile()
+            self._executables[key] = CompiledLoop(loop, capacity, width, init, run, time.perf_counter() - start)
+        return self._executables[key]
 
     # ----- generation ------------------------------------------------------------------------
 
@@ -235,12 +256,14 @@ class Engine:
         encoded = self.encode(prompts, chat)
         self._check_lengths(encoded, decode)
         longest = max(len(p) for p in encoded)
-        loop = self.decode_loop(decode, longest)
-        queue = _HostQueue(encoded, capacity=max(16, 4 * decode.batch_size), width=_next_power_of_two(longest, _MIN_PROMPT_BUCKET))
+        compiled_before = self.num_compilations
+        compiled = self.compile(decode, longest)
+        compile_seconds = compiled.compile_seconds if self.num_compilations > compiled_before else 0.0
+        init, run, loop = compiled.init, compiled.run, compiled.loop
+        queue = _HostQueue(encoded, capacity=compiled.queue_capacity, width=compiled.prompt_width)
         knobs = decode.knobs()
         seed = jnp.int32(decode.seed)
         tokens, lengths = queue.arrays()
-        init, run, compile_seconds = self._compiled(loop, tokens, lengths, knobs, seed)
 
         start = time.perf_counter()
         state: DecodeState = init(tokens, lengths, jnp.int32(queue.pushed))

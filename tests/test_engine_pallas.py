@@ -31,3 +31,28 @@ def test_pallas_backend_decodes_like_xla(decode):
     assert [r.token_ids for r in pallas.results] == [r.token_ids for r in xla.results]
     assert [r.steps for r in pallas.results] == [r.steps for r in xla.results]
     assert xla.stats.tokens_per_step > 1.05
+
+
+@pytest.mark.parametrize("backend", ["pallas", "xla"])
+def test_decode_loop_lowers_for_cuda_at_llada_8b_shapes(backend):
+    """The whole jitted loop (flash_cache + verify) at the real shapes, lowered for CUDA on the CPU:
+    a kernel or shape the Triton backend rejects inside the engine fails here."""
+    import jax.numpy as jnp
+
+    from dllm_jax.config import llada_8b_config
+    from dllm_jax.model import abstract_params
+    from tests.cuda_lowering import lower_for_cuda
+
+    cfg = llada_8b_config()
+    engine = Engine(cfg, abstract_params(cfg), backend=backend, full_pass_lanes=())
+    decode = DecodeConfig(method="flash_cache", gen_length=256, batch_size=8, threshold=2.0, verify=True)
+    loop = engine.decode_loop(decode, 256)
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    state = jax.eval_shape(loop.init_state, i32(32, 256), i32(32), i32())
+    text = lower_for_cuda(
+        jax.jit(loop.run, donate_argnums=1), engine.params, state, jax.eval_shape(decode.knobs), i32(), i32(),
+        jax.ShapeDtypeStruct((), jnp.bool_),
+    )
+    triton_calls = text.count("__gpu$xla.gpu.triton")
+    # full pass and sparse pass: fused QKV + attention each; verify: attention
+    assert triton_calls == (5 if backend == "pallas" else 0)

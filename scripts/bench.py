@@ -1,0 +1,378 @@
+"""Full-scale decode speed: every method at LLaDA-8B shapes, side by side, against the roofline.
+
+    PYTHONPATH=. python scripts/bench.py                         # GPU: LLaDA-8B, random bf16 weights
+    PYTHONPATH=. python scripts/bench.py --preset steps --slots 1 8 32
+    PYTHONPATH=. python scripts/bench.py --tiny                  # CPU smoke test (tiny model)
+
+Random weights make confidences meaningless, so the methods run equal-work schedules:
+"one" = one token per step (threshold 2 > 1: the at-least-one rule; llada steps = gen_length)
+and "window" = a whole window of W = 16 positions per step (threshold 0; llada steps =
+gen_length / 16). Presets:
+  steps    steady-state step time of flash_cache (128 recomputed rows per slot, one token per
+           step) per backend and slot count, against its FLOP floor and weight-streaming floor;
+  compare  end-to-end runs of llada, fast_dllm (dual cache), flash_cache and flash_cache +
+           verify under both schedules: tokens/s, ms per iteration, rows per step, and the
+           speed ratios between methods against the ratios of their FLOPs.
+The two ceilings (a large bf16 matmul rate, a large elementwise pass's bandwidth counting
+bytes read + written) are measured in the same run. Compile time is reported apart from run
+time. Writes bench.json and bench.md to --out (default $OUT or ./out), updated after each run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from dllm_jax.config import ModelConfig, llada_8b_config  # noqa: E402
+from dllm_jax.decode_config import DecodeConfig  # noqa: E402
+from dllm_jax.engine import Engine  # noqa: E402
+from dllm_jax.model import init_params  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_kernels import Shapes, measure_ceilings  # noqa: E402
+
+WINDOW = 16
+METHODS = ("llada", "fast_dllm", "flash_cache", "flash_verify")
+SCHEDULES = ("one", "window")
+
+
+def tiny_config() -> ModelConfig:
+    return ModelConfig(
+        d_model=128, n_layers=2, n_heads=4, n_kv_heads=4, mlp_hidden_size=256, vocab_size=256,
+        mask_token_id=255, eos_token_id=254, pad_token_id=254, max_sequence_length=1024, dtype="float32",
+    )
+
+
+def decode_config(method: str, schedule: str, gen_length: int, slots: int) -> DecodeConfig:
+    """The equal-work DecodeConfig of a method under a schedule."""
+    one = schedule == "one"
+    common = dict(gen_length=gen_length, batch_size=slots, block_length=WINDOW)
+    if method == "llada":
+        return DecodeConfig(method="llada", steps=gen_length if one else gen_length // WINDOW, **common)
+    threshold = 2.0 if one else 0.0
+    if method == "fast_dllm":
+        return DecodeConfig(method="fast_dllm", cache="dual", threshold=threshold, **common)
+    return DecodeConfig(
+        method="flash_cache", threshold=threshold, mask_num=4, track_num=4, verify=method == "flash_verify", **common
+    )
+
+
+# ----------------------------------------------------------------------------- FLOPs and bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+    """FLOPs and bytes of model work, from the config (matmuls, attention, LM head)."""
+
+    config: ModelConfig
+
+    @property
+    def matmul_flops_per_row(self) -> float:
+        c = self.config
+        q_out = c.n_heads * c.head_dim
+        per_layer = c.d_model * q_out * 2 + c.d_model * c.kv_dim * 2 + 3 * c.d_model * c.mlp_hidden_size
+        return 2.0 * c.n_layers * per_layer
+
+    def attention_flops(self, rows: float, keys: float) -> float:
+        c = self.config
+        return 4.0 * rows * keys * c.n_heads * c.head_dim * c.n_layers
+
+    def head_flops(self, rows: float) -> float:
+        return 2.0 * rows * self.config.d_model * self.config.vocab_size
+
+    def pass_flops(self, rows: float, keys: float, logit_rows: float) -> float:
+        return rows * self.matmul_flops_per_row + self.attention_flops(rows, keys) + self.head_flops(logit_rows)
+
+    @property
+    def weight_bytes(self) -> float:
+        return float(self.config.num_params() * self.config.jnp_dtype.itemsize)
+
+    def cache_read_bytes(self, slots: float, keys: float) -> float:
+        c = self.config
+        return 2.0 * slots * keys * c.kv_dim * c.jnp_dtype.itemsize * c.n_layers
+
+    def floors(self, flops: float, passes: float, slots: float, keys: float, ceilings: dict) -> dict:
+        """Time floors of some work: FLOPs at the matmul rate; weights once per pass plus each
+        slot's cache read once per pass at the bandwidth."""
+        bytes_moved = passes * (self.weight_bytes + self.cache_read_bytes(slots, keys))
+        return {
+            "flops": flops,
+            "bytes": bytes_moved,
+            "flop_floor_s": flops / ceilings["matmul_flops"],
+            "byte_floor_s": bytes_moved / ceilings["bandwidth_bytes"],
+            "weight_floor_s": passes * self.weight_bytes / ceilings["bandwidth_bytes"],
+        }
+
+
+def work_per_request(loop, decode: DecodeConfig, prompt_len: int, steps: int) -> dict:
+    """Rows recomputed, logit rows and passes of one request, from its policy and step count."""
+    policy = loop.policy
+    G, W = decode.gen_length, decode.window
+    key_len = int(policy.key_length(jnp.int32(prompt_len)))
+    if decode.method == "llada":
+        full, sparse = steps, 0
+    elif decode.method == "fast_dllm":
+        full = G // W
+        sparse = steps - full
+    else:
+        full, sparse = 1, steps - 1
+    rows = full * key_len + sparse * min(policy.num_sparse_rows, key_len)
+    logit_rows = steps * policy.num_candidates
+    verify_rows = steps * 2 * W if decode.verify else 0
+    return {
+        "key_len": key_len,
+        "full_passes": full,
+        "sparse_steps": sparse,
+        "rows": rows + verify_rows,
+        "logit_rows": logit_rows + (steps * (W // 2) if decode.verify else 0),
+        "rows_per_step": (rows + verify_rows) / steps,
+    }
+
+
+# ----------------------------------------------------------------------------- runs
+
+
+def peak_bytes() -> int | None:
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = np.random.RandomState(seed)
+    return [list(map(int, rng.randint(0, vocab - 2, length))) for _ in range(n)]
+
+
+def steady_step_time(engine: Engine, decode: DecodeConfig, prompts, iterations: int, repeats: int) -> dict:
+    """Median seconds per loop iteration after the slots' first full pass (all slots decoding)."""
+    compiled = engine.compile(decode, len(prompts[0]))
+    capacity, width = compiled.queue_capacity, compiled.prompt_width
+    tokens = np.zeros((capacity, width), np.int32)
+    lengths = np.zeros((capacity,), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+        lengths[i] = len(p)
+    knobs, seed, no_more = decode.knobs(), jnp.int32(0), jnp.bool_(False)
+    state = compiled.init(jnp.asarray(tokens), jnp.asarray(lengths), jnp.int32(len(prompts)))
+    start = time.perf_counter()
+    state = jax.block_until_ready(compiled.run(engine.params, state, knobs, seed, jnp.int32(1), no_more))
+    prefill = time.perf_counter() - start
+    stop = 1
+    state = jax.block_until_ready(compiled.run(engine.params, state, knobs, seed, jnp.int32(stop + 2), no_more))
+    stop += 2
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        state = jax.block_until_ready(compiled.run(engine.params, state, knobs, seed, jnp.int32(stop + iterations), no_more))
+        samples.append((time.perf_counter() - start) / iterations)
+        stop += iterations
+    active = int(jnp.sum(state.slots.active))
+    return {
+        "prefill_s": prefill,
+        "step_s": statistics.median(samples),
+        "step_samples_s": samples,
+        "active_slots_at_end": active,
+        "compile_s": compiled.compile_seconds,
+        "rows_per_slot": min(compiled.loop.policy.num_sparse_rows, int(compiled.loop.policy.key_length(jnp.int32(len(prompts[0]))))),
+        "key_len": int(compiled.loop.policy.key_length(jnp.int32(len(prompts[0])))),
+    }
+
+
+def steps_run(engine, backend, slots, gen_length, prompt_len, cost, ceilings, opts) -> dict:
+    decode = decode_config("flash_cache", "one", gen_length, slots)
+    prompts = random_prompts(slots, prompt_len, engine.config.vocab_size, seed=slots)
+    timing = steady_step_time(engine, decode, prompts, opts.iterations, opts.repeats)
+    rows = slots * timing["rows_per_slot"]
+    flops = cost.pass_flops(rows, timing["key_len"], slots * WINDOW)
+    floors = cost.floors(flops, 1, slots, timing["key_len"], ceilings)
+    return {
+        "preset": "steps", "method": "flash_cache", "schedule": "one", "backend": backend, "slots": slots,
+        "gen_length": gen_length, "prompt_length": prompt_len, **timing, **floors,
+        "step_over_flop_floor": timing["step_s"] / floors["flop_floor_s"],
+        "step_over_weight_floor": timing["step_s"] / floors["weight_floor_s"],
+        "peak_bytes": peak_bytes(),
+    }
+
+
+def compare_run(engine, method, schedule, backend, slots, gen_length, prompt_len, cost, ceilings) -> dict:
+    decode = decode_config(method, schedule, gen_length, slots)
+    prompts = random_prompts(slots, prompt_len, engine.config.vocab_size, seed=7)
+    engine.compile(decode, prompt_len)  # compile apart from the timed run
+    compile_s = engine.compile(decode, prompt_len).compile_seconds
+    out = engine.generate(prompts, decode)
+    s = out.stats
+    loop = engine.decode_loop(decode, prompt_len)
+    work = [work_per_request(loop, decode, prompt_len, r.steps) for r in out.results]
+    rows = sum(w["rows"] for w in work)
+    key_len = work[0]["key_len"]
+    flops = cost.pass_flops(rows, key_len, sum(w["logit_rows"] for w in work))
+    passes = s.iterations * (2 if decode.verify else 1)
+    floors = cost.floors(flops, passes, slots, key_len, ceilings)
+    floor = max(floors["flop_floor_s"], floors["byte_floor_s"])
+    return {
+        "preset": "compare", "method": method, "schedule": schedule, "backend": backend, "slots": slots,
+        "gen_length": gen_length, "prompt_length": prompt_len, "tokens": s.num_tokens, "wall_s": s.wall_seconds,
+        "tokens_per_s": s.tokens_per_second, "tokens_per_step": s.tokens_per_step, "steps": s.steps,
+        "iterations": s.iterations, "forward_passes": s.forward_passes, "ms_per_iteration": 1e3 * s.wall_seconds / s.iterations,
+        "rows_per_step": rows / s.steps, "flops_per_token": flops / s.num_tokens, "compile_s": compile_s,
+        "cache_bytes": s.cache_bytes, "peak_bytes": peak_bytes(), **floors, "time_over_floor": s.wall_seconds / floor,
+    }
+
+
+def flop_ratio_checks(runs: list[dict]) -> list[dict]:
+    """For each schedule/backend/slots group: speed ratio vs FLOP ratio, method vs flash_cache."""
+    checks = []
+    base = {(r["schedule"], r["backend"], r["slots"], r["gen_length"]): r for r in runs if r["method"] == "flash_cache"}
+    for r in runs:
+        ref = base.get((r["schedule"], r["backend"], r["slots"], r["gen_length"]))
+        if ref is None or r is ref:
+            continue
+        speed = ref["tokens_per_s"] / r["tokens_per_s"]
+        flop = r["flops_per_token"] / ref["flops_per_token"]
+        checks.append({
+            "method": r["method"], "schedule": r["schedule"], "backend": r["backend"], "slots": r["slots"],
+            "gen_length": r["gen_length"], "flash_speedup": speed, "flop_ratio": flop, "speed_over_flops": speed / flop,
+        })
+    return checks
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def markdown(report: dict) -> str:
+    c = report["ceilings"]
+    lines = [
+        f"Device: {report['device']} | jax {report['jax']} | model {report['model']} | "
+        f"matmul {c['matmul_flops'] / 1e12:.0f} TFLOP/s, bandwidth {c['bandwidth_bytes'] / 1e12:.2f} TB/s (measured)",
+        "",
+    ]
+    steps = [r for r in report["runs"] if r["preset"] == "steps"]
+    if steps:
+        lines += [
+            "| backend | slots | rows/slot | keys | step ms | FLOP floor ms | step/FLOP floor | weight floor ms | step/weight floor | prefill ms | compile s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in steps:
+            lines.append(
+                f"| {r['backend']} | {r['slots']} | {r['rows_per_slot']} | {r['key_len']} | {1e3 * r['step_s']:.2f} | "
+                f"{1e3 * r['flop_floor_s']:.2f} | {r['step_over_flop_floor']:.2f} | {1e3 * r['weight_floor_s']:.2f} | "
+                f"{r['step_over_weight_floor']:.2f} | {1e3 * r['prefill_s']:.1f} | {r['compile_s']:.1f} |"
+            )
+        lines.append("")
+    compare = [r for r in report["runs"] if r["preset"] == "compare"]
+    if compare:
+        lines += [
+            "| method | schedule | backend | slots | gen | tokens/s | tokens/step | ms/iteration | rows/step | GFLOP/token | time/floor | peak GiB | compile s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in compare:
+            peak = f"{r['peak_bytes'] / 2**30:.1f}" if r["peak_bytes"] else "n/a"
+            lines.append(
+                f"| {r['method']} | {r['schedule']} | {r['backend']} | {r['slots']} | {r['gen_length']} | "
+                f"{r['tokens_per_s']:.1f} | {r['tokens_per_step']:.2f} | {r['ms_per_iteration']:.2f} | {r['rows_per_step']:.0f} | "
+                f"{r['flops_per_token'] / 1e9:.1f} | {r['time_over_floor']:.2f} | {peak} | {r['compile_s']:.1f} |"
+            )
+        lines += ["", "| method | schedule | backend | slots | gen | flash_cache speed-up | FLOP ratio | speed-up / FLOP ratio |", "|---|---|---|---|---|---|---|---|"]
+        for r in report["flop_ratio_checks"]:
+            lines.append(
+                f"| {r['method']} | {r['schedule']} | {r['backend']} | {r['slots']} | {r['gen_length']} | "
+                f"{r['flash_speedup']:.2f} | {r['flop_ratio']:.2f} | {r['speed_over_flops']:.2f} |"
+            )
+    for e in report["errors"]:
+        lines.append(f"\nERROR {e['run']}: {e['error']}")
+    return "\n".join(lines)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tiny", action="store_true", help="CPU smoke test on a tiny model")
+    p.add_argument("--preset", nargs="+", choices=("steps", "compare"), default=["steps", "compare"])
+    p.add_argument("--backends", nargs="+", choices=("xla", "pallas"), default=None)
+    p.add_argument("--slots", nargs="+", type=int, default=None)
+    p.add_argument("--compare-slots", nargs="+", type=int, default=None)
+    p.add_argument("--gen-lengths", nargs="+", type=int, default=None)
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    p.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES))
+    p.add_argument("--prompt-length", type=int, default=None)
+    p.add_argument("--iterations", type=int, default=8, help="iterations per step-time sample")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--budget-s", type=float, default=None, help="skip runs once this much time has passed")
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
+    opts = p.parse_args(argv)
+    tiny = opts.tiny
+    opts.backends = opts.backends or (["xla"] if tiny else ["xla", "pallas"])
+    opts.slots = opts.slots or ([1, 2] if tiny else [1, 8, 32])
+    opts.compare_slots = opts.compare_slots or ([2] if tiny else [8])
+    opts.gen_lengths = opts.gen_lengths or ([32] if tiny else [256, 512])
+    opts.prompt_length = opts.prompt_length or (16 if tiny else 256)
+    return opts
+
+
+def main(argv=None) -> int:
+    opts = parse_args(argv)
+    config = tiny_config() if opts.tiny else llada_8b_config()
+    started = time.perf_counter()
+    shapes = Shapes(d_model=config.d_model, n_heads=config.n_heads, n_kv_heads=config.n_kv_heads, n_layers=1,
+                    rows_per_slot=128, max_len=128, cache_slots=1, slot_counts=(), key_lengths=(), verify_rows=32,
+                    matmul_size=256 if opts.tiny else 8192, copy_elements=2**16 if opts.tiny else 2**28, sweep_size=0)
+    ceilings = measure_ceilings(shapes, repeats=3 if opts.tiny else 10)
+    print(f"ceilings: {ceilings}", flush=True)
+    init_start = time.perf_counter()
+    params = jax.block_until_ready(jax.jit(init_params, static_argnums=0)(config, jax.random.key(0)))
+    print(f"random weights on {jax.devices()[0]} in {time.perf_counter() - init_start:.1f} s", flush=True)
+    cost = Cost(config)
+    report = {
+        "device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "model": "tiny" if opts.tiny else "LLaDA-8B",
+        "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "ceilings": ceilings,
+        "weight_bytes": cost.weight_bytes, "runs": [], "errors": [], "flop_ratio_checks": [],
+    }
+    opts.out.mkdir(parents=True, exist_ok=True)
+
+    def save():
+        report["flop_ratio_checks"] = flop_ratio_checks([r for r in report["runs"] if r["preset"] == "compare"])
+        (opts.out / "bench.json").write_text(json.dumps(report, indent=1))
+        (opts.out / "bench.md").write_text(markdown(report) + "\n")
+
+    jobs = []
+    for backend in opts.backends:
+        engine = Engine(config, params, backend=backend, interpret=opts.tiny and backend == "pallas", full_pass_lanes=())
+        if "steps" in opts.preset:
+            for slots in opts.slots:
+                jobs.append((f"steps {backend} slots={slots}", lambda e=engine, b=backend, s=slots: steps_run(
+                    e, b, s, opts.gen_lengths[0], opts.prompt_length, cost, ceilings, opts)))
+        if "compare" in opts.preset:
+            for gen in opts.gen_lengths:
+                for slots in opts.compare_slots:
+                    for schedule in opts.schedules:
+                        for method in opts.methods:
+                            jobs.append((f"compare {method} {schedule} {backend} slots={slots} gen={gen}",
+                                         lambda e=engine, m=method, sc=schedule, b=backend, s=slots, g=gen: compare_run(
+                                             e, m, sc, b, s, g, opts.prompt_length, cost, ceilings)))
+    for name, job in jobs:
+        if opts.budget_s is not None and time.perf_counter() - started > opts.budget_s:
+            report["errors"].append({"run": name, "error": "skipped: time budget spent"})
+            continue
+        t = time.perf_counter()
+        try:
+            report["runs"].append(job())
+        except Exception as e:  # a failed run is reported, the others still run
+            report["errors"].append({"run": name, "error": f"{type(e).__name__}: {e}"[:2000]})
+        print(f"{name}: {time.perf_counter() - t:.1f} s", flush=True)
+        save()
+    print(markdown(report))
+    return 1 if report["errors"] and not any("skipped" in e["error"] for e in report["errors"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""scripts/bench.py --tiny: the benchmark script itself runs and reports what it promises."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_bench_tiny_reports_steps_and_comparisons(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench.py"), "--tiny", "--out", str(tmp_path), "--schedules", "one",
+         "--slots", "1", "2", "--iterations", "2", "--repeats", "2"],
+        capture_output=True, text=True, stdin=subprocess.DEVNULL, cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["ceilings"]["matmul_flops"] > 0 and report["ceilings"]["bandwidth_bytes"] > 0
+    assert not report["errors"]
+    steps = [r for r in report["runs"] if r["preset"] == "steps"]
+    assert [r["slots"] for r in steps] == [1, 2]
+    for r in steps:
+        assert r["step_s"] > 0 and r["compile_s"] > 0 and r["flop_floor_s"] > 0
+        assert r["step_over_flop_floor"] == r["step_s"] / r["flop_floor_s"]
+    compare = [r for r in report["runs"] if r["preset"] == "compare"]
+    assert {r["method"] for r in compare} == {"llada", "fast_dllm", "flash_cache", "flash_verify"}
+    for r in compare:
+        # one token per step: every method commits exactly one token per step
+        assert r["tokens_per_step"] == 1.0
+        assert r["tokens"] == 2 * 32 and r["tokens_per_s"] > 0
+    verify = next(r for r in compare if r["method"] == "flash_verify")
+    assert verify["forward_passes"] == 2 * verify["steps"]
+    checks = {r["method"]: r for r in report["flop_ratio_checks"]}
+    assert set(checks) == {"llada", "fast_dllm", "flash_verify"}
+    table = (tmp_path / "bench.md").read_text()
+    assert "| backend | slots | rows/slot |" in table and "| method | schedule | backend |" in table
+    assert "speed-up / FLOP ratio" in table
