@@ -13,18 +13,14 @@ per slot, D model width, V vocabulary.
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
-
 import jax
 import jax.numpy as jnp
 
 from dllm_jax.attention import dense_attention
 from dllm_jax.config import ModelConfig
 from dllm_jax.flat_cache import FlatCache, flat_rows
+from dllm_jax.kernel_backend import Kernels
 from dllm_jax.model import LLaDABlock, LLaDAModel, Params
-
-Backend = Literal["xla", "pallas"]
-BACKENDS: tuple[str, ...] = ("xla", "pallas")
 
 # The published code accumulates tracking scores from the third layer up (block_idx > 1).
 SCORE_START_LAYER = 2
@@ -35,16 +31,16 @@ class PassSpec:
     """Static description of a pass.
 
     max_len: L, cache rows per slot.
-    backend: "xla" (pure jnp, any device) or "pallas" (fused kernels).
+    kernels: which ops run as Pallas kernels (default: none, pure XLA).
     score_scale: factor applied to the summed raw logits of the score rows (1 / (W * H) for
       Flash-Cache's mean over window rows and heads); None = no tracking scores.
-    interpret: run Pallas kernels in interpret mode (CPU tests).
+    unroll_layers: unroll the layer loop (static weight slices) instead of scanning it.
     """
 
     max_len: int
-    backend: Backend = "xla"
+    kernels: Kernels = Kernels()
     score_scale: float | None = None
-    interpret: bool = False
+    unroll_layers: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +128,7 @@ def cached_forward(
     model = LLaDAModel(config)
     h = model.apply({"params": params}, tokens, method=LLaDAModel.embed)
     stacked = params["layers"]
-    if spec.backend == "pallas":
+    if spec.kernels.qkv or spec.kernels.attention:
         from dllm_jax.kernel_backend import pallas_layer_attention, pallas_qkv_to_cache
 
     def layer_step(carry, layer):
@@ -140,7 +136,7 @@ def cached_forward(
         lp = {"params": jax.tree_util.tree_map(lambda w: w[layer], stacked)}
         x = block.apply(lp, h, method=LLaDABlock.attention_input)
         extra_kv = None
-        if spec.backend == "pallas" and verify is None:
+        if spec.kernels.qkv and verify is None:
             q, k_cache, v_cache = pallas_qkv_to_cache(config, spec, stacked, x, positions, rows, k_cache, v_cache, layer)
         else:
             q, k, v = block.apply(lp, x, positions, method=LLaDABlock.project_qkv)
@@ -149,7 +145,7 @@ def cached_forward(
                 v_cache = v_cache.at[layer, rows].set(v.reshape(S, R, -1))
             else:
                 extra_kv = (k, v)
-        if spec.backend == "pallas":
+        if spec.kernels.attention:
             out, layer_scores = pallas_layer_attention(
                 config, spec, q, k_cache, v_cache, layer, group_slot, key_len, score_rows, verify, extra_kv
             )
@@ -164,7 +160,10 @@ def cached_forward(
 
     scores0 = None if spec.score_scale is None else jnp.zeros((S, spec.max_len), jnp.float32)
     (h, k_cache, v_cache, scores), _ = jax.lax.scan(
-        layer_step, (h, cache.k, cache.v, scores0), jnp.arange(config.n_layers, dtype=jnp.int32)
+        layer_step,
+        (h, cache.k, cache.v, scores0),
+        jnp.arange(config.n_layers, dtype=jnp.int32),
+        unroll=config.n_layers if spec.unroll_layers else 1,
     )
     # [S, C, D] -> [S, C, V]: the LM head runs on candidate rows only
     h_candidates = jnp.take_along_axis(h, candidate_rows[:, :, None], axis=1)

@@ -25,6 +25,7 @@ from dllm_jax.cached_forward import PassSpec, VerifyKeys, cached_forward
 from dllm_jax.config import ModelConfig
 from dllm_jax.decode_config import DecodeKnobs
 from dllm_jax.flat_cache import FlatCache, allocate_cache
+from dllm_jax.kernel_backend import Kernels
 from dllm_jax.model import Params
 from dllm_jax.policies import DecodePolicy
 from dllm_jax.slots import Slots, empty_slots, install
@@ -83,15 +84,15 @@ def _where_tree(pred: jax.Array, new, old):
 
 @dataclasses.dataclass(frozen=True)
 class DecodeLoop:
-    """A compiled-once decode loop for one (policy, slots, max_len, backend) combination."""
+    """A compiled-once decode loop for one (policy, slots, max_len, kernels) combination."""
 
     model: ModelConfig
     policy: DecodePolicy
     num_slots: int
     max_len: int
     gen_length: int
-    backend: str = "xla"
-    interpret: bool = False
+    kernels: Kernels = Kernels()
+    unroll_layers: bool = False
     full_pass_lanes: tuple[int, ...] | None = None
 
     @property
@@ -108,7 +109,10 @@ class DecodeLoop:
     @property
     def _spec(self) -> PassSpec:
         return PassSpec(
-            max_len=self.max_len, backend=self.backend, score_scale=self.policy.score_scale, interpret=self.interpret
+            max_len=self.max_len,
+            kernels=self.kernels,
+            score_scale=self.policy.score_scale,
+            unroll_layers=self.unroll_layers,
         )
 
     # ----- state -------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from dllm_jax.config import ModelConfig
 from dllm_jax.decode_config import DecodeConfig
 from dllm_jax.decode_loop import DecodeLoop, DecodeState
 from dllm_jax.flat_cache import cache_bytes
+from dllm_jax.kernel_backend import resolve_kernels
 from dllm_jax.model import Params
 from dllm_jax.policies import make_policy
 
@@ -93,17 +94,6 @@ def _next_power_of_two(n: int, minimum: int) -> int:
     return max(minimum, 1 << max(0, (n - 1).bit_length()))
 
 
-def resolve_backend(backend: str) -> str:
-    """'auto' -> 'pallas' on NVIDIA GPUs when the kernels are available, else 'xla'."""
-    if backend not in ("auto", "xla", "pallas"):
-        raise GenerationError(f"backend={backend!r}: expected 'auto', 'xla' or 'pallas'")
-    if backend != "auto":
-        return backend
-    from dllm_jax.kernel_backend import pallas_preferred
-
-    return "pallas" if pallas_preferred() else "xla"
-
-
 @dataclasses.dataclass(frozen=True)
 class CompiledLoop:
     """A decode loop compiled for one config and shape bucket.
@@ -128,8 +118,10 @@ class Engine:
       config: the model architecture.
       params: its parameter tree (on the device).
       tokenizer: a dllm_jax tokenizer (encode/decode), needed for text prompts.
-      backend: "auto", "xla" or "pallas".
+      backend: "auto" (per op, what measured fastest on this device), "xla" or "pallas"
+        (dllm_jax.kernel_backend).
       interpret: run Pallas kernels in interpret mode (CPU tests).
+      unroll_layers: unroll the layer loop instead of scanning it (larger program).
       chunk_iterations: loop iterations per device call (progress/timing granularity).
       full_pass_lanes: batch sizes of the compiled full-pass variants (None: 1, B/4 and B).
         Fewer variants compile faster; (B,) suits batches whose slots refill together.
@@ -145,12 +137,16 @@ class Engine:
         interpret: bool = False,
         chunk_iterations: int = 64,
         full_pass_lanes: tuple[int, ...] | None = None,
+        unroll_layers: bool = False,
     ):
         self.config = config
         self.params = params
         self.tokenizer = tokenizer
-        self.backend = resolve_backend(backend)
-        self.interpret = interpret
+        try:
+            self.kernels = resolve_kernels(backend, interpret)
+        except ValueError as e:
+            raise GenerationError(str(e)) from None
+        self.unroll_layers = unroll_layers
         self.chunk_iterations = chunk_iterations
         self.full_pass_lanes = full_pass_lanes
         self._executables: dict[tuple, CompiledLoop] = {}
@@ -162,6 +158,11 @@ class Engine:
 
         loaded = load_model(path, dtype=dtype)
         return cls(loaded.config, loaded.params, loaded.tokenizer, **kwargs)
+
+    @property
+    def backend(self) -> str:
+        """What runs the per-layer ops: "xla", "pallas" or a mix."""
+        return self.kernels.name
 
     @property
     def num_compilations(self) -> int:
@@ -212,8 +213,8 @@ class Engine:
             num_slots=decode.batch_size,
             max_len=max_len,
             gen_length=decode.gen_length,
-            backend=self.backend,
-            interpret=self.interpret,
+            kernels=self.kernels,
+            unroll_layers=self.unroll_layers,
             full_pass_lanes=self.full_pass_lanes,
         )
 

@@ -1,22 +1,63 @@
-"""The seam between the model's per-layer ops and the Pallas kernels (backend="pallas").
+"""The seam between the model's per-layer ops and the Pallas kernels.
 
 The kernels take the full layer-stacked weights and caches plus the layer index, so no
 per-layer slice is materialised inside the layer scan.
+
+Backends: "xla" runs every op through XLA (any device); "pallas" runs the fused projection
++ RoPE + cache write and the cache attention as Pallas kernels; "auto" picks per op what
+measured fastest on the device (BENCHMARKS.md, H200, LLaDA-8B layer shapes, 1/8/32 slots):
+the attention kernel (1.4x-12x faster than XLA's and cuDNN's paths) but XLA's cuBLAS
+projections (the fused projection kernel was 0.5x-0.9x their speed), and pure XLA off NVIDIA
+GPUs.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 
 from dllm_jax.config import ModelConfig
 
+BACKENDS: tuple[str, ...] = ("auto", "xla", "pallas")
 
-def pallas_preferred() -> bool:
-    """Whether backend='auto' should pick the Pallas kernels: only on an NVIDIA GPU."""
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """Which per-layer ops run as Pallas kernels (the others run through XLA)."""
+
+    qkv: bool = False
+    attention: bool = False
+    interpret: bool = False
+
+    @property
+    def name(self) -> str:
+        if self.qkv and self.attention:
+            return "pallas"
+        if self.attention:
+            return "xla+pallas-attention"
+        if self.qkv:
+            return "xla+pallas-qkv"
+        return "xla"
+
+
+def on_nvidia_gpu() -> bool:
     try:
-        return jax.devices()[0].platform == "gpu" and "nvidia" in jax.devices()[0].device_kind.lower()
+        device = jax.devices()[0]
     except RuntimeError:
         return False
+    return device.platform == "gpu" and "nvidia" in device.device_kind.lower()
+
+
+def resolve_kernels(backend: str, interpret: bool = False) -> Kernels:
+    """The Kernels a backend name stands for on this machine."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}: expected one of {BACKENDS}")
+    if backend == "pallas":
+        return Kernels(qkv=True, attention=True, interpret=interpret)
+    if backend == "auto" and on_nvidia_gpu():
+        return Kernels(attention=True)
+    return Kernels()
 
 
 def pallas_qkv_to_cache(config: ModelConfig, spec, stacked, x, positions, rows, k_cache, v_cache, layer):
@@ -37,7 +78,7 @@ def pallas_qkv_to_cache(config: ModelConfig, spec, stacked, x, positions, rows, 
         n_heads=config.n_heads,
         n_kv_heads=config.n_kv_heads,
         rope_theta=config.rope_theta,
-        interpret=spec.interpret,
+        interpret=spec.kernels.interpret,
     )
     return q.reshape(S, R, config.n_heads, config.head_dim), k_cache, v_cache
 
@@ -69,6 +110,6 @@ def pallas_layer_attention(config: ModelConfig, spec, q, k_cache, v_cache, layer
         max_len=spec.max_len,
         key_exclude=key_exclude,
         extra=extra,
-        interpret=spec.interpret,
+        interpret=spec.kernels.interpret,
     )
     return out, (scores if spec.score_scale is not None else None)

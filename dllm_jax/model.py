@@ -39,15 +39,21 @@ _INIT = nn.initializers.normal(stddev=0.02)
 
 
 class Linear(nn.Module):
-    """y = x @ kernel with float32 accumulation; returns float32 (callers round once)."""
+    """y = x @ kernel, accumulated in float32, returned in out_dtype (default: the weights' dtype).
+
+    bf16 x bf16 -> bf16 dots accumulate in float32 on GPU (cuBLAS) and CPU; asking for a
+    float32 result only where it is used (q and k before RoPE) keeps the large MLP
+    activations in bf16 in device memory.
+    """
 
     features: int
     dtype: Any
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, out_dtype: Any = None) -> jax.Array:
         kernel = self.param("kernel", _INIT, (x.shape[-1], self.features), self.dtype)
-        return jnp.dot(x.astype(self.dtype), kernel, preferred_element_type=jnp.float32)
+        out_dtype = self.dtype if out_dtype is None else out_dtype
+        return jnp.dot(x.astype(self.dtype), kernel, preferred_element_type=out_dtype)
 
 
 class RMSNorm(nn.Module):
@@ -95,8 +101,8 @@ class LLaDABlock(nn.Module):
         c = self.config
         dt = c.jnp_dtype
         lead = x.shape[:-1]
-        q = self.q_proj(x).reshape(*lead, c.n_heads, c.head_dim)
-        k = self.k_proj(x).reshape(*lead, c.n_kv_heads, c.head_dim)
+        q = self.q_proj(x, jnp.float32).reshape(*lead, c.n_heads, c.head_dim)
+        k = self.k_proj(x, jnp.float32).reshape(*lead, c.n_kv_heads, c.head_dim)
         v = self.v_proj(x).reshape(*lead, c.n_kv_heads, c.head_dim)
         cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)
         # [..., T, 1, Dh/2]: one angle per row, shared by all heads
@@ -147,7 +153,7 @@ class LLaDAModel(nn.Module):
         x = self.ln_f(h)
         if self.config.weight_tying:
             return self.wte.attend(x).astype(self.config.jnp_dtype)
-        return self.lm_head(x).astype(self.config.jnp_dtype)
+        return self.lm_head(x)
 
     def __call__(
         self,

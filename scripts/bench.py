@@ -298,7 +298,8 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="CPU smoke test on a tiny model")
     p.add_argument("--preset", nargs="+", choices=("steps", "compare"), default=["steps", "compare"])
-    p.add_argument("--backends", nargs="+", choices=("xla", "pallas"), default=None)
+    p.add_argument("--backends", nargs="+", choices=("auto", "xla", "pallas"), default=None)
+    p.add_argument("--unroll-layers", action="store_true", help="unroll the layer loop instead of scanning it")
     p.add_argument("--slots", nargs="+", type=int, default=None)
     p.add_argument("--compare-slots", nargs="+", type=int, default=None)
     p.add_argument("--gen-lengths", nargs="+", type=int, default=None)
@@ -307,11 +308,12 @@ def parse_args(argv):
     p.add_argument("--prompt-length", type=int, default=None)
     p.add_argument("--iterations", type=int, default=8, help="iterations per step-time sample")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--ceiling-repeats", type=int, default=10)
     p.add_argument("--budget-s", type=float, default=None, help="skip runs once this much time has passed")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
     opts = p.parse_args(argv)
     tiny = opts.tiny
-    opts.backends = opts.backends or (["xla"] if tiny else ["xla", "pallas"])
+    opts.backends = opts.backends or (["xla"] if tiny else ["xla", "pallas", "auto"])
     opts.slots = opts.slots or ([1, 2] if tiny else [1, 8, 32])
     opts.compare_slots = opts.compare_slots or ([2] if tiny else [8])
     opts.gen_lengths = opts.gen_lengths or ([32] if tiny else [256, 512])
@@ -326,7 +328,7 @@ def main(argv=None) -> int:
     shapes = Shapes(d_model=config.d_model, n_heads=config.n_heads, n_kv_heads=config.n_kv_heads, n_layers=1,
                     rows_per_slot=128, max_len=128, cache_slots=1, slot_counts=(), key_lengths=(), verify_rows=32,
                     matmul_size=256 if opts.tiny else 8192, copy_elements=2**16 if opts.tiny else 2**28, sweep_size=0)
-    ceilings = measure_ceilings(shapes, repeats=3 if opts.tiny else 10)
+    ceilings = measure_ceilings(shapes, repeats=3 if opts.tiny else opts.ceiling_repeats)
     print(f"ceilings: {ceilings}", flush=True)
     init_start = time.perf_counter()
     params = jax.block_until_ready(jax.jit(init_params, static_argnums=0)(config, jax.random.key(0)))
@@ -334,7 +336,8 @@ def main(argv=None) -> int:
     cost = Cost(config)
     report = {
         "device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "model": "tiny" if opts.tiny else "LLaDA-8B",
-        "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "ceilings": ceilings,
+        "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "unroll_layers": opts.unroll_layers, "ceilings": ceilings,
         "weight_bytes": cost.weight_bytes, "runs": [], "errors": [], "flop_ratio_checks": [],
     }
     opts.out.mkdir(parents=True, exist_ok=True)
@@ -346,7 +349,9 @@ def main(argv=None) -> int:
 
     jobs = []
     for backend in opts.backends:
-        engine = Engine(config, params, backend=backend, interpret=opts.tiny and backend == "pallas", full_pass_lanes=())
+        engine = Engine(config, params, backend=backend, interpret=opts.tiny and backend == "pallas", full_pass_lanes=(),
+                        unroll_layers=opts.unroll_layers)
+        backend = engine.backend
         if "steps" in opts.preset:
             for slots in opts.slots:
                 jobs.append((f"steps {backend} slots={slots}", lambda e=engine, b=backend, s=slots: steps_run(
