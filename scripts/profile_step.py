@@ -1,0 +1,105 @@
+"""Where the time of a steady-state Flash-Cache step goes: a device trace summed per kernel.
+
+    PYTHONPATH=. python scripts/profile_step.py --slots 1 32          # GPU, LLaDA-8B, random weights
+    PYTHONPATH=. python scripts/profile_step.py --tiny --slots 2      # CPU smoke test
+
+Runs a few steps of flash_cache (one token per step, 128 rows per slot) under jax.profiler
+with a Perfetto trace, then sums the device events per kernel name and prints the top ones,
+the device-busy time per step and the wall time per step (their difference is launch and
+host overhead). Writes profile_<slots>.json to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bench import decode_config, random_prompts, tiny_config  # noqa: E402
+from dllm_jax.config import llada_8b_config  # noqa: E402
+from dllm_jax.engine import Engine  # noqa: E402
+from dllm_jax.model import init_params  # noqa: E402
+
+
+def device_events(trace_dir: Path) -> list[dict]:
+    """Complete events on device tracks of the Perfetto trace written by jax.profiler."""
+    files = sorted(trace_dir.rglob("*.json.gz"), key=lambda f: f.name != "perfetto_trace.json.gz")
+    if not files:
+        raise FileNotFoundError(f"{trace_dir}: no trace file written")
+    trace = json.loads(gzip.open(files[0]).read())
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    process_names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    device_pids = {pid for pid, name in process_names.items() if "/device:" in name}
+    return [e for e in events if e.get("ph") == "X" and e.get("pid") in device_pids and "dur" in e]
+
+
+def profile(engine: Engine, slots: int, gen_length: int, prompt_len: int, steps: int, out: Path) -> dict:
+    decode = decode_config("flash_cache", "one", gen_length, slots)
+    prompts = random_prompts(slots, prompt_len, engine.config.vocab_size, seed=slots)
+    compiled = engine.compile(decode, prompt_len)
+    tokens = np.zeros((compiled.queue_capacity, compiled.prompt_width), np.int32)
+    lengths = np.zeros((compiled.queue_capacity,), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+        lengths[i] = len(p)
+    knobs, seed, no_more = decode.knobs(), jnp.int32(0), jnp.bool_(False)
+    state = compiled.init(jnp.asarray(tokens), jnp.asarray(lengths), jnp.int32(slots))
+    state = jax.block_until_ready(compiled.run(engine.params, state, knobs, seed, jnp.int32(3), no_more))
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
+        with jax.profiler.trace(tmp, create_perfetto_trace=True):
+            state = jax.block_until_ready(compiled.run(engine.params, state, knobs, seed, jnp.int32(3 + steps), no_more))
+        wall = (time.perf_counter() - start) / steps
+        events = device_events(Path(tmp))
+    per_kernel = collections.defaultdict(lambda: [0.0, 0])
+    for e in events:
+        per_kernel[e["name"]][0] += e["dur"] * 1e-6 / steps
+        per_kernel[e["name"]][1] += 1
+    busy = sum(t for t, _ in per_kernel.values())
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])
+    result = {
+        "slots": slots, "steps": steps, "wall_ms_per_step_profiled": 1e3 * wall, "device_busy_ms_per_step": 1e3 * busy,
+        "kernels_per_step": sum(n for _, n in per_kernel.values()) / steps,
+        "top": [{"name": name, "ms_per_step": 1e3 * t, "calls_per_step": n / steps} for name, (t, n) in top[:40]],
+    }
+    (out / f"profile_{slots}.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--slots", nargs="+", type=int, default=[1, 32])
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
+    opts = p.parse_args(argv)
+    config = tiny_config() if opts.tiny else llada_8b_config()
+    params = jax.block_until_ready(jax.jit(init_params, static_argnums=0)(config, jax.random.key(0)))
+    engine = Engine(config, params, backend=opts.backend, full_pass_lanes=())
+    opts.out.mkdir(parents=True, exist_ok=True)
+    for slots in opts.slots:
+        r = profile(engine, slots, 32 if opts.tiny else 256, 16 if opts.tiny else 256, opts.steps, opts.out)
+        print(f"\n## {slots} slots, backend {engine.backend}: wall {r['wall_ms_per_step_profiled']:.2f} ms/step, "
+              f"device busy {r['device_busy_ms_per_step']:.2f} ms/step, {r['kernels_per_step']:.0f} kernels/step")
+        print("| ms/step | calls/step | kernel |\n|---|---|---|")
+        for k in r["top"][:25]:
+            print(f"| {k['ms_per_step']:.3f} | {k['calls_per_step']:.0f} | {k['name'][:90]} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
