@@ -34,13 +34,11 @@ class PassSpec:
     kernels: which ops run as Pallas kernels (default: none, pure XLA).
     score_scale: factor applied to the summed raw logits of the score rows (1 / (W * H) for
       Flash-Cache's mean over window rows and heads); None = no tracking scores.
-    unroll_layers: unroll the layer loop (static weight slices) instead of scanning it.
     """
 
     max_len: int
     kernels: Kernels = Kernels()
     score_scale: float | None = None
-    unroll_layers: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,24 +125,30 @@ def cached_forward(
     block = LLaDABlock(config)
     model = LLaDAModel(config)
     h = model.apply({"params": params}, tokens, method=LLaDAModel.embed)
-    stacked = params["layers"]
-    if spec.kernels.qkv or spec.kernels.attention:
-        from dllm_jax.kernel_backend import pallas_layer_attention, pallas_qkv_to_cache
+    layers = params["layers"]
+    per_layer = isinstance(layers, (list, tuple))
+    if spec.kernels.qkv or spec.kernels.attention or spec.kernels.scatter:
+        from dllm_jax.kernel_backend import pallas_layer_attention, pallas_qkv_to_cache, pallas_scatter_kv
+    if per_layer and spec.kernels.qkv:
+        raise ValueError("the fused projection kernel reads layer-stacked weights; use stacked params")
 
-    def layer_step(carry, layer):
+    def layer_step(carry, lp, layer):
+        """One block; lp: this layer's params; layer: its index (int32 when scanned)."""
         h, k_cache, v_cache, scores = carry
-        lp = {"params": jax.tree_util.tree_map(lambda w: w[layer], stacked)}
+        lp = {"params": lp}
         x = block.apply(lp, h, method=LLaDABlock.attention_input)
         extra_kv = None
         if spec.kernels.qkv and verify is None:
-            q, k_cache, v_cache = pallas_qkv_to_cache(config, spec, stacked, x, positions, rows, k_cache, v_cache, layer)
+            q, k_cache, v_cache = pallas_qkv_to_cache(config, spec, layers, x, positions, rows, k_cache, v_cache, layer)
         else:
             q, k, v = block.apply(lp, x, positions, method=LLaDABlock.project_qkv)
-            if verify is None:
+            if verify is not None:
+                extra_kv = (k, v)
+            elif spec.kernels.scatter:
+                k_cache, v_cache = pallas_scatter_kv(spec, k_cache, v_cache, k, v, rows, layer)
+            else:
                 k_cache = k_cache.at[layer, rows].set(k.reshape(S, R, -1))
                 v_cache = v_cache.at[layer, rows].set(v.reshape(S, R, -1))
-            else:
-                extra_kv = (k, v)
         if spec.kernels.attention:
             out, layer_scores = pallas_layer_attention(
                 config, spec, q, k_cache, v_cache, layer, group_slot, key_len, score_rows, verify, extra_kv
@@ -153,18 +157,23 @@ def cached_forward(
             out, layer_scores = _xla_layer_attention(
                 config, spec, q, k_cache[layer], v_cache[layer], group_slot, key_len, score_rows, verify, extra_kv
             )
-        if scores is not None:
+        if scores is not None and not (per_layer and layer < SCORE_START_LAYER):
             scores = scores + jnp.where(layer >= SCORE_START_LAYER, layer_scores, 0.0)
         h = block.apply(lp, h, out.reshape(S, R, -1), method=LLaDABlock.output_and_mlp)
-        return (h, k_cache, v_cache, scores), None
+        return h, k_cache, v_cache, scores
 
-    scores0 = None if spec.score_scale is None else jnp.zeros((S, spec.max_len), jnp.float32)
-    (h, k_cache, v_cache, scores), _ = jax.lax.scan(
-        layer_step,
-        (h, cache.k, cache.v, scores0),
-        jnp.arange(config.n_layers, dtype=jnp.int32),
-        unroll=config.n_layers if spec.unroll_layers else 1,
-    )
+    carry = (h, cache.k, cache.v, None if spec.score_scale is None else jnp.zeros((S, spec.max_len), jnp.float32))
+    if per_layer:
+        # separate arrays per layer, unrolled: no layer's weights are sliced (copied) out of a stack
+        for layer, lp in enumerate(layers):
+            carry = layer_step(carry, lp, layer)
+    else:
+
+        def scan_step(carry, layer):
+            return layer_step(carry, jax.tree_util.tree_map(lambda w: w[layer], layers), layer), None
+
+        carry, _ = jax.lax.scan(scan_step, carry, jnp.arange(config.n_layers, dtype=jnp.int32))
+    h, k_cache, v_cache, scores = carry
     # [S, C, D] -> [S, C, V]: the LM head runs on candidate rows only
     h_candidates = jnp.take_along_axis(h, candidate_rows[:, :, None], axis=1)
     logits = model.apply({"params": params}, h_candidates, method=LLaDAModel.logits)

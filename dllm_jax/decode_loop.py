@@ -92,7 +92,6 @@ class DecodeLoop:
     max_len: int
     gen_length: int
     kernels: Kernels = Kernels()
-    unroll_layers: bool = False
     full_pass_lanes: tuple[int, ...] | None = None
 
     @property
@@ -112,7 +111,6 @@ class DecodeLoop:
             max_len=self.max_len,
             kernels=self.kernels,
             score_scale=self.policy.score_scale,
-            unroll_layers=self.unroll_layers,
         )
 
     # ----- state -------------------------------------------------------------------------

@@ -6,9 +6,9 @@ per-layer slice is materialised inside the layer scan.
 Backends: "xla" runs every op through XLA (any device); "pallas" runs the fused projection
 + RoPE + cache write and the cache attention as Pallas kernels; "auto" picks per op what
 measured fastest on the device (BENCHMARKS.md, H200, LLaDA-8B layer shapes, 1/8/32 slots):
-the attention kernel (1.4x-12x faster than XLA's and cuDNN's paths) but XLA's cuBLAS
-projections (the fused projection kernel was 0.5x-0.9x their speed), and pure XLA off NVIDIA
-GPUs.
+the attention kernel (1.4x-12x faster than XLA's and cuDNN's paths) and the K/V row scatter
+(XLA's scatter ran at 0.23 TB/s), but XLA's cuBLAS projections (the fused projection kernel
+was 0.5x-0.9x their speed), and pure XLA off NVIDIA GPUs.
 """
 
 from __future__ import annotations
@@ -28,17 +28,15 @@ class Kernels:
 
     qkv: bool = False
     attention: bool = False
+    scatter: bool = False  # the K/V cache write of the XLA projection path
     interpret: bool = False
 
     @property
     def name(self) -> str:
         if self.qkv and self.attention:
             return "pallas"
-        if self.attention:
-            return "xla+pallas-attention"
-        if self.qkv:
-            return "xla+pallas-qkv"
-        return "xla"
+        used = [name for name, on in (("qkv", self.qkv), ("attention", self.attention), ("scatter", self.scatter)) if on]
+        return "xla+pallas-" + "-".join(used) if used else "xla"
 
 
 def on_nvidia_gpu() -> bool:
@@ -49,14 +47,16 @@ def on_nvidia_gpu() -> bool:
     return device.platform == "gpu" and "nvidia" in device.device_kind.lower()
 
 
-def resolve_kernels(backend: str, interpret: bool = False) -> Kernels:
-    """The Kernels a backend name stands for on this machine."""
+def resolve_kernels(backend: str | Kernels, interpret: bool = False) -> Kernels:
+    """The Kernels a backend name stands for on this machine (a Kernels is taken as given)."""
+    if isinstance(backend, Kernels):
+        return dataclasses.replace(backend, interpret=backend.interpret or interpret)
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}: expected one of {BACKENDS}")
     if backend == "pallas":
         return Kernels(qkv=True, attention=True, interpret=interpret)
     if backend == "auto" and on_nvidia_gpu():
-        return Kernels(attention=True)
+        return Kernels(attention=True, scatter=True)
     return Kernels()
 
 
@@ -74,13 +74,24 @@ def pallas_qkv_to_cache(config: ModelConfig, spec, stacked, x, positions, rows, 
         rows.reshape(S * R),
         k_cache,
         v_cache,
-        layer,
+        jax.numpy.int32(layer),
         n_heads=config.n_heads,
         n_kv_heads=config.n_kv_heads,
         rope_theta=config.rope_theta,
         interpret=spec.kernels.interpret,
     )
     return q.reshape(S, R, config.n_heads, config.head_dim), k_cache, v_cache
+
+
+def pallas_scatter_kv(spec, k_cache, v_cache, k, v, rows, layer):
+    """Writes k, v [S, R, KVH, Dh] to their cache rows [S, R] of `layer`."""
+    from pallas_kernels.scatter_rows import scatter_kv_rows
+
+    n = rows.size
+    return scatter_kv_rows(
+        k_cache, v_cache, k.reshape(n, -1), v.reshape(n, -1), rows.reshape(n), jax.numpy.int32(layer),
+        interpret=spec.kernels.interpret,
+    )
 
 
 def pallas_layer_attention(config: ModelConfig, spec, q, k_cache, v_cache, layer, group_slot, key_len, score_rows, verify, extra_kv):
@@ -101,7 +112,7 @@ def pallas_layer_attention(config: ModelConfig, spec, q, k_cache, v_cache, layer
         q.reshape(S, R, -1),
         k_cache,
         v_cache,
-        layer,
+        jax.numpy.int32(layer),
         slots,
         key_len,
         score_rows,

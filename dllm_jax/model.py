@@ -186,6 +186,33 @@ def init_params(config: ModelConfig, rng: jax.Array) -> Params:
     return LLaDAModel(config).init(rng, tokens)["params"]
 
 
+def init_params_per_layer(config: ModelConfig, rng: jax.Array) -> Params:
+    """Random parameters with params["layers"] a tuple of per-layer trees, built layer by layer
+    (no layer-stacked copy ever exists: device memory stays at the model's size)."""
+    import dataclasses
+
+    top_rng, *layer_rngs = jax.random.split(rng, config.n_layers + 1)
+    top = jax.jit(init_params, static_argnums=0)(dataclasses.replace(config, n_layers=1), top_rng)
+    block = LLaDABlock(config)
+    h = jnp.zeros((1, 2, config.d_model), config.jnp_dtype)
+    positions = jnp.zeros((1, 2), jnp.int32)
+    init_block = jax.jit(lambda r: block.init(r, h, positions, jnp.ones((1, 1, 2), bool))["params"])
+    return {**{k: v for k, v in top.items() if k != "layers"}, "layers": tuple(init_block(r) for r in layer_rngs)}
+
+
+def unstack_layers(params: Params) -> Params:
+    """params with "layers" as a tuple of per-layer trees (copies of the stacked slices).
+
+    The decode engine unrolls its layer loop over such params, so no layer's weights are
+    sliced out of the stack (which XLA does with a copy) at every step.
+    """
+    layers = params["layers"]
+    if isinstance(layers, (list, tuple)):
+        return params
+    n_layers = jax.tree_util.tree_leaves(layers)[0].shape[0]
+    return {**params, "layers": tuple(jax.tree_util.tree_map(lambda w: w[i], layers) for i in range(n_layers))}
+
+
 def abstract_params(config: ModelConfig) -> Params:
     """The parameter tree as jax.ShapeDtypeStruct leaves, without allocating."""
     return jax.eval_shape(lambda rng: init_params(config, rng), jax.random.key(0))

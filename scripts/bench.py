@@ -38,7 +38,7 @@ import numpy as np  # noqa: E402
 from dllm_jax.config import ModelConfig, llada_8b_config  # noqa: E402
 from dllm_jax.decode_config import DecodeConfig  # noqa: E402
 from dllm_jax.engine import Engine  # noqa: E402
-from dllm_jax.model import init_params  # noqa: E402
+from dllm_jax.model import init_params, init_params_per_layer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import Shapes, measure_ceilings  # noqa: E402
@@ -299,7 +299,8 @@ def parse_args(argv):
     p.add_argument("--tiny", action="store_true", help="CPU smoke test on a tiny model")
     p.add_argument("--preset", nargs="+", choices=("steps", "compare"), default=["steps", "compare"])
     p.add_argument("--backends", nargs="+", choices=("auto", "xla", "pallas"), default=None)
-    p.add_argument("--unroll-layers", action="store_true", help="unroll the layer loop instead of scanning it")
+    p.add_argument("--layers", choices=("stacked", "per_layer"), default="per_layer",
+                   help="weights stacked (layer loop scanned) or one array per layer (loop unrolled)")
     p.add_argument("--slots", nargs="+", type=int, default=None)
     p.add_argument("--compare-slots", nargs="+", type=int, default=None)
     p.add_argument("--gen-lengths", nargs="+", type=int, default=None)
@@ -313,7 +314,7 @@ def parse_args(argv):
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
     opts = p.parse_args(argv)
     tiny = opts.tiny
-    opts.backends = opts.backends or (["xla"] if tiny else ["xla", "pallas", "auto"])
+    opts.backends = opts.backends or (["xla"] if tiny else ["xla", "auto"])
     opts.slots = opts.slots or ([1, 2] if tiny else [1, 8, 32])
     opts.compare_slots = opts.compare_slots or ([2] if tiny else [8])
     opts.gen_lengths = opts.gen_lengths or ([32] if tiny else [256, 512])
@@ -331,13 +332,18 @@ def main(argv=None) -> int:
     ceilings = measure_ceilings(shapes, repeats=3 if opts.tiny else opts.ceiling_repeats)
     print(f"ceilings: {ceilings}", flush=True)
     init_start = time.perf_counter()
-    params = jax.block_until_ready(jax.jit(init_params, static_argnums=0)(config, jax.random.key(0)))
+    if opts.layers == "per_layer":
+        if "pallas" in opts.backends:
+            raise SystemExit("--backends pallas (fused projection kernel) needs --layers stacked")
+        params = jax.block_until_ready(init_params_per_layer(config, jax.random.key(0)))
+    else:
+        params = jax.block_until_ready(jax.jit(init_params, static_argnums=0)(config, jax.random.key(0)))
     print(f"random weights on {jax.devices()[0]} in {time.perf_counter() - init_start:.1f} s", flush=True)
     cost = Cost(config)
     report = {
         "device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "model": "tiny" if opts.tiny else "LLaDA-8B",
         "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "unroll_layers": opts.unroll_layers, "ceilings": ceilings,
+        "layers": opts.layers, "ceilings": ceilings,
         "weight_bytes": cost.weight_bytes, "runs": [], "errors": [], "flop_ratio_checks": [],
     }
     opts.out.mkdir(parents=True, exist_ok=True)
@@ -349,8 +355,7 @@ def main(argv=None) -> int:
 
     jobs = []
     for backend in opts.backends:
-        engine = Engine(config, params, backend=backend, interpret=opts.tiny and backend == "pallas", full_pass_lanes=(),
-                        unroll_layers=opts.unroll_layers)
+        engine = Engine(config, params, backend=backend, interpret=opts.tiny and backend == "pallas", full_pass_lanes=())
         backend = engine.backend
         if "steps" in opts.preset:
             for slots in opts.slots:

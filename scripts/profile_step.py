@@ -31,7 +31,7 @@ import numpy as np  # noqa: E402
 from bench import decode_config, random_prompts, tiny_config  # noqa: E402
 from dllm_jax.config import llada_8b_config  # noqa: E402
 from dllm_jax.engine import Engine  # noqa: E402
-from dllm_jax.model import init_params  # noqa: E402
+from dllm_jax.model import init_params, init_params_per_layer  # noqa: E402
 
 
 def device_events(trace_dir: Path) -> list[dict]:
@@ -85,10 +85,14 @@ def main(argv=None) -> int:
     p.add_argument("--slots", nargs="+", type=int, default=[1, 32])
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--backend", default="auto")
+    p.add_argument("--layers", choices=("stacked", "per_layer"), default="per_layer")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
     opts = p.parse_args(argv)
     config = tiny_config() if opts.tiny else llada_8b_config()
-    params = jax.block_until_ready(jax.jit(init_params, static_argnums=0)(config, jax.random.key(0)))
+    if opts.layers == "per_layer":
+        params = jax.block_until_ready(init_params_per_layer(config, jax.random.key(0)))
+    else:
+        params = jax.block_until_ready(jax.jit(init_params, static_argnums=0)(config, jax.random.key(0)))
     engine = Engine(config, params, backend=opts.backend, full_pass_lanes=())
     opts.out.mkdir(parents=True, exist_ok=True)
     for slots in opts.slots:

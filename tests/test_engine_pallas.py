@@ -6,6 +6,7 @@ import pytest
 
 from dllm_jax.decode_config import DecodeConfig
 from dllm_jax.engine import Engine
+from dllm_jax.kernel_backend import Kernels
 from dllm_jax.model import init_params
 from tests.conftest import tiny_config
 
@@ -18,7 +19,7 @@ from tests.conftest import tiny_config
     ],
     ids=["flash_verify", "fast_dllm_dual"],
 )
-def test_pallas_backend_decodes_like_xla(decode):
+def test_pallas_backends_decode_like_xla(decode):
     # head_dim 32: the kernels' smallest tile is 16 rotary pairs
     cfg = tiny_config(d_model=128, mlp_hidden_size=128)
     params = init_params(cfg, jax.random.key(0))
@@ -27,24 +28,35 @@ def test_pallas_backend_decodes_like_xla(decode):
     rng = np.random.RandomState(0)
     prompts = [list(rng.randint(0, 100, n)) for n in (12, 7, 15, 9, 3)]
     xla = Engine(cfg, params, backend="xla").generate(prompts, decode)
-    pallas = Engine(cfg, params, backend="pallas", interpret=True).generate(prompts, decode)
-    assert [r.token_ids for r in pallas.results] == [r.token_ids for r in xla.results]
-    assert [r.steps for r in pallas.results] == [r.steps for r in xla.results]
     assert xla.stats.tokens_per_step > 1.05
+    variants = {
+        "pallas": Engine(cfg, params, backend="pallas", interpret=True),
+        # what "auto" picks on an NVIDIA GPU, over per-layer weights (unrolled layer loop)
+        "gpu-auto": Engine(cfg, params, backend=Kernels(attention=True, scatter=True), interpret=True, unroll_layers=True),
+        "xla-unrolled": Engine(cfg, params, backend="xla", unroll_layers=True),
+    }
+    for name, engine in variants.items():
+        out = engine.generate(prompts, decode)
+        assert [r.token_ids for r in out.results] == [r.token_ids for r in xla.results], name
+        assert [r.steps for r in out.results] == [r.steps for r in xla.results], name
 
 
-@pytest.mark.parametrize("backend", ["pallas", "xla"])
+@pytest.mark.parametrize("backend", ["pallas", "xla", "gpu-auto"])
 def test_decode_loop_lowers_for_cuda_at_llada_8b_shapes(backend):
     """The whole jitted loop (flash_cache + verify) at the real shapes, lowered for CUDA on the CPU:
     a kernel or shape the Triton backend rejects inside the engine fails here."""
     import jax.numpy as jnp
 
     from dllm_jax.config import llada_8b_config
-    from dllm_jax.model import abstract_params
+    from dllm_jax.model import abstract_params, unstack_layers
     from tests.cuda_lowering import lower_for_cuda
 
     cfg = llada_8b_config()
-    engine = Engine(cfg, abstract_params(cfg), backend=backend, full_pass_lanes=())
+    if backend == "gpu-auto":
+        engine = Engine(cfg, jax.eval_shape(unstack_layers, abstract_params(cfg)),
+                        backend=Kernels(attention=True, scatter=True), full_pass_lanes=())
+    else:
+        engine = Engine(cfg, abstract_params(cfg), backend=backend, full_pass_lanes=())
     decode = DecodeConfig(method="flash_cache", gen_length=256, batch_size=8, threshold=2.0, verify=True)
     loop = engine.decode_loop(decode, 256)
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
@@ -54,5 +66,7 @@ def test_decode_loop_lowers_for_cuda_at_llada_8b_shapes(backend):
         jax.ShapeDtypeStruct((), jnp.bool_),
     )
     triton_calls = text.count("__gpu$xla.gpu.triton")
-    # full pass and sparse pass: fused QKV + attention each; verify: attention
-    assert triton_calls == (5 if backend == "pallas" else 0)
+    # distinct kernel instances (each jitted kernel is one function however often it is called):
+    # full and sparse pass, projection (pallas) or scatter (gpu-auto) + attention each; verify attention
+    assert triton_calls == {"pallas": 5, "xla": 0, "gpu-auto": 5}[backend]
+    assert ("scatter_kv_rows" in text) == (backend == "gpu-auto")
