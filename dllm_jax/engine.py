@@ -32,8 +32,12 @@ from dllm_jax.kernel_backend import Kernels, resolve_kernels
 from dllm_jax.model import Params, unstack_layers
 from dllm_jax.policies import make_policy
 
-# Key positions are rounded to this; also the slack of max_len (reference-spec B.1).
+# flash_cache: max_len as the reference computes it (reference-spec B.1); key lengths are
+# rounded to 128 within it. Block methods attend to exactly prompt + gen_length positions, so
+# their slots need only that plus the trash row, rounded to _ROW_GRANULE (their full passes
+# compute every row of a slot, so slack rows are wasted work).
 _KEY_TILE = 128
+_ROW_GRANULE = 32
 _MIN_PROMPT_BUCKET = 16
 
 
@@ -211,7 +215,10 @@ class Engine:
     def decode_loop(self, decode: DecodeConfig, max_prompt_len: int) -> DecodeLoop:
         """The loop for this config and prompt-length bucket (max_len from the bucket)."""
         bucket = _next_power_of_two(max_prompt_len, _MIN_PROMPT_BUCKET)
-        max_len = ((bucket + decode.gen_length + decode.window) // _KEY_TILE + 1) * _KEY_TILE
+        if decode.method == "flash_cache":
+            max_len = ((bucket + decode.gen_length + decode.window) // _KEY_TILE + 1) * _KEY_TILE
+        else:
+            max_len = -(-(bucket + decode.gen_length + 1) // _ROW_GRANULE) * _ROW_GRANULE
         policy = make_policy(decode, self.config, max_len)
         return DecodeLoop(
             model=self.config,

@@ -14,7 +14,8 @@ gen_length / 16). Presets:
            verify under both schedules: tokens/s, ms per iteration, rows per step, and the
            speed ratios between methods against the ratios of their FLOPs.
 The two ceilings (a large bf16 matmul rate, a large elementwise pass's bandwidth counting
-bytes read + written) are measured in the same run. Compile time is reported apart from run
+bytes read + written) are measured in the same run, after the decode runs so that their
+buffers stay out of the reported peak memory (the allocator's peak over the process). Compile time is reported apart from run
 time. Writes bench.json and bench.md to --out (default $OUT or ./out), updated after each run.
 """
 
@@ -103,17 +104,26 @@ class Cost:
         c = self.config
         return 2.0 * slots * keys * c.kv_dim * c.jnp_dtype.itemsize * c.n_layers
 
-    def floors(self, flops: float, passes: float, slots: float, keys: float, ceilings: dict) -> dict:
-        """Time floors of some work: FLOPs at the matmul rate; weights once per pass plus each
-        slot's cache read once per pass at the bandwidth."""
-        bytes_moved = passes * (self.weight_bytes + self.cache_read_bytes(slots, keys))
+    def work(self, flops: float, passes: float, slots: float, keys: float) -> dict:
+        """FLOPs and the fewest bytes of some work: weights once per pass plus each slot's
+        cache read once per pass."""
         return {
             "flops": flops,
-            "bytes": bytes_moved,
-            "flop_floor_s": flops / ceilings["matmul_flops"],
-            "byte_floor_s": bytes_moved / ceilings["bandwidth_bytes"],
-            "weight_floor_s": passes * self.weight_bytes / ceilings["bandwidth_bytes"],
+            "bytes": passes * (self.weight_bytes + self.cache_read_bytes(slots, keys)),
+            "weight_bytes_moved": passes * self.weight_bytes,
         }
+
+
+def add_floors(run: dict, ceilings: dict) -> None:
+    """Time floors (FLOPs at the matmul rate, bytes at the bandwidth) and the measured ratios."""
+    run["flop_floor_s"] = run["flops"] / ceilings["matmul_flops"]
+    run["byte_floor_s"] = run["bytes"] / ceilings["bandwidth_bytes"]
+    run["weight_floor_s"] = run["weight_bytes_moved"] / ceilings["bandwidth_bytes"]
+    if run["preset"] == "steps":
+        run["step_over_flop_floor"] = run["step_s"] / run["flop_floor_s"]
+        run["step_over_weight_floor"] = run["step_s"] / run["weight_floor_s"]
+    else:
+        run["time_over_floor"] = run["wall_s"] / max(run["flop_floor_s"], run["byte_floor_s"])
 
 
 def work_per_request(loop, decode: DecodeConfig, prompt_len: int, steps: int) -> dict:
@@ -189,23 +199,20 @@ def steady_step_time(engine: Engine, decode: DecodeConfig, prompts, iterations: 
     }
 
 
-def steps_run(engine, backend, slots, gen_length, prompt_len, cost, ceilings, opts) -> dict:
+def steps_run(engine, backend, slots, gen_length, prompt_len, cost, opts) -> dict:
     decode = decode_config("flash_cache", "one", gen_length, slots)
     prompts = random_prompts(slots, prompt_len, engine.config.vocab_size, seed=slots)
     timing = steady_step_time(engine, decode, prompts, opts.iterations, opts.repeats)
     rows = slots * timing["rows_per_slot"]
     flops = cost.pass_flops(rows, timing["key_len"], slots * WINDOW)
-    floors = cost.floors(flops, 1, slots, timing["key_len"], ceilings)
     return {
         "preset": "steps", "method": "flash_cache", "schedule": "one", "backend": backend, "slots": slots,
-        "gen_length": gen_length, "prompt_length": prompt_len, **timing, **floors,
-        "step_over_flop_floor": timing["step_s"] / floors["flop_floor_s"],
-        "step_over_weight_floor": timing["step_s"] / floors["weight_floor_s"],
-        "peak_bytes": peak_bytes(),
+        "gen_length": gen_length, "prompt_length": prompt_len, **timing,
+        **cost.work(flops, 1, slots, timing["key_len"]), "peak_bytes": peak_bytes(),
     }
 
 
-def compare_run(engine, method, schedule, backend, slots, gen_length, prompt_len, cost, ceilings) -> dict:
+def compare_run(engine, method, schedule, backend, slots, gen_length, prompt_len, cost) -> dict:
     decode = decode_config(method, schedule, gen_length, slots)
     prompts = random_prompts(slots, prompt_len, engine.config.vocab_size, seed=7)
     engine.compile(decode, prompt_len)  # compile apart from the timed run
@@ -218,15 +225,13 @@ def compare_run(engine, method, schedule, backend, slots, gen_length, prompt_len
     key_len = work[0]["key_len"]
     flops = cost.pass_flops(rows, key_len, sum(w["logit_rows"] for w in work))
     passes = s.iterations * (2 if decode.verify else 1)
-    floors = cost.floors(flops, passes, slots, key_len, ceilings)
-    floor = max(floors["flop_floor_s"], floors["byte_floor_s"])
     return {
         "preset": "compare", "method": method, "schedule": schedule, "backend": backend, "slots": slots,
         "gen_length": gen_length, "prompt_length": prompt_len, "tokens": s.num_tokens, "wall_s": s.wall_seconds,
         "tokens_per_s": s.tokens_per_second, "tokens_per_step": s.tokens_per_step, "steps": s.steps,
         "iterations": s.iterations, "forward_passes": s.forward_passes, "ms_per_iteration": 1e3 * s.wall_seconds / s.iterations,
         "rows_per_step": rows / s.steps, "flops_per_token": flops / s.num_tokens, "compile_s": compile_s,
-        "cache_bytes": s.cache_bytes, "peak_bytes": peak_bytes(), **floors, "time_over_floor": s.wall_seconds / floor,
+        "cache_bytes": s.cache_bytes, "peak_bytes": peak_bytes(), **cost.work(flops, passes, slots, key_len),
     }
 
 
@@ -252,6 +257,8 @@ def flop_ratio_checks(runs: list[dict]) -> list[dict]:
 
 def markdown(report: dict) -> str:
     c = report["ceilings"]
+    if c is None:
+        return "(ceilings not measured yet)"
     lines = [
         f"Device: {report['device']} | jax {report['jax']} | model {report['model']} | "
         f"matmul {c['matmul_flops'] / 1e12:.0f} TFLOP/s, bandwidth {c['bandwidth_bytes'] / 1e12:.2f} TB/s (measured)",
@@ -273,15 +280,16 @@ def markdown(report: dict) -> str:
     compare = [r for r in report["runs"] if r["preset"] == "compare"]
     if compare:
         lines += [
-            "| method | schedule | backend | slots | gen | tokens/s | tokens/step | ms/iteration | rows/step | GFLOP/token | time/floor | peak GiB | compile s |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| method | schedule | backend | slots | gen | tokens/s | tokens/step | ms/iteration | rows/step | GFLOP/token | time/floor | peak GiB | weights+cache GiB | compile s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in compare:
             peak = f"{r['peak_bytes'] / 2**30:.1f}" if r["peak_bytes"] else "n/a"
             lines.append(
                 f"| {r['method']} | {r['schedule']} | {r['backend']} | {r['slots']} | {r['gen_length']} | "
                 f"{r['tokens_per_s']:.1f} | {r['tokens_per_step']:.2f} | {r['ms_per_iteration']:.2f} | {r['rows_per_step']:.0f} | "
-                f"{r['flops_per_token'] / 1e9:.1f} | {r['time_over_floor']:.2f} | {peak} | {r['compile_s']:.1f} |"
+                f"{r['flops_per_token'] / 1e9:.1f} | {r['time_over_floor']:.2f} | {peak} | "
+                f"{(report['weight_bytes'] + r['cache_bytes']) / 2**30:.1f} | {r['compile_s']:.1f} |"
             )
         lines += ["", "| method | schedule | backend | slots | gen | flash_cache speed-up | FLOP ratio | speed-up / FLOP ratio |", "|---|---|---|---|---|---|---|---|"]
         for r in report["flop_ratio_checks"]:
@@ -329,8 +337,6 @@ def main(argv=None) -> int:
     shapes = Shapes(d_model=config.d_model, n_heads=config.n_heads, n_kv_heads=config.n_kv_heads, n_layers=1,
                     rows_per_slot=128, max_len=128, cache_slots=1, slot_counts=(), key_lengths=(), verify_rows=32,
                     matmul_size=256 if opts.tiny else 8192, copy_elements=2**16 if opts.tiny else 2**28, sweep_size=0)
-    ceilings = measure_ceilings(shapes, repeats=3 if opts.tiny else opts.ceiling_repeats)
-    print(f"ceilings: {ceilings}", flush=True)
     init_start = time.perf_counter()
     if opts.layers == "per_layer":
         if "pallas" in opts.backends:
@@ -343,13 +349,16 @@ def main(argv=None) -> int:
     report = {
         "device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "model": "tiny" if opts.tiny else "LLaDA-8B",
         "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "layers": opts.layers, "ceilings": ceilings,
+        "layers": opts.layers, "ceilings": None,
         "weight_bytes": cost.weight_bytes, "runs": [], "errors": [], "flop_ratio_checks": [],
     }
     opts.out.mkdir(parents=True, exist_ok=True)
 
     def save():
-        report["flop_ratio_checks"] = flop_ratio_checks([r for r in report["runs"] if r["preset"] == "compare"])
+        if report["ceilings"] is not None:
+            for run in report["runs"]:
+                add_floors(run, report["ceilings"])
+            report["flop_ratio_checks"] = flop_ratio_checks([r for r in report["runs"] if r["preset"] == "compare"])
         (opts.out / "bench.json").write_text(json.dumps(report, indent=1))
         (opts.out / "bench.md").write_text(markdown(report) + "\n")
 
@@ -360,7 +369,7 @@ def main(argv=None) -> int:
         if "steps" in opts.preset:
             for slots in opts.slots:
                 jobs.append((f"steps {backend} slots={slots}", lambda e=engine, b=backend, s=slots: steps_run(
-                    e, b, s, opts.gen_lengths[0], opts.prompt_length, cost, ceilings, opts)))
+                    e, b, s, opts.gen_lengths[0], opts.prompt_length, cost, opts)))
         if "compare" in opts.preset:
             for gen in opts.gen_lengths:
                 for slots in opts.compare_slots:
@@ -368,7 +377,7 @@ def main(argv=None) -> int:
                         for method in opts.methods:
                             jobs.append((f"compare {method} {schedule} {backend} slots={slots} gen={gen}",
                                          lambda e=engine, m=method, sc=schedule, b=backend, s=slots, g=gen: compare_run(
-                                             e, m, sc, b, s, g, opts.prompt_length, cost, ceilings)))
+                                             e, m, sc, b, s, g, opts.prompt_length, cost)))
     for name, job in jobs:
         if opts.budget_s is not None and time.perf_counter() - started > opts.budget_s:
             report["errors"].append({"run": name, "error": "skipped: time budget spent"})
@@ -380,6 +389,9 @@ def main(argv=None) -> int:
             report["errors"].append({"run": name, "error": f"{type(e).__name__}: {e}"[:2000]})
         print(f"{name}: {time.perf_counter() - t:.1f} s", flush=True)
         save()
+    # measured last, so that their buffers do not count in the runs' peak memory
+    report["ceilings"] = measure_ceilings(shapes, repeats=3 if opts.tiny else opts.ceiling_repeats)
+    save()
     print(markdown(report))
     return 1 if report["errors"] and not any("skipped" in e["error"] for e in report["errors"]) else 0
 
