@@ -92,14 +92,16 @@ def default_attention_block_sizes(
     num_groups: int, rows: int, n_heads: int, n_kv_heads: int, max_len: int
 ) -> AttentionBlockSizes:
     """128-row tiles and 64-key steps; the most splits doubles while the grid has fewer
-    programs than SMs and a full slot (max_len keys) still gives every split 128 keys."""
+    programs than SMs and a full slot (max_len keys) still gives every split 128 keys.
+    Three pipeline stages: the H200 sweep (BENCHMARKS.md) preferred them for 128-row tiles
+    at 1, 8 and 32 slots (e.g. 32 slots x 2048 keys: 514 us against 678 us with two)."""
     group_rows = rows * (n_heads // n_kv_heads)
     block_q = min(128, max(16, next_power_of_two(group_rows)))
     programs = num_groups * n_kv_heads * cdiv(group_rows, block_q)
     splits = 1
     while programs * splits < NUM_SMS and max_len // (2 * splits) >= 128:
         splits *= 2
-    return AttentionBlockSizes(block_q, 64, splits, num_warps=8 if block_q >= 64 else 4, num_stages=2)
+    return AttentionBlockSizes(block_q, 64, splits, num_warps=8 if block_q >= 64 else 4, num_stages=3 if block_q >= 64 else 2)
 
 
 @dataclasses.dataclass(frozen=True)
