@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from dllm_jax.attention import dense_attention
 from dllm_jax.config import ModelConfig
@@ -34,11 +35,14 @@ class PassSpec:
     kernels: which ops run as Pallas kernels (default: none, pure XLA).
     score_scale: factor applied to the summed raw logits of the score rows (1 / (W * H) for
       Flash-Cache's mean over window rows and heads); None = no tracking scores.
+    mesh: the device mesh, if any; only the Pallas kernels need it (to run on each device's
+      heads), the XLA ops are split by GSPMD.
     """
 
     max_len: int
     kernels: Kernels = Kernels()
     score_scale: float | None = None
+    mesh: Mesh | None = None
 
 
 @dataclasses.dataclass(frozen=True)

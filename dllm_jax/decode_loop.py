@@ -20,6 +20,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import Mesh
 
 from dllm_jax.cached_forward import PassSpec, VerifyKeys, cached_forward
 from dllm_jax.config import ModelConfig
@@ -28,6 +29,7 @@ from dllm_jax.flat_cache import FlatCache, allocate_cache
 from dllm_jax.kernel_backend import Kernels
 from dllm_jax.model import Params
 from dllm_jax.policies import DecodePolicy
+from dllm_jax.sharding import CACHE_ROWS, DATA, REPLICATED, SLOTS, axis_size, per_data_shard
 from dllm_jax.slots import Slots, empty_slots, install
 
 
@@ -84,7 +86,12 @@ def _where_tree(pred: jax.Array, new, old):
 
 @dataclasses.dataclass(frozen=True)
 class DecodeLoop:
-    """A compiled-once decode loop for one (policy, slots, max_len, kernels) combination."""
+    """A compiled-once decode loop for one (policy, slots, max_len, kernels, mesh) combination.
+
+    With a mesh (dllm_jax.sharding), each data shard steps its own num_slots / data slots
+    (model passes, commits, Flash-Verify); the request ring, the results ring and the loop
+    condition see all slots.
+    """
 
     model: ModelConfig
     policy: DecodePolicy
@@ -93,12 +100,19 @@ class DecodeLoop:
     gen_length: int
     kernels: Kernels = Kernels()
     full_pass_lanes: tuple[int, ...] | None = None
+    mesh: Mesh | None = None
+
+    @property
+    def shard_slots(self) -> int:
+        """Slots of one data shard (all of them without a mesh)."""
+        return self.num_slots // axis_size(self.mesh, DATA)
 
     @property
     def lane_sizes(self) -> tuple[int, ...]:
-        """Full-pass batch sizes (each a compiled variant): the given ones plus all slots;
-        by default 1, B/4 and B, and only B for policies whose every step is a full pass."""
-        B = self.num_slots
+        """Full-pass batch sizes per data shard (each a compiled variant): the given ones plus
+        all its B slots; by default 1, B/4 and B, and only B for policies whose every step is
+        a full pass."""
+        B = self.shard_slots
         if self.policy.num_sparse_rows == 0:
             return (B,)
         if self.full_pass_lanes is not None:
@@ -111,6 +125,7 @@ class DecodeLoop:
             max_len=self.max_len,
             kernels=self.kernels,
             score_scale=self.policy.score_scale,
+            mesh=self.mesh,
         )
 
     # ----- state -------------------------------------------------------------------------
@@ -166,10 +181,9 @@ class DecodeLoop:
 
     # ----- one iteration -----------------------------------------------------------------
 
-    def _full_pass(self, params, state: DecodeState, run_full: jax.Array, lanes: int):
+    def _full_pass(self, params, slots: Slots, cache: FlatCache, run_full: jax.Array, lanes: int):
         """Full forward of up to `lanes` slots needing it; returns logits/scores scattered to [B, ...]."""
-        B, L, C = self.num_slots, self.max_len, self.policy.num_candidates
-        slots = state.slots
+        B, L, C = run_full.shape[0], self.max_len, self.policy.num_candidates
         lane_slot = jnp.nonzero(run_full, size=lanes, fill_value=B)[0].astype(jnp.int32)
         lane_valid = lane_slot < B
         safe_slot = jnp.minimum(lane_slot, B - 1)
@@ -181,7 +195,7 @@ class DecodeLoop:
             candidates, candidate_valid
         )
         logits, scores, cache = cached_forward(
-            self.model, self._spec, params, state.cache, lane.tokens, positions, row_valid,
+            self.model, self._spec, params, cache, lane.tokens, positions, row_valid,
             safe_slot, lane.key_len, candidates, score_rows,
         )
         V = logits.shape[-1]
@@ -191,10 +205,9 @@ class DecodeLoop:
             full_scores = full_scores.at[lane_slot].set(scores, mode="drop")
         return full_logits, full_scores, cache
 
-    def _sparse_pass(self, params, state: DecodeState, run_sparse: jax.Array):
+    def _sparse_pass(self, params, slots: Slots, cache: FlatCache, run_sparse: jax.Array):
         """The policy's sparse step for every slot (rows of other slots are invalid)."""
-        B, L, C = self.num_slots, self.max_len, self.policy.num_candidates
-        slots = state.slots
+        B, L, C = run_sparse.shape[0], self.max_len, self.policy.num_candidates
         positions, row_valid = jax.vmap(self.policy.sparse_rows)(slots)
         row_valid = row_valid & run_sparse[:, None]
         tokens = jnp.take_along_axis(slots.tokens, positions, axis=1)
@@ -202,34 +215,31 @@ class DecodeLoop:
         candidate_rows = jnp.broadcast_to(jnp.arange(C, dtype=jnp.int32), (B, C))
         score_rows = row_valid & (jnp.arange(R) < C)[None, :]
         logits, scores, cache = cached_forward(
-            self.model, self._spec, params, state.cache, tokens, positions, row_valid,
+            self.model, self._spec, params, cache, tokens, positions, row_valid,
             None, slots.key_len, candidate_rows, score_rows,
         )
         if scores is None:
             scores = jnp.zeros((B, L), jnp.float32)
         return logits, scores, cache
 
-    def _model_passes(self, params, state: DecodeState, run_full, run_sparse):
-        B, L, C = self.num_slots, self.max_len, self.policy.num_candidates
+    def _model_passes(self, params, slots: Slots, cache: FlatCache, run_full, run_sparse, branch, any_sparse):
+        """The full-pass variant `branch` (0: none) and the sparse pass (if any_sparse):
+        logits [B, C, V], scores [B, L] and the cache."""
+        B, L, C = run_full.shape[0], self.max_len, self.policy.num_candidates
         V = self.model.vocab_size
-        dtype = self.model.jnp_dtype
-        none = (jnp.zeros((B, C, V), dtype), jnp.zeros((B, L), jnp.float32), state.cache)
+        none = (jnp.zeros((B, C, V), self.model.jnp_dtype), jnp.zeros((B, L), jnp.float32))
 
-        sizes = self.lane_sizes
-        branches = [lambda st: none[:2] + (st.cache,)]
-        branches += [lambda st, n=n: self._full_pass(params, st, run_full, n) for n in sizes]
-        n_full = jnp.sum(run_full)
-        branch = jnp.where(n_full == 0, 0, 1 + jnp.searchsorted(jnp.array(sizes), n_full))
-        full_logits, full_scores, cache = jax.lax.switch(branch, branches, state)
-        state = state.replace(cache=cache)
+        branches = [lambda cache: none + (cache,)]
+        branches += [lambda cache, n=n: self._full_pass(params, slots, cache, run_full, n) for n in self.lane_sizes]
+        full_logits, full_scores, cache = jax.lax.switch(branch, branches, cache)
 
         if self.policy.num_sparse_rows == 0:
-            return full_logits, full_scores, state.cache
+            return full_logits, full_scores, cache
         sparse_logits, sparse_scores, cache = jax.lax.cond(
-            jnp.any(run_sparse),
-            lambda st: self._sparse_pass(params, st, run_sparse),
-            lambda st: none[:2] + (st.cache,),
-            state,
+            any_sparse,
+            lambda cache: self._sparse_pass(params, slots, cache, run_sparse),
+            lambda cache: none + (cache,),
+            cache,
         )
         pick = run_full[:, None]
         logits = jnp.where(pick[:, :, None], full_logits, sparse_logits)
@@ -238,18 +248,20 @@ class DecodeLoop:
 
     def _step(self, params, knobs: DecodeKnobs, seed: jax.Array, state: DecodeState) -> DecodeState:
         slots = state.slots
+        ran = slots.active
+        # Decided over all slots, so every device takes the same branches: the full-pass lane
+        # count fits the data shard with the most full passes (shard d: slots [d*B, (d+1)*B)).
         run_full = slots.active & slots.needs_full
-        run_sparse = slots.active & ~slots.needs_full
-        ran = run_full | run_sparse
-        logits, scores, cache = self._model_passes(params, state, run_full, run_sparse)
-
-        base = jax.random.key(seed)
-        rngs = jax.vmap(lambda r, s: jax.random.fold_in(jax.random.fold_in(base, r), s))(slots.request, slots.steps)
-        committed, draft = jax.vmap(self.policy.commit, in_axes=(0, 0, 0, None, 0))(slots, logits, scores, knobs, rngs)
-        committed = committed.replace(steps=committed.steps + 1, passes=committed.passes + 1)
-        if self.policy.verify:
-            committed = self._verify(params, knobs, slots, committed, draft, ran, cache)
-        slots = _where_tree(ran, committed, slots)
+        n_full = jnp.max(jnp.sum(run_full.reshape(-1, self.shard_slots), axis=1))
+        branch = jnp.where(n_full == 0, 0, 1 + jnp.searchsorted(jnp.array(self.lane_sizes), n_full))
+        any_sparse = jnp.any(slots.active & ~slots.needs_full)
+        step_slots = per_data_shard(
+            self._step_slots,
+            self.mesh,
+            in_specs=(REPLICATED, REPLICATED, REPLICATED, SLOTS, CACHE_ROWS, REPLICATED, REPLICATED, REPLICATED),
+            out_specs=(SLOTS, CACHE_ROWS),
+        )
+        slots, cache = step_slots(params, knobs, seed, slots, state.cache, branch, any_sparse, jnp.any(ran))
 
         finished = ran & jax.vmap(self.policy.finished)(slots)
         results = self._record(state.results, slots, finished, state.iteration + 1)
@@ -257,8 +269,28 @@ class DecodeLoop:
         state = state.replace(slots=slots, cache=cache, results=results, iteration=state.iteration + 1)
         return self._refill(state)
 
-    def _verify(self, params, knobs: DecodeKnobs, old: Slots, new: Slots, draft, ran: jax.Array, cache: FlatCache) -> Slots:
-        """Flash-Verify: a read-only pass over each slot's verify query, then stage-2 commits."""
+    def _step_slots(
+        self, params, knobs: DecodeKnobs, seed, slots: Slots, cache: FlatCache, branch, any_sparse, any_ran
+    ) -> tuple[Slots, FlatCache]:
+        """One step of the active slots (of one data shard under a mesh): model passes, commits
+        and Flash-Verify. The branch choices are made over all slots (see _step)."""
+        run_full = slots.active & slots.needs_full
+        run_sparse = slots.active & ~slots.needs_full
+        logits, scores, cache = self._model_passes(params, slots, cache, run_full, run_sparse, branch, any_sparse)
+
+        base = jax.random.key(seed)
+        rngs = jax.vmap(lambda r, s: jax.random.fold_in(jax.random.fold_in(base, r), s))(slots.request, slots.steps)
+        committed, draft = jax.vmap(self.policy.commit, in_axes=(0, 0, 0, None, 0))(slots, logits, scores, knobs, rngs)
+        committed = committed.replace(steps=committed.steps + 1, passes=committed.passes + 1)
+        if self.policy.verify:
+            committed = self._verify(params, knobs, slots, committed, draft, slots.active, any_ran, cache)
+        return _where_tree(slots.active, committed, slots), cache
+
+    def _verify(
+        self, params, knobs: DecodeKnobs, old: Slots, new: Slots, draft, ran: jax.Array, any_ran, cache: FlatCache
+    ) -> Slots:
+        """Flash-Verify: a read-only pass over each slot's verify query, then stage-2 commits
+        (any_ran: some slot of any data shard ran, so every device runs the pass)."""
         plan = jax.vmap(self.policy.plan_verify)(old, new, draft)
         spec = dataclasses.replace(self._spec, score_scale=None)
 
@@ -272,7 +304,7 @@ class DecodeLoop:
 
         B, S = plan.mask_rows.shape
         logits = jax.lax.cond(
-            jnp.any(ran), verify_pass, lambda _: jnp.zeros((B, S, self.model.vocab_size), self.model.jnp_dtype), None
+            any_ran, verify_pass, lambda _: jnp.zeros((B, S, self.model.vocab_size), self.model.jnp_dtype), None
         )
         return jax.vmap(self.policy.verify_commit, in_axes=(0, 0, 0, 0, None))(new, plan, logits, draft, knobs)
 

@@ -1,7 +1,9 @@
 """The seam between the model's per-layer ops and the Pallas kernels.
 
 The kernels take the full layer-stacked weights and caches plus the layer index, so no
-per-layer slice is materialised inside the layer scan.
+per-layer slice is materialised inside the layer scan. Under a mesh with a tensor axis each
+device runs the kernels on its own heads (shard_map over that axis: GSPMD cannot split a
+kernel); the data axis is already manual around the whole step (decode_loop).
 
 Backends: "xla" runs every op through XLA (any device); "pallas" runs the fused projection
 + RoPE + cache write and the cache attention as Pallas kernels; "auto" picks per op what
@@ -16,8 +18,10 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 
 from dllm_jax.config import ModelConfig
+from dllm_jax.sharding import FLAT_HEADS, HEADS, REPLICATED, TENSOR, axis_size, per_tensor_shard
 
 BACKENDS: tuple[str, ...] = ("auto", "xla", "pallas")
 
@@ -65,7 +69,24 @@ def pallas_qkv_to_cache(config: ModelConfig, spec, stacked, x, positions, rows, 
     from pallas_kernels.qkv_rope_cache import qkv_rope_cache
 
     S, R, D = x.shape
-    q, k_cache, v_cache = qkv_rope_cache(
+    tensor = axis_size(spec.mesh, TENSOR)
+
+    def project(x, wq, wk, wv, positions, rows, k_cache, v_cache, layer):
+        return qkv_rope_cache(
+            x, wq, wk, wv, positions, rows, k_cache, v_cache, layer,
+            n_heads=config.n_heads // tensor,
+            n_kv_heads=config.n_kv_heads // tensor,
+            rope_theta=config.rope_theta,
+            interpret=spec.kernels.interpret,
+        )
+
+    project = per_tensor_shard(
+        project,
+        spec.mesh,
+        in_specs=(REPLICATED, HEADS, HEADS, HEADS, REPLICATED, REPLICATED, HEADS, HEADS, REPLICATED),
+        out_specs=(FLAT_HEADS, HEADS, HEADS),
+    )
+    q, k_cache, v_cache = project(
         x.reshape(S * R, D),
         stacked["q_proj"]["kernel"],
         stacked["k_proj"]["kernel"],
@@ -74,11 +95,7 @@ def pallas_qkv_to_cache(config: ModelConfig, spec, stacked, x, positions, rows, 
         rows.reshape(S * R),
         k_cache,
         v_cache,
-        jax.numpy.int32(layer),
-        n_heads=config.n_heads,
-        n_kv_heads=config.n_kv_heads,
-        rope_theta=config.rope_theta,
-        interpret=spec.kernels.interpret,
+        jnp.int32(layer),
     )
     return q.reshape(S, R, config.n_heads, config.head_dim), k_cache, v_cache
 
@@ -87,11 +104,17 @@ def pallas_scatter_kv(spec, k_cache, v_cache, k, v, rows, layer):
     """Writes k, v [S, R, KVH, Dh] to their cache rows [S, R] of `layer`."""
     from pallas_kernels.scatter_rows import scatter_kv_rows
 
-    n = rows.size
-    return scatter_kv_rows(
-        k_cache, v_cache, k.reshape(n, -1), v.reshape(n, -1), rows.reshape(n), jax.numpy.int32(layer),
-        interpret=spec.kernels.interpret,
+    def scatter(k_cache, v_cache, k, v, rows, layer):
+        return scatter_kv_rows(k_cache, v_cache, k, v, rows, layer, interpret=spec.kernels.interpret)
+
+    scatter = per_tensor_shard(
+        scatter,
+        spec.mesh,
+        in_specs=(HEADS, HEADS, FLAT_HEADS, FLAT_HEADS, REPLICATED, REPLICATED),
+        out_specs=(HEADS, HEADS),
     )
+    n = rows.size
+    return scatter(k_cache, v_cache, k.reshape(n, -1), v.reshape(n, -1), rows.reshape(n), jnp.int32(layer))
 
 
 def pallas_layer_attention(config: ModelConfig, spec, q, k_cache, v_cache, layer, group_slot, key_len, score_rows, verify, extra_kv):
@@ -99,28 +122,37 @@ def pallas_layer_attention(config: ModelConfig, spec, q, k_cache, v_cache, layer
     from pallas_kernels.cache_attention import cache_attention
 
     S, R = q.shape[:2]
-    slots = group_slot if group_slot is not None else jax.numpy.arange(S, dtype=jax.numpy.int32)
-    extra = None
-    key_exclude = None
+    tensor = axis_size(spec.mesh, TENSOR)
+    slots = group_slot if group_slot is not None else jnp.arange(S, dtype=jnp.int32)
+    if score_rows is None:
+        score_rows = jnp.zeros((S, R), bool)
+    key_exclude = extra = None
     if verify is not None:
         k_extra, v_extra = extra_kv
-        extra = (k_extra.reshape(S, R, -1), v_extra.reshape(S, R, -1), verify.extra_mask)
         key_exclude = verify.key_exclude
-    if score_rows is None:
-        score_rows = jax.numpy.zeros((S, R), bool)
-    out, scores = cache_attention(
-        q.reshape(S, R, -1),
-        k_cache,
-        v_cache,
-        jax.numpy.int32(layer),
-        slots,
-        key_len,
-        score_rows,
-        n_heads=config.n_heads,
-        n_kv_heads=config.n_kv_heads,
-        max_len=spec.max_len,
-        key_exclude=key_exclude,
-        extra=extra,
-        interpret=spec.kernels.interpret,
+        extra = (k_extra.reshape(S, R, -1), v_extra.reshape(S, R, -1), verify.extra_mask)
+
+    def attend(q, k_cache, v_cache, layer, slots, key_len, score_rows, key_exclude, extra):
+        out, scores = cache_attention(
+            q, k_cache, v_cache, layer, slots, key_len, score_rows,
+            n_heads=config.n_heads // tensor,
+            n_kv_heads=config.n_kv_heads // tensor,
+            max_len=spec.max_len,
+            key_exclude=key_exclude,
+            extra=extra,
+            interpret=spec.kernels.interpret,
+        )
+        # each device summed the scores over its own heads
+        return out, (jax.lax.psum(scores, TENSOR) if tensor > 1 else scores)
+
+    extra_specs = None if extra is None else (HEADS, HEADS, REPLICATED)
+    attend = per_tensor_shard(
+        attend,
+        spec.mesh,
+        in_specs=(HEADS, HEADS, HEADS) + (REPLICATED,) * 5 + (extra_specs,),
+        out_specs=(HEADS, REPLICATED),
+    )
+    out, scores = attend(
+        q.reshape(S, R, -1), k_cache, v_cache, jnp.int32(layer), slots, key_len, score_rows, key_exclude, extra
     )
     return out, (scores if spec.score_scale is not None else None)
