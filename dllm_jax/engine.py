@@ -22,8 +22,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
+from dllm_jax import sharding
 from dllm_jax.config import ModelConfig
 from dllm_jax.decode_config import DecodeConfig
 from dllm_jax.decode_loop import DecodeLoop, DecodeState
@@ -134,6 +136,10 @@ class Engine:
       chunk_iterations: loop iterations per device call (progress/timing granularity).
       full_pass_lanes: batch sizes of the compiled full-pass variants (None: 1, B/4 and B).
         Fewer variants compile faster; (B,) suits batches whose slots refill together.
+        With a mesh, B is the slots of one data shard.
+      mesh: decode over several devices (dllm_jax.sharding.parse_mesh): slots split across
+        its data axis, weights and cache across its tensor axis. The params are laid out
+        for it here (a no-op if they already are).
     """
 
     def __init__(
@@ -147,6 +153,7 @@ class Engine:
         chunk_iterations: int = 64,
         full_pass_lanes: tuple[int, ...] | None = None,
         unroll_layers: bool = False,
+        mesh: Mesh | None = None,
     ):
         self.config = config
         self.params = params
@@ -157,6 +164,10 @@ class Engine:
             raise GenerationError(str(e)) from None
         if unroll_layers:
             self.params = params = unstack_layers(params)
+        self.mesh = mesh
+        if mesh is not None:
+            sharding.check_model(mesh, config)
+            self.params = params = sharding.place_params(params, mesh)
         self.chunk_iterations = chunk_iterations
         self.full_pass_lanes = full_pass_lanes
         self._executables: dict[tuple, CompiledLoop] = {}
@@ -214,6 +225,8 @@ class Engine:
 
     def decode_loop(self, decode: DecodeConfig, max_prompt_len: int) -> DecodeLoop:
         """The loop for this config and prompt-length bucket (max_len from the bucket)."""
+        if self.mesh is not None:
+            sharding.check_batch(self.mesh, decode.batch_size)
         bucket = _next_power_of_two(max_prompt_len, _MIN_PROMPT_BUCKET)
         if decode.method == "flash_cache":
             max_len = ((bucket + decode.gen_length + decode.window) // _KEY_TILE + 1) * _KEY_TILE
@@ -228,6 +241,7 @@ class Engine:
             gen_length=decode.gen_length,
             kernels=self.kernels,
             full_pass_lanes=self.full_pass_lanes,
+            mesh=self.mesh,
         )
 
     def compile(self, decode: DecodeConfig, longest_prompt: int) -> CompiledLoop:
@@ -241,14 +255,30 @@ class Engine:
             prompts = jax.ShapeDtypeStruct((capacity, width), jnp.int32)
             lengths = jax.ShapeDtypeStruct((capacity,), jnp.int32)
             count = jax.ShapeDtypeStruct((), jnp.int32)
-            init = jax.jit(loop.init_state).lower(prompts, lengths, count).compile()
             state = jax.eval_shape(loop.init_state, prompts, lengths, count)
             knobs = jax.eval_shape(decode.knobs)
             scalar = jax.ShapeDtypeStruct((), jnp.int32)
             flag = jax.ShapeDtypeStruct((), jnp.bool_)
-            run = jax.jit(loop.run, donate_argnums=1).lower(self.params, state, knobs, scalar, scalar, flag).compile()
+            init_layout, run_layout = self._layouts(state)
+            init = jax.jit(loop.init_state, **init_layout).lower(prompts, lengths, count).compile()
+            run = (
+                jax.jit(loop.run, donate_argnums=1, **run_layout)
+                .lower(self.params, state, knobs, scalar, scalar, flag)
+                .compile()
+            )
             self._executables[key] = CompiledLoop(loop, capacity, width, init, run, time.perf_counter() - start)
         return self._executables[key]
+
+    def _layouts(self, state: DecodeState) -> tuple[dict[str, Any], dict[str, Any]]:
+        """jit's in/out shardings of init_state and run under the mesh (none without one)."""
+        if self.mesh is None:
+            return {}, {}
+        state_sharding = sharding.state_shardings(state, self.mesh)
+        fixed = sharding.replicated(self.mesh)
+        params = sharding.param_shardings(self.params, self.mesh)
+        init = dict(in_shardings=fixed, out_shardings=state_sharding)
+        run = dict(in_shardings=(params, state_sharding) + (fixed,) * 4, out_shardings=state_sharding)
+        return init, run
 
     # ----- generation ------------------------------------------------------------------------
 

@@ -2,6 +2,7 @@
 
   python scripts/generate.py --prompt "What is 12+7?"                     # embedded tiny model
   python scripts/generate.py --model PATH --prompts-file q.jsonl --method flash_cache --verify
+  python scripts/generate.py --model PATH --prompt "Hi" --mesh data=2,tensor=4    # 8 devices
 
 --model takes a Hugging Face LLaDA folder or a converted one (python -m convert.hf_to_jax).
 --prompts-file: JSONL, one object per line with a "prompt" string. Prints each answer, then
@@ -54,6 +55,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None, help="apply the chat template (default: when the tokenizer has one)")
     p.add_argument("--backend", choices=("auto", "xla", "pallas"), default="auto")
+    p.add_argument("--mesh", help='decode over several devices, e.g. "data=2,tensor=2": slots split over data, '
+                   "heads and MLP over tensor; the sizes multiply to the number of devices")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None, help="default: float32 on the CPU, else bfloat16")
     p.add_argument("--output", type=Path, help="write results as JSONL here")
     p.add_argument("--no-progress", action="store_true")
@@ -103,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     from dllm_jax.engine import Engine
+    from dllm_jax.sharding import parse_mesh
 
     on_cpu = jax.devices()[0].platform == "cpu"
     dtype = args.dtype or ("float32" if on_cpu else "bfloat16")
@@ -126,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
             accept=args.accept,
             pin=args.pin,
         )
-        engine = Engine.from_pretrained(args.model, dtype=dtype, backend=args.backend)
+        mesh = parse_mesh(args.mesh) if args.mesh else None
+        engine = Engine.from_pretrained(args.model, dtype=dtype, backend=args.backend, mesh=mesh)
         output = engine.generate(prompts, decode, chat=args.chat, progress=not args.no_progress)
     except ValueError as e:  # every input error of dllm_jax is a ValueError with a message
         print(f"error: {e}", file=sys.stderr)
@@ -139,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         f"({s.tokens_per_second:.1f} tokens/s; compile {s.compile_seconds:.1f} s) | "
         f"{s.tokens_per_step:.2f} tokens/step | {s.steps} steps, {s.forward_passes} forward passes, "
         f"{s.iterations} loop iterations | method={decode.method} backend={engine.backend}"
+        + (f" mesh={args.mesh}" if args.mesh else "")
     )
     if args.output:
         records = [
