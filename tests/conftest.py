@@ -8,6 +8,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax
 import pytest
 
+# Four CPU devices, so the sharded tests run on a real mesh; unsharded code uses the first.
+# Must be set before JAX's backend starts (nothing here or in the imports below starts it).
+jax.config.update("jax_num_cpu_devices", 4)
+
 from dllm_jax.config import ModelConfig
 from dllm_jax.model import init_params
 
@@ -40,6 +44,21 @@ def tiny_cfg() -> ModelConfig:
 @pytest.fixture
 def tiny_params(tiny_cfg):
     return init_params(tiny_cfg, jax.random.key(0))
+
+
+@pytest.fixture(scope="session")
+def lively():
+    """A random tiny model whose predictions vary by position and are often confident.
+
+    Layer weights are scaled up so attention and MLP shape the predictions, the LM head so
+    confidences spread over (0, 1), and EOS takes over one frequent token so answers end.
+    """
+    cfg = tiny_config()
+    params = init_params(cfg, jax.random.key(0))
+    params["layers"] = jax.tree_util.tree_map(lambda w: w * 8 if w.ndim == 3 else w, params["layers"])
+    head = params["lm_head"]["kernel"] * 20
+    params["lm_head"]["kernel"] = head.at[:, cfg.eos_token_id].set(head[:, 125] * 1.02)
+    return cfg, params
 
 
 # A LLaDA-like chat template (reference-spec A.5): BOS before the first message, every turn as

@@ -2,32 +2,14 @@
 
 import dataclasses
 
-import jax
 import numpy as np
 import pytest
 
 from dllm_jax.decode_config import DecodeConfig, DecodeConfigError
 from dllm_jax.engine import Engine, GenerationError
-from dllm_jax.model import init_params
-from tests.conftest import tiny_config
 from tests.reference_decoder import ReferenceDecoder
 
 PROMPT_LENGTHS = (12, 7, 15, 9, 3)
-
-
-@pytest.fixture(scope="module")
-def lively():
-    """A random tiny model whose predictions vary by position and are often confident.
-
-    Layer weights are scaled up so attention and MLP shape the predictions, the LM head so
-    confidences spread over (0, 1), and EOS takes over one frequent token so answers end.
-    """
-    cfg = tiny_config()
-    params = init_params(cfg, jax.random.key(0))
-    params["layers"] = jax.tree_util.tree_map(lambda w: w * 8 if w.ndim == 3 else w, params["layers"])
-    head = params["lm_head"]["kernel"] * 20
-    params["lm_head"]["kernel"] = head.at[:, cfg.eos_token_id].set(head[:, 125] * 1.02)
-    return cfg, params
 
 
 @pytest.fixture(scope="module")

@@ -8,37 +8,60 @@ from dllm_jax.decode_config import DecodeConfig
 from dllm_jax.engine import Engine
 from dllm_jax.kernel_backend import Kernels
 from dllm_jax.model import init_params
+from dllm_jax.sharding import parse_mesh
 from tests.conftest import tiny_config
 
 
-@pytest.mark.parametrize(
-    "decode",
-    [
-        DecodeConfig(method="flash_cache", gen_length=32, batch_size=2, threshold=0.7, mask_num=2, track_num=1, verify=True, gamma=0.3),
-        DecodeConfig(method="fast_dllm", gen_length=32, block_length=16, threshold=0.5, batch_size=2),
-    ],
-    ids=["flash_verify", "fast_dllm_dual"],
+FLASH_VERIFY = DecodeConfig(
+    method="flash_cache", gen_length=32, batch_size=2, threshold=0.7, mask_num=2, track_num=1, verify=True, gamma=0.3
 )
-def test_pallas_backends_decode_like_xla(decode):
-    # head_dim 32: the kernels' smallest tile is 16 rotary pairs
+FAST_DLLM = DecodeConfig(method="fast_dllm", gen_length=32, block_length=16, threshold=0.5, batch_size=2)
+# what "auto" picks on an NVIDIA GPU
+GPU_AUTO = Kernels(attention=True, scatter=True)
+
+
+def _kernel_sized_model():
+    """The lively tiny model with head_dim 32: the kernels' smallest tile is 16 rotary pairs."""
     cfg = tiny_config(d_model=128, mlp_hidden_size=128)
     params = init_params(cfg, jax.random.key(0))
     params["layers"] = jax.tree_util.tree_map(lambda w: w * 8 if w.ndim == 3 else w, params["layers"])
     params["lm_head"]["kernel"] = params["lm_head"]["kernel"] * 20
     rng = np.random.RandomState(0)
     prompts = [list(rng.randint(0, 100, n)) for n in (12, 7, 15, 9, 3)]
+    return cfg, params, prompts
+
+
+@pytest.mark.parametrize("decode", [FLASH_VERIFY, FAST_DLLM], ids=["flash_verify", "fast_dllm_dual"])
+def test_pallas_backends_decode_like_xla(decode):
+    cfg, params, prompts = _kernel_sized_model()
     xla = Engine(cfg, params, backend="xla").generate(prompts, decode)
     assert xla.stats.tokens_per_step > 1.05
     variants = {
         "pallas": Engine(cfg, params, backend="pallas", interpret=True),
-        # what "auto" picks on an NVIDIA GPU, over per-layer weights (unrolled layer loop)
-        "gpu-auto": Engine(cfg, params, backend=Kernels(attention=True, scatter=True), interpret=True, unroll_layers=True),
+        # over per-layer weights (unrolled layer loop)
+        "gpu-auto": Engine(cfg, params, backend=GPU_AUTO, interpret=True, unroll_layers=True),
         "xla-unrolled": Engine(cfg, params, backend="xla", unroll_layers=True),
     }
     for name, engine in variants.items():
         out = engine.generate(prompts, decode)
         assert [r.token_ids for r in out.results] == [r.token_ids for r in xla.results], name
         assert [r.steps for r in out.results] == [r.steps for r in xla.results], name
+
+
+@pytest.mark.parametrize(
+    "spec,backend,decode",
+    [("data=2,tensor=2", "pallas", FLASH_VERIFY), ("tensor=2", GPU_AUTO, FAST_DLLM)],
+    ids=["data2-tensor2-pallas-verify", "tensor2-gpu_auto-fast_dllm"],
+)
+def test_kernels_run_on_each_devices_slots_and_heads(spec, backend, decode):
+    """Under a mesh each device runs the kernels on its own slots and heads (shard_map)."""
+    cfg, params, prompts = _kernel_sized_model()
+    mesh = parse_mesh(spec, jax.devices()[: 4 if "data" in spec else 2])
+    xla = Engine(cfg, params, backend="xla").generate(prompts, decode)
+    engine = Engine(cfg, params, backend=backend, interpret=True, unroll_layers=backend == GPU_AUTO, mesh=mesh)
+    out = engine.generate(prompts, decode)
+    assert [r.token_ids for r in out.results] == [r.token_ids for r in xla.results]
+    assert [r.steps for r in out.results] == [r.steps for r in xla.results]
 
 
 @pytest.mark.parametrize("backend", ["pallas", "xla", "gpu-auto"])

@@ -33,7 +33,10 @@ def run(args, capsys):
     return code, captured.out, captured.err
 
 
-@pytest.mark.parametrize("method_args", [["--method", "flash_cache", "--verify"], ["--method", "llada", "--steps", "8"]])
+@pytest.mark.parametrize(
+    "method_args",
+    [["--method", "flash_cache", "--verify"], ["--method", "llada", "--steps", "8"], ["--mesh", "data=2,tensor=2"]],
+)
 def test_generates_and_writes_jsonl(model_dir, tmp_path, capsys, method_args):
     out = tmp_path / "answers.jsonl"
     code, stdout, _ = run(
@@ -64,6 +67,9 @@ def test_prompts_file(model_dir, tmp_path, capsys):
         (["--prompt", "hi " * 300], "max_sequence_length"),
         (["--prompts-file", "/nonexistent/q.jsonl"], "not found"),
         (["--prompt", "hi", "--model", "/nonexistent/model"], "/nonexistent/model"),
+        (["--prompt", "hi", "--mesh", "pipe=4"], "unknown axis 'pipe'"),
+        (["--prompt", "hi", "--mesh", "data=3"], "3 devices, but 4 are available"),
+        (["--prompt", "hi", "--mesh", "data=4", "--batch-size", "6"], "batch_size=6 is not divisible by the data axis"),
     ],
 )
 def test_bad_input_exits_2_with_a_message(model_dir, capsys, args, message):
