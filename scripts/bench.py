@@ -40,6 +40,7 @@ from dllm_jax.config import ModelConfig, llada_8b_config  # noqa: E402
 from dllm_jax.decode_config import DecodeConfig  # noqa: E402
 from dllm_jax.engine import Engine  # noqa: E402
 from dllm_jax.model import init_params, init_params_per_layer  # noqa: E402
+from dllm_jax.sharding import parse_mesh  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import Shapes, measure_ceilings  # noqa: E402
@@ -307,6 +308,7 @@ def parse_args(argv):
     p.add_argument("--tiny", action="store_true", help="CPU smoke test on a tiny model")
     p.add_argument("--preset", nargs="+", choices=("steps", "compare"), default=["steps", "compare"])
     p.add_argument("--backends", nargs="+", choices=("auto", "xla", "pallas"), default=None)
+    p.add_argument("--mesh", default=None, help='decode over several devices, e.g. "data=2" or "tensor=2"')
     p.add_argument("--layers", choices=("stacked", "per_layer"), default="per_layer",
                    help="weights stacked (layer loop scanned) or one array per layer (loop unrolled)")
     p.add_argument("--slots", nargs="+", type=int, default=None)
@@ -347,7 +349,7 @@ def main(argv=None) -> int:
     print(f"random weights on {jax.devices()[0]} in {time.perf_counter() - init_start:.1f} s", flush=True)
     cost = Cost(config)
     report = {
-        "device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "model": "tiny" if opts.tiny else "LLaDA-8B",
+        "device": f"{jax.device_count()} x {jax.devices()[0].device_kind}", "jax": jax.__version__, "mesh": opts.mesh, "model": "tiny" if opts.tiny else "LLaDA-8B",
         "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "layers": opts.layers, "ceilings": None,
         "weight_bytes": cost.weight_bytes, "runs": [], "errors": [], "flop_ratio_checks": [],
@@ -364,8 +366,9 @@ def main(argv=None) -> int:
 
     jobs = []
     for backend in opts.backends:
-        engine = Engine(config, params, backend=backend, interpret=opts.tiny and backend == "pallas", full_pass_lanes=())
-        backend = engine.backend
+        engine = Engine(config, params, backend=backend, interpret=opts.tiny and backend == "pallas", full_pass_lanes=(),
+                        mesh=parse_mesh(opts.mesh) if opts.mesh else None)
+        backend = engine.backend + (f" mesh {opts.mesh}" if opts.mesh else "")
         if "steps" in opts.preset:
             for slots in opts.slots:
                 jobs.append((f"steps {backend} slots={slots}", lambda e=engine, b=backend, s=slots: steps_run(
