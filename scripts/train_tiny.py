@@ -30,6 +30,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from tqdm import tqdm
+from transformers import PreTrainedTokenizerBase
 
 from convert.jax_to_hf import save_llada_checkpoint
 from dllm_jax import tiny_tasks
@@ -37,6 +38,8 @@ from dllm_jax.config import ConfigError, ModelConfig
 from dllm_jax.model import Params, count_params, forward, init_params
 from dllm_jax.tiny_tokenizer import EOT, TINY_VOCAB_SIZE, build_tiny_tokenizer, save_tiny_tokenizer
 
+# The engine lets every request attend to keys up to the next multiple of 128 (an EOS tail after
+# the canvas), so every position below 128 must be one the model was trained on.
 SEQ_LEN = 128
 MASK_EPS = 1e-3
 # Settings that must be the same when a run is resumed (the others may change).
@@ -47,13 +50,15 @@ _RUN_KEYS = ("seed", "batch_size", "d_model", "n_layers", "n_heads", "mlp_hidden
 # ----------------------------------------------------------------------------- data
 
 
-def prompt_ids(tokenizer, question: str) -> list[int]:
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, question: str) -> list[int]:
     """The chat-formatted single user turn, ending with the open assistant header."""
     text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def encode_training_batch(tokenizer, problems: Sequence[tiny_tasks.Problem], seq_len: int = SEQ_LEN):
+def encode_training_batch(
+    tokenizer: PreTrainedTokenizerBase, problems: Sequence[tiny_tasks.Problem], seq_len: int = SEQ_LEN
+) -> tuple[np.ndarray, np.ndarray]:
     """Problems -> (tokens int32 [B, seq_len], prompt_len int32 [B]).
 
     Row b is prompt, answer, <|eot_id|>, then EOS up to seq_len (the LLaDA SFT layout).
@@ -71,7 +76,9 @@ def encode_training_batch(tokenizer, problems: Sequence[tiny_tasks.Problem], seq
     return tokens, prompt_len
 
 
-def encode_canvas(tokenizer, mask_id: int, questions: Sequence[str], gen_len: int, seq_len: int = SEQ_LEN):
+def encode_canvas(
+    tokenizer: PreTrainedTokenizerBase, mask_id: int, questions: Sequence[str], gen_len: int, seq_len: int = SEQ_LEN
+) -> tuple[np.ndarray, np.ndarray]:
     """Questions -> (tokens int32 [B, seq_len], prompt_len int32 [B]) ready for decoding.
 
     Row b is the prompt, gen_len mask tokens, then EOS up to seq_len (the engine's layout).
@@ -88,7 +95,7 @@ def encode_canvas(tokenizer, mask_id: int, questions: Sequence[str], gen_len: in
     return tokens, prompt_len
 
 
-def answer_text(tokenizer, tokens: np.ndarray, prompt_len: int) -> str:
+def answer_text(tokenizer: PreTrainedTokenizerBase, tokens: np.ndarray, prompt_len: int) -> str:
     """The decoded answer of one row: the tokens after the prompt up to <|eot_id|> or EOS."""
     stops = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(EOT)}
     ids = []
@@ -102,7 +109,9 @@ def answer_text(tokenizer, tokens: np.ndarray, prompt_len: int) -> str:
 # ----------------------------------------------------------------------------- model and loss
 
 
-def tiny_model_config(tokenizer, d_model: int, n_layers: int, n_heads: int, mlp_hidden: int) -> ModelConfig:
+def tiny_model_config(
+    tokenizer: PreTrainedTokenizerBase, d_model: int, n_layers: int, n_heads: int, mlp_hidden: int
+) -> ModelConfig:
     """The LLaDA architecture of the tiny model (float32 for training)."""
     return ModelConfig(
         d_model=d_model,
@@ -199,8 +208,14 @@ def decode_one_per_step(config: ModelConfig, params: Params, tokens: jax.Array, 
     return jax.lax.fori_loop(0, gen_len, step, tokens)
 
 
-def held_out_accuracy(config: ModelConfig, params: Params, tokenizer, problems: Sequence[tiny_tasks.Problem],
-                      gen_len: int, batch_size: int = 64) -> dict[str, float]:
+def held_out_accuracy(
+    config: ModelConfig,
+    params: Params,
+    tokenizer: PreTrainedTokenizerBase,
+    problems: Sequence[tiny_tasks.Problem],
+    gen_len: int,
+    batch_size: int = 64,
+) -> dict[str, float]:
     """Exact-match accuracy of one-token-per-step decoding, overall and per task."""
     correct: dict[str, list[bool]] = {}
     for start in range(0, len(problems), batch_size):
@@ -255,7 +270,8 @@ def _positive_float(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=_positive_int, required=True, help="total optimizer steps")
+    parser.add_argument("--steps", type=_positive_int, required=True,
+                        help="total optimizer steps, where the cosine decay ends (--resume with more extends a run)")
     parser.add_argument("--batch-size", type=_positive_int, default=64)
     parser.add_argument("--out", type=Path, required=True, help="run folder: checkpoints, tokenizer, run.json")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
