@@ -4,7 +4,7 @@ Two tasks with different dependency shapes:
 
 * ``arith``: a chain of 2-4 operations on small integers, written as one expression with the
   fewest parentheses; the answer works it out left to right, one line per step, every
-  intermediate value in [0, 99] (GSM8K in miniature: each line depends on the one above)::
+  intermediate value in [0, 20] (GSM8K in miniature: each line depends on the one above)::
 
       prompt  "(7+5)*3-9"
       answer  "7+5=12\\n12*3=36\\n36-9=27\\n#### 27"
@@ -34,7 +34,8 @@ HELD_OUT_PER_MILLE = 100
 HELD_OUT_SEED = 20_260_926
 FINAL_MARKER = "####"
 
-_MAX_VALUE = 99
+# Larger values (up to 99 was tried) leave too many facts for a CPU-sized run to learn.
+_MAX_VALUE = 20
 _ARITH_OPS = ("+", "-", "*")
 
 
@@ -57,7 +58,7 @@ def _apply(x: int, op: str, y: int) -> int:
 
 
 def make_arith(rng: random.Random) -> Problem:
-    """A chain x0 op1 y1 op2 y2 ... evaluated left to right, values kept in [0, 99]."""
+    """A chain x0 op1 y1 op2 y2 ... evaluated left to right, every value in [0, 20]."""
     value = rng.randint(1, 20)
     expr, top_op = str(value), None
     steps = []
