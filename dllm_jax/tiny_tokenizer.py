@@ -1,0 +1,63 @@
+"""Character-level tokenizer of the embedded tiny model, with LLaDA's special tokens and chat template.
+
+Ids 0-94 are the printable ASCII characters (space to "~"), 95 is the newline, then come the
+special tokens. Any other character encodes as ``<|unk|>``. The model's embedding has
+``TINY_VOCAB_SIZE`` rows; the rows past the tokenizer's last id are padding, as in LLaDA.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models
+from transformers import PreTrainedTokenizerFast
+
+EOS = "<|endoftext|>"
+BOS = "<|startoftext|>"
+MASK = "<|mdm_mask|>"
+START_HEADER = "<|start_header_id|>"
+END_HEADER = "<|end_header_id|>"
+EOT = "<|eot_id|>"
+UNK = "<|unk|>"
+SPECIAL_TOKENS = (EOS, BOS, MASK, START_HEADER, END_HEADER, EOT, UNK)
+
+TINY_VOCAB_SIZE = 128
+CHARACTERS = tuple(chr(code) for code in range(32, 127)) + ("\n",)
+
+# LLaDA-8B-Instruct's template (reference-spec A.5): BOS before the first message, every message as
+# header + role + header end + two newlines + trimmed content + <|eot_id|>, and always an open
+# assistant header at the end.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if loop.first -%}{{ bos_token }}{%- endif -%}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + (message['content'] | trim) + '<|eot_id|>' }}"
+    "{%- endfor -%}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
+)
+
+
+def build_tiny_tokenizer(model_max_length: int = 128) -> PreTrainedTokenizerFast:
+    """The tokenizer, built in memory (no file access)."""
+    vocab = {token: i for i, token in enumerate(CHARACTERS + SPECIAL_TOKENS)}
+    # BPE without merges is a character-level model; Fuse joins the pieces back without spaces.
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
+    backend.decoder = decoders.Fuse()
+    backend.add_special_tokens(list(SPECIAL_TOKENS))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=EOS,
+        mask_token=MASK,
+        unk_token=UNK,
+        extra_special_tokens=[START_HEADER, END_HEADER, EOT],
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=model_max_length,
+    )
+
+
+def save_tiny_tokenizer(out_dir: str | Path, model_max_length: int = 128) -> Path:
+    """Writes tokenizer.json and tokenizer_config.json (chat template inside it) to out_dir."""
+    out_dir = Path(out_dir)
+    build_tiny_tokenizer(model_max_length).save_pretrained(str(out_dir), save_jinja_files=False)
+    return out_dir

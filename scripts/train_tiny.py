@@ -1,0 +1,379 @@
+"""Train the embedded tiny LLaDA on the synthetic tasks of dllm_jax.tiny_tasks.
+
+The objective is LLaDA's supervised fine-tuning loss. Every training sequence is SEQ_LEN
+tokens: the chat-formatted prompt, the answer, ``<|eot_id|>``, then ``<|endoftext|>`` up to
+the end. Per sequence a mask ratio t ~ U(0, 1) is drawn; every position after the prompt
+(answer and EOS padding alike) is replaced by ``<|mdm_mask|>`` with probability t; the loss is
+the cross-entropy on the masked positions weighted by 1/t, divided by the sequence's answer
+length, averaged over the batch. The prompt is never masked.
+
+Example (CPU, about 1.5 hours on two cores):
+
+  PYTHONPATH=. nice -n 19 python scripts/train_tiny.py --steps 3000 --out out/tiny \\
+      --export dllm_jax/assets/tiny-llada
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from tqdm import tqdm
+from transformers import PreTrainedTokenizerBase
+
+from convert.jax_to_hf import save_llada_checkpoint
+from dllm_jax import tiny_tasks
+from dllm_jax.config import ConfigError, ModelConfig
+from dllm_jax.model import Params, count_params, forward, init_params
+from dllm_jax.tiny_tokenizer import EOT, TINY_VOCAB_SIZE, build_tiny_tokenizer, save_tiny_tokenizer
+
+# The engine lets every request attend to keys up to the next multiple of 128 (an EOS tail after
+# the canvas), so every position below 128 must be one the model was trained on.
+SEQ_LEN = 128
+MASK_EPS = 1e-3
+# Settings that must be the same when a run is resumed (the others may change).
+_RUN_KEYS = ("seed", "batch_size", "d_model", "n_layers", "n_heads", "mlp_hidden", "lr", "warmup",
+             "weight_decay", "mix")
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, question: str) -> list[int]:
+    """The chat-formatted single user turn, ending with the open assistant header."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def encode_training_batch(
+    tokenizer: PreTrainedTokenizerBase, problems: Sequence[tiny_tasks.Problem], seq_len: int = SEQ_LEN
+) -> tuple[np.ndarray, np.ndarray]:
+    """Problems -> (tokens int32 [B, seq_len], prompt_len int32 [B]).
+
+    Row b is prompt, answer, <|eot_id|>, then EOS up to seq_len (the LLaDA SFT layout).
+    """
+    eot = tokenizer.convert_tokens_to_ids(EOT)
+    tokens = np.full((len(problems), seq_len), tokenizer.eos_token_id, dtype=np.int32)
+    prompt_len = np.zeros(len(problems), dtype=np.int32)
+    for b, problem in enumerate(problems):
+        ids = prompt_ids(tokenizer, problem.prompt)
+        full = ids + tokenizer(problem.answer, add_special_tokens=False)["input_ids"] + [eot]
+        if len(full) > seq_len:
+            raise ValueError(f"{problem.prompt!r}: {len(full)} tokens do not fit in seq_len={seq_len}")
+        tokens[b, : len(full)] = full
+        prompt_len[b] = len(ids)
+    return tokens, prompt_len
+
+
+def encode_canvas(
+    tokenizer: PreTrainedTokenizerBase, mask_id: int, questions: Sequence[str], gen_len: int, seq_len: int = SEQ_LEN
+) -> tuple[np.ndarray, np.ndarray]:
+    """Questions -> (tokens int32 [B, seq_len], prompt_len int32 [B]) ready for decoding.
+
+    Row b is the prompt, gen_len mask tokens, then EOS up to seq_len (the engine's layout).
+    """
+    tokens = np.full((len(questions), seq_len), tokenizer.eos_token_id, dtype=np.int32)
+    prompt_len = np.zeros(len(questions), dtype=np.int32)
+    for b, question in enumerate(questions):
+        ids = prompt_ids(tokenizer, question)
+        if len(ids) + gen_len > seq_len:
+            raise ValueError(f"{question!r}: {len(ids)} prompt tokens + gen_len={gen_len} exceed seq_len={seq_len}")
+        tokens[b, : len(ids)] = ids
+        tokens[b, len(ids) : len(ids) + gen_len] = mask_id
+        prompt_len[b] = len(ids)
+    return tokens, prompt_len
+
+
+def answer_text(tokenizer: PreTrainedTokenizerBase, tokens: np.ndarray, prompt_len: int) -> str:
+    """The decoded answer of one row: the tokens after the prompt up to <|eot_id|> or EOS."""
+    stops = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(EOT)}
+    ids = []
+    for token in tokens[prompt_len:].tolist():
+        if token in stops:
+            break
+        ids.append(token)
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+# ----------------------------------------------------------------------------- model and loss
+
+
+def tiny_model_config(
+    tokenizer: PreTrainedTokenizerBase, d_model: int, n_layers: int, n_heads: int, mlp_hidden: int
+) -> ModelConfig:
+    """The LLaDA architecture of the tiny model (float32 for training)."""
+    return ModelConfig(
+        d_model=d_model,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_heads,
+        mlp_hidden_size=mlp_hidden,
+        vocab_size=TINY_VOCAB_SIZE,
+        rope_theta=10000.0,
+        mask_token_id=tokenizer.mask_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        max_sequence_length=SEQ_LEN,
+        dtype="float32",
+    )
+
+
+def corrupt(tokens: jax.Array, prompt_len: jax.Array, mask_id: int, rng: jax.Array):
+    """The forward (masking) process of one batch.
+
+    Args:
+      tokens: int32 [B, T] clean sequences; prompt_len: int32 [B].
+      rng: key for the mask ratios and the masks.
+    Returns:
+      noisy: int32 [B, T], each answer position (answer, <|eot_id|>, EOS padding) replaced by
+        mask_id with probability p_mask, the prompt untouched;
+      masked: bool [B, T], where noisy holds a mask that the loss scores;
+      p_mask: float32 [B, 1], (1 - eps) t + eps with t ~ U(0, 1).
+    """
+    B, T = tokens.shape
+    ratio_key, mask_key = jax.random.split(rng)
+    p_mask = (1.0 - MASK_EPS) * jax.random.uniform(ratio_key, (B, 1)) + MASK_EPS
+    answer = jnp.arange(T)[None, :] >= prompt_len[:, None]
+    masked = answer & (jax.random.uniform(mask_key, (B, T)) < p_mask)
+    return jnp.where(masked, mask_id, tokens), masked, p_mask
+
+
+def masked_diffusion_loss(config: ModelConfig, params: Params, tokens: jax.Array, prompt_len: jax.Array,
+                          rng: jax.Array) -> jax.Array:
+    """LLaDA SFT loss of one batch (shapes as in corrupt).
+
+    Returns:
+      float32 scalar: sum over masked positions of CE / p_mask / answer_len, divided by B.
+    """
+    noisy, masked, p_mask = corrupt(tokens, prompt_len, config.mask_token_id, rng)
+    logits = forward(config, params, noisy).astype(jnp.float32)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens)
+    answer_len = (tokens.shape[1] - prompt_len)[:, None]
+    return jnp.sum(jnp.where(masked, ce / (p_mask * answer_len), 0.0)) / tokens.shape[0]
+
+
+def make_optimizer(lr: float, warmup: int, total_steps: int, weight_decay: float) -> optax.GradientTransformation:
+    """AdamW, linear warm-up then cosine decay to lr/10, gradients clipped at norm 1."""
+    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(total_steps, warmup + 1), lr / 10)
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, b2=0.99, weight_decay=weight_decay))
+
+
+def make_train_step(config: ModelConfig, optimizer: optax.GradientTransformation):
+    """A jitted (state, tokens, prompt_len, rng) -> (state, loss); state = {params, opt_state, step}."""
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def train_step(state: dict[str, Any], tokens: jax.Array, prompt_len: jax.Array, rng: jax.Array):
+        loss, grads = jax.value_and_grad(masked_diffusion_loss, argnums=1)(config, state["params"], tokens,
+                                                                           prompt_len, rng)
+        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, loss
+
+    return train_step
+
+
+# ----------------------------------------------------------------------------- held-out metric
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def decode_one_per_step(config: ModelConfig, params: Params, tokens: jax.Array, gen_len: int) -> jax.Array:
+    """Greedy decoding, one token per step: gen_len full passes, each commits the most
+    confident masked position of every row to its argmax token.
+
+    Args:
+      tokens: int32 [B, T] canvases from encode_canvas (masks exactly on the gen_len canvas).
+    Returns:
+      int32 [B, T] with every canvas position committed.
+    """
+    rows = jnp.arange(tokens.shape[0])
+
+    def step(_, tokens):
+        probs = jax.nn.softmax(forward(config, params, tokens).astype(jnp.float32), axis=-1)
+        confidence = jnp.where(tokens == config.mask_token_id, probs.max(axis=-1), -1.0)
+        position = jnp.argmax(confidence, axis=1)
+        return tokens.at[rows, position].set(jnp.argmax(probs[rows, position], axis=-1).astype(tokens.dtype))
+
+    return jax.lax.fori_loop(0, gen_len, step, tokens)
+
+
+def held_out_accuracy(
+    config: ModelConfig,
+    params: Params,
+    tokenizer: PreTrainedTokenizerBase,
+    problems: Sequence[tiny_tasks.Problem],
+    gen_len: int,
+    batch_size: int = 64,
+) -> dict[str, float]:
+    """Exact-match accuracy of one-token-per-step decoding, overall and per task."""
+    correct: dict[str, list[bool]] = {}
+    for start in range(0, len(problems), batch_size):
+        chunk = problems[start : start + batch_size]
+        tokens, prompt_len = encode_canvas(tokenizer, config.mask_token_id, [p.prompt for p in chunk], gen_len)
+        out = np.asarray(decode_one_per_step(config, params, jnp.asarray(tokens), gen_len))
+        for row, problem in enumerate(chunk):
+            ok = tiny_tasks.is_correct(problem, answer_text(tokenizer, out[row], int(prompt_len[row])))
+            correct.setdefault(problem.task, []).append(ok)
+    result = {task: float(np.mean(oks)) for task, oks in sorted(correct.items())}
+    result["all"] = float(np.mean([ok for oks in correct.values() for ok in oks]))
+    return result
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def _parse_mix(text: str) -> dict[str, float]:
+    mix = {}
+    for item in text.split(","):
+        name, sep, weight = item.partition("=")
+        try:
+            mix[name.strip()] = float(weight)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r}: expected task=weight") from None
+        if not sep or name.strip() not in tiny_tasks.TASKS or mix[name.strip()] < 0:
+            raise argparse.ArgumentTypeError(f"{item!r}: expected task=weight with a task of {tiny_tasks.TASKS}")
+    if sum(mix.values()) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: weights are all zero")
+    return mix
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value} must be > 0")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{value} must be > 0")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=_positive_int, required=True,
+                        help="total optimizer steps, where the cosine decay ends (--resume with more extends a run)")
+    parser.add_argument("--batch-size", type=_positive_int, default=64)
+    parser.add_argument("--out", type=Path, required=True, help="run folder: checkpoints, tokenizer, run.json")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--d-model", type=_positive_int, default=128)
+    parser.add_argument("--n-layers", type=_positive_int, default=4)
+    parser.add_argument("--n-heads", type=_positive_int, default=4)
+    parser.add_argument("--mlp-hidden", type=_positive_int, default=384)
+    parser.add_argument("--lr", type=_positive_float, default=2e-3)
+    parser.add_argument("--warmup", type=_positive_int, default=200)
+    parser.add_argument("--weight-decay", type=float, default=0.01)
+    parser.add_argument("--mix", type=_parse_mix, default=None, help="task weights, e.g. arith=2,sort=1")
+    parser.add_argument("--gen-length", type=_positive_int, default=64, help="canvas of the held-out decoding")
+    parser.add_argument("--eval-every", type=_positive_int, default=500)
+    parser.add_argument("--eval-problems", type=_positive_int, default=64)
+    parser.add_argument("--final-eval-problems", type=_positive_int, default=512)
+    parser.add_argument("--ckpt-every", type=_positive_int, default=250)
+    parser.add_argument("--export", type=Path, default=None,
+                        help="after training, write the Hugging Face LLaDA folder here (must not exist)")
+    return parser
+
+
+def _run_settings(args: argparse.Namespace) -> dict[str, Any]:
+    return {key: getattr(args, key) for key in _RUN_KEYS}
+
+
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, ckpt_dir: Path) -> None:
+    """Refuses contradictory input (exit 2) before any work is done."""
+    run_file = args.out / "run.json"
+    if args.resume:
+        if not run_file.is_file():
+            parser.error(f"--resume: {run_file} not found (no run to resume in {args.out})")
+        saved = json.loads(run_file.read_text())
+        changed = {k: (saved.get(k), v) for k, v in _run_settings(args).items() if saved.get(k) != v}
+        if changed:
+            parser.error(f"--resume: settings differ from the saved run (saved, given): {changed}")
+    elif ckpt_dir.exists() and any(ckpt_dir.iterdir()):
+        parser.error(f"{args.out} already holds checkpoints; pass --resume or choose another --out")
+    if args.export is not None and args.export.exists():
+        parser.error(f"--export {args.export} already exists")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    ckpt_dir = (args.out / "checkpoints").absolute()
+    _check_args(parser, args, ckpt_dir)
+    tokenizer = build_tiny_tokenizer(SEQ_LEN)
+    try:
+        config = tiny_model_config(tokenizer, args.d_model, args.n_layers, args.n_heads, args.mlp_hidden)
+    except ConfigError as e:
+        parser.error(str(e))
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    tokenizer_dir = save_tiny_tokenizer(args.out / "tokenizer", SEQ_LEN)
+    (args.out / "run.json").write_text(json.dumps(_run_settings(args), indent=2))
+
+    optimizer = make_optimizer(args.lr, args.warmup, args.steps, args.weight_decay)
+    params = init_params(config, jax.random.key(args.seed))
+    state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
+    manager = ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
+    if args.resume and manager.latest_step() is not None:
+        abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+        state = manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(abstract))
+    start = int(state["step"])
+    print(f"model: {count_params(state['params']):,} parameters ({config.d_model=}, {config.n_layers=}, "
+          f"{config.n_heads=}, {config.mlp_hidden_size=}); steps {start}..{args.steps}", flush=True)
+
+    train_step = make_train_step(config, optimizer)
+    base_key = jax.random.key(args.seed)
+    held_out = tiny_tasks.held_out_problems(args.eval_problems, mix=args.mix)
+    started = time.time()
+    bar = tqdm(range(start, args.steps), initial=start, total=args.steps, mininterval=10.0, file=sys.stdout)
+    for step in bar:
+        # Each step's data and masks depend only on (seed, step), so a resumed run replays exactly.
+        stream = tiny_tasks.problems("train", seed=args.seed * 1_000_000 + step, mix=args.mix)
+        tokens, prompt_len = encode_training_batch(tokenizer, [next(stream) for _ in range(args.batch_size)])
+        state, loss = train_step(state, tokens, prompt_len, jax.random.fold_in(base_key, step))
+        done = step + 1
+        if done % 10 == 0 or done == args.steps:
+            bar.set_postfix(loss=f"{float(loss):.4f}", refresh=False)
+        if done % args.ckpt_every == 0 or done == args.steps:
+            manager.save(done, args=ocp.args.StandardSave(state))
+        if done % args.eval_every == 0 or done == args.steps:
+            acc = held_out_accuracy(config, state["params"], tokenizer, held_out, args.gen_length)
+            bar.write(f"step {done}: loss {float(loss):.4f}, held-out exact match "
+                      + ", ".join(f"{k} {v:.3f}" for k, v in acc.items())
+                      + f" ({len(held_out)} problems), {time.time() - started:.0f} s")
+    bar.close()
+    manager.wait_until_finished()
+
+    final_problems = tiny_tasks.held_out_problems(args.final_eval_problems, mix=args.mix)
+    acc = held_out_accuracy(config, state["params"], tokenizer, final_problems, args.gen_length)
+    report = {"step": int(state["step"]), "held_out_problems": len(final_problems), "exact_match": acc,
+              "gen_length": args.gen_length, "train_seconds_this_run": round(time.time() - started)}
+    (args.out / "final_eval.json").write_text(json.dumps(report, indent=2))
+    print(f"final held-out exact match ({len(final_problems)} problems): {acc}", flush=True)
+    if args.export is not None:
+        save_llada_checkpoint(args.export, config, jax.device_get(state["params"]), tokenizer_dir=tokenizer_dir)
+        print(f"exported {args.export}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

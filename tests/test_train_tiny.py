@@ -1,0 +1,120 @@
+import itertools
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dllm_jax import tiny_tasks
+from dllm_jax.model import init_params
+from dllm_jax.tiny_tasks import Problem
+from dllm_jax.tiny_tokenizer import EOT, build_tiny_tokenizer
+from scripts import train_tiny as tr
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tiny_tokenizer()
+
+
+def test_training_rows_are_prompt_answer_eot_then_eos(tok):
+    problem = Problem("arith", "1+2*3", "1+2=3\n3*3=9\n#### 9", "9")
+    tokens, prompt_len = tr.encode_training_batch(tok, [problem], seq_len=64)
+    prompt = tr.prompt_ids(tok, problem.prompt)
+    assert prompt_len.tolist() == [len(prompt)] and tokens.shape == (1, 64)
+    assert tokens[0, : len(prompt)].tolist() == prompt
+    n = len(problem.answer)
+    assert tok.decode(tokens[0, len(prompt) : len(prompt) + n].tolist()) == problem.answer
+    assert tokens[0, len(prompt) + n] == tok.convert_tokens_to_ids(EOT)
+    assert (tokens[0, len(prompt) + n + 1 :] == tok.eos_token_id).all()
+    with pytest.raises(ValueError, match="do not fit"):
+        tr.encode_training_batch(tok, [problem], seq_len=40)
+
+
+def test_canvas_rows_are_prompt_masks_then_eos(tok):
+    questions = ["sort: 3 1", "9-2"]
+    tokens, prompt_len = tr.encode_canvas(tok, tok.mask_token_id, questions, gen_len=20, seq_len=64)
+    for row, p, question in zip(tokens, prompt_len, questions):
+        assert row[:p].tolist() == tr.prompt_ids(tok, question)
+        assert (row[p : p + 20] == tok.mask_token_id).all() and (row[p + 20 :] == tok.eos_token_id).all()
+
+
+def small_config(tok):
+    return tr.tiny_model_config(tok, d_model=32, n_layers=1, n_heads=2, mlp_hidden=64)
+
+
+def test_loss_falls_after_a_few_training_steps(tok):
+    config = small_config(tok)
+    batch = tr.encode_training_batch(tok, list(itertools.islice(tiny_tasks.problems("train", 0), 8)))
+    probe_key = jax.random.key(99)
+    optimizer = tr.make_optimizer(lr=1e-2, warmup=2, total_steps=30, weight_decay=0.0)
+    params = init_params(config, jax.random.key(0))
+    state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
+    before = float(tr.masked_diffusion_loss(config, params, *batch, probe_key))
+    step = tr.make_train_step(config, optimizer)
+    for i in range(30):
+        state, _ = step(state, *batch, jax.random.key(i))
+    after = float(tr.masked_diffusion_loss(config, state["params"], *batch, probe_key))
+    assert int(state["step"]) == 30
+    assert after < 0.6 * before, (before, after)
+
+
+def test_masking_spares_the_prompt_and_follows_the_ratio(tok):
+    tokens, prompt_len = tr.encode_training_batch(tok, list(itertools.islice(tiny_tasks.problems("train", 1), 64)))
+    noisy, masked, p_mask = jax.jit(tr.corrupt, static_argnums=2)(tokens, prompt_len, tok.mask_token_id,
+                                                                   jax.random.key(5))
+    noisy, masked, p_mask = map(np.asarray, (noisy, masked, p_mask))
+    answer = np.arange(tokens.shape[1])[None] >= prompt_len[:, None]
+    assert not masked[~answer].any()
+    np.testing.assert_array_equal(noisy[~answer], tokens[~answer])
+    np.testing.assert_array_equal(noisy[masked], tok.mask_token_id)
+    np.testing.assert_array_equal(noisy[answer & ~masked], tokens[answer & ~masked])
+    assert ((p_mask > 0) & (p_mask <= 1)).all() and p_mask.std() > 0.1  # one ratio per sequence
+    # the masked share of each answer follows that sequence's ratio
+    share = masked.sum(1) / answer.sum(1)
+    assert np.corrcoef(share, p_mask[:, 0])[0, 1] > 0.95
+
+
+def test_decoding_commits_exactly_one_masked_position_per_step(tok):
+    config = small_config(tok)
+    params = init_params(config, jax.random.key(3))
+    tokens, prompt_len = tr.encode_canvas(tok, config.mask_token_id, ["1+2*3", "sort: 4 4 1"], gen_len=24)
+    for steps in (1, 5, 24):
+        out = np.asarray(tr.decode_one_per_step(config, params, jnp.asarray(tokens), steps))
+        assert ((out == config.mask_token_id).sum(axis=1) == 24 - steps).all()
+        changed = out != tokens
+        assert (changed.sum(axis=1) <= steps).all()
+        for row, p in enumerate(prompt_len):
+            # only canvas positions change: the prompt and the EOS tail are untouched
+            assert not changed[row, :p].any() and not changed[row, p + 24 :].any()
+
+
+@pytest.mark.parametrize("argv", [
+    ["--steps", "0"],
+    ["--steps", "3", "--mix", "poetry=1"],
+    ["--steps", "3", "--mix", "arith"],
+    ["--steps", "3", "--lr", "-1"],
+    ["--steps", "3", "--d-model", "30", "--n-heads", "4"],
+    ["--steps", "3", "--resume"],
+])
+def test_bad_command_lines_exit_with_code_2(tmp_path, argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        tr.main(argv + ["--out", str(tmp_path / "run")])
+    assert exc.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_an_interrupted_run_resumes_to_the_same_weights(tmp_path):
+    common = ["--steps", "3", "--batch-size", "4", "--d-model", "16", "--n-layers", "1", "--n-heads", "2",
+              "--mlp-hidden", "32", "--ckpt-every", "1", "--eval-every", "1000", "--eval-problems", "1",
+              "--final-eval-problems", "2", "--gen-length", "40", "--out", str(tmp_path / "run")]
+    assert tr.main(common + ["--export", str(tmp_path / "straight")]) == 0
+    # forget the last step, as if the run had been killed after step 2
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "3")
+    assert tr.main(common + ["--resume", "--export", str(tmp_path / "resumed")]) == 0
+    straight = (tmp_path / "straight" / "model.safetensors").read_bytes()
+    assert straight == (tmp_path / "resumed" / "model.safetensors").read_bytes()
+    with pytest.raises(SystemExit) as exc:  # a finished run folder is not silently overwritten
+        tr.main(common)
+    assert exc.value.code == 2
