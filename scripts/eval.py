@@ -1,0 +1,157 @@
+"""Accuracy and speed of every decoding method on the same held-out problems.
+
+    python scripts/eval.py                               # embedded tiny model, 256 problems
+    python scripts/eval.py --model PATH --problems 64 --settings llada-exact flash-t0.9
+
+For each setting (a method with its options), decodes the held-out problems of
+dllm_jax.tiny_tasks (a seed and a hash split the training never sees) and reports exact-match
+accuracy, tokens per step, forward passes, tokens/s and agreement with the exact decode
+(LLaDA's sampler, one token per step, no cache: same answer text). Writes eval.json and
+eval.md to --out. --model takes any LLaDA checkpoint; the problems stay the tiny tasks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tqdm.auto import tqdm  # noqa: E402
+
+from dllm_jax import tiny_tasks  # noqa: E402
+from dllm_jax.decode_config import DecodeConfig  # noqa: E402
+
+EXACT = "llada-exact"
+
+
+def settings(gen_length: int, batch_size: int) -> dict[str, DecodeConfig]:
+    """The evaluated settings by name; EXACT is the reference of the agreement column."""
+    common = dict(gen_length=gen_length, batch_size=batch_size)
+    flash = dict(method="flash_cache", mask_num=4, **common)
+    verify = dict(flash, track_num=4, verify=True, gamma=0.8)
+    grid = {
+        EXACT: DecodeConfig(method="llada", block_length=32, steps=gen_length, **common),
+        "fast_dllm-prefix-t0.9": DecodeConfig(method="fast_dllm", cache="prefix", block_length=32, threshold=0.9, **common),
+        "fast_dllm-dual-t0.9": DecodeConfig(method="fast_dllm", cache="dual", block_length=32, threshold=0.9, **common),
+        "fast_dllm-dual-t0.7": DecodeConfig(method="fast_dllm", cache="dual", block_length=32, threshold=0.7, **common),
+        "flash-exact-refresh-t0.9": DecodeConfig(track_num=-1, threshold=0.9, **flash),
+        "flash-track0-t0.9": DecodeConfig(track_num=0, threshold=0.9, **flash),
+        "flash-track1-t0.9": DecodeConfig(track_num=1, threshold=0.9, **flash),
+        "flash-track4-t0.9": DecodeConfig(track_num=4, threshold=0.9, **flash),
+        "flash-track4-t0.7": DecodeConfig(track_num=4, threshold=0.7, **flash),
+        "flash-track4-t0.95": DecodeConfig(track_num=4, threshold=0.95, **flash),
+        "flash-track4-one-per-step": DecodeConfig(track_num=4, threshold=2.0, **flash),
+        "verify-cumprod-all_commits-t0.9": DecodeConfig(threshold=0.9, accept="cumprod", pin="all_commits", **verify),
+        "verify-paper-all_commits-t0.9": DecodeConfig(threshold=0.9, accept="paper", pin="all_commits", **verify),
+        "verify-cumprod-reference-t0.9": DecodeConfig(threshold=0.9, accept="cumprod", pin="reference", **verify),
+        "verify-paper-reference-t0.9": DecodeConfig(threshold=0.9, accept="paper", pin="reference", **verify),
+        "verify-paper-all_commits-t0.7": DecodeConfig(threshold=0.7, accept="paper", pin="all_commits", **verify),
+    }
+    return grid
+
+
+def evaluate(engine, problems, decode: DecodeConfig, exact_texts: list[str] | None) -> dict:
+    out = engine.generate([p.prompt for p in problems], decode, chat=True)
+    texts = [r.text for r in out.results]
+    correct = [tiny_tasks.is_correct(p, t) for p, t in zip(problems, texts)]
+    by_task: dict[str, list[bool]] = {}
+    for p, ok in zip(problems, correct):
+        by_task.setdefault(p.task, []).append(ok)
+    s = out.stats
+    return {
+        "accuracy": sum(correct) / len(problems),
+        "accuracy_by_task": {task: sum(v) / len(v) for task, v in sorted(by_task.items())},
+        "agreement_with_exact": None if exact_texts is None else sum(a == b for a, b in zip(texts, exact_texts)) / len(problems),
+        "tokens_per_step": s.tokens_per_step,
+        "steps": s.steps,
+        "forward_passes": s.forward_passes,
+        "verify_passes": sum(r.verify_passes for r in out.results),
+        "accepted_drafts": sum(r.accepted_drafts for r in out.results),
+        "tokens": s.num_tokens,
+        "tokens_per_second": s.tokens_per_second,
+        "wall_seconds": s.wall_seconds,
+        "compile_seconds": s.compile_seconds,
+        "texts": texts,
+    }
+
+
+def markdown(report: dict) -> str:
+    lines = [
+        f"model: {report['model']} | {report['problems']} held-out problems (seed {report['seed']}) | "
+        f"gen_length {report['gen_length']} | batch {report['batch_size']} | backend {report['backend']} | {report['device']}",
+        "",
+        "| setting | accuracy | by task | agreement with exact | tokens/step | steps | forward passes | accepted drafts | tokens/s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in report["results"].items():
+        tasks = ", ".join(f"{t} {a:.3f}" for t, a in r["accuracy_by_task"].items())
+        agree = "-" if r["agreement_with_exact"] is None else f"{r['agreement_with_exact']:.3f}"
+        lines.append(
+            f"| {name} | {r['accuracy']:.3f} | {tasks} | {agree} | {r['tokens_per_step']:.2f} | {r['steps']} | "
+            f"{r['forward_passes']} | {r['accepted_drafts']} | {r['tokens_per_second']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv):
+    from dllm_jax.assets import tiny_model_path
+
+    grid_names = list(settings(64, 8))
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=str(tiny_model_path()), help="LLaDA checkpoint (default: the embedded tiny model)")
+    p.add_argument("--problems", type=int, default=256, help="held-out problems")
+    p.add_argument("--seed", type=int, default=tiny_tasks.HELD_OUT_SEED, help="seed of the held-out stream")
+    p.add_argument("--gen-length", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--settings", nargs="+", choices=grid_names, default=grid_names)
+    p.add_argument("--backend", choices=("auto", "xla", "pallas"), default="auto")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="default: float32 on CPU")
+    p.add_argument("--out", type=Path, default=Path("out/eval"))
+    args = p.parse_args(argv)
+    if args.problems <= 0:
+        p.error("--problems must be positive")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import jax
+
+    from dllm_jax.engine import Engine
+
+    dtype = args.dtype or ("float32" if jax.devices()[0].platform == "cpu" else "bfloat16")
+    try:
+        engine = Engine.from_pretrained(args.model, dtype=dtype, backend=args.backend)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    problems = tiny_tasks.held_out_problems(args.problems, seed=args.seed)
+    grid = settings(args.gen_length, args.batch_size)
+    names = [EXACT] + [n for n in args.settings if n != EXACT]
+    report = {
+        "model": args.model, "problems": args.problems, "seed": args.seed, "gen_length": args.gen_length,
+        "batch_size": args.batch_size, "backend": engine.backend, "dtype": dtype,
+        "device": str(jax.devices()[0].device_kind), "date": time.strftime("%Y-%m-%d"),
+        "command": " ".join(sys.argv), "settings": {n: dataclasses.asdict(grid[n]) for n in names}, "results": {},
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    exact_texts = None
+    for name in tqdm(names, desc="settings"):
+        result = evaluate(engine, problems, grid[name], exact_texts)
+        if name == EXACT:
+            exact_texts = result["texts"]
+            result["agreement_with_exact"] = 1.0
+        report["results"][name] = result
+        (args.out / "eval.json").write_text(json.dumps(report, indent=1))
+        (args.out / "eval.md").write_text(markdown(report) + "\n")
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
