@@ -36,4 +36,4 @@ def test_bench_tiny_reports_steps_and_comparisons(tmp_path):
     assert set(checks) == {"llada", "fast_dllm", "flash_verify"}
     table = (tmp_path / "bench.md").read_text()
     assert "| backend | slots | rows/slot |" in table and "| method | schedule | backend |" in table
-    assert "speed-up / FLOP ratio" in table
+    assert "speed-up / floor ratio" in table
