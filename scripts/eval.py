@@ -1,13 +1,17 @@
 """Accuracy and speed of every decoding method on the same held-out problems.
 
     python scripts/eval.py                               # embedded tiny model, 256 problems
-    python scripts/eval.py --model PATH --problems 64 --settings llada-exact flash-t0.9
+    python scripts/eval.py --model PATH --problems 64 --settings exact-one-per-step flash-track4-t0.9
 
 For each setting (a method with its options), decodes the held-out problems of
 dllm_jax.tiny_tasks (a seed and a hash split the training never sees) and reports exact-match
-accuracy, tokens per step, forward passes, tokens/s and agreement with the exact decode
-(LLaDA's sampler, one token per step, no cache: same answer text). Writes eval.json and
-eval.md to --out. --model takes any LLaDA checkpoint; the problems stay the tiny tasks.
+accuracy, tokens per step, forward passes, tokens/s and agreement with the exact decode (same
+answer text). The exact decode commits one token per step (the most confident of the window)
+and recomputes every position every step (no cache), over the same canvas as the cached
+methods (keys up to the next multiple of 128, as the published Flash-dLLM code and the tiny
+model's training sequences have). LLaDA's own sampler (one token per step, blocks, keys =
+prompt + generation only) is reported beside it. Writes eval.json and eval.md to --out.
+--model takes any LLaDA checkpoint; the problems stay the tiny tasks.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from tqdm.auto import tqdm  # noqa: E402
 from dllm_jax import tiny_tasks  # noqa: E402
 from dllm_jax.decode_config import DecodeConfig  # noqa: E402
 
-EXACT = "llada-exact"
+EXACT = "exact-one-per-step"
 
 
 def settings(gen_length: int, batch_size: int) -> dict[str, DecodeConfig]:
@@ -35,7 +39,9 @@ def settings(gen_length: int, batch_size: int) -> dict[str, DecodeConfig]:
     flash = dict(method="flash_cache", mask_num=4, **common)
     verify = dict(flash, track_num=4, verify=True, gamma=0.8)
     grid = {
-        EXACT: DecodeConfig(method="llada", block_length=32, steps=gen_length, **common),
+        EXACT: DecodeConfig(track_num=-1, threshold=2.0, **flash),
+        "llada-one-per-step-block32": DecodeConfig(method="llada", block_length=32, steps=gen_length, **common),
+        "llada-one-per-step-block64": DecodeConfig(method="llada", block_length=gen_length, steps=gen_length, **common),
         "fast_dllm-prefix-t0.9": DecodeConfig(method="fast_dllm", cache="prefix", block_length=32, threshold=0.9, **common),
         "fast_dllm-dual-t0.9": DecodeConfig(method="fast_dllm", cache="dual", block_length=32, threshold=0.9, **common),
         "fast_dllm-dual-t0.7": DecodeConfig(method="fast_dllm", cache="dual", block_length=32, threshold=0.7, **common),

@@ -28,7 +28,7 @@ def test_shipped_model_solves_held_out_problems_with_exact_decoding(tiny_engine)
 
 
 def test_eval_script_reports_every_requested_setting(tmp_path):
-    settings = ["llada-exact", "flash-track4-t0.9", "verify-paper-all_commits-t0.9"]
+    settings = ["exact-one-per-step", "flash-track4-t0.9", "verify-paper-all_commits-t0.9"]
     result = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "eval.py"), "--problems", "4", "--batch-size", "4",
          "--backend", "xla", "--out", str(tmp_path), "--settings", *settings],
@@ -41,7 +41,7 @@ def test_eval_script_reports_every_requested_setting(tmp_path):
         assert 0 <= r["accuracy"] <= 1 and r["tokens_per_step"] > 0 and r["forward_passes"] > 0
         assert set(r["accuracy_by_task"]) <= {"arith", "sort"}
         assert len(r["texts"]) == 4
-    assert report["results"]["llada-exact"]["agreement_with_exact"] == 1.0
+    assert report["results"]["exact-one-per-step"]["agreement_with_exact"] == 1.0
     verify = report["results"]["verify-paper-all_commits-t0.9"]
     assert verify["verify_passes"] == verify["steps"]
     table = (tmp_path / "eval.md").read_text()
