@@ -188,17 +188,21 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
     return [list(map(int, rng.randint(0, vocab - 2, length))) for _ in range(n)]
 
 
-def steady_step_time(engine: Engine, decode: DecodeConfig, prompts, iterations: int, repeats: int) -> dict:
-    """Median seconds per loop iteration after the slots' first full pass (all slots decoding)."""
-    compiled = engine.compile(decode, len(prompts[0]))
-    capacity, width = compiled.queue_capacity, compiled.prompt_width
-    tokens = np.zeros((capacity, width), np.int32)
-    lengths = np.zeros((capacity,), np.int32)
+def initial_state(compiled, prompts: list[list[int]]):
+    """The decode state of a compiled loop with these prompts in its request ring (all fit)."""
+    tokens = np.zeros((compiled.queue_capacity, compiled.prompt_width), np.int32)
+    lengths = np.zeros((compiled.queue_capacity,), np.int32)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
         lengths[i] = len(p)
+    return compiled.init(jnp.asarray(tokens), jnp.asarray(lengths), jnp.int32(len(prompts)))
+
+
+def steady_step_time(engine: Engine, decode: DecodeConfig, prompts, iterations: int, repeats: int) -> dict:
+    """Median seconds per loop iteration after the slots' first full pass (all slots decoding)."""
+    compiled = engine.compile(decode, len(prompts[0]))
     knobs, seed, no_more = decode.knobs(), jnp.int32(0), jnp.bool_(False)
-    state = compiled.init(jnp.asarray(tokens), jnp.asarray(lengths), jnp.int32(len(prompts)))
+    state = initial_state(compiled, prompts)
     start = time.perf_counter()
     state = jax.block_until_ready(compiled.run(engine.params, state, knobs, seed, jnp.int32(1), no_more))
     prefill = time.perf_counter() - start

@@ -26,9 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
-from bench import decode_config, random_prompts, tiny_config  # noqa: E402
+from bench import decode_config, initial_state, random_prompts, tiny_config  # noqa: E402
 from dllm_jax.config import llada_8b_config  # noqa: E402
 from dllm_jax.engine import Engine  # noqa: E402
 from dllm_jax.model import init_params, init_params_per_layer  # noqa: E402
@@ -50,13 +49,8 @@ def profile(engine: Engine, slots: int, gen_length: int, prompt_len: int, steps:
     decode = decode_config("flash_cache", "one", gen_length, slots)
     prompts = random_prompts(slots, prompt_len, engine.config.vocab_size, seed=slots)
     compiled = engine.compile(decode, prompt_len)
-    tokens = np.zeros((compiled.queue_capacity, compiled.prompt_width), np.int32)
-    lengths = np.zeros((compiled.queue_capacity,), np.int32)
-    for i, p in enumerate(prompts):
-        tokens[i, : len(p)] = p
-        lengths[i] = len(p)
     knobs, seed, no_more = decode.knobs(), jnp.int32(0), jnp.bool_(False)
-    state = compiled.init(jnp.asarray(tokens), jnp.asarray(lengths), jnp.int32(slots))
+    state = initial_state(compiled, prompts)
     state = jax.block_until_ready(compiled.run(engine.params, state, knobs, seed, jnp.int32(3), no_more))
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
