@@ -10,7 +10,8 @@ answer text). The exact decode commits one token per step (the most confident of
 and recomputes every position every step (no cache), over the same canvas as the cached
 methods (keys up to the next multiple of 128, as the published Flash-dLLM code and the tiny
 model's training sequences have). LLaDA's own sampler (one token per step, blocks, keys =
-prompt + generation only) is reported beside it. Writes eval.json and eval.md to --out.
+prompt + generation only) is reported beside it. Writes eval.json and eval.md to --out after
+every setting; --resume keeps the settings an interrupted run of the same command finished.
 --model takes any LLaDA checkpoint; the problems stay the tiny tasks.
 """
 
@@ -104,6 +105,35 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+SAME_RUN_KEYS = ("model", "problems", "seed", "gen_length", "batch_size", "backend", "dtype", "device")
+
+
+def finished_results(path: Path, report: dict) -> dict:
+    """The results of `path` for settings whose options match `report`'s; {} if there is no file.
+
+    Raises ValueError naming the first option that differs (a resumed table must be one run's).
+    """
+    if not path.exists():
+        return {}
+    try:
+        old = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--resume: {path} is not valid JSON ({e})") from e
+    for key in SAME_RUN_KEYS:
+        if old.get(key) != report[key]:
+            raise ValueError(f"--resume: {path} was run with {key}={old.get(key)!r}, this run has {report[key]!r}")
+    return {
+        name: result for name, result in old.get("results", {}).items()
+        if name in report["settings"] and old["settings"].get(name) == report["settings"][name]
+    }
+
+
+def write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
 def parse_args(argv):
     from dllm_jax.assets import tiny_model_path
 
@@ -118,6 +148,8 @@ def parse_args(argv):
     p.add_argument("--backend", choices=("auto", "xla", "pallas"), default="auto")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="default: float32 on CPU")
     p.add_argument("--out", type=Path, default=Path("out/eval"))
+    p.add_argument("--resume", action="store_true",
+                   help="keep the finished settings of --out/eval.json when it was run with the same options")
     args = p.parse_args(argv)
     if args.problems <= 0:
         p.error("--problems must be positive")
@@ -146,15 +178,23 @@ def main(argv=None) -> int:
         "command": " ".join(sys.argv), "settings": {n: dataclasses.asdict(grid[n]) for n in names}, "results": {},
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    exact_texts = None
+    if args.resume:
+        try:
+            report["results"] = finished_results(args.out / "eval.json", report)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    exact_texts = report["results"].get(EXACT, {}).get("texts")
     for name in tqdm(names, desc="settings"):
+        if name in report["results"]:
+            continue
         result = evaluate(engine, problems, grid[name], exact_texts)
         if name == EXACT:
             exact_texts = result["texts"]
             result["agreement_with_exact"] = 1.0
         report["results"][name] = result
-        (args.out / "eval.json").write_text(json.dumps(report, indent=1))
-        (args.out / "eval.md").write_text(markdown(report) + "\n")
+        write_atomically(args.out / "eval.json", json.dumps(report, indent=1))
+        write_atomically(args.out / "eval.md", markdown(report) + "\n")
     print(markdown(report))
     return 0
 

@@ -46,3 +46,31 @@ def test_eval_script_reports_every_requested_setting(tmp_path):
     assert verify["verify_passes"] == verify["steps"]
     table = (tmp_path / "eval.md").read_text()
     assert "| setting | accuracy |" in table and "verify-paper-all_commits-t0.9" in table
+
+
+def _eval_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("eval_script", ROOT / "scripts" / "eval.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_resume_keeps_only_settings_of_the_same_run(tmp_path):
+    eval_script = _eval_module()
+    run = {"model": "m", "problems": 4, "seed": 1, "gen_length": 64, "batch_size": 4, "backend": "xla",
+           "dtype": "float32", "device": "cpu"}
+    old = dict(run, settings={n: {"knob": n} for n in ("a", "b")}, results={"a": {"accuracy": 0.5}, "b": {"accuracy": 1.0}})
+    path = tmp_path / "eval.json"
+    assert eval_script.finished_results(path, dict(run, settings={})) == {}
+    eval_script.write_atomically(path, json.dumps(old))
+    assert not list(tmp_path.glob("*.tmp"))
+    # "b" was run with other options: it is decoded again, "a" is kept.
+    now = dict(run, settings={"a": {"knob": "a"}, "b": {"knob": "changed"}})
+    assert eval_script.finished_results(path, now) == {"a": {"accuracy": 0.5}}
+    with pytest.raises(ValueError, match="problems=4, this run has 8"):
+        eval_script.finished_results(path, dict(now, problems=8))
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        eval_script.finished_results(path, now)
