@@ -341,11 +341,19 @@ class DecodeLoop:
         stop_iteration: jax.Array,
         host_has_more: jax.Array,
     ) -> DecodeState:
-        """Steps until all work is done, `stop_iteration` is reached, or a slot is free while the
-        device queue is empty and the host has more requests to push (jit this, donate state)."""
+        """Steps until all work is done, `stop_iteration` is reached, or the host can feed a free
+        slot (jit this, donate state).
+
+        host_has_more: the host holds requests it could not push, each waiting for the results
+        entry of the request Q before it. A free slot with an empty device queue stops the loop
+        only once that entry holds a finished result (the host collects it and pushes); while
+        the blocking request still decodes, the loop keeps stepping the other slots.
+        """
+        Q = state.queue.tokens.shape[0]
 
         def keep_going(st: DecodeState):
-            starved = jnp.any(~st.slots.active) & (st.queue.next >= st.queue.count) & host_has_more
+            host_can_feed = host_has_more & st.results.done[st.queue.count % Q]
+            starved = jnp.any(~st.slots.active) & (st.queue.next >= st.queue.count) & host_can_feed
             return jnp.any(st.slots.active) & (st.iteration < stop_iteration) & ~starved
 
         # requests the host pushed since the last call take their free slots first

@@ -134,6 +134,8 @@ class Engine:
         are split once here (the caller should drop its stacked copy); params whose "layers"
         is already a tuple (model.init_params_per_layer) always run unrolled.
       chunk_iterations: loop iterations per device call (progress/timing granularity).
+      queue_capacity: entries of the on-device request and result rings (None: max(16, 4 B)).
+        The host pushes request g once request g - capacity has been collected.
       full_pass_lanes: batch sizes of the compiled full-pass variants (None: 1, B/4 and B).
         Fewer variants compile faster; (B,) suits batches whose slots refill together.
         With a mesh, B is the slots of one data shard.
@@ -151,6 +153,7 @@ class Engine:
         backend: str | Kernels = "auto",
         interpret: bool = False,
         chunk_iterations: int = 64,
+        queue_capacity: int | None = None,
         full_pass_lanes: tuple[int, ...] | None = None,
         unroll_layers: bool = False,
         mesh: Mesh | None = None,
@@ -168,7 +171,10 @@ class Engine:
         if mesh is not None:
             sharding.check_model(mesh, config)
             self.params = params = sharding.place_params(params, mesh)
+        if queue_capacity is not None and queue_capacity < 1:
+            raise GenerationError(f"queue_capacity must be at least 1, got {queue_capacity}")
         self.chunk_iterations = chunk_iterations
+        self.queue_capacity = queue_capacity
         self.full_pass_lanes = full_pass_lanes
         self._executables: dict[tuple, CompiledLoop] = {}
 
@@ -247,7 +253,7 @@ class Engine:
     def compile(self, decode: DecodeConfig, longest_prompt: int) -> CompiledLoop:
         """The compiled loop for this config and prompt-length bucket (compiled once, then cached)."""
         loop = self.decode_loop(decode, longest_prompt)
-        capacity = max(16, 4 * decode.batch_size)
+        capacity = self.queue_capacity or max(16, 4 * decode.batch_size)
         width = _next_power_of_two(longest_prompt, _MIN_PROMPT_BUCKET)
         key = (loop, capacity, width)
         if key not in self._executables:
@@ -317,6 +323,7 @@ class Engine:
             stop = timeline[-1][0] + self.chunk_iterations
             state = run(self.params, state, knobs, seed, jnp.int32(stop), jnp.bool_(queue.pushed < len(encoded)))
             results, iteration = jax.device_get((state.results, state.iteration))
+            stepped = int(iteration) > timeline[-1][0]
             timeline.append((int(iteration), time.perf_counter()))
             finished = np.nonzero(results.done)[0]
             for entry in finished:
@@ -327,8 +334,11 @@ class Engine:
             if queue.push():
                 tokens, lengths = queue.arrays()
                 state = state.replace(queue=state.queue.replace(tokens=tokens, lengths=lengths, count=jnp.int32(queue.pushed)))
-            elif not len(finished) and not bool(jax.device_get(jnp.any(state.slots.active))):
-                raise RuntimeError(f"decode loop stalled with {len(encoded) - len(rows)} requests unfinished")
+            elif not len(finished) and not stepped:
+                raise RuntimeError(
+                    f"decode loop stalled with {len(encoded) - len(rows)} requests unfinished "
+                    f"(no step, no result, nothing to push at iteration {int(iteration)})"
+                )
             bar.update(len(rows) - bar.n)
         bar.close()
         wall = timeline[-1][1] - start

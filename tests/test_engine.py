@@ -135,6 +135,24 @@ def test_continuous_batching_and_batch_invariance(engine, decode):
             assert together.results[i].steps == alone.steps
 
 
+def test_a_request_ring_smaller_than_the_stream_never_stalls(lively):
+    """Request g waits for request g - Q's result; while that one still decodes, the other
+    slots keep stepping (a free slot must not stop the loop for a push the host cannot make)."""
+    cfg, params = lively
+    decode = DecodeConfig(method="flash_cache", gen_length=32, batch_size=2, threshold=0.5, mask_num=2, track_num=1)
+    rng = np.random.RandomState(4)
+    many = [list(rng.randint(0, 100, n)) for n in (5, 14, 8, 11, 3, 16, 9, 7, 12, 4)]
+    wide = Engine(cfg, params, backend="xla").generate(many, decode)
+    steps = [r.steps for r in wide.results]
+    assert any(steps[g] > steps[g + 1] for g in range(len(many) - 1)), "some request must outlast the next one"
+    for capacity in (1, 2, 3):
+        tight = Engine(cfg, params, backend="xla", queue_capacity=capacity, chunk_iterations=4).generate(many, decode)
+        assert [r.token_ids for r in tight.results] == [r.token_ids for r in wide.results], capacity
+        assert [r.steps for r in tight.results] == steps
+    with pytest.raises(GenerationError, match="queue_capacity"):
+        Engine(cfg, params, backend="xla", queue_capacity=0)
+
+
 def test_sampling_is_seeded(engine, prompts):
     decode = DecodeConfig(method="flash_cache", gen_length=32, batch_size=2, threshold=0.5, temperature=1.0, seed=5)
     first = engine.generate(prompts, decode)
