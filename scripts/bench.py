@@ -36,6 +36,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from dllm_jax.atomic_write import write_text_atomically  # noqa: E402
 from dllm_jax.config import ModelConfig, llada_8b_config  # noqa: E402
 from dllm_jax.decode_config import DecodeConfig  # noqa: E402
 from dllm_jax.engine import Engine  # noqa: E402
@@ -387,8 +388,8 @@ def reanalyse(path: Path) -> int:
         add_floors(run, report["ceilings"], cost)
     report["flop_ratio_checks"] = flop_ratio_checks([r for r in report["runs"] if r["preset"] == "compare"])
     report["reanalysed"] = time.strftime("%Y-%m-%d")
-    path.with_name(path.stem + "_reanalysed.json").write_text(json.dumps(report, indent=1))
-    path.with_name(path.stem + "_reanalysed.md").write_text(markdown(report) + "\n")
+    write_text_atomically(path.with_name(path.stem + "_reanalysed.json"), json.dumps(report, indent=1))
+    write_text_atomically(path.with_name(path.stem + "_reanalysed.md"), markdown(report) + "\n")
     print(markdown(report))
     return 0
 
@@ -424,8 +425,8 @@ def main(argv=None) -> int:
             for run in report["runs"]:
                 add_floors(run, report["ceilings"], cost)
             report["flop_ratio_checks"] = flop_ratio_checks([r for r in report["runs"] if r["preset"] == "compare"])
-        (opts.out / "bench.json").write_text(json.dumps(report, indent=1))
-        (opts.out / "bench.md").write_text(markdown(report) + "\n")
+        write_text_atomically(opts.out / "bench.json", json.dumps(report, indent=1))
+        write_text_atomically(opts.out / "bench.md", markdown(report) + "\n")
 
     jobs = []
     for backend in opts.backends:

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from dllm_jax.atomic_write import write_text_atomically
 from pallas_kernels.cache_attention import (
     AttentionBlockSizes,
     cache_attention,
@@ -516,8 +517,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def save():
         report["elapsed_s"] = time.monotonic() - start
-        with open(out_path, "w") as f:
-            json.dump(report, f, indent=1)
+        write_text_atomically(out_path, json.dumps(report, indent=1))
 
     report["ceilings"] = measure_ceilings(shapes, opts.repeats)
     log(f"ceilings: {report['ceilings']}")

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tqdm.auto import tqdm  # noqa: E402
 
 from dllm_jax import tiny_tasks  # noqa: E402
+from dllm_jax.atomic_write import write_text_atomically  # noqa: E402
 from dllm_jax.decode_config import DecodeConfig  # noqa: E402
 
 EXACT = "exact-one-per-step"
@@ -128,12 +129,6 @@ def finished_results(path: Path, report: dict) -> dict:
     }
 
 
-def write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
 def parse_args(argv):
     from dllm_jax.assets import tiny_model_path
 
@@ -193,8 +188,8 @@ def main(argv=None) -> int:
             exact_texts = result["texts"]
             result["agreement_with_exact"] = 1.0
         report["results"][name] = result
-        write_atomically(args.out / "eval.json", json.dumps(report, indent=1))
-        write_atomically(args.out / "eval.md", markdown(report) + "\n")
+        write_text_atomically(args.out / "eval.json", json.dumps(report, indent=1))
+        write_text_atomically(args.out / "eval.md", markdown(report) + "\n")
     print(markdown(report))
     return 0
 

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from dllm_jax.atomic_write import write_text_atomically  # noqa: E402
 from dllm_jax.decode_config import ACCEPT_RULES, CACHES, METHODS, PIN_POLICIES, DecodeConfig  # noqa: E402
 
 
@@ -88,19 +87,6 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
-def write_jsonl_atomically(path: Path, records: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            for record in records:
-                f.write(json.dumps(record) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import jax
@@ -153,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
              "accepted_drafts": r.accepted_drafts, "seconds": r.seconds}
             for p, r in zip(prompts, output.results)
         ]
-        write_jsonl_atomically(args.output, records)
+        write_text_atomically(args.output, "".join(json.dumps(record) + "\n" for record in records))
     return 0
 
 

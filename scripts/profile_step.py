@@ -28,6 +28,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from bench import decode_config, initial_state, random_prompts, tiny_config  # noqa: E402
+from dllm_jax.atomic_write import write_text_atomically  # noqa: E402
 from dllm_jax.config import llada_8b_config  # noqa: E402
 from dllm_jax.engine import Engine  # noqa: E402
 from dllm_jax.model import init_params, init_params_per_layer  # noqa: E402
@@ -69,7 +70,7 @@ def profile(engine: Engine, slots: int, gen_length: int, prompt_len: int, steps:
         "kernels_per_step": sum(n for _, n in per_kernel.values()) / steps,
         "top": [{"name": name, "ms_per_step": 1e3 * t, "calls_per_step": n / steps} for name, (t, n) in top[:40]],
     }
-    (out / f"profile_{slots}.json").write_text(json.dumps(result, indent=1))
+    write_text_atomically(out / f"profile_{slots}.json", json.dumps(result, indent=1))
     return result
 
 

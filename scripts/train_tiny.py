@@ -34,6 +34,7 @@ from transformers import PreTrainedTokenizerBase
 
 from convert.jax_to_hf import save_llada_checkpoint
 from dllm_jax import tiny_tasks
+from dllm_jax.atomic_write import write_text_atomically
 from dllm_jax.config import ConfigError, ModelConfig
 from dllm_jax.model import Params, count_params, forward, init_params
 from dllm_jax.tiny_tokenizer import EOT, TINY_VOCAB_SIZE, build_tiny_tokenizer, save_tiny_tokenizer
@@ -327,7 +328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args.out.mkdir(parents=True, exist_ok=True)
     tokenizer_dir = save_tiny_tokenizer(args.out / "tokenizer", SEQ_LEN)
-    (args.out / "run.json").write_text(json.dumps(_run_settings(args), indent=2))
+    write_text_atomically(args.out / "run.json", json.dumps(_run_settings(args), indent=2))
 
     optimizer = make_optimizer(args.lr, args.warmup, args.steps, args.weight_decay)
     params = init_params(config, jax.random.key(args.seed))
@@ -367,7 +368,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     acc = held_out_accuracy(config, state["params"], tokenizer, final_problems, args.gen_length)
     report = {"step": int(state["step"]), "held_out_problems": len(final_problems), "exact_match": acc,
               "gen_length": args.gen_length, "train_seconds_this_run": round(time.time() - started)}
-    (args.out / "final_eval.json").write_text(json.dumps(report, indent=2))
+    write_text_atomically(args.out / "final_eval.json", json.dumps(report, indent=2))
     print(f"final held-out exact match ({len(final_problems)} problems): {acc}", flush=True)
     if args.export is not None:
         save_llada_checkpoint(args.export, config, jax.device_get(state["params"]), tokenizer_dir=tokenizer_dir)
