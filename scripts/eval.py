@@ -110,7 +110,8 @@ SAME_RUN_KEYS = ("model", "problems", "seed", "gen_length", "batch_size", "backe
 
 
 def finished_results(path: Path, report: dict) -> dict:
-    """The results of `path` for settings whose options match `report`'s; {} if there is no file.
+    """The results of `path` for settings whose options match `report`'s; {} if there is no file
+    or the exact decode's options changed (every agreement figure was measured against it).
 
     Raises ValueError naming the first option that differs (a resumed table must be one run's).
     """
@@ -123,10 +124,11 @@ def finished_results(path: Path, report: dict) -> dict:
     for key in SAME_RUN_KEYS:
         if old.get(key) != report[key]:
             raise ValueError(f"--resume: {path} was run with {key}={old.get(key)!r}, this run has {report[key]!r}")
-    return {
+    kept = {
         name: result for name, result in old.get("results", {}).items()
         if name in report["settings"] and old["settings"].get(name) == report["settings"][name]
     }
+    return kept if EXACT in kept else {}
 
 
 def parse_args(argv):

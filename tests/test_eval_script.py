@@ -61,13 +61,17 @@ def test_resume_keeps_only_settings_of_the_same_run(tmp_path):
     eval_script = _eval_module()
     run = {"model": "m", "problems": 4, "seed": 1, "gen_length": 64, "batch_size": 4, "backend": "xla",
            "dtype": "float32", "device": "cpu"}
-    old = dict(run, settings={n: {"knob": n} for n in ("a", "b")}, results={"a": {"accuracy": 0.5}, "b": {"accuracy": 1.0}})
+    exact = eval_script.EXACT
+    old = dict(run, settings={n: {"knob": n} for n in (exact, "a", "b")},
+               results={exact: {"accuracy": 0.9}, "a": {"accuracy": 0.5}, "b": {"accuracy": 1.0}})
     path = tmp_path / "eval.json"
     assert eval_script.finished_results(path, dict(run, settings={})) == {}
     path.write_text(json.dumps(old))
     # "b" was run with other options: it is decoded again, "a" is kept.
-    now = dict(run, settings={"a": {"knob": "a"}, "b": {"knob": "changed"}})
-    assert eval_script.finished_results(path, now) == {"a": {"accuracy": 0.5}}
+    now = dict(run, settings={exact: {"knob": exact}, "a": {"knob": "a"}, "b": {"knob": "changed"}})
+    assert eval_script.finished_results(path, now) == {exact: {"accuracy": 0.9}, "a": {"accuracy": 0.5}}
+    # a changed exact decode invalidates every agreement figure: nothing is kept
+    assert eval_script.finished_results(path, dict(now, settings=dict(now["settings"], **{exact: {"knob": "new"}}))) == {}
     with pytest.raises(ValueError, match="problems=4, this run has 8"):
         eval_script.finished_results(path, dict(now, problems=8))
     path.write_text("{not json")
