@@ -171,8 +171,8 @@ class Engine:
         if mesh is not None:
             sharding.check_model(mesh, config)
             self.params = params = sharding.place_params(params, mesh)
-        if queue_capacity is not None and queue_capacity < 1:
-            raise GenerationError(f"queue_capacity must be at least 1, got {queue_capacity}")
+        if queue_capacity is not None and (not isinstance(queue_capacity, int) or queue_capacity < 1):
+            raise GenerationError(f"queue_capacity={queue_capacity!r}: expected an int >= 1")
         self.chunk_iterations = chunk_iterations
         self.queue_capacity = queue_capacity
         self.full_pass_lanes = full_pass_lanes

@@ -149,8 +149,9 @@ def test_a_request_ring_smaller_than_the_stream_never_stalls(lively):
         tight = Engine(cfg, params, backend="xla", queue_capacity=capacity, chunk_iterations=4).generate(many, decode)
         assert [r.token_ids for r in tight.results] == [r.token_ids for r in wide.results], capacity
         assert [r.steps for r in tight.results] == steps
-    with pytest.raises(GenerationError, match="queue_capacity"):
-        Engine(cfg, params, backend="xla", queue_capacity=0)
+    for bad in (0, 2.5):
+        with pytest.raises(GenerationError, match="queue_capacity"):
+            Engine(cfg, params, backend="xla", queue_capacity=bad)
 
 
 def test_sampling_is_seeded(engine, prompts):
