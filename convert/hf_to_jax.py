@@ -2,9 +2,9 @@
 
   python -m convert.hf_to_jax --hf-dir PATH --out PATH [--dtype bfloat16]
 
-Reads config.json and the safetensors shards (streamed, see convert/hf_reader.py), writes the
+Reads config.json and the safetensors shards (streamed, see dllm_jax/checkpoint/hf_reader.py), writes the
 params as an orbax checkpoint with a metadata file and the tokenizer files (layout in
-convert/checkpoint.py). The output folder appears complete or not at all: everything is
+dllm_jax/checkpoint/converted.py). The output folder appears complete or not at all: everything is
 written into a temporary sibling folder that is renamed at the end and removed on any error.
 Bad input exits with status 2 and a one-line message naming the file and tensor.
 """
@@ -19,9 +19,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from convert.checkpoint import DTYPES, PARAMS_DIR, move_to_jax, save_params, write_metadata
-from convert.errors import ConversionError
-from convert.hf_reader import read_checkpoint
+from dllm_jax.checkpoint.converted import DTYPES, PARAMS_DIR, move_to_jax, save_params, write_metadata
+from dllm_jax.checkpoint.errors import ConversionError
+from dllm_jax.checkpoint.hf_reader import read_checkpoint
 from dllm_jax.tokenizer import TOKENIZER_FILES
 
 

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from safetensors.numpy import save_file
 
-from convert.llada_names import leaf_shape, tensor_entries
+from dllm_jax.checkpoint.llada_names import leaf_shape, tensor_entries
 from dllm_jax.config import ModelConfig
 from dllm_jax.model import Params
 from dllm_jax.tokenizer import TOKENIZER_FILES

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from dllm_jax.attention import dense_attention
+from pallas_kernels.reference.attention import dense_attention
 from dllm_jax.config import ModelConfig
 from dllm_jax.flat_cache import FlatCache, flat_rows
 from dllm_jax.kernel_backend import Kernels

@@ -5,6 +5,9 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from dllm_jax.checkpoint.converted import METADATA_FILE, is_converted, load_converted, move_to_jax
+from dllm_jax.checkpoint.errors import ConversionError
+from dllm_jax.checkpoint.hf_reader import CONFIG_FILE, read_checkpoint
 from dllm_jax.config import ModelConfig
 from dllm_jax.model import Params
 from dllm_jax.tokenizer import Tokenizer, has_tokenizer_files
@@ -36,11 +39,6 @@ def load_model(path: str | Path, *, dtype: str = "bfloat16") -> LoadedModel:
       ConversionError for a folder that is neither kind, or whose files are missing or malformed;
       TokenizerError for tokenizer files that cannot be loaded.
     """
-    # convert/ imports dllm_jax modules: importing it here keeps `import dllm_jax` acyclic
-    from convert.checkpoint import METADATA_FILE, is_converted, load_converted, move_to_jax
-    from convert.errors import ConversionError
-    from convert.hf_reader import CONFIG_FILE, read_checkpoint
-
     path = Path(path)
     if is_converted(path):
         config, params = load_converted(path, dtype=dtype)

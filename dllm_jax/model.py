@@ -29,9 +29,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from dllm_jax.attention import dense_attention
+from pallas_kernels.reference.attention import dense_attention
 from dllm_jax.config import ModelConfig
-from dllm_jax.rope import apply_rope, rope_cos_sin
+from pallas_kernels.reference.rope import apply_rope, rope_cos_sin
 
 Params = Any  # a nested dict of arrays, the "params" collection
 

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from dllm_jax.attention import dense_attention
+from pallas_kernels.reference.attention import dense_attention
 from pallas_kernels._cache_attention_kernel import KernelLayout, active_splits, attention_kernel
 from pallas_kernels._common import (
     NUM_SMS,

@@ -41,7 +41,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from dllm_jax.rope import apply_rope, rope_cos_sin, rope_frequencies
+from pallas_kernels.reference.rope import apply_rope, rope_cos_sin, rope_frequencies
 from pallas_kernels._common import (
     NUM_SMS,
     as_int32,

@@ -12,7 +12,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from dllm_jax.attention import dense_attention
+from pallas_kernels.reference.attention import dense_attention
 from dllm_jax.config import ModelConfig
 from dllm_jax.decode_config import DecodeConfig
 from dllm_jax.model import LLaDABlock, LLaDAModel, forward

@@ -2,7 +2,7 @@
 
 Each output leaf is allocated once, in the target dtype, and every tensor is copied into its
 slot in blocks of rows straight from the memory-mapped shard (cast and transposed on the way,
-as ``convert/llada_names.py`` says). Host memory therefore holds the output being built plus
+as ``dllm_jax/checkpoint/llada_names.py`` says). Host memory therefore holds the output being built plus
 the pages of the one shard being read, never a second copy of the model.
 
 Everything about the input is checked against the table before or while it is read: the shard
@@ -21,8 +21,8 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
-from convert.errors import ConversionError
-from convert.llada_names import TensorEntry, leaf_shape, rules_for, tensor_entries
+from dllm_jax.checkpoint.errors import ConversionError
+from dllm_jax.checkpoint.llada_names import TensorEntry, leaf_shape, rules_for, tensor_entries
 from dllm_jax.config import ConfigError, ModelConfig
 
 CONFIG_FILE = "config.json"

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from convert.errors import ConversionError
+from dllm_jax.checkpoint.errors import ConversionError
 from dllm_jax.config import ConfigError, ModelConfig
 from dllm_jax.model import Params, abstract_params
 
