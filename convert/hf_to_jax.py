@@ -22,10 +22,13 @@ from pathlib import Path
 from dllm_jax.checkpoint.converted import DTYPES, PARAMS_DIR, move_to_jax, save_params, write_metadata
 from dllm_jax.checkpoint.errors import ConversionError
 from dllm_jax.checkpoint.hf_reader import read_checkpoint
+from dllm_jax.quantization import QUANTIZATIONS, quantize_params
 from dllm_jax.tokenizer import TOKENIZER_FILES
 
 
-def convert_checkpoint(hf_dir: str | Path, out_dir: str | Path, *, dtype: str = "bfloat16") -> Path:
+def convert_checkpoint(
+    hf_dir: str | Path, out_dir: str | Path, *, dtype: str = "bfloat16", quantization: str = "none"
+) -> Path:
     """Converts ``hf_dir`` into the new folder ``out_dir`` and returns it.
 
     Args:
@@ -33,13 +36,18 @@ def convert_checkpoint(hf_dir: str | Path, out_dir: str | Path, *, dtype: str = 
         optional tokenizer files).
       out_dir: folder to create; it must not exist.
       dtype: dtype of the stored params; every tensor (F16, BF16 or F32) is cast to it.
+      quantization: "none", or store the block projections as 8-bit weights with per-channel
+        scales ("fp8", "int8-weights"; dllm_jax.quantization): half the size.
     Raises:
       ConversionError naming the file / tensor for any bad input; nothing is left on disk.
     """
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     if out_dir.exists():
         raise ConversionError(f"{out_dir}: output folder already exists")
+    if quantization not in QUANTIZATIONS:
+        raise ConversionError(f"quantization={quantization!r}: expected one of {', '.join(QUANTIZATIONS)}")
     info, params = read_checkpoint(hf_dir, dtype=dtype)
+    params = quantize_params(params, quantization)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     # mkdir (not tempfile.mkdtemp, which makes it private to the user) so the folder gets the umask's mode
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{secrets.token_hex(4)}")
@@ -50,7 +58,8 @@ def convert_checkpoint(hf_dir: str | Path, out_dir: str | Path, *, dtype: str = 
             if (hf_dir / name).is_file():
                 shutil.copy2(hf_dir / name, tmp / name)
         write_metadata(
-            tmp, hf_config=info.hf_config, dtype=dtype, tensor_count=info.tensor_count, source=info.source
+            tmp, hf_config=info.hf_config, dtype=dtype, tensor_count=info.tensor_count, source=info.source,
+            quantization=quantization,
         )
         # Checked again: an empty folder created meanwhile would silently be replaced by the rename.
         if out_dir.exists():
@@ -71,9 +80,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--hf-dir", required=True, type=Path, help="Hugging Face checkpoint folder")
     parser.add_argument("--out", required=True, type=Path, help="output folder (must not exist)")
     parser.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="dtype of the stored params")
+    parser.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
+                        help="store the block projections as 8-bit weights with per-channel scales")
     args = parser.parse_args(argv)
     try:
-        out = convert_checkpoint(args.hf_dir, args.out, dtype=args.dtype)
+        out = convert_checkpoint(args.hf_dir, args.out, dtype=args.dtype, quantization=args.quantization)
     except ConversionError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -135,6 +135,11 @@ def cached_forward(
         from dllm_jax.kernel_backend import pallas_layer_attention, pallas_qkv_to_cache, pallas_scatter_kv
     if per_layer and spec.kernels.qkv:
         raise ValueError("the fused projection kernel reads layer-stacked weights; use stacked params")
+    if spec.kernels.qkv and config.quantization != "none":
+        raise ValueError(
+            f"the fused projection kernel reads {config.dtype} kernels, not quantization={config.quantization!r}: "
+            "use backend 'auto' or 'xla'"
+        )
 
     def layer_step(carry, lp, layer):
         """One block; lp: this layer's params; layer: its index (int32 when scanned)."""

@@ -10,6 +10,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from dllm_jax.quantization import QUANTIZATIONS
+
 # Keys of a LLaDA config.json whose value must be exactly this for the model to be computed
 # the way dllm_jax computes it. Anything else is an option we do not implement.
 _REQUIRED_VALUES: dict[str, Any] = {
@@ -55,6 +57,8 @@ class ModelConfig:
       weight_tying: LM head shares the embedding matrix.
       dtype: dtype of the weights and activations ("bfloat16" for serving, "float32" in tests);
         matmuls and attention accumulate in float32 either way.
+      quantization: "none", "fp8" or "int8-weights": 8-bit block projections
+        (dllm_jax.quantization); a load-time choice, not part of config.json.
     """
 
     d_model: int
@@ -72,6 +76,7 @@ class ModelConfig:
     max_sequence_length: int = 4096
     weight_tying: bool = False
     dtype: str = "bfloat16"
+    quantization: str = "none"
 
     def __post_init__(self):
         for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "mlp_hidden_size", "vocab_size"):
@@ -90,6 +95,8 @@ class ModelConfig:
                 raise ConfigError(f"{name}={value} is outside the vocabulary [0, {self.vocab_size})")
         if self.dtype not in _SUPPORTED_DTYPES:
             raise ConfigError(f"dtype={self.dtype!r}: expected one of {_SUPPORTED_DTYPES}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"quantization={self.quantization!r}: expected one of {QUANTIZATIONS}")
         if not self.rope_theta > 0 or not self.rms_norm_eps > 0:
             raise ConfigError(f"rope_theta={self.rope_theta} and rms_norm_eps={self.rms_norm_eps} must be > 0")
 

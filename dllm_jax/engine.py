@@ -179,11 +179,11 @@ class Engine:
         self._executables: dict[tuple, CompiledLoop] = {}
 
     @classmethod
-    def from_pretrained(cls, path: str, *, dtype: str = "bfloat16", **kwargs) -> Engine:
+    def from_pretrained(cls, path: str, *, dtype: str = "bfloat16", quantization: str | None = None, **kwargs) -> Engine:
         """Loads a Hugging Face LLaDA folder or a converted checkpoint (dllm_jax.load_model)."""
         from dllm_jax.loading import load_model
 
-        loaded = load_model(path, dtype=dtype)
+        loaded = load_model(path, dtype=dtype, quantization=quantization)
         return cls(loaded.config, loaded.params, loaded.tokenizer, **kwargs)
 
     @property

@@ -10,6 +10,7 @@ from dllm_jax.checkpoint.errors import ConversionError
 from dllm_jax.checkpoint.hf_reader import CONFIG_FILE, read_checkpoint
 from dllm_jax.config import ModelConfig
 from dllm_jax.model import Params
+from dllm_jax.quantization import QUANTIZATIONS, quantize_params
 from dllm_jax.tokenizer import Tokenizer, has_tokenizer_files
 
 
@@ -29,11 +30,13 @@ class LoadedModel:
     path: Path
 
 
-def load_model(path: str | Path, *, dtype: str = "bfloat16") -> LoadedModel:
+def load_model(path: str | Path, *, dtype: str = "bfloat16", quantization: str | None = None) -> LoadedModel:
     """Loads a converted folder (has dllm_jax_metadata.json) or a Hugging Face LLaDA folder.
 
     A Hugging Face folder is converted in memory by the same streaming reader as
     ``python -m convert.hf_to_jax``; nothing is written. Params are cast to ``dtype``.
+    quantization: "none", "fp8" or "int8-weights" (dllm_jax.quantization); None = as the folder
+    stores it (a Hugging Face folder: "none").
 
     Raises:
       ConversionError for a folder that is neither kind, or whose files are missing or malformed;
@@ -41,10 +44,14 @@ def load_model(path: str | Path, *, dtype: str = "bfloat16") -> LoadedModel:
     """
     path = Path(path)
     if is_converted(path):
-        config, params = load_converted(path, dtype=dtype)
+        config, params = load_converted(path, dtype=dtype, quantization=quantization)
     elif (path / CONFIG_FILE).is_file():
+        quantization = quantization or "none"
+        if quantization not in QUANTIZATIONS:
+            raise ConversionError(f"quantization={quantization!r}: expected one of {', '.join(QUANTIZATIONS)}")
         info, host_params = read_checkpoint(path, dtype=dtype)
-        config, params = info.config, move_to_jax(host_params)
+        config = dataclasses.replace(info.config, quantization=quantization)
+        params = move_to_jax(quantize_params(host_params, quantization))
     else:
         raise ConversionError(
             f"{path}: neither a converted dllm_jax checkpoint (no {METADATA_FILE}) "

@@ -19,18 +19,23 @@ Parameter tree (``params`` collection)::
   layers/ff_out/kernel        [NL, F, D]
   ln_f/weight                 [D]
   lm_head/kernel              [D, V]  (absent when weight_tying)
+
+With config.quantization set, each of the seven block projections holds ``qkernel`` [NL, out, in]
+(8-bit) and ``scale`` [NL, out] instead of ``kernel`` (dllm_jax.quantization).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.reference.attention import dense_attention
 from dllm_jax.config import ModelConfig
+from dllm_jax.quantization import quantize_params, quantized_matmul, weight_dtype
+from pallas_kernels.reference.attention import dense_attention
 from pallas_kernels.reference.rope import apply_rope, rope_cos_sin
 
 Params = Any  # a nested dict of arrays, the "params" collection
@@ -43,16 +48,23 @@ class Linear(nn.Module):
 
     bf16 x bf16 -> bf16 dots accumulate in float32 on GPU (cuBLAS) and CPU; asking for a
     float32 result only where it is used (q and k before RoPE) keeps the large MLP
-    activations in bf16 in device memory.
+    activations in bf16 in device memory. With quantization (dllm_jax.quantization) the
+    params are ``qkernel`` [out, in] (8-bit) and ``scale`` [out] instead of ``kernel``.
     """
 
     features: int
     dtype: Any
+    quantization: str = "none"
 
     @nn.compact
     def __call__(self, x: jax.Array, out_dtype: Any = None) -> jax.Array:
-        kernel = self.param("kernel", _INIT, (x.shape[-1], self.features), self.dtype)
         out_dtype = self.dtype if out_dtype is None else out_dtype
+        if self.quantization != "none":
+            shape = (self.features, x.shape[-1])
+            qkernel = self.param("qkernel", nn.initializers.zeros, shape, weight_dtype(self.quantization))
+            scale = self.param("scale", nn.initializers.ones, (self.features,), jnp.float32)
+            return quantized_matmul(x.astype(self.dtype), qkernel, scale, out_dtype)
+        kernel = self.param("kernel", _INIT, (x.shape[-1], self.features), self.dtype)
         return jnp.dot(x.astype(self.dtype), kernel, preferred_element_type=out_dtype)
 
 
@@ -79,14 +91,15 @@ class LLaDABlock(nn.Module):
         c = self.config
         dt = c.jnp_dtype
         self.attn_norm = RMSNorm(c.rms_norm_eps, dt)
-        self.q_proj = Linear(c.n_heads * c.head_dim, dt)
-        self.k_proj = Linear(c.kv_dim, dt)
-        self.v_proj = Linear(c.kv_dim, dt)
-        self.attn_out = Linear(c.d_model, dt)
+        q = c.quantization
+        self.q_proj = Linear(c.n_heads * c.head_dim, dt, q)
+        self.k_proj = Linear(c.kv_dim, dt, q)
+        self.v_proj = Linear(c.kv_dim, dt, q)
+        self.attn_out = Linear(c.d_model, dt, q)
         self.ff_norm = RMSNorm(c.rms_norm_eps, dt)
-        self.ff_proj = Linear(c.mlp_hidden_size, dt)
-        self.up_proj = Linear(c.mlp_hidden_size, dt)
-        self.ff_out = Linear(c.d_model, dt)
+        self.ff_proj = Linear(c.mlp_hidden_size, dt, q)
+        self.up_proj = Linear(c.mlp_hidden_size, dt, q)
+        self.ff_out = Linear(c.d_model, dt, q)
 
     def attention_input(self, h: jax.Array) -> jax.Array:
         """The pre-attention RMSNorm: [..., T, D] -> [..., T, D]."""
@@ -181,22 +194,27 @@ class LLaDAModel(nn.Module):
 
 
 def init_params(config: ModelConfig, rng: jax.Array) -> Params:
-    """Random parameters (normal(0.02) matrices, unit norms) in config.dtype."""
+    """Random parameters (normal(0.02) matrices, unit norms) in config.dtype, then quantized
+    as config.quantization says."""
     tokens = jnp.zeros((1, 2), dtype=jnp.int32)
-    return LLaDAModel(config).init(rng, tokens)["params"]
+    plain = dataclasses.replace(config, quantization="none")
+    return quantize_params(LLaDAModel(plain).init(rng, tokens)["params"], config.quantization)
 
 
 def init_params_per_layer(config: ModelConfig, rng: jax.Array) -> Params:
     """Random parameters with params["layers"] a tuple of per-layer trees, built layer by layer
     (no layer-stacked copy ever exists: device memory stays at the model's size)."""
-    import dataclasses
-
     top_rng, *layer_rngs = jax.random.split(rng, config.n_layers + 1)
     top = jax.jit(init_params, static_argnums=0)(dataclasses.replace(config, n_layers=1), top_rng)
-    block = LLaDABlock(config)
     h = jnp.zeros((1, 2, config.d_model), config.jnp_dtype)
     positions = jnp.zeros((1, 2), jnp.int32)
-    init_block = jax.jit(lambda r: block.init(r, h, positions, jnp.ones((1, 1, 2), bool))["params"])
+    plain_block = LLaDABlock(dataclasses.replace(config, quantization="none"))
+
+    def init_block(rng):
+        params = plain_block.init(rng, h, positions, jnp.ones((1, 1, 2), bool))["params"]
+        return quantize_params({"layers": params}, config.quantization)["layers"]
+
+    init_block = jax.jit(init_block)
     return {**{k: v for k, v in top.items() if k != "layers"}, "layers": tuple(init_block(r) for r in layer_rngs)}
 
 

@@ -118,11 +118,18 @@ def param_specs(params: Params) -> Params:
 
     def spec(path, leaf) -> P:
         module = path[-2].key if path[0].key == "layers" else None
+        name = path[-1].key
+        if name == "scale":  # [(NL,) out] of a quantized kernel: split with the output columns
+            return P(*(None,) * (leaf.ndim - 1), TENSOR) if module in _COLUMN_SPLIT else REPLICATED
         lead = (None,) * (leaf.ndim - 2)
+        # kernel is [in, out]; a quantized qkernel is [out, in]
+        column, row = (P(*lead, None, TENSOR), P(*lead, TENSOR, None))
+        if name == "qkernel":
+            column, row = row, column
         if module in _COLUMN_SPLIT:
-            return P(*lead, None, TENSOR)
+            return column
         if module in _ROW_SPLIT:
-            return P(*lead, TENSOR, None)
+            return row
         return REPLICATED
 
     return jax.tree_util.tree_map_with_path(spec, params)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import statistics
@@ -41,10 +42,11 @@ from dllm_jax.config import ModelConfig, llada_8b_config  # noqa: E402
 from dllm_jax.decode_config import DecodeConfig  # noqa: E402
 from dllm_jax.engine import Engine  # noqa: E402
 from dllm_jax.model import init_params, init_params_per_layer  # noqa: E402
+from dllm_jax.quantization import QUANTIZATIONS, QUANTIZED_MODULES as QUANTIZED, quantize_kernel, weight_bytes  # noqa: E402
 from dllm_jax.sharding import parse_mesh  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import Shapes, measure_ceilings  # noqa: E402
+from bench_kernels import Shapes, measure_ceilings, time_chain  # noqa: E402
 
 WINDOW = 16
 METHODS = ("llada", "fast_dllm", "flash_cache", "flash_verify")
@@ -72,14 +74,43 @@ def decode_config(method: str, schedule: str, gen_length: int, slots: int) -> De
     )
 
 
+def quantize_on_device(params, quantization: str):
+    """quantize_params one projection at a time on the device (a whole-tree float32 copy of
+    LLaDA-8B would not fit beside the bf16 weights)."""
+    one = jax.jit(quantize_kernel, static_argnums=1)
+    layers = params["layers"]
+    per_layer = layers if isinstance(layers, (list, tuple)) else [layers]
+    done = [{name: one(sub["kernel"], quantization) if "kernel" in sub and name in QUANTIZED else sub
+             for name, sub in lp.items()} for lp in per_layer]
+    return {**params, "layers": tuple(done) if isinstance(layers, (list, tuple)) else done[0]}
+
+
+def measure_fp8_matmul(n: int, repeats: int) -> float:
+    """FP8 (e4m3 x e4m3 -> f32) matmul rate in FLOP/s at n x n x n, as the quantized projections
+    call it (dllm_jax.quantization.quantized_matmul without the scales)."""
+    a, b = jax.random.normal(jax.random.key(1), (2, n, n), jnp.float32)
+    a, b = a.astype(jnp.float8_e4m3fn), (b / n**0.5).astype(jnp.float8_e4m3fn)
+    contract = (((1,), (1,)), ((), ()))
+
+    def step(i, c, b):
+        return jax.lax.dot_general(c, b, contract, preferred_element_type=jnp.float32).astype(jnp.float8_e4m3fn)
+
+    return 2 * n**3 / time_chain(step, a, b, inner=4, repeats=repeats)
+
+
 # ----------------------------------------------------------------------------- FLOPs and bytes
 
 
 @dataclasses.dataclass(frozen=True)
 class Cost:
-    """FLOPs and bytes of model work, from the config (matmuls, attention, LM head)."""
+    """FLOPs and bytes of model work, from the config (matmuls, attention, LM head).
+
+    params_bytes: the weights' bytes as stored (None: every parameter in config.dtype); an
+    8-bit model streams about half.
+    """
 
     config: ModelConfig
+    params_bytes: float | None = None
 
     @property
     def matmul_flops_per_row(self) -> float:
@@ -100,6 +131,8 @@ class Cost:
 
     @property
     def weight_bytes(self) -> float:
+        if self.params_bytes is not None:
+            return float(self.params_bytes)
         return float(self.config.num_params() * self.config.jnp_dtype.itemsize)
 
     def cache_read_bytes(self, slots: float, keys: float) -> float:
@@ -123,6 +156,10 @@ def add_floors(run: dict, ceilings: dict, cost: Cost) -> None:
     steps and verify passes, each bound by its FLOPs or by streaming the weights and the
     cache, whichever is slower; the run's floor is the sum over its passes."""
     run["flop_floor_s"] = run["flops"] / ceilings["matmul_flops"]
+    if run.get("quantization") == "fp8" and "fp8_matmul_flops" in ceilings:
+        # the block projections run at the FP8 rate; attention and the LM head stay bf16
+        projection = run["projection_flops"]
+        run["flop_floor_s"] = projection / ceilings["fp8_matmul_flops"] + (run["flops"] - projection) / ceilings["matmul_flops"]
     run["byte_floor_s"] = run["bytes"] / ceilings["bandwidth_bytes"]
     run["weight_floor_s"] = run["weight_bytes_moved"] / ceilings["bandwidth_bytes"]
     if run["preset"] == "steps":
@@ -236,6 +273,7 @@ def steps_run(engine, backend, slots, gen_length, prompt_len, cost, opts) -> dic
     flops = cost.pass_flops(rows, timing["key_len"], slots * WINDOW)
     return {
         "preset": "steps", "method": "flash_cache", "schedule": "one", "backend": backend, "slots": slots,
+        "quantization": engine.config.quantization, "projection_flops": rows * cost.matmul_flops_per_row,
         "gen_length": gen_length, "prompt_length": prompt_len, **timing,
         **cost.work(flops, 1, slots, timing["key_len"]), "peak_bytes": peak_bytes(),
     }
@@ -256,6 +294,7 @@ def compare_run(engine, method, schedule, backend, slots, gen_length, prompt_len
     passes = s.iterations * (2 if decode.verify else 1)
     return {
         "preset": "compare", "method": method, "schedule": schedule, "backend": backend, "slots": slots,
+        "quantization": engine.config.quantization, "projection_flops": rows * cost.matmul_flops_per_row,
         "gen_length": gen_length, "prompt_length": prompt_len, "tokens": s.num_tokens, "wall_s": s.wall_seconds,
         "tokens_per_s": s.tokens_per_second, "tokens_per_step": s.tokens_per_step, "steps": s.steps,
         "iterations": s.iterations, "forward_passes": s.forward_passes, "ms_per_iteration": 1e3 * s.wall_seconds / s.iterations,
@@ -295,9 +334,13 @@ def markdown(report: dict) -> str:
         return "(ceilings not measured yet)"
     lines = [
         f"Device: {report['device']} | jax {report['jax']} | model {report['model']} | "
-        f"matmul {c['matmul_flops'] / 1e12:.0f} TFLOP/s, bandwidth {c['bandwidth_bytes'] / 1e12:.2f} TB/s (measured)",
+        f"matmul {c['matmul_flops'] / 1e12:.0f} TFLOP/s, bandwidth {c['bandwidth_bytes'] / 1e12:.2f} TB/s (measured)"
+        + (f", FP8 matmul {c['fp8_matmul_flops'] / 1e12:.0f} TFLOP/s" if "fp8_matmul_flops" in c else ""),
         "",
     ]
+    by_quantization = report.get("weight_bytes_by_quantization", {})
+    if len(by_quantization) > 1:
+        lines += ["Weights: " + ", ".join(f"{q} {b / 1e9:.2f} GB" for q, b in by_quantization.items()), ""]
     steps = [r for r in report["runs"] if r["preset"] == "steps"]
     if steps:
         lines += [
@@ -349,6 +392,8 @@ def parse_args(argv):
     p.add_argument("--preset", nargs="+", choices=("steps", "compare"), default=["steps", "compare"])
     p.add_argument("--backends", nargs="+", choices=("auto", "xla", "pallas"), default=None)
     p.add_argument("--mesh", default=None, help='decode over several devices, e.g. "data=2" or "tensor=2"')
+    p.add_argument("--quantizations", nargs="+", choices=QUANTIZATIONS, default=["none"],
+                   help="weight formats to run (dllm_jax.quantization); 8-bit ones are made from the bf16 weights")
     p.add_argument("--layers", choices=("stacked", "per_layer"), default="per_layer",
                    help="weights stacked (layer loop scanned) or one array per layer (loop unrolled)")
     p.add_argument("--slots", nargs="+", type=int, default=None)
@@ -416,35 +461,45 @@ def main(argv=None) -> int:
         "device": f"{jax.device_count()} x {jax.devices()[0].device_kind}", "jax": jax.__version__, "mesh": opts.mesh, "model": "tiny" if opts.tiny else "LLaDA-8B",
         "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "layers": opts.layers, "ceilings": None,
-        "weight_bytes": cost.weight_bytes, "runs": [], "errors": [], "flop_ratio_checks": [],
+        "weight_bytes": cost.weight_bytes, "weight_bytes_by_quantization": {}, "runs": [], "errors": [],
+        "flop_ratio_checks": [],
     }
     opts.out.mkdir(parents=True, exist_ok=True)
 
     def save():
         if report["ceilings"] is not None:
             for run in report["runs"]:
-                add_floors(run, report["ceilings"], cost)
+                add_floors(run, report["ceilings"], costs[run.get("quantization", "none")])
             report["flop_ratio_checks"] = flop_ratio_checks([r for r in report["runs"] if r["preset"] == "compare"])
         write_text_atomically(opts.out / "bench.json", json.dumps(report, indent=1))
         write_text_atomically(opts.out / "bench.md", markdown(report) + "\n")
 
     jobs = []
-    for backend in opts.backends:
-        engine = Engine(config, params, backend=backend, interpret=opts.tiny and backend == "pallas", full_pass_lanes=(),
-                        mesh=parse_mesh(opts.mesh) if opts.mesh else None)
+    costs = {"none": cost}
+    weights = {"none": params}
+    for quantization in opts.quantizations:
+        if quantization not in weights:
+            weights[quantization] = jax.block_until_ready(quantize_on_device(params, quantization))
+        report["weight_bytes_by_quantization"][quantization] = weight_bytes(weights[quantization])
+    for quantization, backend in itertools.product(opts.quantizations, opts.backends):
+        q_config = dataclasses.replace(config, quantization=quantization)
+        cost = costs[quantization] = Cost(q_config, params_bytes=weight_bytes(weights[quantization]))
+        engine = Engine(q_config, weights[quantization], backend=backend, interpret=opts.tiny and backend == "pallas",
+                        full_pass_lanes=(), mesh=parse_mesh(opts.mesh) if opts.mesh else None)
         backend = engine.backend + (f" mesh {opts.mesh}" if opts.mesh else "")
+        backend += f" {quantization}" if quantization != "none" else ""
         if "steps" in opts.preset:
             for slots in opts.slots:
-                jobs.append((f"steps {backend} slots={slots}", lambda e=engine, b=backend, s=slots: steps_run(
-                    e, b, s, opts.gen_lengths[0], opts.prompt_length, cost, opts)))
+                jobs.append((f"steps {backend} slots={slots}", lambda e=engine, b=backend, s=slots, c=cost: steps_run(
+                    e, b, s, opts.gen_lengths[0], opts.prompt_length, c, opts)))
         if "compare" in opts.preset:
             for gen in opts.gen_lengths:
                 for slots in opts.compare_slots:
                     for schedule in opts.schedules:
                         for method in opts.methods:
                             jobs.append((f"compare {method} {schedule} {backend} slots={slots} gen={gen}",
-                                         lambda e=engine, m=method, sc=schedule, b=backend, s=slots, g=gen: compare_run(
-                                             e, m, sc, b, s, g, opts.prompt_length, cost)))
+                                         lambda e=engine, m=method, sc=schedule, b=backend, s=slots, g=gen, c=cost: compare_run(
+                                             e, m, sc, b, s, g, opts.prompt_length, c)))
     for name, job in jobs:
         if opts.budget_s is not None and time.perf_counter() - started > opts.budget_s:
             report["errors"].append({"run": name, "error": "skipped: time budget spent"})
@@ -458,6 +513,8 @@ def main(argv=None) -> int:
         save()
     # measured last, so that their buffers do not count in the runs' peak memory
     report["ceilings"] = measure_ceilings(shapes, repeats=3 if opts.tiny else opts.ceiling_repeats)
+    if "fp8" in opts.quantizations:
+        report["ceilings"]["fp8_matmul_flops"] = measure_fp8_matmul(shapes.matmul_size, 3 if opts.tiny else opts.ceiling_repeats)
     save()
     print(markdown(report))
     return 1 if report["errors"] and not any("skipped" in e["error"] for e in report["errors"]) else 0

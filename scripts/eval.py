@@ -31,6 +31,7 @@ from tqdm.auto import tqdm  # noqa: E402
 from dllm_jax import tiny_tasks  # noqa: E402
 from dllm_jax.atomic_write import write_text_atomically  # noqa: E402
 from dllm_jax.decode_config import DecodeConfig  # noqa: E402
+from dllm_jax.quantization import QUANTIZATIONS  # noqa: E402
 
 EXACT = "exact-one-per-step"
 
@@ -91,22 +92,31 @@ def evaluate(engine, problems, decode: DecodeConfig, exact_texts: list[str] | No
 def markdown(report: dict) -> str:
     lines = [
         f"model: {report['model']} | {report['problems']} held-out problems (seed {report['seed']}) | "
-        f"gen_length {report['gen_length']} | batch {report['batch_size']} | backend {report['backend']} | {report['device']}",
+        f"gen_length {report['gen_length']} | batch {report['batch_size']} | backend {report['backend']} | "
+        f"quantization {report.get('quantization', 'none')} | {report['device']}",
         "",
-        "| setting | accuracy | by task | agreement with exact | tokens/step | steps | forward passes | accepted drafts | tokens/s |",
-        "|---|---|---|---|---|---|---|---|---|",
     ]
+    baseline = report.get("baseline")
+    head = "| setting | accuracy | by task | agreement with exact | tokens/step | steps | forward passes | accepted drafts | tokens/s |"
+    if baseline:
+        head += " accuracy change vs baseline | same answer as baseline |"
+    lines += [head, "|" + "---|" * (head.count("|") - 1)]
     for name, r in report["results"].items():
         tasks = ", ".join(f"{t} {a:.3f}" for t, a in r["accuracy_by_task"].items())
         agree = "-" if r["agreement_with_exact"] is None else f"{r['agreement_with_exact']:.3f}"
-        lines.append(
+        line = (
             f"| {name} | {r['accuracy']:.3f} | {tasks} | {agree} | {r['tokens_per_step']:.2f} | {r['steps']} | "
             f"{r['forward_passes']} | {r['accepted_drafts']} | {r['tokens_per_second']:.1f} |"
         )
+        if baseline:
+            change = r.get("accuracy_change_vs_baseline")
+            same = r.get("same_answer_as_baseline")
+            line += " - | - |" if same is None else f" {100 * change:+.1f} pt | {same:.3f} |"
+        lines.append(line)
     return "\n".join(lines)
 
 
-SAME_RUN_KEYS = ("model", "problems", "seed", "gen_length", "batch_size", "backend", "dtype", "device")
+SAME_RUN_KEYS = ("model", "problems", "seed", "gen_length", "batch_size", "backend", "dtype", "quantization", "device")
 
 
 def finished_results(path: Path, report: dict) -> dict:
@@ -131,6 +141,18 @@ def finished_results(path: Path, report: dict) -> dict:
     return kept if EXACT in kept else {}
 
 
+def read_baseline(path: Path, problems: int, seed: int) -> dict:
+    """The per-setting results of a baseline eval.json run on the same problems."""
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"--baseline: cannot read {path} ({e})") from None
+    if old.get("problems") != problems or old.get("seed") != seed:
+        raise ValueError(f"--baseline: {path} scored {old.get('problems')} problems of seed {old.get('seed')}, "
+                         f"this run {problems} of seed {seed}")
+    return old.get("results", {})
+
+
 def parse_args(argv):
     from dllm_jax.assets import tiny_model_path
 
@@ -144,6 +166,11 @@ def parse_args(argv):
     p.add_argument("--settings", nargs="+", choices=grid_names, default=grid_names)
     p.add_argument("--backend", choices=("auto", "xla", "pallas"), default="auto")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="default: float32 on CPU")
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
+                   help="8-bit block projections (dllm_jax.quantization); compare with --baseline")
+    p.add_argument("--baseline", type=Path, default=None,
+                   help="an eval.json of the same problems (e.g. unquantized): adds each setting's accuracy change "
+                        "and same-answer rate against it")
     p.add_argument("--out", type=Path, default=Path("out/eval"))
     p.add_argument("--resume", action="store_true",
                    help="keep the finished settings of --out/eval.json when it was run with the same options")
@@ -161,7 +188,8 @@ def main(argv=None) -> int:
 
     dtype = args.dtype or ("float32" if jax.devices()[0].platform == "cpu" else "bfloat16")
     try:
-        engine = Engine.from_pretrained(args.model, dtype=dtype, backend=args.backend)
+        engine = Engine.from_pretrained(args.model, dtype=dtype, backend=args.backend, quantization=args.quantization)
+        baseline = read_baseline(args.baseline, args.problems, args.seed) if args.baseline else None
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -170,7 +198,8 @@ def main(argv=None) -> int:
     names = [EXACT] + [n for n in args.settings if n != EXACT]
     report = {
         "model": args.model, "problems": args.problems, "seed": args.seed, "gen_length": args.gen_length,
-        "batch_size": args.batch_size, "backend": engine.backend, "dtype": dtype,
+        "batch_size": args.batch_size, "backend": engine.backend, "dtype": dtype, "quantization": args.quantization,
+        "baseline": None if baseline is None else str(args.baseline),
         "device": str(jax.devices()[0].device_kind), "date": time.strftime("%Y-%m-%d"),
         "command": " ".join(sys.argv), "settings": {n: dataclasses.asdict(grid[n]) for n in names}, "results": {},
     }
@@ -189,6 +218,10 @@ def main(argv=None) -> int:
         if name == EXACT:
             exact_texts = result["texts"]
             result["agreement_with_exact"] = 1.0
+        if baseline is not None and name in baseline:
+            base = baseline[name]
+            result["accuracy_change_vs_baseline"] = result["accuracy"] - base["accuracy"]
+            result["same_answer_as_baseline"] = sum(a == b for a, b in zip(result["texts"], base["texts"])) / len(problems)
         report["results"][name] = result
         write_text_atomically(args.out / "eval.json", json.dumps(report, indent=1))
         write_text_atomically(args.out / "eval.md", markdown(report) + "\n")

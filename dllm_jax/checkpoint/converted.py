@@ -15,6 +15,7 @@ commits). Its host copies, and the buffers of a restore, are limited to what
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ import orbax.checkpoint as ocp
 from dllm_jax.checkpoint.errors import ConversionError
 from dllm_jax.config import ConfigError, ModelConfig
 from dllm_jax.model import Params, abstract_params
+from dllm_jax.quantization import QUANTIZATIONS, quantize_params
 
 METADATA_FILE = "dllm_jax_metadata.json"
 PARAMS_DIR = "params"
@@ -61,12 +63,15 @@ def is_converted(path: Path) -> bool:
     return (path / METADATA_FILE).is_file()
 
 
-def write_metadata(folder: Path, *, hf_config: dict[str, Any], dtype: str, tensor_count: int, source: Path) -> None:
+def write_metadata(
+    folder: Path, *, hf_config: dict[str, Any], dtype: str, tensor_count: int, source: Path, quantization: str = "none"
+) -> None:
     """Writes ``folder/dllm_jax_metadata.json``: what loading needs to rebuild the config, and provenance."""
     metadata = {
         "format_version": FORMAT_VERSION,
         "hf_config": hf_config,
         "dtype": dtype,
+        "quantization": quantization,
         "tensor_count": tensor_count,
         "source": str(source),
     }
@@ -102,12 +107,27 @@ def read_metadata(folder: Path) -> dict[str, Any]:
         raise ConversionError(f"{path}: missing the 'hf_config' object")
     if metadata.get("dtype") not in DTYPES:
         raise ConversionError(f"{path}: dtype={metadata.get('dtype')!r}, expected one of {', '.join(DTYPES)}")
+    if metadata.setdefault("quantization", "none") not in QUANTIZATIONS:
+        raise ConversionError(
+            f"{path}: quantization={metadata['quantization']!r}, expected one of {', '.join(QUANTIZATIONS)}"
+        )
     return metadata
 
 
-def load_converted(folder: Path, *, dtype: str) -> tuple[ModelConfig, Params]:
-    """Config and params (jax arrays in ``dtype``, cast on restore) of a converted folder."""
+def load_converted(folder: Path, *, dtype: str, quantization: str | None = None) -> tuple[ModelConfig, Params]:
+    """Config and params (jax arrays in ``dtype``, cast on restore) of a converted folder.
+
+    quantization: None = as stored; a folder stored unquantized can be quantized on load,
+    a quantized one loads only as it was stored.
+    """
     metadata = read_metadata(folder)
+    stored = metadata["quantization"]
+    wanted = stored if quantization is None else quantization
+    if stored != "none" and wanted != stored:
+        raise ConversionError(
+            f"{folder / METADATA_FILE}: the params are stored with quantization={stored!r}; "
+            f"they cannot be loaded as quantization={wanted!r} (convert the original checkpoint again)"
+        )
     try:
         config = ModelConfig.from_hf_config(metadata["hf_config"], dtype=dtype, source=str(folder / METADATA_FILE))
     except ConfigError as e:
@@ -115,7 +135,8 @@ def load_converted(folder: Path, *, dtype: str) -> tuple[ModelConfig, Params]:
     params_dir = folder / PARAMS_DIR
     if not params_dir.is_dir():
         raise ConversionError(f"{params_dir}: params checkpoint folder not found")
-    return config, _restore_params(params_dir, config, stored_dtype=metadata["dtype"])
+    params = _restore_params(params_dir, dataclasses.replace(config, quantization=stored), stored_dtype=metadata["dtype"])
+    return dataclasses.replace(config, quantization=wanted), quantize_params(params, wanted if stored == "none" else "none")
 
 
 def _restore_params(path: Path, config: ModelConfig, *, stored_dtype: str) -> Params:
