@@ -116,6 +116,7 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+_KEY_DEFAULTS = {"quantization": "none"}
 SAME_RUN_KEYS = ("model", "problems", "seed", "gen_length", "batch_size", "backend", "dtype", "quantization", "device")
 
 
@@ -132,8 +133,10 @@ def finished_results(path: Path, report: dict) -> dict:
     except json.JSONDecodeError as e:
         raise ValueError(f"--resume: {path} is not valid JSON ({e})") from e
     for key in SAME_RUN_KEYS:
-        if old.get(key) != report[key]:
-            raise ValueError(f"--resume: {path} was run with {key}={old.get(key)!r}, this run has {report[key]!r}")
+        # reports from before a key existed ran with its default
+        was, now = (r.get(key, _KEY_DEFAULTS.get(key)) for r in (old, report))
+        if was != now:
+            raise ValueError(f"--resume: {path} was run with {key}={was!r}, this run has {now!r}")
     kept = {
         name: result for name, result in old.get("results", {}).items()
         if name in report["settings"] and old["settings"].get(name) == report["settings"][name]

@@ -74,6 +74,10 @@ def test_resume_keeps_only_settings_of_the_same_run(tmp_path):
     assert eval_script.finished_results(path, dict(now, settings=dict(now["settings"], **{exact: {"knob": "new"}}))) == {}
     with pytest.raises(ValueError, match="problems=4, this run has 8"):
         eval_script.finished_results(path, dict(now, problems=8))
+    # a report from before quantization existed ran unquantized
+    assert eval_script.finished_results(path, dict(now, quantization="none")) == {exact: {"accuracy": 0.9}, "a": {"accuracy": 0.5}}
+    with pytest.raises(ValueError, match="quantization='none', this run has 'fp8'"):
+        eval_script.finished_results(path, dict(now, quantization="fp8"))
     path.write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
         eval_script.finished_results(path, now)
