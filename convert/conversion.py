@@ -17,11 +17,15 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import jax
+
 from convert.checkpoint import PARAMS_DIR, move_to_jax, root_cause, save_params, write_metadata
 from convert.dtypes import DTYPES
 from convert.errors import ConversionError
 from convert.hf_reader import read_checkpoint, read_config
 from convert.output_folder import check_output_folder, make_temporary, publish, remove
+from dllm_jax.memory_estimate import host_memory
+from dllm_jax.model import abstract_params
 from dllm_jax.tokenizer import TOKENIZER_FILES
 
 # Room for the metadata and tokenizer files beside the params.
@@ -62,7 +66,9 @@ def write_converted(hf_dir: str | Path, folder: Path, *, dtype: str, label: str 
     if not hf_dir.is_dir():
         raise ConversionError(f"{hf_dir}: checkpoint folder not found")
     config, _ = read_config(hf_dir, dtype=dtype)
-    _check_free_space(folder, config.num_params() * config.jnp_dtype.itemsize, label)
+    params_bytes = config.num_params() * config.jnp_dtype.itemsize
+    _check_free_space(folder, params_bytes, label)
+    _check_host_memory(hf_dir, config, params_bytes)
     info, params = read_checkpoint(hf_dir, dtype=dtype)
     params = move_to_jax(params)
     try:
@@ -84,6 +90,18 @@ def _check_free_space(folder: Path, params_bytes: int, label: str | Path) -> Non
         raise ConversionError(
             f"{label}: the converted params need {params_bytes / 1e9:.2f} GB, "
             f"its file system has {free / 1e9:.2f} GB free"
+        )
+
+
+def _check_host_memory(hf_dir: Path, config, params_bytes: int) -> None:
+    """The reader builds the whole params tree in host memory, and moving it to jax arrays
+    needs one more leaf at a time (BENCHMARKS.md: peak = params + about the largest leaf)."""
+    largest = max(leaf.size for leaf in jax.tree.leaves(abstract_params(config))) * config.jnp_dtype.itemsize
+    memory = host_memory()
+    if params_bytes + largest > memory.available:
+        raise ConversionError(
+            f"{hf_dir}: converting to {config.dtype} needs about {(params_bytes + largest) / 1e9:.2f} GB of memory, "
+            f"{memory.name} has {memory.available / 1e9:.2f} GB available"
         )
 
 

@@ -27,6 +27,7 @@ from convert.errors import ConversionError
 from convert.hf_to_jax import main
 from convert.jax_to_hf import save_llada_checkpoint
 from dllm_jax.loading import load_model
+from dllm_jax.memory_estimate import DeviceMemory
 from dllm_jax.model import abstract_params
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -197,6 +198,16 @@ def test_too_little_free_space_is_found_before_reading(hf_dir, tmp_path, monkeyp
     monkeypatch.setattr(convert.hf_reader, "safe_open", lambda *a, **k: opened.append(a))
     with pytest.raises(ConversionError, match=r"^out: the converted params need 0.0\d GB, its file system has 0.00 GB free"):
         convert_checkpoint(hf_dir, "out", dtype="float32")
+    assert not opened and list(tmp_path.iterdir()) == []
+
+
+def test_too_little_host_memory_is_found_before_reading(hf_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(convert.conversion, "host_memory", lambda: DeviceMemory(available=10**6, name="host RAM"))
+    opened = []
+    monkeypatch.setattr(convert.hf_reader, "safe_open", lambda *a, **k: opened.append(a))
+    with pytest.raises(ConversionError, match=rf"^{hf_dir}: converting to float32 needs about 0.0\d GB of memory, "
+                                              r"host RAM has 0.00 GB available$"):
+        convert_checkpoint(hf_dir, tmp_path / "out", dtype="float32")
     assert not opened and list(tmp_path.iterdir()) == []
 
 
