@@ -106,8 +106,9 @@ def _run_conversion_process(hf_dir: str, into: Path, *, dtype: str, label: str) 
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)  # a signal pending since Popen raises here
         report, _ = child.communicate()
     except BaseException:
-        child.kill()
-        child.wait()
+        with _signals_deferred():  # a second Ctrl-C must not skip the wait for the child's end
+            child.kill()
+            child.wait()
         raise
     message = " ".join(line.strip() for line in report.strip().splitlines())
     if child.returncode == 2 and message:
@@ -141,7 +142,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     published = True
             except BaseException:
                 if tmp is not None and not published:
-                    remove(tmp)
+                    with _signals_deferred():  # nor the removal
+                        remove(tmp)
                 raise
         except ConversionError as e:
             print(f"error: {e}", file=sys.stderr)
