@@ -150,13 +150,9 @@ def estimate_memory(
     )
 
 
-def estimate_decode_loop(loop, *, queue_capacity: int, prompt_width: int) -> MemoryEstimate:
-    """estimate_memory for a dllm_jax.decode_loop.DecodeLoop (its model, slots, lengths, lanes,
-    policy and kernels), with the queue the engine gives it; the cache and state terms are the
-    exact sizes of the loop's initial state (traced with jax.eval_shape: nothing is allocated)."""
-    estimate = estimate_memory(
-        loop.model,
-        num_slots=loop.num_slots,
+def _loop_shape(loop, queue_capacity: int, prompt_width: int) -> dict:
+    """estimate_memory's shape arguments for a dllm_jax.decode_loop.DecodeLoop."""
+    return dict(
         max_len=loop.max_len,
         num_candidates=loop.policy.num_candidates,
         gen_length=loop.gen_length,
@@ -167,6 +163,13 @@ def estimate_decode_loop(loop, *, queue_capacity: int, prompt_width: int) -> Mem
         data=axis_size(loop.mesh, DATA),
         tensor=axis_size(loop.mesh, TENSOR),
     )
+
+
+def estimate_decode_loop(loop, *, queue_capacity: int, prompt_width: int) -> MemoryEstimate:
+    """estimate_memory for a dllm_jax.decode_loop.DecodeLoop (its model, slots, lengths, lanes,
+    policy and kernels), with the queue the engine gives it; the cache and state terms are the
+    exact sizes of the loop's initial state (traced with jax.eval_shape: nothing is allocated)."""
+    estimate = estimate_memory(loop.model, num_slots=loop.num_slots, **_loop_shape(loop, queue_capacity, prompt_width))
     state = jax.eval_shape(
         loop.init_state,
         jax.ShapeDtypeStruct((queue_capacity, prompt_width), jnp.int32),
@@ -177,6 +180,22 @@ def estimate_decode_loop(loop, *, queue_capacity: int, prompt_width: int) -> Mem
     cache = _nbytes(state.cache) // devices
     rest = _nbytes(state) - _nbytes(state.cache)
     return dataclasses.replace(estimate, cache=cache, state=rest)
+
+
+def check_decode_loop(
+    loop, *, queue_capacity: int, prompt_width: int, memory: DeviceMemory | None = None,
+    weights_resident: bool = True,
+) -> MemoryEstimate:
+    """check_memory for a DecodeLoop about to be compiled and run (the call the engine makes
+    before allocating its state; a server makes it at start-up for its batch size).
+
+    memory: default device_memory() of the first device, shared by the mesh's devices on the CPU.
+    """
+    if memory is None:
+        devices = axis_size(loop.mesh, DATA) * axis_size(loop.mesh, TENSOR)
+        memory = device_memory(devices=devices)
+    return check_memory(loop.model, memory, num_slots=loop.num_slots, weights_resident=weights_resident,
+                        **_loop_shape(loop, queue_capacity, prompt_width))
 
 
 def _nbytes(tree) -> int:

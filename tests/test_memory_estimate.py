@@ -14,6 +14,7 @@ from dllm_jax.kernel_backend import Kernels
 from dllm_jax.memory_estimate import (
     DeviceMemory,
     InsufficientMemoryError,
+    check_decode_loop,
     check_memory,
     device_memory,
     estimate_decode_loop,
@@ -99,6 +100,20 @@ def test_the_temporaries_bound_what_xla_assigns_to_the_compiled_loop():
     xla_temp = compiled.run.memory_analysis().temp_size_in_bytes
     e = estimate_decode_loop(compiled.loop, queue_capacity=compiled.queue_capacity, prompt_width=compiled.prompt_width)
     assert xla_temp <= e.temporaries <= 1.5 * xla_temp, (xla_temp, e)
+
+
+def test_check_decode_loop_refuses_a_loop_too_large_for_the_device():
+    cfg = tiny_config()
+    decode = DecodeConfig(method="flash_cache", gen_length=64, batch_size=10000)
+    loop = DecodeLoop(model=cfg, policy=make_policy(decode, cfg, 256), num_slots=10000, max_len=256, gen_length=64)
+    with pytest.raises(InsufficientMemoryError, match=r"^batch size 10000 with 256 positions per slot needs about .*"
+                                                      r"fake:0 has 1.0 GiB free: lower the batch size to \d+ or less"):
+        check_decode_loop(loop, queue_capacity=40000, prompt_width=16, memory=DeviceMemory(GIB, "fake:0"))
+    small = dataclasses.replace(loop, num_slots=8)
+    e = check_decode_loop(small, queue_capacity=32, prompt_width=16, memory=DeviceMemory(GIB, "fake:0"))
+    assert e.total < GIB
+    # the default reads the real device: the tiny loop fits this machine
+    assert check_decode_loop(small, queue_capacity=32, prompt_width=16).total < GIB
 
 
 def test_a_configuration_that_fits_passes():
