@@ -270,12 +270,13 @@ def _conversion_children(parent):
     return pids
 
 
-# each signal at two points, each point under at least two signals; "+1s" is 1 s after the
-# temporary folder appeared (the child importing jax or reading shards)
+# every signal at every point; "+1s" is 1 s after the temporary folder appeared (the child
+# importing jax or reading shards), "saving" once orbax created its folder, "writing data"
+# once TensorStore wrote array chunks
 SIGNAL_CASES = [
-    (signal.SIGINT, "started", 0.0), (signal.SIGINT, "saving", 0.0),
-    (signal.SIGTERM, "started", 1.0), (signal.SIGTERM, "writing data", 0.0),
-    (signal.SIGHUP, "started", 0.0), (signal.SIGHUP, "saving", 0.0),
+    (signum, phase, delay)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    for phase, delay in (("started", 0.0), ("started", 1.0), ("saving", 0.0), ("writing data", 0.0))
 ]
 
 
