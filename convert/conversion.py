@@ -11,21 +11,21 @@ was removed. A child can be killed outright, and once it is gone nothing writes.
 from __future__ import annotations
 
 import argparse
+import math
 import shutil
 import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-import jax
-
 from convert.checkpoint import PARAMS_DIR, move_to_jax, root_cause, save_params, write_metadata
 from convert.dtypes import DTYPES
 from convert.errors import ConversionError
 from convert.hf_reader import read_checkpoint, read_config
+from convert.llada_names import leaf_shape, rules_for
 from convert.output_folder import check_output_folder, make_temporary, publish, remove
+from dllm_jax.config import ModelConfig
 from dllm_jax.memory_estimate import host_memory
-from dllm_jax.model import abstract_params
 from dllm_jax.tokenizer import TOKENIZER_FILES
 
 # Room for the metadata and tokenizer files beside the params.
@@ -93,10 +93,10 @@ def _check_free_space(folder: Path, params_bytes: int, label: str | Path) -> Non
         )
 
 
-def _check_host_memory(hf_dir: Path, config, params_bytes: int) -> None:
+def _check_host_memory(hf_dir: Path, config: ModelConfig, params_bytes: int) -> None:
     """The reader builds the whole params tree in host memory, and moving it to jax arrays
     needs one more leaf at a time (BENCHMARKS.md: peak = params + about the largest leaf)."""
-    largest = max(leaf.size for leaf in jax.tree.leaves(abstract_params(config))) * config.jnp_dtype.itemsize
+    largest = max(math.prod(leaf_shape(rule, config)) for rule in rules_for(config)) * config.jnp_dtype.itemsize
     memory = host_memory()
     if params_bytes + largest > memory.available:
         raise ConversionError(
