@@ -4,94 +4,161 @@
 
 Reads config.json and the safetensors shards (streamed, see dllm_jax/checkpoint/hf_reader.py), writes the
 params as an orbax checkpoint with a metadata file and the tokenizer files (layout in
-dllm_jax/checkpoint/converted.py). The output folder appears complete or not at all: everything is
-written into a temporary sibling folder that is renamed at the end and removed on any error.
-Bad input exits with status 2 and a one-line message naming the file and tensor.
+dllm_jax/checkpoint/converted.py). ``--out`` is checked before anything is read; the output is built in a
+temporary sibling folder, renamed at the end, and removed on any error and on SIGINT, SIGTERM
+or SIGHUP at any point: the conversion runs in a child process (convert/conversion.py says
+why) that is killed before the folder is removed.
+
+Exit status: 0 done; 2 bad input or a write error (one line naming the file, tensor or
+``--out``); 1 the conversion process died (e.g. out of memory); 128 + N on signal N
+(130 for Ctrl-C), after one line.
+
+This module imports no jax, so the command reacts to signals from its first moment.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
-import secrets
-import shutil
+import signal
+import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from dllm_jax.checkpoint.converted import DTYPES, PARAMS_DIR, move_to_jax, save_params, write_metadata
+import convert
+from convert.output_folder import check_output_folder, make_temporary, publish, remove
+from dllm_jax.checkpoint.dtypes import DTYPES, QUANTIZATIONS
 from dllm_jax.checkpoint.errors import ConversionError
-from dllm_jax.checkpoint.hf_reader import read_checkpoint
-from dllm_jax.quantization import QUANTIZATIONS, quantize_params
-from dllm_jax.tokenizer import TOKENIZER_FILES
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
-def convert_checkpoint(
-    hf_dir: str | Path, out_dir: str | Path, *, dtype: str = "bfloat16", quantization: str = "none"
-) -> Path:
-    """Converts ``hf_dir`` into the new folder ``out_dir`` and returns it.
+class Interrupted(KeyboardInterrupt):
+    """SIGINT, SIGTERM or SIGHUP arrived; ``signum`` says which."""
 
-    Args:
-      hf_dir: Hugging Face LLaDA folder (config.json, model.safetensors or shards + index,
-        optional tokenizer files).
-      out_dir: folder to create; it must not exist.
-      dtype: dtype of the stored params; every tensor (F16, BF16 or F32) is cast to it.
-      quantization: "none", or store the block projections as 8-bit weights with per-channel
-        scales ("fp8", "int8-weights"; dllm_jax.quantization): half the size.
-    Raises:
-      ConversionError naming the file / tensor for any bad input; nothing is left on disk.
-    """
-    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
-    if out_dir.exists():
-        raise ConversionError(f"{out_dir}: output folder already exists")
-    if quantization not in QUANTIZATIONS:
-        raise ConversionError(f"quantization={quantization!r}: expected one of {', '.join(QUANTIZATIONS)}")
-    info, params = read_checkpoint(hf_dir, dtype=dtype)
-    params = quantize_params(params, quantization)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    # mkdir (not tempfile.mkdtemp, which makes it private to the user) so the folder gets the umask's mode
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{secrets.token_hex(4)}")
-    tmp.mkdir()
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+class ConversionProcessError(RuntimeError):
+    """The child process ended without a result (killed, or a crash with a traceback)."""
+
+
+@contextlib.contextmanager
+def _signals_raise() -> Iterator[None]:
+    """Within the block SIGINT, SIGTERM and SIGHUP raise Interrupted (signals that were ignored,
+    e.g. SIGHUP under nohup, stay ignored); the previous handlers come back afterwards."""
+
+    def handler(signum, frame):
+        raise Interrupted(signum)
+
+    previous = {}
     try:
-        save_params(tmp / PARAMS_DIR, move_to_jax(params))
-        for name in TOKENIZER_FILES:
-            if (hf_dir / name).is_file():
-                shutil.copy2(hf_dir / name, tmp / name)
-        write_metadata(
-            tmp, hf_config=info.hf_config, dtype=dtype, tensor_count=info.tensor_count, source=info.source,
-            quantization=quantization,
-        )
-        # Checked again: an empty folder created meanwhile would silently be replaced by the rename.
-        if out_dir.exists():
-            raise ConversionError(f"{out_dir}: output folder appeared during the conversion")
-        os.rename(tmp, out_dir)
+        for sig in _SIGNALS:
+            if signal.getsignal(sig) is not signal.SIG_IGN:
+                previous[sig] = signal.signal(sig, handler)
+    except ValueError:  # not the main thread: signals are the caller's business
+        pass
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """SIGINT, SIGTERM and SIGHUP wait until the block is done (then raise as usual), so a step
+    and the bookkeeping of its result (a folder created and remembered, a child started and
+    watched, a rename and its flag) happen together or not at all."""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+def _run_conversion_process(hf_dir: str, into: Path, *, dtype: str, quantization: str, label: str) -> None:
+    """Runs ``python -m convert.conversion`` writing into ``into`` and waits for it.
+
+    The child is in its own session, so the terminal's Ctrl-C and hang-up reach only this
+    process, which kills the child (SIGKILL: nothing of it survives to write) on any exception.
+    Raises ConversionError with the child's message (exit status 2), ConversionProcessError
+    for any other end.
+    """
+    env = dict(os.environ)
+    package_root = str(Path(convert.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    command = [sys.executable, "-m", "convert.conversion", "--hf-dir", hf_dir, "--into", str(into),
+               "--label", label, "--dtype", dtype, "--quantization", quantization]
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
+    try:
+        # the child inherits the blocked signals; convert.conversion unblocks them
+        child = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True,
+                                 env=env, start_new_session=True)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         raise
-    return out_dir
+    try:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)  # a signal pending since Popen raises here
+        report, _ = child.communicate()
+    except BaseException:
+        with _signals_deferred():  # a second Ctrl-C must not skip the wait for the child's end
+            child.kill()
+            child.wait()
+        raise
+    message = " ".join(line.strip() for line in report.strip().splitlines())
+    if child.returncode == 2 and message:
+        raise ConversionError(message)
+    if child.returncode != 0:
+        ended = (f"was killed by {signal.Signals(-child.returncode).name}" if child.returncode < 0
+                 else f"failed with exit status {child.returncode}")
+        raise ConversionProcessError(f"the conversion process {ended}{' (out of memory?)' if child.returncode == -9 else ''}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The command line; returns the exit status (0 done, 2 bad input, 1 an OS error such as a full disk)."""
+    """The command line; returns the exit status (see the module docstring)."""
     parser = argparse.ArgumentParser(
         prog="python -m convert.hf_to_jax",
         description="Convert a Hugging Face LLaDA checkpoint (safetensors) into a dllm_jax checkpoint (orbax).",
     )
-    parser.add_argument("--hf-dir", required=True, type=Path, help="Hugging Face checkpoint folder")
-    parser.add_argument("--out", required=True, type=Path, help="output folder (must not exist)")
+    parser.add_argument("--hf-dir", required=True, help="Hugging Face checkpoint folder")
+    parser.add_argument("--out", required=True, help="output folder (must not exist, or be empty)")
     parser.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="dtype of the stored params")
     parser.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
-                        help="store the block projections as 8-bit weights with per-channel scales")
+                        help="store the block projections as 8-bit weights with per-channel scales (about half the size)")
     args = parser.parse_args(argv)
-    try:
-        out = convert_checkpoint(args.hf_dir, args.out, dtype=args.dtype, quantization=args.quantization)
-    except ConversionError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    print(f"wrote {out}")
+    tmp, published = None, False
+    with _signals_raise():
+        try:
+            out = check_output_folder(args.out)
+            try:
+                with _signals_deferred():
+                    tmp = make_temporary(out, args.out)
+                _run_conversion_process(args.hf_dir, tmp, dtype=args.dtype, quantization=args.quantization, label=args.out)
+                with _signals_deferred():
+                    publish(tmp, out, args.out)
+                    published = True
+            except BaseException:
+                if tmp is not None and not published:
+                    with _signals_deferred():  # nor the removal
+                        remove(tmp)
+                raise
+        except ConversionError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        except ConversionProcessError as e:
+            print(f"error: {e}; nothing was written to {args.out}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt as e:
+            signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
+            done = f"{args.out} was written" if published else f"nothing was written to {args.out}"
+            print(f"interrupted by {signal.Signals(signum).name}: {done}", file=sys.stderr)
+            return 128 + signum
+    print(f"wrote {args.out}")
     return 0
 
 

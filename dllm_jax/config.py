@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +34,51 @@ _REQUIRED_VALUES: dict[str, Any] = {
 }
 
 _SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+# Sizes and token ids are indexed with int32 on the device.
+_INT32_LIMIT = 2**31
 
 
 class ConfigError(ValueError):
     """A model config that dllm_jax cannot run; the message names the key."""
+
+
+def _is_int(value: Any) -> bool:
+    """An integer and not a bool (True is an int in Python; in a config it is a mistake)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _size_problem(value: Any) -> str | None:
+    """Why ``value`` is not a size (a positive integer below 2**31), or None when it is."""
+    if not _is_int(value) or not 0 < value < _INT32_LIMIT:
+        return "expected a positive integer below 2**31"
+    return None
+
+
+def _positive_real_problem(value: Any) -> str | None:
+    """Why ``value`` is not a finite positive number, or None when it is."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not (math.isfinite(value) and value > 0):
+        return "expected a finite positive number"
+    return None
+
+
+def _token_id_problem(value: Any, vocab_size: int) -> str | None:
+    """Why ``value`` is not a token id of a vocabulary of ``vocab_size``, or None when it is."""
+    if not _is_int(value) or not 0 <= value < vocab_size:
+        return f"expected an integer token id in [0, {vocab_size})"
+    return None
+
+
+def _show(value: Any) -> str:
+    """A config value as it is written in JSON (null, true, "128"), for messages."""
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def _same_json_value(actual: Any, expected: Any) -> bool:
+    """Equality that also compares types, so 0 is not false and 1.0 is not 1."""
+    return type(actual) is type(expected) and actual == expected
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,10 +121,13 @@ class ModelConfig:
     quantization: str = "none"
 
     def __post_init__(self):
-        for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "mlp_hidden_size", "vocab_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"{name}={value!r}: expected a positive integer")
+        def check(name: str, problem: str | None) -> None:
+            if problem:
+                raise ConfigError(f"{name}={getattr(self, name)!r}: {problem}")
+
+        for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "mlp_hidden_size", "vocab_size",
+                     "max_sequence_length"):
+            check(name, _size_problem(getattr(self, name)))
         if self.d_model % self.n_heads:
             raise ConfigError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads:
@@ -90,15 +135,17 @@ class ModelConfig:
         if self.head_dim % 2:
             raise ConfigError(f"head_dim={self.head_dim} must be even for rotate-half RoPE")
         for name in ("mask_token_id", "eos_token_id", "pad_token_id"):
-            value = getattr(self, name)
-            if not 0 <= value < self.vocab_size:
-                raise ConfigError(f"{name}={value} is outside the vocabulary [0, {self.vocab_size})")
+            check(name, _token_id_problem(getattr(self, name), self.vocab_size))
+        if self.bos_token_id is not None:
+            check("bos_token_id", _token_id_problem(self.bos_token_id, self.vocab_size))
+        for name in ("rope_theta", "rms_norm_eps"):
+            check(name, _positive_real_problem(getattr(self, name)))
+        if not isinstance(self.weight_tying, bool):
+            check("weight_tying", "expected true or false")
         if self.dtype not in _SUPPORTED_DTYPES:
             raise ConfigError(f"dtype={self.dtype!r}: expected one of {_SUPPORTED_DTYPES}")
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization={self.quantization!r}: expected one of {QUANTIZATIONS}")
-        if not self.rope_theta > 0 or not self.rms_norm_eps > 0:
-            raise ConfigError(f"rope_theta={self.rope_theta} and rms_norm_eps={self.rms_norm_eps} must be > 0")
 
     @property
     def head_dim(self) -> int:
@@ -125,54 +172,99 @@ class ModelConfig:
     def from_hf_config(cls, hf: dict[str, Any], *, dtype: str = "bfloat16", source: str = "config.json") -> ModelConfig:
         """Builds the config from a parsed Hugging Face LLaDA ``config.json``.
 
-        Raises ConfigError naming the key for a missing key or an unsupported option
-        (alibi, biases, qk-norm, a non-RMS norm, ...).
+        Every key is checked for its type and range before anything is built: sizes are
+        positive integers (never bools, strings or floats), rope_theta and rms_norm_eps finite
+        positive numbers, token ids integers in [0, vocab). Optional keys that HF configs set
+        to null (n_kv_heads, mlp_hidden_size, embedding_size, pad_token_id, bos_token_id) mean
+        their default; any other null is an error.
+
+        Raises ConfigError "SOURCE: KEY=VALUE: expected ..." for a missing key, a value of the
+        wrong type or range, or an unsupported option (alibi, biases, qk-norm, a non-RMS norm, ...).
         """
         if not isinstance(hf, dict):
             raise ConfigError(f"{source}: expected a JSON object, got {type(hf).__name__}")
-        model_type = hf.get("model_type", "llada")
-        if str(model_type).lower() != "llada":
-            raise ConfigError(f"{source}: model_type={model_type!r} is not supported (only 'llada')")
-        for key, expected in _REQUIRED_VALUES.items():
-            if key in hf and hf[key] != expected:
-                raise ConfigError(
-                    f"{source}: unsupported option {key}={hf[key]!r} (dllm_jax implements only {key}={expected!r})"
-                )
-        if hf.get("multi_query_attention"):
-            raise ConfigError(f"{source}: unsupported option multi_query_attention=true; use n_kv_heads instead")
+
+        def fail(key: str, problem: str) -> None:
+            raise ConfigError(f"{source}: {key}={_show(hf[key])}: {problem}")
 
         def need(key: str) -> Any:
             if key not in hf:
                 raise ConfigError(f"{source}: missing required key {key!r}")
             return hf[key]
 
-        n_heads = need("n_heads")
-        n_kv_heads = hf.get("n_kv_heads") or n_heads
-        d_model = need("d_model")
-        mlp = hf.get("mlp_hidden_size")
-        if mlp is None:
-            mlp = need("mlp_ratio") * d_model
-        vocab = hf.get("embedding_size") or need("vocab_size")
-        if hf.get("vocab_size") and hf["vocab_size"] > vocab:
-            raise ConfigError(f"{source}: vocab_size={hf['vocab_size']} exceeds embedding_size={vocab}")
-        eos = need("eos_token_id")
-        pad = hf.get("pad_token_id")
+        def given(key: str) -> bool:
+            """The key is present and not null (for the keys whose null means 'the default')."""
+            return hf.get(key) is not None
+
+        def checked(key: str, problem: str | None) -> Any:
+            if problem:
+                fail(key, problem)
+            return hf[key]
+
+        def size(key: str) -> int:
+            return checked(key, _size_problem(need(key)))
+
+        def token_id(key: str) -> int:
+            return checked(key, _token_id_problem(need(key), vocab))
+
+        def positive_real(key: str, default: float) -> float:
+            return float(checked(key, _positive_real_problem(hf[key]))) if key in hf else default
+
+        def flag(key: str) -> bool:
+            return key in hf and checked(key, None if isinstance(hf[key], bool) else "expected true or false")
+
+        model_type = hf.get("model_type", "llada")
+        if not isinstance(model_type, str) or model_type.lower() != "llada":
+            raise ConfigError(f"{source}: model_type={_show(model_type)} is not supported (only \"llada\")")
+        for key, expected in _REQUIRED_VALUES.items():
+            if key in hf and not _same_json_value(hf[key], expected):
+                raise ConfigError(
+                    f"{source}: unsupported option {key}={_show(hf[key])} (dllm_jax implements only "
+                    f"{key}={_show(expected)})"
+                )
+        if given("multi_query_attention") and flag("multi_query_attention"):
+            raise ConfigError(f"{source}: unsupported option multi_query_attention=true; use n_kv_heads instead")
+
+        d_model = size("d_model")
+        n_layers = size("n_layers")
+        n_heads = size("n_heads")
+        n_kv_heads = size("n_kv_heads") if given("n_kv_heads") else n_heads
+        if given("mlp_hidden_size"):
+            mlp = size("mlp_hidden_size")
+        else:
+            mlp = size("mlp_ratio") * d_model
+            if mlp >= _INT32_LIMIT:
+                fail("mlp_ratio", f"mlp_ratio * d_model = {mlp}: expected below 2**31")
+        if given("embedding_size"):
+            vocab = size("embedding_size")
+            if "vocab_size" in hf and size("vocab_size") > vocab:
+                fail("vocab_size", f"exceeds embedding_size={vocab}")
+        else:
+            vocab = size("vocab_size")
+        rope_theta = positive_real("rope_theta", 10000.0)
+        rms_norm_eps = positive_real("rms_norm_eps", 1e-5)
+        max_sequence_length = size("max_sequence_length") if "max_sequence_length" in hf else 4096
+        weight_tying = flag("weight_tying")
+        mask = token_id("mask_token_id")
+        eos = token_id("eos_token_id")
+        pad = token_id("pad_token_id") if given("pad_token_id") else eos
+        bos = token_id("bos_token_id") if given("bos_token_id") else None
         try:
             return cls(
                 d_model=d_model,
-                n_layers=need("n_layers"),
+                n_layers=n_layers,
                 n_heads=n_heads,
                 n_kv_heads=n_kv_heads,
                 mlp_hidden_size=mlp,
                 vocab_size=vocab,
-                rope_theta=float(hf.get("rope_theta", 10000.0)),
-                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
-                mask_token_id=need("mask_token_id"),
+                rope_theta=rope_theta,
+                rms_norm_eps=rms_norm_eps,
+                mask_token_id=mask,
                 eos_token_id=eos,
-                pad_token_id=eos if pad is None else pad,
-                bos_token_id=hf.get("bos_token_id"),
-                max_sequence_length=int(hf.get("max_sequence_length", 4096)),
-                weight_tying=bool(hf.get("weight_tying", False)),
+                pad_token_id=pad,
+                bos_token_id=bos,
+                max_sequence_length=max_sequence_length,
+                weight_tying=weight_tying,
                 dtype=dtype,
             )
         except ConfigError as e:
@@ -180,13 +272,20 @@ class ModelConfig:
 
     @classmethod
     def from_json_file(cls, path: str | Path, *, dtype: str = "bfloat16") -> ModelConfig:
+        """Reads and checks a config.json; any problem is a ConfigError naming the file."""
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"{path}: config file not found")
         try:
-            hf = json.loads(path.read_text())
+            hf = json.loads(path.read_text(encoding="utf-8"))
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot read the config ({e.strerror or e})") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"{path}: not valid JSON (not UTF-8 text)") from None
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        except RecursionError:
+            raise ConfigError(f"{path}: not valid JSON (nested too deeply)") from None
         return cls.from_hf_config(hf, dtype=dtype, source=str(path))
 
     def to_hf_config(self) -> dict[str, Any]:

@@ -27,7 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-QUANTIZATIONS: tuple[str, ...] = ("none", "fp8", "int8-weights")
+from dllm_jax.checkpoint.dtypes import QUANTIZATIONS
+
 QUANTIZED_MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "attn_out", "ff_proj", "up_proj", "ff_out")
 
 _FP8 = jnp.float8_e4m3fn

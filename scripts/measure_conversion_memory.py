@@ -74,6 +74,16 @@ def _children(pid: int) -> list[int]:
         return []
 
 
+def _descendants(pid: int) -> list[int]:
+    """Children, grandchildren, ...: the converter does its work in a child process of its own."""
+    found, queue = [], _children(pid)
+    while queue:
+        child = queue.pop()
+        found.append(child)
+        queue.extend(_children(child))
+    return found
+
+
 def _status_kb(pid: int, field: str) -> int:
     try:
         match = re.search(rf"^{field}:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text(), re.M)
@@ -90,7 +100,8 @@ def run_measured(argv: list[str]) -> dict[str, float]:
 
     def sample() -> None:
         while proc.poll() is None:
-            for child in _children(proc.pid):
+            # the largest process's figures (the command, or the conversion process it runs)
+            for child in _descendants(proc.pid):
                 for field in peaks:
                     peaks[field] = max(peaks[field], _status_kb(child, field))
             time.sleep(0.02)

@@ -11,10 +11,11 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import dllm_jax.checkpoint.hf_reader
-import convert.hf_to_jax
+import convert.conversion
 from dllm_jax.checkpoint.converted import METADATA_FILE, PARAMS_DIR
 from dllm_jax.checkpoint.errors import ConversionError
-from convert.hf_to_jax import convert_checkpoint, main
+from convert.conversion import convert_checkpoint
+from convert.hf_to_jax import main
 from convert.jax_to_hf import save_llada_checkpoint
 from conftest import tiny_config
 from dllm_jax.loading import load_model
@@ -287,9 +288,10 @@ def test_failure_while_writing_removes_the_temporary_folder(hf_dir, tmp_path, mo
         (path / "partial").write_text("half written")
         raise OSError("disk full")
 
-    monkeypatch.setattr(convert.hf_to_jax, "save_params", failing_save)
+    monkeypatch.setattr(convert.conversion, "save_params", failing_save)
     before = sorted(tmp_path.iterdir())
-    with pytest.raises(OSError, match="disk full"):
+    # the error names the output folder, not the temporary one it was being written into
+    with pytest.raises(ConversionError, match=f"^{tmp_path / 'out'}: cannot write the checkpoint .*disk full"):
         convert_checkpoint(hf_dir, tmp_path / "out")
     assert sorted(tmp_path.iterdir()) == before
 

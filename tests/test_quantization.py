@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config
-from convert.hf_to_jax import convert_checkpoint
+from convert.conversion import convert_checkpoint
 from convert.jax_to_hf import save_llada_checkpoint
 from dllm_jax import DecodeConfig, Engine, tiny_tasks
 from dllm_jax.assets import tiny_model_path

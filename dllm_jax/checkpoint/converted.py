@@ -24,15 +24,16 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from dllm_jax.checkpoint.dtypes import DTYPES
 from dllm_jax.checkpoint.errors import ConversionError
 from dllm_jax.config import ConfigError, ModelConfig
 from dllm_jax.model import Params, abstract_params
 from dllm_jax.quantization import QUANTIZATIONS, quantize_params
+from dllm_jax.quiet_logs import quiet_logs
 
 METADATA_FILE = "dllm_jax_metadata.json"
 PARAMS_DIR = "params"
 FORMAT_VERSION = 1
-DTYPES = ("bfloat16", "float16", "float32")
 
 
 def _one_leaf_at_a_time(largest_leaf_bytes: int) -> int:
@@ -79,7 +80,11 @@ def write_metadata(
 
 
 def save_params(path: Path, params: Params) -> None:
-    """Writes a params tree of jax arrays as an orbax checkpoint at ``path`` (which must not exist)."""
+    """Writes a params tree of jax arrays as an orbax checkpoint at ``path`` (which must not exist).
+
+    Raises whatever orbax / TensorStore / the OS raise on a write failure (the caller names
+    the output folder).
+    """
     largest = max(leaf.nbytes for leaf in jax.tree.leaves(params))
     handler = ocp.BasePyTreeCheckpointHandler(
         save_device_host_concurrent_bytes=_one_leaf_at_a_time(largest),
@@ -88,7 +93,7 @@ def save_params(path: Path, params: Params) -> None:
         use_compression=False,
     )
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(handler_impl=handler)) as checkpointer:
-        checkpointer.save(path, args=ocp.args.PyTreeSave(params))
+        checkpointer.save(path.absolute(), args=ocp.args.PyTreeSave(params))
 
 
 def read_metadata(folder: Path) -> dict[str, Any]:
@@ -152,8 +157,24 @@ def _restore_params(path: Path, config: ModelConfig, *, stored_dtype: str) -> Pa
     handler = ocp.BasePyTreeCheckpointHandler(restore_concurrent_bytes=_one_leaf_at_a_time(largest))
     restore_args = ocp.checkpoint_utils.construct_restore_args(target)
     try:
-        with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(handler_impl=handler)) as checkpointer:
-            return checkpointer.restore(path, args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args))
+        # a damaged file fails every read in flight, and asyncio logs each one with its traceback
+        with quiet_logs(), ocp.Checkpointer(ocp.PyTreeCheckpointHandler(handler_impl=handler)) as checkpointer:
+            return checkpointer.restore(
+                path.absolute(), args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args)
+            )
     except Exception as e:  # orbax / tensorstore report damaged files with many exception types
-        raise ConversionError(f"{path}: cannot restore the params ({type(e).__name__}: {e})") from None
+        raise ConversionError(f"{path}: cannot restore the params ({root_cause(e)})") from None
 
+
+def root_cause(error: BaseException, limit: int = 300) -> str:
+    """One line for the innermost exception of a chain: orbax wraps TensorStore's precise
+    error ("DATA_LOSS: Error reading ... in OCDBT database ...") in a generic one whose text
+    is a multi-line dump of the TensorStore spec."""
+    seen = set()
+    while (error.__cause__ or error.__context__) is not None and id(error) not in seen:
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    lines = str(error).strip().splitlines()
+    text = lines[0].split(" [tensorstore_spec=")[0] if lines else ""
+    text = f"{type(error).__name__}: {text}" if text else type(error).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
