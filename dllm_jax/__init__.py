@@ -13,18 +13,20 @@ Glossary:
 
 Library use:
   from dllm_jax import DecodeConfig, Engine
-  engine = Engine.from_pretrained(path)
+  engine = Engine.from_pretrained(path)             # a folder or a Hub id in the local cache
   out = engine.generate(["What is 2+2?"], DecodeConfig(method="flash_cache", verify=True))
 """
 
+from convert.errors import ConversionError
 from dllm_jax.config import ConfigError, ModelConfig, llada_8b_config
 from dllm_jax.decode_config import DecodeConfig, DecodeConfigError
 from dllm_jax.engine import Engine, GenerationError, GenerationOutput, GenerationResult, GenerationStats
-from dllm_jax.loading import LoadedModel, load_model
+from dllm_jax.loading import LoadedModel, ModelNotFoundError, default_dtype, load_model
 from dllm_jax.tokenizer import Tokenizer, TokenizerError
 
 __all__ = [
     "ConfigError",
+    "ConversionError",
     "DecodeConfig",
     "DecodeConfigError",
     "Engine",
@@ -34,8 +36,10 @@ __all__ = [
     "GenerationStats",
     "LoadedModel",
     "ModelConfig",
+    "ModelNotFoundError",
     "Tokenizer",
     "TokenizerError",
+    "default_dtype",
     "llada_8b_config",
     "load_model",
 ]
