@@ -92,7 +92,7 @@ def test_prompts_file_keeps_every_input_field(model_dir, tmp_path, capsys):
 
 def test_default_gen_length_fits_the_model(model_dir, capsys):
     # tiny_config holds 512 positions: a prompt of ~320 tokens leaves room for 128, not the 256 cap
-    code, _, stderr = run(["--model", model_dir, "--prompt", "fox " * 100, "--no-progress", "--method", "llada"], capsys)
+    code, _, stderr = run(["--model", model_dir, "--prompt", "fox " * 100, "--no-progress", "--threshold", "0"], capsys)
     assert code == 0
     assert "gen_length=128" in stderr
 
