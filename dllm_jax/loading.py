@@ -63,7 +63,7 @@ def _looks_like_hub_id(name: str) -> bool:
 
 
 def resolve_model_path(name: str | Path) -> Path:
-    """The local folder of a model: ``name`` itself when it exists, else the snapshot of the Hub
+    """The local folder of a model (absolute): ``name`` itself when it exists, else the snapshot of the Hub
     id ``name`` (e.g. "GSAI-ML/LLaDA-8B-Instruct") in the Hugging Face cache.
 
     The cache is tried first; only when the model is not there and the Hub is not switched off
@@ -74,7 +74,7 @@ def resolve_model_path(name: str | Path) -> Path:
     """
     path = Path(name)
     if path.exists():
-        return path
+        return path.absolute()  # orbax restores absolute paths only
     name = str(name)
     if not _looks_like_hub_id(name):
         raise ModelNotFoundError(f"{name}: model folder not found")

@@ -59,7 +59,7 @@ def test_a_local_folder_wins_over_a_hub_id(offline_cache, tmp_path, monkeypatch)
     local.mkdir(parents=True)
     (local / "config.json").write_text(json.dumps({"model_type": "llada"}))
     monkeypatch.chdir(tmp_path)
-    assert resolve_model_path(REPO_ID) == Path(REPO_ID)
+    assert resolve_model_path(REPO_ID) == local
     with pytest.raises(ConversionError, match=f"{REPO_ID}/config.json"):  # the local folder was read, not the cache
         load_model(REPO_ID)
 
