@@ -12,16 +12,21 @@ Glossary:
   logits      same-position alignment: the logit row of position i predicts token i (LLaDA).
 
 Library use:
-  from dllm_jax import DecodeConfig, Engine
+  from dllm_jax import DecodeConfig, Engine, SamplingParams
   engine = Engine.from_pretrained(path)             # a folder or a Hub id in the local cache
-  out = engine.generate(["What is 2+2?"], DecodeConfig(method="flash_cache", verify=True))
+  out = engine.generate(["What is 2+2?"], SamplingParams(max_new_tokens=32, stop=["\n"]),
+                        decode=DecodeConfig(method="flash_cache", verify=True, gen_length=64), chat=True)
+  out = engine.chat([[{"role": "user", "content": "What is 2+2?"}]])
 """
 
 from convert.errors import ConversionError
 from dllm_jax.config import ConfigError, ModelConfig, llada_8b_config
 from dllm_jax.decode_config import DecodeConfig, DecodeConfigError
-from dllm_jax.engine import Engine, GenerationError, GenerationOutput, GenerationResult, GenerationStats
+from dllm_jax.engine import Engine, GenerationOutput, GenerationResult, GenerationStats
+from dllm_jax.errors import GenerationError, SamplingParamsError
 from dllm_jax.loading import LoadedModel, ModelNotFoundError, default_dtype, load_model
+from dllm_jax.sampling_params import SamplingParams
+from dllm_jax.session import GenerationSession, RequestUpdate, StepCommits
 from dllm_jax.tokenizer import Tokenizer, TokenizerError
 
 __all__ = [
@@ -32,11 +37,16 @@ __all__ = [
     "Engine",
     "GenerationError",
     "GenerationOutput",
+    "GenerationSession",
     "GenerationResult",
     "GenerationStats",
     "LoadedModel",
     "ModelConfig",
     "ModelNotFoundError",
+    "RequestUpdate",
+    "SamplingParams",
+    "SamplingParamsError",
+    "StepCommits",
     "Tokenizer",
     "TokenizerError",
     "default_dtype",

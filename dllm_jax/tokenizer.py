@@ -94,6 +94,13 @@ class Tokenizer:
         except Exception as e:  # jinja2 errors raised by the template itself (raise_exception)
             raise TokenizerError(f"the chat template rejects these messages ({type(e).__name__}: {e})") from None
 
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        """Token ids of a conversation ({"role", "content"} messages, system turns included)
+        rendered by the chat template (``render_chat``), ending with the assistant header."""
+        text = self.render_chat(messages)
+        _check_unicode(text, "messages: ")
+        return list(self._tok.encode(text, add_special_tokens=False))
+
     def encode(self, text: str, *, chat: bool = False) -> list[int]:
         """Token ids of ``text``; with ``chat=True`` the text is one user turn of the chat template.
 
@@ -108,12 +115,6 @@ class Tokenizer:
         _check_unicode(text, "")
         if chat:
             text = self.chat_prompt(text)
-        return list(self._tok.encode(text, add_special_tokens=False))
-
-    def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
-        """Token ids of a conversation rendered by the chat template (``render_chat``)."""
-        text = self.render_chat(messages)
-        _check_unicode(text, "messages: ")
         return list(self._tok.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Sequence[int]) -> str:
