@@ -88,6 +88,22 @@ def test_prompts_file_keeps_every_input_field(model_dir, tmp_path, capsys):
     for given, written in zip(lines, records):
         assert {k: written[k] for k in given} == given
         assert isinstance(written["text"], str) and written["steps"] >= 1
+        assert written["finish_reason"] in ("stop", "length") and written["error"] is None
+        assert written["prompt_tokens"] > 0 and 0 <= written["completion_tokens"] <= 16
+
+
+def test_sampling_flags_reach_the_requests(model_dir, tmp_path, capsys):
+    out = tmp_path / "a.jsonl"
+    code, stdout, _ = run(
+        ["--model", model_dir, "--prompt", "hello", "--method", "llada", "--max-new-tokens", "8", "--gen-length", "32",
+         "--block-length", "8", "--stop", "zzz", "--stop", "q", "--temperature", "0.7", "--top-k", "5", "--top-p", "0.9",
+         "--remasking", "random", "--seed", "3", "--no-progress", "--output", out],
+        capsys,
+    )
+    assert code == 0
+    (record,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert record["completion_tokens"] <= 8  # max_new_tokens, inside the bucket of 32
+    assert "q" not in record["text"] and "zzz" not in record["text"]
 
 
 def test_default_gen_length_fits_the_model(model_dir, capsys):
@@ -111,11 +127,17 @@ def test_default_gen_length_fits_the_model(model_dir, capsys):
         (["--prompt", "hi", "--mesh", "data=3"], "3 devices, but 4 are available"),
         (["--prompt", "hi", "--mesh", "data=4", "--batch-size", "6"], "batch_size=6 is not divisible by the data axis"),
         (["--prompt", "hi", "--output", ""], "--output: empty path"),
+        (["--prompt", "hi", "--gamma", "0.5"], "gamma=0.5 applies only with verify=True"),
+        (["--prompt", "hi", "--steps", "4"], "steps=4 does not apply to method='flash_cache'"),
+        (["--prompt", "hi", "--method", "llada", "--threshold", "0.5"], "threshold does not apply to method='llada'"),
+        (["--prompt", "hi", "--method", "llada", "--cache", "prefix"], "cache='prefix' does not apply to method='llada'"),
+        (["--prompt", "hi", "--cfg-scale", "1.5"], "--prompt 1: cfg_scale=1.5 is available with method='llada'"),
+        (["--prompt", "hi", "--max-new-tokens", "600"], "--prompt 1:"),
         (["--prompt", "hi", "--output", "/"], "is a folder"),
         (["--prompt", "hi", "--output", "{model}/config.json/out.jsonl"], "is not a folder"),
     ],
 )
-def test_bad_input_exits_2_with_one_line(model_dir, capsys, args, message):
+def test_bad_input_exits_2_with_one_line(model_dir, capsys, no_model_load, args, message):
     args = [a.replace("{model}", str(model_dir)) for a in args]
     if "--model" not in args:
         args = ["--model", model_dir, *args]

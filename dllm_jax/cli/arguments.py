@@ -67,11 +67,12 @@ def non_empty(text: str) -> str:
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Appends "(default: X)" to a flag's help unless the default is None or False (the help
-    then says what happens) or the help already names it; keeps the description's layout."""
+    """Appends "(default: X)" to a flag's help unless the default is None, False or [] (the
+    help then says what happens) or the help already names it; keeps the description's layout."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "default" in text or any(action.default is v for v in (None, False, argparse.SUPPRESS)) or not action.option_strings:
+        unset = any(action.default is v for v in (None, False, argparse.SUPPRESS)) or action.default == []
+        if "default" in text or unset or not action.option_strings:
             return text
         return f"{text} (default: %(default)s)"
