@@ -253,6 +253,16 @@ def test_console_scripts_resolve_to_callables():
         assert callable(getattr(import_module(module), attr)), name
 
 
+def test_the_package_data_ships_the_embedded_model():
+    # what a non-editable install copies besides the modules: every file of the embedded model
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["dllm_jax"]
+    package = ROOT / "dllm_jax"
+    shipped = {p for pattern in patterns for p in package.glob(pattern) if p.is_file()}
+    needed = {p for p in (package / "assets" / "tiny-llada").iterdir() if p.is_file()}
+    assert {p.name for p in needed} >= {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
+    assert needed <= shipped
+
+
 def test_console_script_runs_as_installed(model_dir):
     # what pip's wrapper does: import the target and sys.exit(main()) with the program's own argv
     script = "import sys; from dllm_jax.cli.generate import main; sys.argv[0] = 'dllm-generate'; sys.exit(main())"

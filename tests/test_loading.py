@@ -11,7 +11,6 @@ from pathlib import Path
 import huggingface_hub.constants
 import pytest
 
-from convert.hf_to_jax import convert_checkpoint
 from dllm_jax import ConversionError, ModelNotFoundError, default_dtype, load_model
 from dllm_jax.assets import tiny_model_path
 from dllm_jax.loading import read_model_config, resolve_model_path
@@ -25,7 +24,13 @@ def hub_cache(tmp_path_factory):
     """A Hugging Face cache holding REPO_ID: the embedded model, converted (float32)."""
     cache = tmp_path_factory.mktemp("hub")
     repo = cache / ("models--" + REPO_ID.replace("/", "--"))
-    convert_checkpoint(tiny_model_path(), repo / "snapshots" / COMMIT, dtype="float32")
+    snapshot = repo / "snapshots" / COMMIT
+    snapshot.parent.mkdir(parents=True)
+    subprocess.run(  # the converter's command line, as a user would fill a cache by hand
+        [sys.executable, "-m", "convert.hf_to_jax", "--hf-dir", str(tiny_model_path()), "--out", str(snapshot),
+         "--dtype", "float32"],
+        check=True, capture_output=True, timeout=300,
+    )
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(COMMIT)
     return cache
