@@ -13,39 +13,63 @@ Glossary:
 
 Library use:
   from dllm_jax import DecodeConfig, Engine, SamplingParams
-  engine = Engine.from_pretrained(path)
+  engine = Engine.from_pretrained(path)             # a folder or a Hub id in the local cache
   out = engine.generate(["What is 2+2?"], SamplingParams(max_new_tokens=32, stop=["\n"]),
                         decode=DecodeConfig(method="flash_cache", verify=True, gen_length=64), chat=True)
   out = engine.chat([[{"role": "user", "content": "What is 2+2?"}]])
 """
 
-from dllm_jax.config import ConfigError, ModelConfig, llada_8b_config
-from dllm_jax.decode_config import DecodeConfig, DecodeConfigError
-from dllm_jax.engine import Engine, GenerationOutput, GenerationResult, GenerationStats
-from dllm_jax.errors import GenerationError, SamplingParamsError
-from dllm_jax.sampling_params import SamplingParams
-from dllm_jax.session import GenerationSession, RequestUpdate, StepCommits
-from dllm_jax.loading import LoadedModel, load_model
-from dllm_jax.tokenizer import Tokenizer, TokenizerError
+import importlib
+from typing import TYPE_CHECKING
 
-__all__ = [
-    "ConfigError",
-    "DecodeConfig",
-    "DecodeConfigError",
-    "Engine",
-    "GenerationError",
-    "GenerationOutput",
-    "GenerationSession",
-    "GenerationResult",
-    "GenerationStats",
-    "LoadedModel",
-    "ModelConfig",
-    "RequestUpdate",
-    "SamplingParams",
-    "SamplingParamsError",
-    "StepCommits",
-    "Tokenizer",
-    "TokenizerError",
-    "llada_8b_config",
-    "load_model",
-]
+# Exports are imported on first use, so that importing a light submodule (the converter's
+# command line reads dllm_jax.checkpoint.dtypes and .errors) does not import jax.
+_EXPORTS = {
+    "ConfigError": "dllm_jax.config",
+    "ModelConfig": "dllm_jax.config",
+    "llada_8b_config": "dllm_jax.config",
+    "ConversionError": "dllm_jax.checkpoint.errors",
+    "DecodeConfig": "dllm_jax.decode_config",
+    "DecodeConfigError": "dllm_jax.decode_config",
+    "Engine": "dllm_jax.engine",
+    "GenerationOutput": "dllm_jax.engine",
+    "GenerationResult": "dllm_jax.engine",
+    "GenerationStats": "dllm_jax.engine",
+    "GenerationError": "dllm_jax.errors",
+    "SamplingParamsError": "dllm_jax.errors",
+    "LoadedModel": "dllm_jax.loading",
+    "ModelNotFoundError": "dllm_jax.loading",
+    "default_dtype": "dllm_jax.loading",
+    "load_model": "dllm_jax.loading",
+    "SamplingParams": "dllm_jax.sampling_params",
+    "GenerationSession": "dllm_jax.session",
+    "RequestUpdate": "dllm_jax.session",
+    "StepCommits": "dllm_jax.session",
+    "Tokenizer": "dllm_jax.tokenizer",
+    "TokenizerError": "dllm_jax.tokenizer",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'dllm_jax' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+if TYPE_CHECKING:
+    from dllm_jax.checkpoint.errors import ConversionError
+    from dllm_jax.config import ConfigError, ModelConfig, llada_8b_config
+    from dllm_jax.decode_config import DecodeConfig, DecodeConfigError
+    from dllm_jax.engine import Engine, GenerationOutput, GenerationResult, GenerationStats
+    from dllm_jax.errors import GenerationError, SamplingParamsError
+    from dllm_jax.loading import LoadedModel, ModelNotFoundError, default_dtype, load_model
+    from dllm_jax.sampling_params import SamplingParams
+    from dllm_jax.session import GenerationSession, RequestUpdate, StepCommits
+    from dllm_jax.tokenizer import Tokenizer, TokenizerError

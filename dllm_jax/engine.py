@@ -213,8 +213,10 @@ class Engine:
         self._executables: dict[tuple, CompiledLoop] = {}
 
     @classmethod
-    def from_pretrained(cls, path: str, *, dtype: str = "bfloat16", quantization: str | None = None, **kwargs) -> Engine:
-        """Loads a Hugging Face LLaDA folder or a converted checkpoint (dllm_jax.load_model)."""
+    def from_pretrained(cls, path: str, *, dtype: str | None = None, quantization: str | None = None, **kwargs) -> Engine:
+        """Loads a Hugging Face LLaDA folder, a converted checkpoint or a cached Hub id
+        (dllm_jax.load_model; dtype None: float32 on the CPU, bfloat16 on accelerators;
+        quantization: dllm_jax.quantization, None = as stored)."""
         from dllm_jax.loading import load_model
 
         loaded = load_model(path, dtype=dtype, quantization=quantization)

@@ -6,7 +6,7 @@ LLaDA's tokenizer adds no BOS/EOS on plain text; only its chat template inserts 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,15 @@ class TokenizerError(ValueError):
 def has_tokenizer_files(path: str | Path) -> bool:
     """True when the folder holds at least one of TOKENIZER_FILES."""
     return any((Path(path) / name).is_file() for name in TOKENIZER_FILES)
+
+
+def _check_unicode(text: str, what: str) -> None:
+    """Raises TokenizerError for text that is not valid Unicode (lone surrogates), which the
+    Rust tokenizer rejects with a bare TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise TokenizerError(f"{what}not valid Unicode text: {e.reason} at character {e.start} ({text[e.start:e.end]!r})") from None
 
 
 class Tokenizer:
@@ -66,24 +75,44 @@ class Tokenizer:
 
     def chat_prompt(self, text: str) -> str:
         """The chat template rendered for one user turn, ending with the assistant header."""
+        return self.render_chat([{"role": "user", "content": text}])
+
+    def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
+        """The chat template rendered for a conversation, ending with the assistant header.
+
+        messages: [{"role": "system" | "user" | "assistant", "content": str}, ...], in order.
+        """
         if not self.has_chat_template:
             raise TokenizerError("the tokenizer has no chat template; encode the prompt with chat=False")
-        messages = [{"role": "user", "content": text}]
-        return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        if isinstance(messages, (str, Mapping)) or not isinstance(messages, Sequence) or not messages:
+            raise TokenizerError(f"messages: expected a non-empty list of {{'role', 'content'}} dicts, got {type(messages).__name__}")
+        for i, message in enumerate(messages):
+            if not isinstance(message, Mapping) or not all(isinstance(message.get(k), str) for k in ("role", "content")):
+                raise TokenizerError(f"message {i}: expected a dict with 'role' and 'content' strings, got {message!r:.80}")
+        try:
+            return self._tok.apply_chat_template([dict(m) for m in messages], tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # jinja2 errors raised by the template itself (raise_exception)
+            raise TokenizerError(f"the chat template rejects these messages ({type(e).__name__}: {e})") from None
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
         """Token ids of a conversation ({"role", "content"} messages, system turns included)
-        rendered by the chat template, ending with the assistant header."""
-        if not self.has_chat_template:
-            raise TokenizerError("the tokenizer has no chat template")
-        text = self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        rendered by the chat template (``render_chat``), ending with the assistant header."""
+        text = self.render_chat(messages)
+        _check_unicode(text, "messages: ")
         return list(self._tok.encode(text, add_special_tokens=False))
 
     def encode(self, text: str, *, chat: bool = False) -> list[int]:
         """Token ids of ``text``; with ``chat=True`` the text is one user turn of the chat template.
 
         Special tokens are added only by the template (its BOS and headers), never by the tokenizer.
+
+        Raises:
+          TokenizerError for text it cannot encode: not a str, or not valid Unicode (e.g. a lone
+          surrogate such as JSON's "\\ud800", or an argument that was not UTF-8).
         """
+        if not isinstance(text, str):
+            raise TokenizerError(f"expected text (str), got {type(text).__name__}")
+        _check_unicode(text, "")
         if chat:
             text = self.chat_prompt(text)
         return list(self._tok.encode(text, add_special_tokens=False))

@@ -112,7 +112,7 @@ def test_two_shard_conversion_round_trips_every_leaf(hf_dir, tmp_path, tiny_cfg,
 def test_bfloat16_conversion_rounds_once(hf_dir, tmp_path, params):
     out = convert_checkpoint(hf_dir, tmp_path / "converted")
     assert json.loads((out / METADATA_FILE).read_text())["dtype"] == "bfloat16"
-    assert_trees_equal(load_model(out).params, cast(params, jnp.bfloat16))
+    assert_trees_equal(load_model(out, dtype="bfloat16").params, cast(params, jnp.bfloat16))
     # a bf16 checkpoint loaded as float32 holds exactly the bf16 values
     assert_trees_equal(load_model(out, dtype="float32").params, cast(cast(params, jnp.bfloat16), jnp.float32))
 
@@ -126,9 +126,9 @@ def test_half_precision_checkpoints_are_cast_to_the_target(tmp_path, tiny_cfg, p
 
 def test_hf_folder_and_converted_folder_load_the_same_model(hf_dir, tmp_path):
     files_before = sorted(p.name for p in hf_dir.iterdir())
-    from_hf = load_model(hf_dir)
+    from_hf = load_model(hf_dir, dtype="bfloat16")
     assert sorted(p.name for p in hf_dir.iterdir()) == files_before  # converted in memory only
-    from_converted = load_model(convert_checkpoint(hf_dir, tmp_path / "converted"))
+    from_converted = load_model(convert_checkpoint(hf_dir, tmp_path / "converted"), dtype="bfloat16")
     assert from_hf.config == from_converted.config
     assert from_hf.config.dtype == "bfloat16"
     assert_trees_equal(from_hf.params, from_converted.params)

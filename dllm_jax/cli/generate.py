@@ -1,0 +1,257 @@
+"""dllm-generate: answers from a masked diffusion LM, for prompts given as flags or in a JSONL file.
+
+  dllm-generate --prompt "sort: 3 9 1 4"                         # the embedded tiny model
+  dllm-generate --model PATH --prompts-file q.jsonl --method flash_cache --verify --output a.jsonl
+  dllm-generate --model GSAI-ML/LLaDA-8B-Instruct --prompt "Hi"  # a Hub id from the local cache
+  dllm-generate --model PATH --prompt "Hi" --mesh data=2,tensor=4
+
+--model: a Hugging Face LLaDA folder, a converted one (dllm-convert) or a Hub id in the
+Hugging Face cache. --prompts-file: JSONL, one object per line with a "prompt" string; the
+output line of a request keeps all its fields (e.g. "id") and adds the answer and its counts.
+Answers go to stdout, diagnostics to stderr. Everything given is checked before the model
+loads; bad input prints one line and exits with status 2, Ctrl-C with 130. A request that
+fails while decoding (non-finite logits) is named on stderr and in its output line, and the
+run exits with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from dllm_jax.cli import arguments, running
+from dllm_jax.cli.output import check_output_path
+from dllm_jax.cli.prompts import PromptRecord, encode_all, from_flags, read_jsonl
+from dllm_jax.decode_config import ACCEPT_RULES, CACHES, METHODS, PIN_POLICIES, DecodeConfig
+from dllm_jax.sampling_params import REMASKING, SamplingParams
+
+log = logging.getLogger("dllm_jax.cli.generate")
+
+# Largest generation bucket chosen without --gen-length / --max-new-tokens; a model with fewer
+# free positions after the longest prompt gets the largest power of two that fits.
+DEFAULT_MAX_GEN_LENGTH = 256
+# Result fields not written to --output (the prompt's and the answer's token ids).
+_UNWRITTEN_RESULT_FIELDS = ("prompt_ids", "token_ids")
+
+
+def _default(name: str, **decode: Any) -> Any:
+    """What DecodeConfig resolves an unset option to (for the help text: one source of truth)."""
+    return getattr(DecodeConfig(**decode), name)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dllm-generate", description=__doc__.split("\n\n", 1)[1].rstrip(), formatter_class=arguments.HelpFormatter
+    )
+    p.add_argument("--model", help="model folder, converted folder or Hugging Face Hub id (default: the embedded tiny model)")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
+    source.add_argument("--prompts-file", type=Path, help='JSONL file, one {"prompt": ...} object per line')
+    p.add_argument("--output", help="write one JSON object per request to this file (atomically, at the end)")
+    p.add_argument(
+        "--chat", action=argparse.BooleanOptionalAction, default=None,
+        help="apply the tokenizer's chat template to each prompt; default: when the tokenizer has one. "
+        "The embedded tiny model was trained on chat-formatted questions, so its default is --chat. "
+        "Use --no-chat for prompts that are already templated (as the LLaDA reference code passes them)",
+    )
+
+    method = p.add_argument_group("decoding method (what the compiled program does)")
+    method.add_argument("--method", choices=METHODS, default=_default("method"), help="decoding method")
+    method.add_argument(
+        "--gen-length", type=arguments.int_in(1),
+        help="generation bucket: the most positions a request may generate; default: --max-new-tokens rounded up "
+        f"to the block length, else the largest power of two up to {DEFAULT_MAX_GEN_LENGTH} that fits in the "
+        "model's max_sequence_length after the longest prompt",
+    )
+    method.add_argument("--block-length", type=arguments.int_in(1),
+                        help="block (llada, fast_dllm) or window (flash_cache) length; default: "
+                        + ", ".join(f"{_default('window', method=m)} ({m})" for m in METHODS))
+    method.add_argument("--steps", type=arguments.int_in(1),
+                        help="llada / fast_dllm fixed schedule: total denoising steps; default: one token per step")
+    method.add_argument("--cache", choices=CACHES, help=f"fast_dllm cache; default: {_default('cache', method='fast_dllm')}")
+    method.add_argument("--mask-num", type=arguments.int_in(1),
+                        help=f"flash_cache: masked blocks recomputed per step; default: {_default('mask_num')}")
+    method.add_argument("--track-num", type=int,
+                        help=f"flash_cache: tracked blocks per step (<0: refresh all); default: {_default('track_num')}")
+    method.add_argument("--verify", action="store_true", help="flash_cache: add Flash-Verify")
+    method.add_argument("--accept", choices=ACCEPT_RULES,
+                        help=f"verify acceptance rule; default: {_default('accept', verify=True)}")
+    method.add_argument("--pin", choices=PIN_POLICIES,
+                        help=f"verify: which commits are refreshed next step; default: {_default('pin', verify=True)}")
+    method.add_argument("--batch-size", type=arguments.int_in(1), default=_default("batch_size"),
+                        help="slots decoded together (at most the number of prompts)")
+
+    sampling = p.add_argument_group("sampling (run-time values: changing them never recompiles)")
+    sampling.add_argument("--max-new-tokens", type=arguments.int_in(1),
+                          help="generated tokens per request at most; default: the generation bucket, "
+                          "capped by the model's max_sequence_length minus the prompt")
+    sampling.add_argument("--stop", action="append", type=arguments.non_empty, default=[],
+                          help="a string that ends the answer, cut before it (repeat for several)")
+    sampling.add_argument("--threshold", type=arguments.float_in(0.0),
+                          help=f"confidence threshold for parallel commits (fast_dllm, flash_cache); "
+                          f"default: {_default('threshold')} (llada and fast_dllm --steps commit a fixed number per step)")
+    sampling.add_argument("--gamma", type=arguments.float_in(0.0, 1.0, low_open=True),
+                          help=f"verify acceptance threshold; default: {_default('gamma', verify=True)}")
+    sampling.add_argument("--temperature", type=arguments.float_in(0.0), default=SamplingParams.temperature,
+                          help="0 decodes greedily, > 0 samples (Gumbel-max)")
+    sampling.add_argument("--top-p", type=arguments.float_in(0.0, 1.0, low_open=True), default=SamplingParams.top_p,
+                          help="nucleus sampling: keep the smallest set of tokens of this total probability (1: off)")
+    sampling.add_argument("--top-k", type=arguments.int_in(0), default=SamplingParams.top_k,
+                          help="sample among the k most likely tokens (0: off)")
+    sampling.add_argument("--remasking", choices=REMASKING, default=SamplingParams.remasking,
+                          help="which predictions commit first: the most confident, or random ones (LLaDA's options)")
+    sampling.add_argument("--cfg-scale", type=arguments.float_in(0.0), default=SamplingParams.cfg_scale,
+                          help="llada: classifier-free guidance scale (a second, unconditional pass per step; 0: off)")
+    sampling.add_argument("--seed", type=arguments.seed, default=_default("seed"),
+                          help=f"random seed, in [0, {arguments.SEED_MAX}]; each request draws its own stream from it")
+
+    run = p.add_argument_group("devices")
+    run.add_argument("--backend", choices=("auto", "xla", "pallas"), default="auto",
+                     help="per-layer kernels: auto picks what measured fastest on the device")
+    run.add_argument("--mesh", help='decode over several devices, e.g. "data=2,tensor=2": slots split over data, '
+                     "heads and MLP over tensor; the sizes multiply to the number of devices")
+    run.add_argument("--dtype", choices=("bfloat16", "float32"),
+                     help="params dtype; default: float32 on the CPU, bfloat16 on accelerators")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    running.add_logging_flags(p)
+    return p
+
+
+def decode_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The DecodeConfig keyword arguments the user gave. Unset flags keep DecodeConfig's
+    defaults, so an option of another method is an error only when it is given. threshold,
+    gamma and seed go here (the defaults of every request): threshold chooses fast_dllm's
+    mode at compile time, and DecodeConfig names gamma without --verify."""
+    given = {
+        "method": args.method, "gen_length": args.gen_length, "block_length": args.block_length, "steps": args.steps,
+        "threshold": args.threshold, "cache": args.cache, "mask_num": args.mask_num, "track_num": args.track_num,
+        "batch_size": args.batch_size, "seed": args.seed, "verify": args.verify or None, "gamma": args.gamma,
+        "accept": args.accept, "pin": args.pin,
+        # the llada loop with the unconditional pass; other methods are told by resolve_params
+        "cfg": (args.cfg_scale > 0 and args.method == "llada") or None,
+    }
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """The per-request parameters, the same for every prompt of the run."""
+    return SamplingParams(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        stop=tuple(args.stop), cfg_scale=args.cfg_scale, remasking=args.remasking,
+    )
+
+
+def default_gen_length(max_sequence_length: int, longest_prompt: int) -> int:
+    """The largest power of two up to DEFAULT_MAX_GEN_LENGTH that fits after the longest prompt."""
+    room = min(DEFAULT_MAX_GEN_LENGTH, max_sequence_length - longest_prompt)
+    if room < 1:
+        raise ValueError(
+            f"the longest prompt has {longest_prompt} tokens, which leaves no room to generate "
+            f"within the model's max_sequence_length={max_sequence_length}"
+        )
+    return 1 << (room.bit_length() - 1)
+
+
+def generation_bucket(args: argparse.Namespace, max_sequence_length: int, longest_prompt: int) -> int:
+    """--gen-length, else --max-new-tokens rounded up to the block length, else default_gen_length."""
+    if args.gen_length is not None:
+        return args.gen_length
+    if args.max_new_tokens is not None:
+        block = args.block_length or _default("window", method=args.method)
+        return -(-args.max_new_tokens // block) * block
+    return default_gen_length(max_sequence_length, longest_prompt)
+
+
+def output_record(record: PromptRecord, result: Any) -> dict[str, Any]:
+    """The input line's fields followed by the result's (without the token id lists)."""
+    fields = {k: v for k, v in dataclasses.asdict(result).items() if k not in _UNWRITTEN_RESULT_FIELDS}
+    return {**record.fields, **fields}
+
+
+def _output_keys() -> set[str]:
+    from dllm_jax.engine import GenerationResult
+
+    return {f.name for f in dataclasses.fields(GenerationResult)} - set(_UNWRITTEN_RESULT_FIELDS)
+
+
+def _default_model() -> Path:
+    from dllm_jax.assets import tiny_model_path
+
+    try:
+        return tiny_model_path()
+    except FileNotFoundError as e:
+        raise ValueError(f"--model is required: {e}") from None
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    args = build_parser().parse_args(argv)
+    running.setup_logging(args)
+    records = from_flags(args.prompt) if args.prompt else read_jsonl(args.prompts_file, reserved=_output_keys())
+    output_path = check_output_path(args.output) if args.output is not None else None
+    params = sampling_params(args)
+
+    from dllm_jax import sharding
+    from dllm_jax.engine import Engine
+    from dllm_jax.loading import default_dtype, load_model, load_tokenizer, read_model_config, resolve_model_path
+    from dllm_jax.session import resolve_params
+
+    mesh = sharding.parse_mesh(args.mesh) if args.mesh else None
+    path = resolve_model_path(args.model) if args.model is not None else _default_model()
+    dtype = args.dtype or default_dtype()
+    config = read_model_config(path, dtype=dtype)
+    tokenizer = load_tokenizer(path)
+    if tokenizer is None:
+        raise ValueError(f"{path}: no tokenizer files, so text prompts cannot be encoded")
+    if args.chat and not tokenizer.has_chat_template:
+        raise ValueError(f"--chat: the tokenizer of {path} has no chat template")
+    chat = tokenizer.has_chat_template if args.chat is None else args.chat
+    encoded = encode_all(records, lambda text: tokenizer.encode(text, chat=chat))
+    options = decode_options(args)
+    options["gen_length"] = generation_bucket(args, config.max_sequence_length, max(map(len, encoded)))
+    decode = DecodeConfig(**options)
+    if mesh is not None:
+        sharding.check_batch(mesh, decode.batch_size)  # the engine may use fewer slots, always a multiple
+    for record, ids in zip(records, encoded):  # what the engine checks per request, before the weights load
+        resolve_params(params, len(ids), decode, config.max_sequence_length, decode.cfg, record.where)
+
+    log.info("loading %s (%s)", path, dtype)
+    loaded = load_model(path, dtype=dtype)
+    engine = Engine(loaded.config, loaded.params, tokenizer, backend=args.backend, mesh=mesh)
+    log.info("generating %d request(s): %s, gen_length=%d, chat=%s", len(encoded), decode.method, decode.gen_length, chat)
+    output = engine.generate(encoded, params, decode=decode, progress=not (args.no_progress or args.quiet))
+    failed = 0
+    for record, result in zip(records, output.results):
+        print(f"### [{result.index}] {record.prompt}\n{result.text}\n")
+        if result.error is not None:
+            failed += 1
+            log.error("%s: %s", record.where, result.error)
+    s = output.stats
+    log.info(
+        "%d requests, %d completion tokens (%d as the reference code counts) in %.2f s (%.1f tokens/s; compile %.1f s) "
+        "| %.2f tokens/step | %d steps, %d forward passes, %d loop iterations | method=%s backend=%s%s",
+        s.num_requests, s.completion_tokens, s.reference_num_tokens, s.wall_seconds, s.tokens_per_second,
+        s.compile_seconds, s.tokens_per_step, s.steps, s.forward_passes, s.iterations, decode.method, engine.backend,
+        f" mesh={args.mesh}" if args.mesh else "",
+    )
+    if output_path is not None:
+        from dllm_jax.atomic_write import write_text_atomically
+
+        lines = [json.dumps(output_record(r, res)) + "\n" for r, res in zip(records, output.results)]
+        write_text_atomically(output_path, "".join(lines))
+        log.info("wrote %s", output_path)
+    return running.EXIT_OS_ERROR if failed else running.EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The console script ``dllm-generate``; returns the exit status (see dllm_jax.cli.running)."""
+    return running.run(_main, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

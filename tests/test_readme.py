@@ -1,0 +1,134 @@
+"""README.md's code blocks, extracted from the README and run as printed, so the two cannot drift.
+
+Every ```bash and ```python block of the README runs, section by section, each section in its
+own empty folder (blocks of a section share it, in order: the Converting section loads what
+its conversion wrote). A ```text block right after a code block is that block's expected
+stdout. What is not run as printed, and why:
+
+* the Quick start's install segment (``python3 -m venv ... && .venv/bin/pip install ...``)
+  and its test-suite line (``.venv/bin/python -m pytest``): the test runs inside that suite.
+  The segment after the install (``.venv/bin/dllm-generate ...``) runs as printed.
+* console scripts: the folder holds ``.venv/bin/dllm-generate`` and ``.venv/bin/dllm-convert``
+  (also on PATH), which run ``python -m dllm_jax.cli.generate`` / ``python -m convert.hf_to_jax``
+  from this checkout, as pip's wrappers would from an installed one.
+* the placeholder ``PATH/TO/LLaDA-8B-Instruct`` (a Hugging Face LLaDA folder) is replaced by
+  the embedded tiny model's folder, which is one.
+* the processes see 4 CPU devices (JAX_NUM_CPU_DEVICES=4), as the rest of the suite does.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dllm_jax.assets import tiny_model_path
+
+ROOT = Path(__file__).resolve().parent.parent
+PLACEHOLDERS = {"PATH/TO/LLaDA-8B-Instruct": str(tiny_model_path())}
+SCRIPTS = {"dllm-generate": "dllm_jax.cli.generate", "dllm-convert": "convert.hf_to_jax"}
+INSTALL_PREFIX = "python3 -m venv .venv && .venv/bin/pip install"
+SUITE_COMMAND = ".venv/bin/python -m pytest"
+
+pytestmark = pytest.mark.slow  # every block starts a process that compiles a decode loop
+
+
+def readme_blocks() -> dict[str, list[dict]]:
+    """Section title -> its code blocks in order: {"lang", "code", "expected" (the next text block or None)}."""
+    sections: dict[str, list[dict]] = {}
+    title, fence, lines = None, None, []
+    for line in (ROOT / "README.md").read_text().splitlines():
+        if fence is None and line.startswith("## "):
+            title = line[3:].strip()
+        elif fence is None and line.startswith("```"):
+            fence, lines = line[3:].strip(), []
+        elif fence is not None and line == "```":
+            blocks = sections.setdefault(title, [])
+            code = "\n".join(lines) + "\n"
+            if fence == "text" and blocks and blocks[-1]["lang"] != "text" and blocks[-1]["expected"] is None:
+                blocks[-1]["expected"] = code
+            else:
+                blocks.append({"lang": fence, "code": code, "expected": None})
+            fence = None
+        elif fence is not None:
+            lines.append(line)
+    return sections
+
+
+RUN = {"bash", "python"}
+SECTIONS = [title for title, blocks in readme_blocks().items() if any(b["lang"] in RUN for b in blocks)]
+
+
+def test_the_readme_has_the_blocks_this_test_runs():
+    assert {"Quick start", "Generating", "Converting a checkpoint", "Several devices"} <= set(SECTIONS)
+    quick = readme_blocks()["Quick start"][0]["code"].splitlines()
+    assert quick[0].startswith(INSTALL_PREFIX) and ".venv/bin/dllm-generate" in quick[0]
+    assert quick[1].startswith(SUITE_COMMAND)
+
+
+def as_run(code: str) -> str:
+    """The block as the test runs it: the Quick start's install and suite commands left out."""
+    lines = []
+    for line in code.splitlines():
+        if line.startswith(SUITE_COMMAND):
+            continue
+        if line.startswith(INSTALL_PREFIX):
+            line = " && ".join(s for s in line.split(" && ") if s.startswith(".venv/bin/dllm-"))
+        for placeholder, value in PLACEHOLDERS.items():
+            line = line.replace(placeholder, value)
+        lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+@pytest.fixture(scope="module")
+def compilation_cache(tmp_path_factory):
+    """One JAX compilation cache for the module's processes: blocks that decode the same way
+    compile once (a speed-up only; every block still runs in full)."""
+    return tmp_path_factory.mktemp("jax-cache")
+
+
+@pytest.fixture
+def workdir(tmp_path, compilation_cache):
+    bin_dir = tmp_path / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    for name, module in SCRIPTS.items():
+        script = bin_dir / name
+        script.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m {module} "$@"\n')
+        script.chmod(0o755)
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "PYTHONPATH": str(ROOT),
+        "JAX_PLATFORMS": "cpu",
+        "JAX_NUM_CPU_DEVICES": "4",
+        "JAX_COMPILATION_CACHE_DIR": str(compilation_cache),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    }
+    return tmp_path, env
+
+
+@pytest.mark.parametrize("section", SECTIONS)
+def test_readme_section_runs_as_printed(section, workdir):
+    cwd, env = workdir
+    for block in readme_blocks()[section]:
+        if block["lang"] not in RUN:
+            continue
+        code = as_run(block["code"])
+        command = ["bash", "-euo", "pipefail", "-c", code] if block["lang"] == "bash" else [sys.executable, "-c", code]
+        result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=600)
+        assert result.returncode == 0, f"{section}: {code}\n{result.stderr[-3000:]}"
+        assert "Traceback" not in result.stderr, result.stderr
+        if block["expected"] is not None:
+            assert result.stdout.strip() == block["expected"].strip(), f"{section}: {code}"
+        if section == "Generating":
+            check_answers(cwd / "answers.jsonl")
+
+
+def check_answers(path: Path) -> None:
+    """The Generating section's output: ids kept, and the embedded model's right answers."""
+    import json
+
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["id"] for r in records] == ["q1", "q2"]
+    assert records[0]["text"].endswith("#### 8") and records[1]["text"].endswith("#### 1349")
