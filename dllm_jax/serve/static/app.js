@@ -8,8 +8,8 @@ const MAX_SETTINGS = 3;
 // Setting A keeps what the user chose; B and C start from these.
 const COMPARE_PRESETS = [
   {},
-  { threshold: "0.9", verify: "true", gamma: "0.8" },
-  { threshold: "0.5", verify: "false" },
+  { threshold: "0.7" },
+  { threshold: "0.5" },
 ];
 // Colour stops of the step scale (viridis: ordered in lightness, readable by colour-blind eyes).
 const STEP_COLOURS = ["#440154", "#482878", "#3e4989", "#31688e", "#26828e", "#1f9e89", "#35b779", "#6ece58", "#b5de2b", "#fde725"];
@@ -110,7 +110,9 @@ class CanvasHistory {
     return this.cells.length;
   }
 
+  /** Denoising steps so far: the server's final count once it sent one. */
   get steps() {
+    if (this.serverStats && this.serverStats.steps !== undefined) return this.serverStats.steps;
     return this.frames.length ? this.frames[this.frames.length - 1].step : 0;
   }
 
@@ -244,7 +246,8 @@ class Panel {
     history.cells.forEach((cell, position) => {
       const node = this.cellNodes[position];
       const visible = cell !== null && cell.frame < frameCount;
-      const isEos = history.eosPosition !== null && position === history.eosPosition && visible;
+      const eosCell = history.eosPosition === null ? null : history.cells[history.eosPosition];
+      const isEos = visible && eosCell !== null && position >= history.eosPosition && cell.tokenId === eosCell.tokenId;
       const isPadding = history.eosPosition !== null && position > history.eosPosition;
       node.classList.toggle("masked", !visible);
       node.classList.toggle("verified", visible && cell.verified);
@@ -274,6 +277,8 @@ class Panel {
         node.setAttribute("aria-label", `position ${position}: masked${isPadding ? " (after the end)" : ""}`);
       }
     });
+    this.parts["first-step"].textContent = String(firstStep);
+    this.parts["last-step"].textContent = String(lastStep);
     this.shownFrames = frameCount;
   }
 
@@ -288,6 +293,8 @@ class Panel {
     this.parts.tokens.textContent = String(tokens);
     this.parts["tokens-per-step"].textContent = steps ? (tokens / steps).toFixed(2) : "–";
     this.parts["tokens-per-second"].textContent = seconds > 0 && tokens ? (tokens / seconds).toFixed(1) : "–";
+    const passes = history.serverStats && history.serverStats.forward_passes;
+    this.parts["forward-passes"].textContent = passes === undefined || passes === null ? "–" : String(passes);
     this.parts["final-text"].textContent = history.text;
     this.parts["finish-reason"].textContent = history.finishReason ? `(finish: ${history.finishReason})` : "";
   }
@@ -397,7 +404,6 @@ function readSetting(fieldset) {
   const value = (field) => fieldset.querySelector(`[data-field="${field}"]`).value.trim();
   if (value("method")) extension.method = value("method");
   if (value("threshold")) extension.threshold = Number(value("threshold"));
-  if (value("verify")) extension.verify = value("verify") === "true";
   if (value("gamma")) extension.gamma = Number(value("gamma"));
   return extension;
 }
@@ -406,7 +412,6 @@ function describeSetting(extension) {
   const parts = [];
   parts.push(extension.method ?? "default method");
   if (extension.threshold !== undefined) parts.push(`threshold ${extension.threshold}`);
-  if (extension.verify !== undefined) parts.push(extension.verify ? "verify on" : "verify off");
   if (extension.gamma !== undefined) parts.push(`gamma ${extension.gamma}`);
   return parts.join(" · ");
 }
@@ -434,7 +439,8 @@ async function runPanel(panel, request, apiKey, signal) {
   } catch (error) {
     panel.history.finishedAt = performance.now();
     panel.drawCounters();
-    panel.fail(signal.aborted ? "stopped" : error.message);
+    if (signal.aborted) panel.setState("stopped");
+    else panel.fail(error.message);
   }
 }
 
@@ -489,6 +495,9 @@ function main() {
   compareToggle.addEventListener("change", () => setCompare(compareToggle.checked));
   addSettingButton.addEventListener("click", () => addSetting(COMPARE_PRESETS[settingsBox.children.length] ?? {}));
   document.getElementById("request-form").addEventListener("submit", run);
+  document.getElementById("prompt").addEventListener("keydown", (event) => {
+    if (event.key === "Enter" && (event.ctrlKey || event.metaKey)) document.getElementById("request-form").requestSubmit();
+  });
   document.getElementById("stop").addEventListener("click", () => activeRun && activeRun.abort());
   document.getElementById("api-key").addEventListener("change", () => (modelReady = showModel()));
   modelReady = showModel();
