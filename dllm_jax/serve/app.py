@@ -5,6 +5,7 @@
   GET  /v1/models             the served model
   GET  /health                200 while the engine runs (no API key needed)
   GET  /metrics               Prometheus text
+  GET  /                      the playground page (dllm_jax/serve/playground.py)
 
 Streams are Server-Sent Events of OpenAI chunks whose text is the answer's stable prefix;
 with ``"dllm": {"canvas": true}`` each chunk also carries the step's commits.
@@ -27,6 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from dllm_jax.serve.errors import APIError, install_error_handlers
 from dllm_jax.serve.metrics import ServerMetrics
 from dllm_jax.serve.middleware import GuardMiddleware
+from dllm_jax.serve.playground import add_playground
 from dllm_jax.serve.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
 from dllm_jax.serve.responses import ChoiceRun, Piece, diffusion_stats, usage
 from dllm_jax.serve.stable_text import StableText
@@ -86,6 +88,8 @@ def create_app(
     install_error_handlers(app)
     app.add_middleware(GuardMiddleware, max_body_bytes=settings.max_body_bytes, api_key=settings.api_key)
     serving = _Serving(worker, tokenizer, settings, metrics, make_params)
+
+    add_playground(app)
 
     @app.get("/health")
     async def health():

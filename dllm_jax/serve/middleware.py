@@ -7,9 +7,10 @@ import hmac
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dllm_jax.serve.errors import APIError
+from dllm_jax.serve.playground import PLAYGROUND_PATHS
 
-# paths served without an API key
-PUBLIC_PATHS = frozenset({"/health"})
+# paths served without an API key (the playground's files hold no data)
+PUBLIC_PATHS = frozenset({"/health"}) | PLAYGROUND_PATHS
 
 
 def bearer_token_matches(header: str | None, api_key: str) -> bool:
