@@ -5,12 +5,8 @@
 
 const MAX_SETTINGS = 3;
 // Compare mode starts with these settings (fields of the request's "dllm" object).
-// Setting A keeps what the user chose; B and C start from these.
-const COMPARE_PRESETS = [
-  {},
-  { threshold: "0.7" },
-  { threshold: "0.5" },
-];
+// Compare mode gives setting i the server's i-th method; with fewer methods, these thresholds.
+const COMPARE_THRESHOLDS = ["0.9", "0.7", "0.5"];
 // Colour stops of the step scale (viridis: ordered in lightness, readable by colour-blind eyes).
 const STEP_COLOURS = ["#440154", "#482878", "#3e4989", "#31688e", "#26828e", "#1f9e89", "#35b779", "#6ece58", "#b5de2b", "#fde725"];
 const REPLAY_FRAME_MS = 180;
@@ -116,11 +112,11 @@ class CanvasHistory {
     return this.frames.length ? this.frames[this.frames.length - 1].step : 0;
   }
 
-  /** Tokens of the answer: committed positions up to and including the first EOS. */
+  /** Tokens of the answer after `frameCount` committing steps: committed positions before the end. */
   answerTokens(frameCount = this.frames.length) {
     let count = 0;
     this.cells.forEach((cell, position) => {
-      if (cell && cell.frame < frameCount && (this.eosPosition === null || position <= this.eosPosition)) count += 1;
+      if (cell && cell.frame < frameCount && (this.eosPosition === null || position < this.eosPosition)) count += 1;
     });
     return count;
   }
@@ -204,7 +200,6 @@ class Panel {
     this.root.dataset.request = JSON.stringify(request.body);
     this.history = new CanvasHistory();
     this.cellNodes = [];
-    this.shownFrames = 0;
     this.playTimer = null;
     this.parts.replay.addEventListener("input", () => this.showFrames(Number(this.parts.replay.value)));
     this.parts.play.addEventListener("click", () => this.togglePlay());
@@ -279,13 +274,12 @@ class Panel {
     });
     this.parts["first-step"].textContent = String(firstStep);
     this.parts["last-step"].textContent = String(lastStep);
-    this.shownFrames = frameCount;
   }
 
   drawCounters() {
     const history = this.history;
     const steps = history.steps;
-    const tokens = history.answerTokens();
+    const tokens = history.usage ? history.usage.completion_tokens : history.answerTokens();
     const last = history.frames[history.frames.length - 1];
     const seconds = history.seconds();
     this.parts.steps.textContent = String(steps);
@@ -362,10 +356,25 @@ const compareToggle = document.getElementById("compare");
 const addSettingButton = document.getElementById("add-setting");
 let activeRun = null;
 let modelReady = null;
+let serverMethods = []; // the methods the server runs (GET /v1/models), the default first
+
+/** The starting values of compare setting i: the server's i-th method, else a threshold. */
+function comparePreset(i) {
+  if (serverMethods.length > 1) return serverMethods[i] ? { method: serverMethods[i] } : {};
+  return { threshold: COMPARE_THRESHOLDS[i] };
+}
+
+function fillMethodOptions(select) {
+  const chosen = select.value;
+  select.replaceChildren(new Option(serverMethods.length ? `server default (${serverMethods[0]})` : "server default", ""));
+  for (const method of serverMethods) select.appendChild(new Option(method, method));
+  select.value = chosen;
+}
 
 function addSetting(preset = {}) {
   const fragment = document.getElementById("setting-template").content.cloneNode(true);
   const fieldset = fragment.querySelector("[data-setting]");
+  fillMethodOptions(fieldset.querySelector('[data-field="method"]'));
   for (const [field, value] of Object.entries(preset)) {
     const input = fieldset.querySelector(`[data-field="${field}"]`);
     if (input) input.value = value;
@@ -391,7 +400,13 @@ function relabelSettings() {
 function setCompare(compare) {
   const fieldsets = [...settingsBox.querySelectorAll("[data-setting]")];
   if (compare) {
-    for (let i = fieldsets.length; i < MAX_SETTINGS; i++) addSetting(COMPARE_PRESETS[i]);
+    const first = fieldsets[0].querySelector('[data-field="method"]');
+    if (!first.value && serverMethods.length > 1) first.value = serverMethods[0];
+    else if (serverMethods.length <= 1 && !fieldsets[0].querySelector('[data-field="threshold"]').value) {
+      fieldsets[0].querySelector('[data-field="threshold"]').value = COMPARE_THRESHOLDS[0];
+    }
+    const count = Math.min(MAX_SETTINGS, Math.max(2, serverMethods.length));
+    for (let i = fieldsets.length; i < count; i++) addSetting(comparePreset(i));
   } else {
     fieldsets.slice(1).forEach((fieldset) => fieldset.remove());
   }
@@ -410,7 +425,7 @@ function readSetting(fieldset) {
 
 function describeSetting(extension) {
   const parts = [];
-  parts.push(extension.method ?? "default method");
+  parts.push(extension.method ?? "server default");
   if (extension.threshold !== undefined) parts.push(`threshold ${extension.threshold}`);
   if (extension.gamma !== undefined) parts.push(`gamma ${extension.gamma}`);
   return parts.join(" · ");
@@ -420,7 +435,8 @@ function describeSetting(extension) {
 function buildRequest(extension) {
   const prompt = document.getElementById("prompt").value;
   const endpoint = document.getElementById("endpoint").value;
-  const body = { model: window.dllmModel || undefined, stream: true };
+  // include_usage: the last chunk carries usage and the server's step and pass counts
+  const body = { model: window.dllmModel || undefined, stream: true, stream_options: { include_usage: true } };
   if (endpoint === "chat") body.messages = [{ role: "user", content: prompt }];
   else body.prompt = prompt;
   const number = (id) => document.getElementById(id).value.trim();
@@ -483,7 +499,10 @@ async function showModel() {
     const response = await fetch("/v1/models", { headers: apiKey ? { Authorization: `Bearer ${apiKey}` } : {} });
     if (!response.ok) throw new Error(await errorMessage(response));
     const models = await response.json();
-    window.dllmModel = models.data && models.data[0] ? models.data[0].id : undefined;
+    const card = models.data && models.data[0];
+    window.dllmModel = card ? card.id : undefined;
+    serverMethods = card && Array.isArray(card.methods) ? card.methods : [];
+    for (const select of document.querySelectorAll('[data-field="method"]')) fillMethodOptions(select);
     label.textContent = window.dllmModel ?? "unknown";
   } catch (error) {
     label.textContent = `unavailable (${error.message})`;
@@ -492,8 +511,11 @@ async function showModel() {
 
 function main() {
   addSetting();
-  compareToggle.addEventListener("change", () => setCompare(compareToggle.checked));
-  addSettingButton.addEventListener("click", () => addSetting(COMPARE_PRESETS[settingsBox.children.length] ?? {}));
+  compareToggle.addEventListener("change", async () => {
+    await modelReady; // compare settings start from the server's methods
+    setCompare(compareToggle.checked);
+  });
+  addSettingButton.addEventListener("click", () => addSetting(comparePreset(settingsBox.children.length)));
   document.getElementById("request-form").addEventListener("submit", run);
   document.getElementById("prompt").addEventListener("keydown", (event) => {
     if (event.key === "Enter" && (event.ctrlKey || event.metaKey)) document.getElementById("request-form").requestSubmit();
