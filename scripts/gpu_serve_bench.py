@@ -71,6 +71,7 @@ def parse_args(argv):
     p.add_argument("--gen-length", type=int, help="answer positions (default 128; smoke 16)")
     p.add_argument("--prompt-length", type=int, help="prompt tokens (default 256; smoke 16)")
     p.add_argument("--iterations-per-call", type=int, default=1, help="server loop iterations per device call")
+    p.add_argument("--canvas", action="store_true", help='requests ask for the canvas stream ("dllm": {"canvas": true})')
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
     opts = p.parse_args(argv)
     defaults = dict(slots=4, requests=8, gen_length=16, prompt_length=16) if opts.smoke else \
@@ -138,7 +139,7 @@ def main(argv=None) -> int:
     load_cmd = [sys.executable, str(Path(__file__).resolve().parent / "load_test.py"), "--url", url, "--rate", "inf",
                 "--requests", str(opts.requests), "--prompt-ids", str(opts.prompt_length),
                 "--vocab", str(config.vocab_size - 2), "--max-tokens", str(opts.gen_length),
-                "--seed", "7", "--output", str(load_report)]
+                "--seed", "7", "--output", str(load_report)] + (["--dllm", '{"canvas": true}'] if opts.canvas else [])
     t = time.perf_counter()
     subprocess.run(load_cmd, check=True, timeout=1200, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     print(f"load test {time.perf_counter() - t:.1f} s", flush=True)
@@ -160,7 +161,7 @@ def main(argv=None) -> int:
         "device": f"{jax.device_count()} x {jax.devices()[0].device_kind}", "jax": jax.__version__,
         "model": "tiny" if opts.smoke else "LLaDA-8B", "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv),
         "slots": opts.slots, "requests": opts.requests, "gen_length": opts.gen_length,
-        "prompt_length": opts.prompt_length, "iterations_per_call": opts.iterations_per_call,
+        "prompt_length": opts.prompt_length, "iterations_per_call": opts.iterations_per_call, "canvas": opts.canvas,
         "warmup_s": server.warmup_seconds,
         "server": {**load, "compilations_after_warmup": samples.get("dllm_compilations_after_warmup"),
                    "step": histogram(samples, "dllm_step_seconds"),
@@ -176,7 +177,7 @@ def main(argv=None) -> int:
         f"# serve bench: {report['model']} on {report['device']}, {report['date']}",
         "",
         f"{opts.requests} requests at once, {opts.slots} slots, prompts of {opts.prompt_length} tokens, "
-        f"{opts.gen_length} generated, one token per step, {opts.iterations_per_call} iteration(s) per call.",
+        f"{opts.gen_length} generated, one token per step, {opts.iterations_per_call} iteration(s) per call, canvas stream {'on' if opts.canvas else 'off'}.",
         "",
         "| | tokens | wall s | tokens/s |",
         "|---|---|---|---|",
