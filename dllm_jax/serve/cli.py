@@ -22,6 +22,7 @@ from pathlib import Path
 
 log = logging.getLogger("dllm_jax.serve")
 
+# dllm_jax.serve.assemble.METHOD_SPECS (not imported here: --help stays fast)
 METHOD_SPECS = ("flash_cache", "flash_cache+verify", "fast_dllm", "llada")
 
 
@@ -73,17 +74,13 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def build(args: argparse.Namespace):
-    """Loads the model, builds the sessions and the app, runs the warm-up. Returns (app, worker)."""
+    """Loads the model and assembles the server (compiling and warming up its loops)."""
     import jax
 
     from dllm_jax.assets import tiny_model_path
-    from dllm_jax.decode_config import DecodeConfig, DecodeConfigError
+    from dllm_jax.decode_config import DecodeConfigError
     from dllm_jax.engine import Engine
-    from dllm_jax.serve.app import ServerSettings, create_app
-    from dllm_jax.serve.loop_session import LoopSession
-    from dllm_jax.serve.metrics import ServerMetrics
-    from dllm_jax.serve.params import make_params
-    from dllm_jax.serve.worker import EngineWorker
+    from dllm_jax.serve.assemble import ServeOptions, assemble
 
     path = Path(args.model) if args.model else tiny_model_path()
     if not path.is_dir():
@@ -93,71 +90,28 @@ def build(args: argparse.Namespace):
     if engine.tokenizer is None:
         raise UsageError(f"--model {path}: the folder has no tokenizer files; the server needs them")
     limit = engine.config.max_sequence_length
-    max_model_len = args.max_model_len or limit
-    if not 0 < max_model_len <= limit:
-        raise UsageError(f"--max-model-len={max_model_len}: expected 1 to the model's {limit}")
-    gen_length = args.gen_length or (64 if limit <= 512 else 256)
-    max_prompt = max_model_len - gen_length
-    if max_prompt < 1:
-        raise UsageError(f"--gen-length={gen_length} leaves no room for a prompt in max_model_len={max_model_len}")
-
-    metrics = ServerMetrics()
-    sessions = {}
-    start = time.perf_counter()
-    for spec in args.method or ["flash_cache"]:
-        method, _, extra = spec.partition("+")
-        try:
-            decode = DecodeConfig(method=method, gen_length=gen_length, batch_size=args.batch_size,
-                                  threshold=args.threshold, gamma=args.gamma, verify=extra == "verify",
-                                  block_length=args.block_length)
-        except DecodeConfigError as e:
-            raise UsageError(f"--method {spec}: {e}") from None
-        log.info("compiling %s (batch %d, gen_length %d, prompts up to %d tokens)", spec, args.batch_size,
-                 gen_length, max_prompt)
-        session = LoopSession(engine, decode, max_prompt)
-        warm_up(session, max_prompt, make_params)
-        sessions[spec] = session
-    warmup = time.perf_counter() - start
-    metrics.warmup_seconds.set(warmup)
-    log.info("warm-up: every loop compiled in %.1f s", warmup)
-
-    settings = ServerSettings(
+    options = ServeOptions(
         model_name=args.served_model_name or path.name,
-        max_model_len=max_model_len,
-        gen_length=gen_length,
-        max_prompt_tokens=max_prompt,
-        vocab_size=engine.config.vocab_size,
-        end_ids=(engine.config.eos_token_id,),
-        request_timeout=args.request_timeout,
+        methods=tuple(dict.fromkeys(args.method or ["flash_cache"])),
+        batch_size=args.batch_size,
+        gen_length=args.gen_length or (64 if limit <= 512 else 256),
+        max_model_len=args.max_model_len,
+        threshold=args.threshold,
+        gamma=args.gamma,
+        block_length=args.block_length,
         api_key=args.api_key,
+        max_waiting=args.max_waiting,
+        request_timeout=args.request_timeout,
         max_body_bytes=args.max_body_bytes,
+        iterations_per_call=args.iterations_per_call,
     )
-    worker = EngineWorker(sessions, metrics, max_waiting=args.max_waiting, max_iterations=args.iterations_per_call)
-    app = create_app(worker, engine.tokenizer, settings, metrics, make_params)
-    return app, worker
+    try:
+        return assemble(engine, engine.tokenizer, options)
+    except DecodeConfigError as e:
+        raise UsageError(f"--method: {e}") from None
 
 
-def warm_up(session, max_prompt: int, make_params) -> None:
-    """Runs the paths serving takes, so that they compile now: a request of the longest prompt
-    to its end, and one aborted after a step."""
-    from dllm_jax.serve.protocol import CompletionRequest
-
-    params = make_params(CompletionRequest(model="warm-up", prompt=[0]), session.gen_length)
-    session.add("warm-up-0", [0] * max_prompt, params)
-    session.add("warm-up-1", [0] * max_prompt, params)
-    finished, aborted = False, False
-    for _ in range(10_000):
-        updates = session.step(1)
-        if not aborted and any(u.request_id == "warm-up-1" and u.commits for u in updates):
-            session.abort("warm-up-1")
-            aborted = True
-        finished = finished or any(u.request_id == "warm-up-0" and u.final is not None for u in updates)
-        if finished and aborted and not (session.num_running or session.num_waiting):
-            return
-    raise RuntimeError("warm-up did not finish in 10000 steps")
-
-
-def serve(app, worker, args: argparse.Namespace) -> None:
+def serve(server, args: argparse.Namespace) -> None:
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -169,27 +123,27 @@ def serve(app, worker, args: argparse.Namespace) -> None:
             if not self.draining:
                 self.draining = True
                 log.info("signal %s: finishing running requests (up to %.0f s), then exiting", sig, args.shutdown_grace)
-                worker.stop_accepting()
-                timer = threading.Timer(args.shutdown_grace, worker.stop,
+                server.worker.stop_accepting()
+                timer = threading.Timer(args.shutdown_grace, server.worker.stop,
                                         kwargs={"reason": "the server shut down before this request finished"})
                 timer.daemon = True
                 timer.start()
             super().handle_exit(sig, frame)
 
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+    config = uvicorn.Config(server.app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                             timeout_graceful_shutdown=int(args.shutdown_grace) + 5, lifespan="on")
-    server = Server(config)
+    uv = Server(config)
     if args.port_file is not None:
         def report_port():
-            while not server.started and not server.should_exit:
+            while not uv.started and not uv.should_exit:
                 time.sleep(0.05)
-            if server.started:
-                port = server.servers[0].sockets[0].getsockname()[1]
+            if uv.started:
+                port = uv.servers[0].sockets[0].getsockname()[1]
                 tmp = args.port_file.with_name(f".{args.port_file.name}.{uuid.uuid4().hex}")
                 tmp.write_text(str(port))
                 tmp.replace(args.port_file)
         threading.Thread(target=report_port, daemon=True).start()
-    server.run()
+    uv.run()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,14 +151,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         _check(args)
-        app, worker = build(args)
+        server = build(args)
     except UsageError as e:
         print(f"dllm-serve: {e}", file=sys.stderr)
         return 2
     except (ValueError, OSError) as e:  # ConversionError, TokenizerError, GenerationError are ValueErrors
         print(f"dllm-serve: {e}", file=sys.stderr)
         return 2
-    serve(app, worker, args)
+    serve(server, args)
     return 0
 
 

@@ -110,9 +110,8 @@ class LoopSession:
 
     def step(self, max_iterations: int) -> list[RequestUpdate]:
         """Runs up to max_iterations loop iterations (one step per active slot each)."""
-        state = self._state
-        slots = jax.device_get(state.slots)
-        self._free_aborted_slots(slots)
+        if any(t.aborted for t in self._by_index.values()):
+            self._free_aborted_slots(jax.device_get(self._state.slots))
         if self._push():
             state = self._state
             queue = state.queue.replace(tokens=jnp.asarray(self._tokens), lengths=jnp.asarray(self._lengths),

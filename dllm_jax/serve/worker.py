@@ -158,7 +158,8 @@ class EngineWorker:
         self._stopping: str | None = None
         self._thread = threading.Thread(target=self._run, name="dllm-engine", daemon=True)
         self.failure: BaseException | None = None
-        metrics.slots_total.set(sum(s.num_slots for s in self.sessions.values()))
+        self._num_slots = sum(s.num_slots for s in self.sessions.values())
+        metrics.slots_total.set(self._num_slots)
 
     @property
     def default_method(self) -> str:
@@ -176,7 +177,8 @@ class EngineWorker:
             if not self._accepting or self.failure is not None:
                 raise APIError(503, "the server is shutting down" if self.failure is None else
                                "the engine has failed; restart the server", code="unavailable")
-            if self._waiting >= self.max_waiting:
+            # beyond the slots, at most max_waiting requests wait
+            if len(self._live) - self._num_slots >= self.max_waiting:
                 self.metrics.errors.labels("queue_full").inc()
                 raise APIError(429, f"too many requests waiting (the server's limit is {self.max_waiting}); retry later",
                                code="queue_full")
@@ -265,6 +267,7 @@ class EngineWorker:
         for handle, error in aborts:
             if self._in_engine.pop(handle.request_id, None) is not None:
                 self.sessions[handle.work.method].abort(handle.request_id)
+                self.metrics.cancelled.inc()
             if error is not None:
                 handle.deliver(Event(error=error))
 
