@@ -264,6 +264,42 @@ def test_a_rejected_request_is_shown_in_its_panel(server, browser):
     assert error.is_displayed() and error.text.startswith("400: dllm.threshold"), error.text
 
 
+def test_canvas_marks_verified_drafts_the_end_and_padding(server, browser):
+    """The page's drawing, fed a hand-made stream (the server's drafts need a real verify run)."""
+    browser.get(server + "/")
+    cells = browser.execute_script(
+        """
+        const panel = new Panel(document.getElementById("panels"), "T", "", { path: "/v1/completions", body: {} });
+        const commit = (position, token_id, text, verified = false) => ({ position, token_id, text, verified });
+        panel.update({ choices: [{ index: 0, text: "a", finish_reason: null }],
+          dllm: { step: 1, gen_length: 6, commits: [commit(0, 5, "a"), commit(2, 7, " ", true)], eos_position: null } });
+        panel.update({ choices: [{ index: 0, text: "b ", finish_reason: "stop" }],
+          dllm: { step: 3, gen_length: 6, commits: [commit(1, 6, "b"), commit(3, 96, ""), commit(4, 96, "")], eos_position: 3 } });
+        panel.update({ choices: [], usage: { completion_tokens: 3 }, dllm: { steps: 3, forward_passes: 5 } });
+        panel.finish();
+        const role = (r) => panel.root.querySelector(`[data-role=${r}]`).textContent;
+        return { counters: [role("steps"), role("tokens"), role("tokens-per-step"), role("forward-passes"), role("final-text")],
+                 replay: panel.root.querySelector("[data-role=replay]").max,
+                 cells: [...panel.root.querySelectorAll("[data-cell]")].map((c) => ({
+                   classes: [...c.classList].sort().join(" "), step: c.dataset.step ?? null, text: c.textContent,
+                   background: c.style.background })) };
+        """
+    )
+    assert cells["counters"] == ["3", "3", "1.00", "5", "ab "]
+    assert cells["replay"] == "2"
+    got = [(c["classes"], c["step"], c["text"]) for c in cells["cells"]]
+    assert got == [
+        ("cell", "1", "a"),
+        ("cell", "3", "b"),
+        ("cell verified", "1", "␣"),
+        ("cell eos", "3", "EOS"),
+        ("cell eos padding", "3", "EOS"),
+        ("cell masked padding", None, ""),
+    ]
+    backgrounds = [c["background"] for c in cells["cells"]]
+    assert backgrounds[0] == backgrounds[2] != backgrounds[1] == backgrounds[3]
+
+
 def test_sse_parser_takes_events_split_anywhere(server, browser):
     """The page's SSE reader, fed one byte per read: CRLF and a UTF-8 character cut in two."""
     browser.get(server + "/")

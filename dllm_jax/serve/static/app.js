@@ -238,12 +238,15 @@ class Panel {
     const frames = history.frames;
     const firstStep = frames.length ? frames[0].step : 0;
     const lastStep = frameCount ? frames[frameCount - 1].step : firstStep;
+    // the end of the answer, once the frames drawn have committed it
+    const eos = history.eosPosition;
+    const eosCell = eos === null ? null : history.cells[eos];
+    const end = eosCell && eosCell.frame < frameCount ? eos : null;
     history.cells.forEach((cell, position) => {
       const node = this.cellNodes[position];
       const visible = cell !== null && cell.frame < frameCount;
-      const eosCell = history.eosPosition === null ? null : history.cells[history.eosPosition];
-      const isEos = visible && eosCell !== null && position >= history.eosPosition && cell.tokenId === eosCell.tokenId;
-      const isPadding = history.eosPosition !== null && position > history.eosPosition;
+      const isEos = visible && end !== null && position >= end && cell.tokenId === eosCell.tokenId;
+      const isPadding = end !== null && position > end;
       node.classList.toggle("masked", !visible);
       node.classList.toggle("verified", visible && cell.verified);
       node.classList.toggle("fresh", visible && fresh.has(position));
@@ -314,8 +317,9 @@ class Panel {
 
   describeReplay(frameCount) {
     const frames = this.history.frames;
-    const step = frameCount ? frames[frameCount - 1].step : 0;
-    const text = `step ${step} of ${this.history.steps}: ${this.history.answerTokens(frameCount)} tokens`;
+    const frame = frameCount ? frames[frameCount - 1] : { step: 0, seconds: 0 };
+    const tokens = this.history.answerTokens(frameCount);
+    const text = `step ${frame.step} of ${this.history.steps}, ${frame.seconds.toFixed(2)} s: ${tokens} tokens`;
     this.parts["replay-position"].textContent = text;
     this.parts.replay.setAttribute("aria-valuetext", text);
   }
