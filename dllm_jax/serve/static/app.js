@@ -237,7 +237,9 @@ class Panel {
     const history = this.history;
     const frames = history.frames;
     const firstStep = frames.length ? frames[0].step : 0;
-    const lastStep = frameCount ? frames[frameCount - 1].step : firstStep;
+    // colours span the steps so far while streaming, all the steps once finished (stable in replay)
+    const scaleEnd = history.finishedAt === null ? frameCount : frames.length;
+    const lastStep = scaleEnd ? frames[scaleEnd - 1].step : firstStep;
     // the end of the answer, once the frames drawn have committed it
     const eos = history.eosPosition;
     const eosCell = eos === null ? null : history.cells[eos];
