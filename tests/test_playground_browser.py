@@ -178,6 +178,14 @@ def _save_screenshot(browser, default_path: Path) -> Path:
     return path
 
 
+def test_the_pages_files_and_nothing_else_are_served_without_the_key(server):
+    for path, media_type in (("/", "text/html"), ("/static/app.js", "text/javascript"), ("/static/style.css", "text/css")):
+        r = httpx.get(server + path, timeout=10)
+        assert r.status_code == 200 and r.headers["content-type"].startswith(media_type), (path, r.status_code)
+    for path in ("/static/index.html", "/static/", "/v1/models"):
+        assert httpx.get(server + path, timeout=10).status_code == 401, path
+
+
 def test_page_streams_the_canvas_and_replays_it(server, browser, tmp_path):
     _open_page(browser, server)
     browser.find_element(By.ID, "run").click()
