@@ -67,7 +67,7 @@ def test_stop_string_is_held_back_then_cut():
     text.commit([3], [4])
     delta = text.advance()
     assert (delta.text, delta.finish_reason) == ("", "stop")
-    assert text.emitted == "ab"
+    assert text.emitted == "ab" and text.answer_tokens == 2
 
 
 def test_max_tokens_ends_the_answer_with_length():

@@ -84,7 +84,7 @@ class StableText:
         self._prefix = 0  # positions known decoded from the start
         self.emitted = ""
         self.finish_reason: str | None = None
-        self.answer_tokens = 0  # tokens of the (stable) answer before its end
+        self.answer_tokens = 0  # tokens of the stable answer (before its end marker or stop string)
 
     def commit(self, positions: Iterable[int], token_ids: Iterable[int]) -> None:
         """Records one step's commits (answer positions, 0-based)."""
@@ -120,8 +120,20 @@ class StableText:
             hold = stop_prefix_holdback(text, self._stops)
             text = text[: len(text) - hold]
             text = text.rstrip(_REPLACEMENT)
-        self.answer_tokens = prefix
+        self.answer_tokens = prefix if cut is None else self._tokens_within(ids, len(text))
         return self._emit(text, reason)
+
+    def _tokens_within(self, ids: list[int], length: int) -> int:
+        """The most leading ids whose text fits in `length` characters (what a stop string cut
+        leaves as completion tokens; decoded length grows with the ids: binary search)."""
+        low, high = 0, len(ids)
+        while low < high:
+            mid = (low + high + 1) // 2
+            if len(self._decode(ids[:mid])) <= length:
+                low = mid
+            else:
+                high = mid - 1
+        return low
 
     def finish(self, text: str, finish_reason: str) -> TextDelta:
         """The engine's final answer: emits what remains of it (idempotent once finished)."""
