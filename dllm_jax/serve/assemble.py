@@ -1,0 +1,120 @@
+"""Builds a server around an engine: one session per method, the warm-up, the worker, the app."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+from fastapi import FastAPI
+
+from dllm_jax.decode_config import DecodeConfig
+from dllm_jax.engine import Engine
+from dllm_jax.serve.app import ServerSettings, create_app
+from dllm_jax.serve.loop_session import LoopSession
+from dllm_jax.serve.metrics import ServerMetrics
+from dllm_jax.serve.params import make_params
+from dllm_jax.serve.protocol import CompletionRequest
+from dllm_jax.serve.worker import EngineWorker
+
+log = logging.getLogger("dllm_jax.serve")
+
+# what --method accepts: a DecodeConfig method, "+verify" for Flash-Verify
+METHOD_SPECS = ("flash_cache", "flash_cache+verify", "fast_dllm", "llada")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeOptions:
+    """The server's engine-level choices (see dllm-serve --help)."""
+
+    model_name: str
+    methods: tuple[str, ...] = ("flash_cache",)
+    batch_size: int = 8
+    gen_length: int = 64
+    max_model_len: int | None = None
+    threshold: float | None = None
+    gamma: float = 0.8
+    block_length: int | None = None
+    api_key: str | None = None
+    max_waiting: int = 256
+    request_timeout: float = 600.0
+    max_body_bytes: int = 1 << 20
+    iterations_per_call: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Server:
+    app: FastAPI
+    worker: EngineWorker
+    metrics: ServerMetrics
+    settings: ServerSettings
+    warmup_seconds: float
+
+
+def decode_config(spec: str, options: ServeOptions) -> DecodeConfig:
+    """The DecodeConfig of a --method spec (raises DecodeConfigError / ValueError)."""
+    if spec not in METHOD_SPECS:
+        raise ValueError(f"method {spec!r}: expected one of {METHOD_SPECS}")
+    method, _, extra = spec.partition("+")
+    return DecodeConfig(method=method, gen_length=options.gen_length, batch_size=options.batch_size,
+                        threshold=options.threshold, gamma=options.gamma, verify=extra == "verify",
+                        block_length=options.block_length)
+
+
+def assemble(engine: Engine, tokenizer: Any, options: ServeOptions) -> Server:
+    """Compiles and warms up every method's loop, then builds the worker and the app (not started)."""
+    limit = engine.config.max_sequence_length
+    max_model_len = options.max_model_len or limit
+    if not 0 < max_model_len <= limit:
+        raise ValueError(f"max_model_len={max_model_len}: expected 1 to the model's {limit}")
+    max_prompt = max_model_len - options.gen_length
+    if max_prompt < 1:
+        raise ValueError(f"gen_length={options.gen_length} leaves no room for a prompt in max_model_len={max_model_len}")
+    configs = {spec: decode_config(spec, options) for spec in options.methods}
+    metrics = ServerMetrics()
+    sessions = {}
+    start = time.perf_counter()
+    for spec, decode in configs.items():
+        log.info("compiling %s (%d slots, gen_length %d, prompts up to %d tokens)", spec, options.batch_size,
+                 options.gen_length, max_prompt)
+        session = LoopSession(engine, decode, max_prompt)
+        warm_up(session, max_prompt)
+        sessions[spec] = session
+    warmup = time.perf_counter() - start
+    metrics.warmup_seconds.set(warmup)
+    metrics.watch_compilations()
+    log.info("warm-up: every loop compiled and run in %.1f s", warmup)
+    settings = ServerSettings(
+        model_name=options.model_name,
+        max_model_len=max_model_len,
+        gen_length=options.gen_length,
+        max_prompt_tokens=max_prompt,
+        vocab_size=engine.config.vocab_size,
+        end_ids=(engine.config.eos_token_id,),
+        request_timeout=options.request_timeout,
+        api_key=options.api_key,
+        max_body_bytes=options.max_body_bytes,
+    )
+    worker = EngineWorker(sessions, metrics, max_waiting=options.max_waiting,
+                          max_iterations=options.iterations_per_call)
+    app = create_app(worker, tokenizer, settings, metrics, make_params)
+    return Server(app, worker, metrics, settings, warmup)
+
+
+def warm_up(session, max_prompt: int) -> None:
+    """Runs the paths serving takes, so that they compile now: a request of the longest prompt
+    to its end, and one aborted after its first step."""
+    params = make_params(CompletionRequest(model="warm-up", prompt=[0]), session.gen_length)
+    session.add("warm-up-0", [0] * max_prompt, params)
+    session.add("warm-up-1", [0] * max_prompt, params)
+    finished, aborted = False, False
+    for _ in range(100_000):
+        updates = session.step(1)
+        if not aborted and any(u.request_id == "warm-up-1" and u.commits for u in updates):
+            session.abort("warm-up-1")
+            aborted = True
+        finished = finished or any(u.request_id == "warm-up-0" and u.final is not None for u in updates)
+        if finished and aborted and not (session.num_running or session.num_waiting):
+            return
+    raise RuntimeError("the warm-up requests did not finish")

@@ -1,0 +1,152 @@
+"""Request bodies of the OpenAI-compatible API, as pydantic models with OpenAI's field names.
+
+Unknown top-level fields are rejected (OpenAI does the same), so a misspelt option is a 400
+naming it instead of a silently ignored setting. Diffusion options live in the extension
+object ``"dllm": {...}``; ``top_k`` is also accepted at the top level, as vLLM does.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, model_validator
+
+NonNegFloat = Annotated[StrictFloat, Field(ge=0)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DllmOptions(_Strict):
+    """The diffusion extension: per-request knobs and whether to stream the canvas.
+
+    threshold: confidence threshold of parallel commits; gamma: Flash-Verify threshold;
+    cfg_scale: classifier-free guidance; remasking: "low_confidence" or "random";
+    top_k: sample among the k most likely tokens; canvas: stream each step's commits;
+    timeout: seconds until the request is abandoned (at most the server's limit);
+    method: one of the methods the server was started with (default: the first).
+    """
+
+    threshold: Annotated[StrictFloat, Field(ge=0)] | None = None
+    gamma: Annotated[StrictFloat, Field(gt=0, le=1)] | None = None
+    cfg_scale: NonNegFloat | None = None
+    remasking: Literal["low_confidence", "random"] | None = None
+    top_k: Annotated[StrictInt, Field(ge=1)] | None = None
+    canvas: StrictBool = False
+    timeout: Annotated[StrictFloat, Field(gt=0)] | None = None
+    method: str | None = None
+
+
+class StreamOptions(_Strict):
+    include_usage: StrictBool = False
+
+
+class _Sampling(_Strict):
+    """Fields shared by both endpoints."""
+
+    model: str
+    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    temperature: Annotated[StrictFloat, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[StrictFloat, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[StrictInt, Field(ge=1)] | None = None
+    seed: StrictInt | None = None
+    stop: str | list[str] | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    n: Literal[1] = 1
+    dllm: DllmOptions = Field(default_factory=DllmOptions)
+
+    @model_validator(mode="after")
+    def _check(self):
+        stops = self.stop_list
+        if len(stops) > 4:
+            raise ValueError("stop: at most 4 stop strings")
+        if any(not s for s in stops):
+            raise ValueError("stop: stop strings must be non-empty")
+        if self.top_k is not None and self.dllm.top_k is not None and self.top_k != self.dllm.top_k:
+            raise ValueError("top_k and dllm.top_k disagree; give one of them")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed with stream=true")
+        return self
+
+    @property
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def effective_top_k(self) -> int | None:
+        return self.top_k if self.top_k is not None else self.dllm.top_k
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    # extra keys (name, tool_calls, ...) are ignored: clients echo whole messages back
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[TextPart]
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+
+    @model_validator(mode="after")
+    def _check_tokens(self):
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            if self.max_tokens != self.max_completion_tokens:
+                raise ValueError("max_tokens and max_completion_tokens disagree; give one of them")
+        return self
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def conversation(self) -> list[dict[str, str]]:
+        """The messages as the chat template takes them (developer is OpenAI's new system)."""
+        role = {"developer": "system"}
+        return [{"role": role.get(m.role, m.role), "content": m.text} for m in self.messages]
+
+
+class CompletionRequest(_Sampling):
+    """prompt: a string, a list of strings, a list of token ids, or a list of those lists."""
+
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    echo: Literal[False] = False
+    logprobs: None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, one per choice (raises ValueError for an empty one)."""
+        p = self.prompt
+        if isinstance(p, str):
+            items: list = [p]
+        elif p and all(isinstance(x, int) for x in p):
+            items = [list(p)]
+        else:
+            items = list(p)
+        if not items:
+            raise ValueError("prompt: empty list")
+        for i, item in enumerate(items):
+            if not item:
+                raise ValueError(f"prompt[{i}]: empty prompt")
+        return items

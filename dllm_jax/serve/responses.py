@@ -1,0 +1,170 @@
+"""One choice of a request, from the engine's events to OpenAI response pieces.
+
+A ChoiceRun reads its request's events, feeds each step's commits to StableText and yields
+a Piece per step: the new stable text, the step's canvas change, and the finish reason on
+the last one. Streaming and non-streaming responses consume the same pieces, so the
+concatenated stream is the non-streamed answer by construction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Callable
+
+from dllm_jax.serve.errors import APIError
+from dllm_jax.serve.metrics import ServerMetrics
+from dllm_jax.serve.stable_text import StableText
+from dllm_jax.serve.worker import FinalAnswer, RequestHandle, StepCommits
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """What one step added to one choice."""
+
+    index: int
+    text: str
+    finish_reason: str | None
+    canvas: dict | None  # the "dllm" extension of a chunk, when the canvas is streamed
+
+
+@dataclasses.dataclass
+class ChoiceStats:
+    """Usage and diffusion counters of a finished choice (None where the engine did not report
+    them: a request the server ended early at a stop string or max_tokens)."""
+
+    prompt_tokens: int
+    completion_tokens: int = 0
+    steps: int = 0
+    forward_passes: int | None = None
+    verify_passes: int | None = None
+    accepted_drafts: int | None = None
+
+
+class ChoiceRun:
+    """Args: handle of the submitted request; text: its StableText; index: the choice index;
+    token_text: one token id -> its text (for canvas commits); canvas: stream the canvas;
+    deadline: time.monotonic() after which waiting stops (the worker expires it first)."""
+
+    def __init__(self, handle: RequestHandle, text: StableText, index: int, *, token_text: Callable[[int], str],
+                 canvas: bool, deadline: float, metrics: ServerMetrics):
+        self.handle = handle
+        self.text = text
+        self.index = index
+        self.token_text = token_text
+        self.canvas = canvas
+        self.deadline = deadline
+        self.metrics = metrics
+        self.stats = ChoiceStats(prompt_tokens=len(handle.work.prompt_ids))
+        self.finish_reason: str | None = None
+        self.first_text_at: float | None = None
+
+    async def pieces(self, poll: Callable[[], object] | None = None) -> AsyncIterator[tuple[Piece, float]]:
+        """Pieces with the perf_counter time their commits reached the host; raises APIError.
+
+        poll: awaited about every second while waiting; returns True to stop (client gone).
+        """
+        try:
+            while self.finish_reason is None:
+                wait = min(1.0, self.deadline + 5.0 - time.monotonic())
+                event = await self.handle.next_event(timeout=max(wait, 0.0))
+                if event is None:
+                    if time.monotonic() > self.deadline + 5.0:
+                        raise APIError(504, "the request's deadline passed before it finished", code="deadline_exceeded")
+                    if poll is not None and await poll():
+                        return
+                    continue
+                if event.error is not None:
+                    raise event.error
+                # with the final answer in the same event, the answer ends with it (and its counters)
+                ends_here = event.final is not None
+                for commits in event.commits:
+                    piece = self._step(commits, ends_here)
+                    if piece is not None:
+                        yield piece, event.received
+                    if self.finish_reason is not None:
+                        self.handle.close()  # ended here (stop string, max_tokens): free the slot now
+                        return
+                if event.final is not None:
+                    yield self._final(event.final), event.received
+        finally:
+            self.handle.close()
+
+    def _step(self, commits: StepCommits, final_follows: bool) -> Piece | None:
+        self.text.commit(commits.positions, commits.token_ids)
+        delta = self.text.advance()
+        if final_follows:
+            delta = dataclasses.replace(delta, finish_reason=None)
+        self.stats.steps = commits.step
+        canvas = None
+        if self.canvas:
+            canvas = {
+                "step": commits.step,
+                "gen_length": self.text.gen_length,
+                "commits": [
+                    {"position": p, "token_id": t, "text": self.token_text(t), "verified": v}
+                    for p, t, v in zip(commits.positions, commits.token_ids, commits.verified)
+                ],
+                "eos_position": self.text.eos_position,
+            }
+        if delta.finish_reason is not None:
+            self._finished(delta.finish_reason, self.text.answer_tokens)
+        self._saw_text(delta.text)
+        if canvas is None and not delta.text and delta.finish_reason is None:
+            return None
+        return Piece(self.index, delta.text, delta.finish_reason, canvas)
+
+    def _final(self, final: FinalAnswer) -> Piece:
+        if final.error is not None:
+            self.metrics.errors.labels("engine_request").inc()
+            raise APIError(500, f"generation failed: {final.error}", code="generation_failed")
+        text = final.text if final.text is not None else ""
+        delta = self.text.finish(text, final.finish_reason)
+        self.stats.steps = final.steps
+        self.stats.forward_passes = final.forward_passes
+        self.stats.verify_passes = final.verify_passes
+        self.stats.accepted_drafts = final.accepted_drafts
+        self._finished(final.finish_reason, final.completion_tokens)
+        self._saw_text(delta.text)
+        return Piece(self.index, delta.text, final.finish_reason, None)
+
+    def _saw_text(self, text: str) -> None:
+        if text and self.first_text_at is None:
+            self.first_text_at = time.monotonic()
+            self.metrics.first_text_seconds.observe(self.first_text_at - self.handle.arrived)
+
+    def _finished(self, reason: str, completion_tokens: int) -> None:
+        self.finish_reason = reason
+        self.stats.completion_tokens = completion_tokens
+        m = self.metrics
+        m.requests.labels(reason).inc()
+        m.tokens_generated.inc(completion_tokens)
+        m.prompt_tokens.inc(self.stats.prompt_tokens)
+        m.steps.inc(self.stats.steps)
+        if self.stats.steps:
+            m.tokens_per_step.observe(completion_tokens / self.stats.steps)
+        m.answer_seconds.observe(time.monotonic() - self.handle.arrived)
+
+
+def usage(stats: list[ChoiceStats]) -> dict:
+    prompt = sum(s.prompt_tokens for s in stats)
+    completion = sum(s.completion_tokens for s in stats)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def diffusion_stats(stats: list[ChoiceStats]) -> dict:
+    """The response's "dllm" object: steps, forward passes, tokens per step (summed over choices)."""
+
+    def total(name: str) -> int | None:
+        values = [getattr(s, name) for s in stats]
+        return None if any(v is None for v in values) else sum(values)
+
+    steps = sum(s.steps for s in stats)
+    completion = sum(s.completion_tokens for s in stats)
+    return {
+        "steps": steps,
+        "forward_passes": total("forward_passes"),
+        "tokens_per_step": completion / steps if steps else None,
+        "verify_passes": total("verify_passes"),
+        "accepted_drafts": total("accepted_drafts"),
+    }

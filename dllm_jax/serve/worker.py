@@ -1,0 +1,317 @@
+"""The engine thread: the one owner of the device, stepping the generation sessions.
+
+HTTP handlers (on the asyncio loop) submit work and read its events; the thread, between
+short calls of each session's compiled loop, adds arrived requests (in arrival order),
+aborts cancelled and expired ones, and hands every request its step's commits and, at the
+end, its final answer. Waiting requests are bounded (`max_waiting`): past it, submit raises
+a 429. Nothing here blocks the event loop: events cross threads with call_soon_threadsafe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from dllm_jax.serve.errors import APIError
+from dllm_jax.serve.metrics import ServerMetrics
+
+log = logging.getLogger("dllm_jax.serve")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCommits:
+    """What one denoising step of a request committed (answer positions, 0-based)."""
+
+    step: int
+    positions: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    verified: tuple[bool, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class FinalAnswer:
+    """A finished request: its answer and counters, or the engine's error for it."""
+
+    token_ids: tuple[int, ...]
+    text: str | None
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    steps: int
+    forward_passes: int
+    verify_passes: int
+    accepted_drafts: int
+    error: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestUpdate:
+    request_id: str
+    commits: tuple[StepCommits, ...]
+    final: FinalAnswer | None
+
+
+class Session(Protocol):
+    """What the worker needs of a generation session (one compiled method)."""
+
+    gen_length: int
+    num_slots: int
+
+    def add(self, request_id: str, prompt_ids: list[int], params: Any) -> None: ...
+    def abort(self, request_id: str) -> None: ...
+    def step(self, max_iterations: int) -> list[RequestUpdate]: ...
+    @property
+    def num_running(self) -> int: ...
+    @property
+    def num_waiting(self) -> int: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Work:
+    """One generation request as the worker takes it."""
+
+    request_id: str
+    method: str
+    prompt_ids: list[int]
+    params: Any
+    deadline: float  # time.monotonic() after which the request is abandoned
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """An event of one request: commits (with the time the host received them), the final
+    answer, or an error."""
+
+    commits: tuple[StepCommits, ...] = ()
+    received: float = 0.0
+    final: FinalAnswer | None = None
+    error: APIError | None = None
+
+
+class RequestHandle:
+    """The asyncio side of one submitted request."""
+
+    def __init__(self, worker: EngineWorker, work: Work, loop: asyncio.AbstractEventLoop):
+        self.worker = worker
+        self.work = work
+        self.arrived = time.monotonic()
+        self.started: float | None = None
+        self._loop = loop
+        self._events: asyncio.Queue[Event] = asyncio.Queue()
+        self.closed = False
+
+    @property
+    def request_id(self) -> str:
+        return self.work.request_id
+
+    def deliver(self, event: Event) -> None:
+        """Called from the engine thread."""
+        self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+
+    async def next_event(self, timeout: float | None = None) -> Event | None:
+        """The next event, or None after `timeout` seconds without one."""
+        try:
+            return await asyncio.wait_for(self._events.get(), timeout)
+        except asyncio.TimeoutError:
+            return None
+
+    def close(self) -> None:
+        """The handler is done with the request: abort it if the engine still holds it."""
+        if not self.closed:
+            self.closed = True
+            self.worker.release(self)
+
+
+class EngineWorker:
+    """Runs the sessions on a thread of its own.
+
+    Args:
+      sessions: method name -> session (the first is the default method).
+      metrics: where the counters go.
+      max_waiting: requests that may wait for a slot; one more is a 429.
+      max_iterations: loop iterations per session call (a chunk leaves at most this many
+        steps after its commit; 1 = every step).
+    """
+
+    def __init__(self, sessions: Mapping[str, Session], metrics: ServerMetrics, *, max_waiting: int = 256,
+                 max_iterations: int = 1):
+        if not sessions:
+            raise ValueError("no sessions")
+        self.sessions = dict(sessions)
+        self.metrics = metrics
+        self.max_waiting = max_waiting
+        self.max_iterations = max_iterations
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._inbox: collections.deque[RequestHandle] = collections.deque()
+        self._aborts: list[tuple[RequestHandle, APIError | None]] = []
+        self._live: dict[str, RequestHandle] = {}  # submitted and not yet released
+        self._in_engine: dict[str, RequestHandle] = {}  # added to a session and not finished
+        self._waiting = 0  # submitted, no step yet
+        self._accepting = True
+        self._stopping: str | None = None
+        self._thread = threading.Thread(target=self._run, name="dllm-engine", daemon=True)
+        self.failure: BaseException | None = None
+        self._num_slots = sum(s.num_slots for s in self.sessions.values())
+        metrics.slots_total.set(self._num_slots)
+
+    @property
+    def default_method(self) -> str:
+        return next(iter(self.sessions))
+
+    def start(self) -> None:
+        self._thread.start()
+
+    # ----- asyncio side ------------------------------------------------------------------
+
+    def submit(self, work: Work) -> RequestHandle:
+        """Queues a request; raises APIError 429 when the waiting queue is full, 503 when stopping."""
+        handle = RequestHandle(self, work, asyncio.get_running_loop())
+        with self._lock:
+            if not self._accepting or self.failure is not None:
+                raise APIError(503, "the server is shutting down" if self.failure is None else
+                               "the engine has failed; restart the server", code="unavailable")
+            # beyond the slots, at most max_waiting requests wait
+            if len(self._live) - self._num_slots >= self.max_waiting:
+                self.metrics.errors.labels("queue_full").inc()
+                raise APIError(429, f"too many requests waiting (the server's limit is {self.max_waiting}); retry later",
+                               code="queue_full")
+            if work.request_id in self._live:
+                raise APIError(400, f"request id {work.request_id} is already in use", code="duplicate_id")
+            self._waiting += 1
+            self._live[work.request_id] = handle
+            self._inbox.append(handle)
+            self._wake.notify()
+        self.metrics.requests_running.inc()
+        self.metrics.requests_waiting.set(self._waiting)
+        return handle
+
+    def release(self, handle: RequestHandle) -> None:
+        """The handler finished (answered, failed, cancelled or disconnected)."""
+        with self._lock:
+            if self._live.pop(handle.request_id, None) is None:
+                return
+            if handle.started is None:
+                handle.started = -1.0  # counted out of the waiting requests here, not when it steps
+                self._waiting -= 1
+            self._aborts.append((handle, None))
+            self._wake.notify()
+        self.metrics.requests_running.dec()
+        self.metrics.requests_waiting.set(self._waiting)
+
+    # ----- lifecycle ----------------------------------------------------------------------
+
+    def stop_accepting(self) -> None:
+        with self._lock:
+            self._accepting = False
+
+    def stop(self, reason: str = "the server is shutting down", timeout: float = 30.0) -> None:
+        """Fails every request still held with `reason` (503) and ends the thread."""
+        with self._lock:
+            self._accepting = False
+            self._stopping = reason
+            self._wake.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def num_live(self) -> int:
+        return len(self._live)
+
+    # ----- engine thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    while (self._stopping is None and not self._inbox and not self._aborts
+                           and not self._in_engine):
+                        self._wake.wait(timeout=0.5)
+                    if self._stopping is not None:
+                        break
+                    arrived, self._inbox = list(self._inbox), collections.deque()
+                    aborts, self._aborts = self._aborts, []
+                self._abort(aborts)
+                self._admit(arrived)
+                self._expire()
+                self._step_sessions()
+        except BaseException as e:  # the engine failed: every request learns it, the server stays up
+            log.exception("the engine thread failed")
+            self.failure = e
+            reason = f"the engine failed ({type(e).__name__}); restart the server"
+            self.metrics.errors.labels("engine").inc()
+        else:
+            reason = self._stopping or "stopped"
+        self._fail_all(APIError(503, reason, code="unavailable"))
+
+    def _admit(self, arrived: list[RequestHandle]) -> None:
+        for handle in arrived:
+            if handle.closed:
+                continue
+            work = handle.work
+            try:
+                self.sessions[work.method].add(work.request_id, work.prompt_ids, work.params)
+            except Exception as e:  # a request the session refuses fails alone
+                self.metrics.errors.labels("rejected").inc()
+                handle.deliver(Event(error=APIError(400, f"request rejected by the engine: {e}", code="invalid_request")))
+                continue
+            self._in_engine[work.request_id] = handle
+
+    def _abort(self, aborts: list[tuple[RequestHandle, APIError | None]]) -> None:
+        for handle, error in aborts:
+            if self._in_engine.pop(handle.request_id, None) is not None:
+                self.sessions[handle.work.method].abort(handle.request_id)
+                self.metrics.cancelled.inc()
+            if error is not None:
+                handle.deliver(Event(error=error))
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        expired = [h for h in self._in_engine.values() if h.work.deadline <= now]
+        for handle in expired:
+            self.metrics.errors.labels("deadline").inc()
+            self._abort([(handle, APIError(504, "the request's deadline passed before it finished",
+                                           code="deadline_exceeded"))])
+
+    def _step_sessions(self) -> None:
+        for method, session in self.sessions.items():
+            if not (session.num_running or session.num_waiting):
+                continue
+            start = time.perf_counter()
+            updates = session.step(self.max_iterations)
+            received = time.perf_counter()
+            now = time.monotonic()
+            steps = max((len(u.commits) for u in updates), default=0)
+            if steps:
+                self.metrics.step_seconds.observe((received - start) / steps)
+                self.metrics.loop_iterations.inc(steps)
+            for update in updates:
+                handle = self._in_engine.get(update.request_id)
+                if handle is None:
+                    continue  # aborted while its step ran
+                if update.commits or update.final:
+                    with self._lock:
+                        first = handle.started is None
+                        if first:
+                            handle.started = now
+                            self._waiting -= 1
+                    if first:
+                        self.metrics.queue_wait_seconds.observe(now - handle.arrived)
+                if update.final is not None:
+                    del self._in_engine[update.request_id]
+                handle.deliver(Event(commits=update.commits, received=received, final=update.final))
+        self.metrics.requests_waiting.set(self._waiting)
+        self.metrics.slots_busy.set(sum(s.num_running for s in self.sessions.values()))
+
+    def _fail_all(self, error: APIError) -> None:
+        with self._lock:
+            handles = list(self._live.values())
+        for handle in handles:
+            handle.deliver(Event(error=error))
+        self._in_engine.clear()
