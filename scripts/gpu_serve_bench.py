@@ -154,8 +154,8 @@ def main(argv=None) -> int:
     rng = random.Random(7)
     prompts = [[rng.randrange(config.vocab_size - 2) for _ in range(opts.prompt_length)] for _ in range(opts.requests)]
     decode = decode_config("flash_cache", options)
-    out = engine.generate(prompts, decode)
-    engine_tokens = sum(len(r.token_ids) for r in out.results)
+    out = engine.generate(prompts, decode=decode)
+    engine_tokens = out.stats.completion_tokens
     engine_rate = engine_tokens / out.stats.wall_seconds
     report = {
         "device": f"{jax.device_count()} x {jax.devices()[0].device_kind}", "jax": jax.__version__,

@@ -105,16 +105,19 @@ def assemble(engine: Engine, tokenizer: Any, options: ServeOptions) -> Server:
 def warm_up(session, max_prompt: int) -> None:
     """Runs the paths serving takes, so that they compile now: a request of the longest prompt
     to its end, and one aborted after its first step."""
-    params = make_params(CompletionRequest(model="warm-up", prompt=[0]), session.decode.gen_length)
-    session.add("warm-up-0", [0] * max_prompt, params)
-    session.add("warm-up-1", [0] * max_prompt, params)
-    finished, aborted = False, False
+    body = CompletionRequest(model="warm-up", prompt=[0])
+    session.add("warm-up-0", [0] * max_prompt, make_params(body, session.decode.gen_length))
+    # one token per step (where the method has a threshold), so it is still running when aborted
+    slow = {} if session.decode.uses_schedule else {"dllm": {"threshold": 2.0}}
+    session.add("warm-up-1", [0] * max_prompt, make_params(CompletionRequest(model="warm-up", prompt=[0], **slow), 4))
+    finished, aborted, freed = False, False, False
     for _ in range(100_000):
         updates = session.step(1)
+        freed = aborted  # the step after an abort freed its slot (the path a cancellation takes)
         if not aborted and any(u.request_id == "warm-up-1" and u.commits for u in updates):
             session.abort("warm-up-1")
             aborted = True
         finished = finished or any(u.request_id == "warm-up-0" and u.result is not None for u in updates)
-        if finished and aborted and not (session.num_running or session.num_waiting):
+        if finished and freed and not (session.num_running or session.num_waiting):
             return
     raise RuntimeError("the warm-up requests did not finish")
