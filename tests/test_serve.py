@@ -331,6 +331,5 @@ def test_sigterm_lets_a_running_stream_finish_then_exits(server):
     assert done and text.startswith("1 2 3")
     # uvicorn re-raises the signal once it has shut down: the exit status is SIGTERM's
     assert server.proc.wait(60) in (0, -signal.SIGTERM)
-    assert "Application shutdown complete" in server.log()
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{server.url}/health", timeout=5)
