@@ -117,7 +117,7 @@ def main(argv=None) -> int:
     else:
         params = jax.block_until_ready(init_params_per_layer(config, jax.random.key(0)))
     print(f"random weights on {jax.devices()[0]} in {time.perf_counter() - t:.1f} s", flush=True)
-    engine = Engine(config, params, backend="auto", full_pass_lanes=())
+    engine = Engine(config, params, backend="auto")
     options = ServeOptions(model_name="random", batch_size=opts.slots, gen_length=opts.gen_length,
                            max_model_len=opts.prompt_length + opts.gen_length, threshold=2.0,
                            max_waiting=opts.requests, iterations_per_call=opts.iterations_per_call)
