@@ -51,7 +51,11 @@ def engine():
     return Engine.from_pretrained(str(tiny_model_path()), dtype="float32")
 
 
-def alone(engine: Engine, prompts, params=None, *, chat: bool):
+def alone(engine: Engine, prompts, params=None, *, chat: bool) -> list[str]:
+    return [r.text for r in alone_results(engine, prompts, params, chat=chat)]
+
+
+def alone_results(engine: Engine, prompts, params=None, *, chat: bool):
     """Each prompt decoded alone (one slot) with its SamplingParams, with the server's method,
     lengths and prompt bucket.
 
@@ -65,7 +69,7 @@ def alone(engine: Engine, prompts, params=None, *, chat: bool):
     ids = engine.encode(prompts, chat)
     decode = DecodeConfig(method="flash_cache", gen_length=GEN, batch_size=1)
     out = engine.generate(ids + [filler], params + [SamplingParams(max_new_tokens=1)], decode=decode)
-    return [r.text for r in out.results[:-1]]
+    return out.results[:-1]
 
 
 def post(server, path: str, body, *, key: str | None = KEY, raw: bytes | None = None) -> httpx.Response:
@@ -87,24 +91,33 @@ def wait_until_idle(server, timeout: float = 30.0) -> dict[str, float]:
 
 
 def test_openai_client_chat_stream_equals_answer_equals_engine(server, client, engine):
-    question = "sort: 7 2 9 4"
-    messages = [{"role": "user", "content": question}]
-    answer = client.chat.completions.create(model=MODEL, messages=messages, seed=3)
-    stream = client.chat.completions.create(model=MODEL, messages=messages, seed=3, stream=True,
-                                            stream_options={"include_usage": True})
-    chunks = list(stream)
-    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    (expected,) = alone(engine, [question], chat=True)
-    assert answer.choices[0].message.content == streamed == expected
-    assert expected.startswith("2 4 7 9")
-    assert answer.choices[0].finish_reason == "stop"
-    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
-    usage = chunks[-1].usage
-    assert chunks[-1].choices == [] and usage.completion_tokens == answer.usage.completion_tokens
-    assert usage.prompt_tokens == len(engine.tokenizer.encode(question, chat=True))
+    """Sampled (temperature 0.8, seed 3) and cut at a stop string: the stream, the answer and
+    Engine.generate agree on the text and the counts."""
+    asks = [("sort: 7 2 9 4", {}), ("(12+3)*2-5", {"stop": ["*2"]})]
+    sampled = {"temperature": 0.8, "seed": 3}
+    expected = alone_results(engine, [q for q, _ in asks],
+                             [SamplingParams(**sampled, stop=tuple(kw.get("stop", ()))) for _, kw in asks], chat=True)
+    for (question, kw), reference in zip(asks, expected):
+        messages = [{"role": "user", "content": question}]
+        answer = client.chat.completions.create(model=MODEL, messages=messages, **sampled, **kw)
+        stream = client.chat.completions.create(model=MODEL, messages=messages, **sampled, **kw, stream=True,
+                                                stream_options={"include_usage": True})
+        chunks = list(stream)
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert answer.choices[0].message.content == streamed == reference.text
+        assert answer.choices[0].finish_reason == reference.finish_reason == "stop"
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+        usage = chunks[-1].usage
+        assert chunks[-1].choices == []
+        assert usage.completion_tokens == answer.usage.completion_tokens == reference.completion_tokens
+        assert usage.prompt_tokens == answer.usage.prompt_tokens == reference.prompt_tokens
+    assert expected[0].text.startswith("2 4 7 9") and expected[1].text == "12+3=15\n15"
     stats = answer.model_extra["dllm"]
-    assert stats["steps"] >= 1 and stats["forward_passes"] >= stats["steps"]
-    assert stats["tokens_per_step"] == pytest.approx(answer.usage.completion_tokens / stats["steps"])
+    assert stats["steps"] >= 1
+    plain = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": asks[0][0]}])
+    stats = plain.model_extra["dllm"]
+    assert stats["forward_passes"] >= stats["steps"] >= 1
+    assert stats["tokens_per_step"] == pytest.approx(plain.usage.completion_tokens / stats["steps"])
 
 
 def test_completions_take_a_string_a_list_and_token_ids(server, client, engine):
