@@ -30,7 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx  # noqa: E402
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 
 from dllm_jax.atomic_write import write_text_atomically  # noqa: E402
 from dllm_jax.config import ModelConfig, llada_8b_config  # noqa: E402
@@ -202,5 +201,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    np.set_printoptions(precision=3)
     sys.exit(main())

@@ -67,20 +67,16 @@ def create_app(
     settings: ServerSettings,
     metrics: ServerMetrics,
     make_params: ParamsBuilder,
-    *,
-    manage_worker: bool = True,
 ) -> FastAPI:
-    """The app over a started or startable worker (manage_worker: start/stop it with the app)."""
+    """The app over a worker that it starts and stops with its lifespan."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        if manage_worker:
-            worker.start()
+        worker.start()
         try:
             yield
         finally:
-            if manage_worker:
-                worker.stop()
+            worker.stop()
 
     app = FastAPI(title="dllm-jax", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)

@@ -200,10 +200,6 @@ class EngineWorker:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
-    @property
-    def num_live(self) -> int:
-        return len(self._live)
-
     # ----- engine thread --------------------------------------------------------------------
 
     def _run(self) -> None:
