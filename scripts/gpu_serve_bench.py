@@ -30,7 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx  # noqa: E402
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 
 from dllm_jax.atomic_write import write_text_atomically  # noqa: E402
 from dllm_jax.config import ModelConfig, llada_8b_config  # noqa: E402
@@ -117,7 +116,7 @@ def main(argv=None) -> int:
     else:
         params = jax.block_until_ready(init_params_per_layer(config, jax.random.key(0)))
     print(f"random weights on {jax.devices()[0]} in {time.perf_counter() - t:.1f} s", flush=True)
-    engine = Engine(config, params, backend="auto", full_pass_lanes=())
+    engine = Engine(config, params, backend="auto")
     options = ServeOptions(model_name="random", batch_size=opts.slots, gen_length=opts.gen_length,
                            max_model_len=opts.prompt_length + opts.gen_length, threshold=2.0,
                            max_waiting=opts.requests, iterations_per_call=opts.iterations_per_call)
@@ -154,8 +153,8 @@ def main(argv=None) -> int:
     rng = random.Random(7)
     prompts = [[rng.randrange(config.vocab_size - 2) for _ in range(opts.prompt_length)] for _ in range(opts.requests)]
     decode = decode_config("flash_cache", options)
-    out = engine.generate(prompts, decode)
-    engine_tokens = sum(len(r.token_ids) for r in out.results)
+    out = engine.generate(prompts, decode=decode)
+    engine_tokens = out.stats.completion_tokens
     engine_rate = engine_tokens / out.stats.wall_seconds
     report = {
         "device": f"{jax.device_count()} x {jax.devices()[0].device_kind}", "jax": jax.__version__,
@@ -202,5 +201,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    np.set_printoptions(precision=3)
     sys.exit(main())

@@ -69,20 +69,16 @@ def create_app(
     settings: ServerSettings,
     metrics: ServerMetrics,
     make_params: ParamsBuilder,
-    *,
-    manage_worker: bool = True,
 ) -> FastAPI:
-    """The app over a started or startable worker (manage_worker: start/stop it with the app)."""
+    """The app over a worker that it starts and stops with its lifespan."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        if manage_worker:
-            worker.start()
+        worker.start()
         try:
             yield
         finally:
-            if manage_worker:
-                worker.stop()
+            worker.stop()
 
     app = FastAPI(title="dllm-jax", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
@@ -156,7 +152,7 @@ class _Serving:
     def encode_chat(self, body: ChatCompletionRequest) -> list[int]:
         if self.tokenizer is None or not self.tokenizer.has_chat_template:
             raise APIError(400, "this model has no chat template; use /v1/completions", code="no_chat_template")
-        return self._checked(encode_messages(self.tokenizer, body.conversation()), "messages")
+        return self._checked(self.tokenizer.apply_chat_template(body.conversation()), "messages")
 
     def encode_text(self, prompt: str | list[int], index: int) -> list[int]:
         param = "prompt"
@@ -285,14 +281,6 @@ class _Serving:
             return {"index": piece.index, "delta": {"content": piece.text}, "finish_reason": piece.finish_reason,
                     "logprobs": None}
         return {"index": piece.index, "text": piece.text, "finish_reason": piece.finish_reason, "logprobs": None}
-
-
-def encode_messages(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of a conversation through the model's chat template, ending with an open
-    assistant turn (special tokens come from the template only)."""
-    hf = tokenizer._tok  # dllm_jax.Tokenizer renders one user turn only; the server needs multi-turn
-    text = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return list(hf.encode(text, add_special_tokens=False))
 
 
 def _sse(payload: dict) -> str:

@@ -12,7 +12,6 @@ from fastapi import FastAPI
 from dllm_jax.decode_config import DecodeConfig
 from dllm_jax.engine import Engine
 from dllm_jax.serve.app import ServerSettings, create_app
-from dllm_jax.serve.loop_session import LoopSession
 from dllm_jax.serve.metrics import ServerMetrics
 from dllm_jax.serve.params import make_params
 from dllm_jax.serve.protocol import CompletionRequest
@@ -34,7 +33,7 @@ class ServeOptions:
     gen_length: int = 64
     max_model_len: int | None = None
     threshold: float | None = None
-    gamma: float = 0.8
+    gamma: float | None = None
     block_length: int | None = None
     api_key: str | None = None
     max_waiting: int = 256
@@ -57,9 +56,10 @@ def decode_config(spec: str, options: ServeOptions) -> DecodeConfig:
     if spec not in METHOD_SPECS:
         raise ValueError(f"method {spec!r}: expected one of {METHOD_SPECS}")
     method, _, extra = spec.partition("+")
+    verify = extra == "verify"
+    knobs = {"gamma": options.gamma} if verify and options.gamma is not None else {}
     return DecodeConfig(method=method, gen_length=options.gen_length, batch_size=options.batch_size,
-                        threshold=options.threshold, gamma=options.gamma, verify=extra == "verify",
-                        block_length=options.block_length)
+                        threshold=options.threshold, verify=verify, block_length=options.block_length, **knobs)
 
 
 def assemble(engine: Engine, tokenizer: Any, options: ServeOptions) -> Server:
@@ -78,7 +78,7 @@ def assemble(engine: Engine, tokenizer: Any, options: ServeOptions) -> Server:
     for spec, decode in configs.items():
         log.info("compiling %s (%d slots, gen_length %d, prompts up to %d tokens)", spec, options.batch_size,
                  options.gen_length, max_prompt)
-        session = LoopSession(engine, decode, max_prompt)
+        session = engine.session(decode, max_prompt_len=max_prompt, stream=True)
         warm_up(session, max_prompt)
         sessions[spec] = session
     warmup = time.perf_counter() - start
@@ -105,16 +105,19 @@ def assemble(engine: Engine, tokenizer: Any, options: ServeOptions) -> Server:
 def warm_up(session, max_prompt: int) -> None:
     """Runs the paths serving takes, so that they compile now: a request of the longest prompt
     to its end, and one aborted after its first step."""
-    params = make_params(CompletionRequest(model="warm-up", prompt=[0]), session.gen_length)
-    session.add("warm-up-0", [0] * max_prompt, params)
-    session.add("warm-up-1", [0] * max_prompt, params)
-    finished, aborted = False, False
+    body = CompletionRequest(model="warm-up", prompt=[0])
+    session.add("warm-up-0", [0] * max_prompt, make_params(body, session.decode.gen_length))
+    # one token per step (where the method has a threshold), so it is still running when aborted
+    slow = {} if session.decode.uses_schedule else {"dllm": {"threshold": 2.0}}
+    session.add("warm-up-1", [0] * max_prompt, make_params(CompletionRequest(model="warm-up", prompt=[0], **slow), 4))
+    finished, aborted, freed = False, False, False
     for _ in range(100_000):
         updates = session.step(1)
+        freed = aborted  # the step after an abort freed its slot (the path a cancellation takes)
         if not aborted and any(u.request_id == "warm-up-1" and u.commits for u in updates):
             session.abort("warm-up-1")
             aborted = True
-        finished = finished or any(u.request_id == "warm-up-0" and u.final is not None for u in updates)
-        if finished and aborted and not (session.num_running or session.num_waiting):
+        finished = finished or any(u.request_id == "warm-up-0" and u.result is not None for u in updates)
+        if finished and freed and not (session.num_running or session.num_waiting):
             return
     raise RuntimeError("the warm-up requests did not finish")

@@ -42,7 +42,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "of at most 512 positions, else 256)")
     p.add_argument("--max-model-len", type=int, help="prompt + answer positions (default: the model's)")
     p.add_argument("--threshold", type=float, help="default confidence threshold (default: the method's)")
-    p.add_argument("--gamma", type=float, default=0.8, help="default Flash-Verify threshold (default 0.8)")
+    p.add_argument("--gamma", type=float, help="default Flash-Verify threshold of +verify methods (default: the engine's)")
     p.add_argument("--block-length", type=int, help="block / window length (default: the method's)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
@@ -69,6 +69,8 @@ def _check(args: argparse.Namespace) -> None:
     for name in ("request_timeout", "shutdown_grace"):
         if getattr(args, name) <= 0:
             raise UsageError(f"--{name.replace('_', '-')}={getattr(args, name)}: expected > 0")
+    if args.gamma is not None and not any(m.endswith("+verify") for m in args.method or []):
+        raise UsageError("--gamma applies to Flash-Verify: add --method flash_cache+verify")
     if not 0 <= args.port < 65536:
         raise UsageError(f"--port={args.port}: expected 0-65535")
 

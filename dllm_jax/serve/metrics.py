@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+log = logging.getLogger("dllm_jax.serve")
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch.BACKEND_COMPILE_EVENT
 _TOKENS_PER_STEP_BUCKETS = (1, 1.5, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 
@@ -61,6 +64,7 @@ class ServerMetrics:
         def on_event(event: str, duration: float, **kwargs) -> None:
             if event == _BACKEND_COMPILE_EVENT:
                 self.compilations_after_warmup.inc()
+                log.warning("compiled %s (%.2f s) after the warm-up", kwargs.get("fun_name", "?"), duration)
 
         jax.monitoring.register_event_duration_secs_listener(on_event)
 

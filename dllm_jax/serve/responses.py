@@ -15,7 +15,9 @@ from collections.abc import AsyncIterator, Callable
 from dllm_jax.serve.errors import APIError
 from dllm_jax.serve.metrics import ServerMetrics
 from dllm_jax.serve.stable_text import StableText
-from dllm_jax.serve.worker import FinalAnswer, RequestHandle, StepCommits
+from dllm_jax.engine import GenerationResult
+from dllm_jax.serve.worker import RequestHandle
+from dllm_jax.session import StepCommits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +79,7 @@ class ChoiceRun:
                 if event.error is not None:
                     raise event.error
                 # with the final answer in the same event, the answer ends with it (and its counters)
-                ends_here = event.final is not None
+                ends_here = event.result is not None
                 for commits in event.commits:
                     piece = self._step(commits, ends_here)
                     if piece is not None:
@@ -85,25 +87,26 @@ class ChoiceRun:
                     if self.finish_reason is not None:
                         self.handle.close()  # ended here (stop string, max_tokens): free the slot now
                         return
-                if event.final is not None:
-                    yield self._final(event.final), event.received
+                if event.result is not None:
+                    yield self._final(event.result), event.received
         finally:
             self.handle.close()
 
     def _step(self, commits: StepCommits, final_follows: bool) -> Piece | None:
-        self.text.commit(commits.positions, commits.token_ids)
+        self.text.commit(commits.positions, commits.tokens)
         delta = self.text.advance()
         if final_follows:
             delta = dataclasses.replace(delta, finish_reason=None)
-        self.stats.steps = commits.step
+        step = commits.step + 1  # StepCommits.step counts from 0; the request's steps from 1
+        self.stats.steps = step
         canvas = None
         if self.canvas:
             canvas = {
-                "step": commits.step,
+                "step": step,
                 "gen_length": self.text.gen_length,
                 "commits": [
                     {"position": p, "token_id": t, "text": self.token_text(t), "verified": v}
-                    for p, t, v in zip(commits.positions, commits.token_ids, commits.verified)
+                    for p, t, v in zip(commits.positions, commits.tokens, commits.verified)
                 ],
                 "eos_position": self.text.eos_position,
             }
@@ -114,7 +117,7 @@ class ChoiceRun:
             return None
         return Piece(self.index, delta.text, delta.finish_reason, canvas)
 
-    def _final(self, final: FinalAnswer) -> Piece:
+    def _final(self, final: GenerationResult) -> Piece:
         if final.error is not None:
             self.metrics.errors.labels("engine_request").inc()
             raise APIError(500, f"generation failed: {final.error}", code="generation_failed")

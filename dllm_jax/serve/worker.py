@@ -16,55 +16,28 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Protocol
 
+from dllm_jax.decode_config import DecodeConfig
+from dllm_jax.engine import CompiledLoop, Engine, GenerationResult
+from dllm_jax.sampling_params import SamplingParams
 from dllm_jax.serve.errors import APIError
 from dllm_jax.serve.metrics import ServerMetrics
+from dllm_jax.errors import GenerationError
+from dllm_jax.session import RequestUpdate, StepCommits, resolve_params
 
 log = logging.getLogger("dllm_jax.serve")
 
 
-@dataclasses.dataclass(frozen=True)
-class StepCommits:
-    """What one denoising step of a request committed (answer positions, 0-based)."""
-
-    step: int
-    positions: tuple[int, ...]
-    token_ids: tuple[int, ...]
-    verified: tuple[bool, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class FinalAnswer:
-    """A finished request: its answer and counters, or the engine's error for it."""
-
-    token_ids: tuple[int, ...]
-    text: str | None
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    steps: int
-    forward_passes: int
-    verify_passes: int
-    accepted_drafts: int
-    error: str | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class RequestUpdate:
-    request_id: str
-    commits: tuple[StepCommits, ...]
-    final: FinalAnswer | None
-
-
 class Session(Protocol):
-    """What the worker needs of a generation session (one compiled method)."""
+    """What the worker needs of a generation session (dllm_jax.session.GenerationSession)."""
 
-    gen_length: int
-    num_slots: int
+    compiled: CompiledLoop
+    decode: DecodeConfig
+    engine: Engine
 
-    def add(self, request_id: str, prompt_ids: list[int], params: Any) -> None: ...
-    def abort(self, request_id: str) -> None: ...
+    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None: ...
+    def abort(self, request_id: str) -> bool: ...
     def step(self, max_iterations: int) -> list[RequestUpdate]: ...
     @property
     def num_running(self) -> int: ...
@@ -79,18 +52,18 @@ class Work:
     request_id: str
     method: str
     prompt_ids: list[int]
-    params: Any
+    params: SamplingParams
     deadline: float  # time.monotonic() after which the request is abandoned
 
 
 @dataclasses.dataclass(frozen=True)
 class Event:
-    """An event of one request: commits (with the time the host received them), the final
-    answer, or an error."""
+    """An event of one request: commits (with the time the host received them), the engine's
+    result once it finished, or an error."""
 
     commits: tuple[StepCommits, ...] = ()
     received: float = 0.0
-    final: FinalAnswer | None = None
+    result: GenerationResult | None = None
     error: APIError | None = None
 
 
@@ -158,7 +131,7 @@ class EngineWorker:
         self._stopping: str | None = None
         self._thread = threading.Thread(target=self._run, name="dllm-engine", daemon=True)
         self.failure: BaseException | None = None
-        self._num_slots = sum(s.num_slots for s in self.sessions.values())
+        self._num_slots = sum(s.compiled.loop.num_slots for s in self.sessions.values())
         metrics.slots_total.set(self._num_slots)
 
     @property
@@ -171,7 +144,14 @@ class EngineWorker:
     # ----- asyncio side ------------------------------------------------------------------
 
     def submit(self, work: Work) -> RequestHandle:
-        """Queues a request; raises APIError 429 when the waiting queue is full, 503 when stopping."""
+        """Queues a request; raises APIError 400 for parameters its method cannot take, 429 when
+        the waiting queue is full, 503 when stopping."""
+        session = self.sessions[work.method]
+        try:  # what session.add would refuse, refused here with the request's own status
+            resolve_params(work.params, len(work.prompt_ids), session.decode,
+                           session.engine.config.max_sequence_length, session.compiled.loop.cfg, "this request")
+        except GenerationError as e:
+            raise APIError(400, f"{e} (method {work.method})", code="invalid_value") from None
         handle = RequestHandle(self, work, asyncio.get_running_loop())
         with self._lock:
             if not self._accepting or self.failure is not None:
@@ -220,10 +200,6 @@ class EngineWorker:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
-    @property
-    def num_live(self) -> int:
-        return len(self._live)
-
     # ----- engine thread --------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -241,6 +217,7 @@ class EngineWorker:
                 self._admit(arrived)
                 self._expire()
                 self._step_sessions()
+                self._update_gauges()
         except BaseException as e:  # the engine failed: every request learns it, the server stays up
             log.exception("the engine thread failed")
             self.failure = e
@@ -295,7 +272,7 @@ class EngineWorker:
                 handle = self._in_engine.get(update.request_id)
                 if handle is None:
                     continue  # aborted while its step ran
-                if update.commits or update.final:
+                if update.commits or update.result is not None:
                     with self._lock:
                         first = handle.started is None
                         if first:
@@ -303,9 +280,11 @@ class EngineWorker:
                             self._waiting -= 1
                     if first:
                         self.metrics.queue_wait_seconds.observe(now - handle.arrived)
-                if update.final is not None:
+                if update.result is not None:
                     del self._in_engine[update.request_id]
-                handle.deliver(Event(commits=update.commits, received=received, final=update.final))
+                handle.deliver(Event(commits=update.commits, received=received, result=update.result))
+
+    def _update_gauges(self) -> None:
         self.metrics.requests_waiting.set(self._waiting)
         self.metrics.slots_busy.set(sum(s.num_running for s in self.sessions.values()))
 
