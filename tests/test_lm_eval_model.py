@@ -1,7 +1,7 @@
 """The dllm_jax lm-eval model on the embedded tiny model, over local task files (no Hub).
 
 generate_until through lm_eval.simple_evaluate and through the command line scores what
-scripts/eval.py scores on the same problems and settings (flash_cache and LLaDA's sampler);
+scripts/eval.py scores on the same problems and settings (flash_cache and Fast-dLLM's dual cache);
 loglikelihood (LLaDA's Monte-Carlo estimator) picks the right answer of a multiple-choice task
 where the model solves the problem, and equals a plain computation over the same masks.
 """
@@ -35,11 +35,11 @@ GEN_LENGTH, BATCH = 64, 8
 # scripts/eval.py's settings of the same names, as model_args
 SETTINGS = {
     "flash-track4-t0.9": dict(method="flash_cache", mask_num=4, track_num=4, threshold=0.9),
-    "llada-one-per-step-block32": dict(method="llada", block_length=32, steps=GEN_LENGTH),
+    "fast_dllm-dual-t0.9": dict(method="fast_dllm", cache="dual", block_length=32, threshold=0.9),
 }
 MODEL = str(tiny_model_path())
-# half of LLaDA's default mc_num=128; multiple-choice problems scored (of PROBLEMS)
-MC_NUM, MC_BATCH, MC_PROBLEMS = 64, 32, 8
+# Monte-Carlo samples (LLaDA's default: 128), per forward pass; multiple-choice problems scored
+MC_NUM, MC_BATCH, MC_PROBLEMS = 32, 16, 8
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
@@ -79,9 +79,15 @@ def flash_script(flash_lm):
     return script_result(flash_lm, "flash-track4-t0.9")
 
 
-def evaluate_tasks(lm, task_dir, tasks, limit=None):
+@pytest.fixture(scope="module")
+def task_manager(task_dir):
+    # only the local tasks: indexing lm-eval's thousands of task files takes a minute on a busy CPU
+    return TaskManager(include_path=str(task_dir), include_defaults=False)
+
+
+def evaluate_tasks(lm, task_manager, tasks, limit=None):
     return simple_evaluate(model=lm, tasks=tasks, apply_chat_template=True, log_samples=True, limit=limit,
-                           task_manager=TaskManager(include_path=str(task_dir)))
+                           task_manager=task_manager)
 
 
 def check_generation_matches_script(results: dict, script: dict) -> None:
@@ -95,17 +101,15 @@ def check_generation_matches_script(results: dict, script: dict) -> None:
     assert throughput["tokens_per_second"] > 0
 
 
-def test_generate_until_scores_what_eval_script_scores_flash_cache(flash_lm, flash_script, task_dir):
-    results = evaluate_tasks(flash_lm, task_dir, [GEN_TASK])
+def test_generate_until_scores_what_eval_script_scores_flash_cache(flash_lm, flash_script, task_manager):
+    results = evaluate_tasks(flash_lm, task_manager, [GEN_TASK])
     check_generation_matches_script(results, flash_script)
 
 
-def test_generate_until_scores_what_eval_script_scores_llada_baseline(task_dir):
-    lm = make_lm("llada-one-per-step-block32")
-    results = evaluate_tasks(lm, task_dir, [GEN_TASK])
-    script = script_result(lm, "llada-one-per-step-block32")
-    check_generation_matches_script(results, script)
-    assert results["config"]["dllm_jax"]["throughput"]["nfe"] == PROBLEMS * GEN_LENGTH
+def test_generate_until_scores_what_eval_script_scores_fast_dllm_baseline(task_manager):
+    lm = make_lm("fast_dllm-dual-t0.9")
+    results = evaluate_tasks(lm, task_manager, [GEN_TASK])
+    check_generation_matches_script(results, script_result(lm, "fast_dllm-dual-t0.9"))
 
 
 def test_lm_eval_command_line_scores_what_eval_script_scores(flash_script, task_dir, tmp_path):
@@ -152,8 +156,8 @@ def llada_counts(k: int, batch: int, length: int) -> list[int]:
     return [((round(k + i * (length / batch)) - 1) % length) + 1 for i in range(batch)]
 
 
-def test_loglikelihood_picks_the_right_answer_where_the_model_solves_it(flash_lm, flash_script, task_dir):
-    results = evaluate_tasks(flash_lm, task_dir, [MC_TASK], limit=MC_PROBLEMS)
+def test_loglikelihood_picks_the_right_answer_where_the_model_solves_it(flash_lm, flash_script, task_manager):
+    results = evaluate_tasks(flash_lm, task_manager, [MC_TASK], limit=MC_PROBLEMS)
     problems = tiny_tasks.held_out_problems(MC_PROBLEMS)
     solved = [tiny_tasks.is_correct(p, t) for p, t in zip(problems, flash_script["texts"])]
     samples = sorted(results["samples"][MC_TASK], key=lambda s: s["doc_id"])
@@ -163,8 +167,8 @@ def test_loglikelihood_picks_the_right_answer_where_the_model_solves_it(flash_lm
 
     # the values lm-eval got are LLaDA's estimator over the masks the scorer drew
     sample = samples[0]
-    for (context, continuation), (value, _) in list(zip([a for a in sample["arguments"]], sample["resps"]))[:2]:
-        value = value[0] if isinstance(value, list) else value
+    for (context, continuation), resps in list(zip(sample["arguments"], sample["resps"]))[:2]:
+        ((value, _),) = resps  # one (loglikelihood, is_greedy) per choice
         prefix, target = flash_lm.encode_pair(context, continuation)
         estimate = flash_lm.scorer.estimate(prefix, target)
         assert estimate.value == value
@@ -250,8 +254,19 @@ def test_command_line_names_a_bad_model_arg_in_one_line(task_dir, monkeypatch, c
     assert err[-1].startswith("error: model_args: unknown key 'trak_num'") and not any("Traceback" in line for line in err)
 
 
-def test_greedy_check_reproduces_a_solved_answer_and_not_a_wrong_one(flash_lm):
-    context = flash_lm.apply_chat_template([{"role": "user", "content": "sort: 3 1 2"}])
-    right = flash_lm.encode_pair(context, "1 2 3\n#### 123<|eot_id|>")
-    wrong = flash_lm.encode_pair(context, "1 3 2\n#### 132<|eot_id|>")
-    assert flash_lm.scorer.greedy_reproduces(*right) and not flash_lm.scorer.greedy_reproduces(*wrong)
+def test_greedy_check_is_llada_suffix_greedy_prediction(flash_lm):
+    """is_check_greedy: True exactly for the continuation that one-most-confident-commit-per-step
+    decoding (written out here over unpadded forwards) produces."""
+    config, params = flash_lm.config, flash_lm.engine.params
+    prefix = flash_lm.encode(flash_lm.apply_chat_template([{"role": "user", "content": "sort: 3 1 2"}]))
+    L = 12
+    seq = prefix + [config.mask_token_id] * L
+    for _ in range(L):
+        logits = np.asarray(forward(config, params, jnp.asarray([seq])), np.float64)[0, len(prefix):]
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        confidence = np.where(np.asarray(seq[len(prefix):]) == config.mask_token_id, (probs / probs.sum(-1, keepdims=True)).max(-1), -1)
+        j = int(np.argmax(confidence))
+        seq[len(prefix) + j] = int(np.argmax(logits[j]))
+    greedy = seq[len(prefix):]
+    other = greedy[:-1] + [(greedy[-1] + 1) % config.vocab_size]
+    assert flash_lm.scorer.greedy_reproduces(prefix, greedy) and not flash_lm.scorer.greedy_reproduces(prefix, other)
