@@ -12,14 +12,19 @@ Glossary:
   logits      same-position alignment: the logit row of position i predicts token i (LLaDA).
 
 Library use:
-  from dllm_jax import DecodeConfig, Engine
+  from dllm_jax import DecodeConfig, Engine, SamplingParams
   engine = Engine.from_pretrained(path)
-  out = engine.generate(["What is 2+2?"], DecodeConfig(method="flash_cache", verify=True))
+  out = engine.generate(["What is 2+2?"], SamplingParams(max_new_tokens=32, stop=["\n"]),
+                        decode=DecodeConfig(method="flash_cache", verify=True, gen_length=64), chat=True)
+  out = engine.chat([[{"role": "user", "content": "What is 2+2?"}]])
 """
 
 from dllm_jax.config import ConfigError, ModelConfig, llada_8b_config
 from dllm_jax.decode_config import DecodeConfig, DecodeConfigError
-from dllm_jax.engine import Engine, GenerationError, GenerationOutput, GenerationResult, GenerationStats
+from dllm_jax.engine import Engine, GenerationOutput, GenerationResult, GenerationStats
+from dllm_jax.errors import GenerationError, SamplingParamsError
+from dllm_jax.sampling_params import SamplingParams
+from dllm_jax.session import GenerationSession, RequestUpdate, StepCommits
 from dllm_jax.loading import LoadedModel, load_model
 from dllm_jax.tokenizer import Tokenizer, TokenizerError
 
@@ -30,10 +35,15 @@ __all__ = [
     "Engine",
     "GenerationError",
     "GenerationOutput",
+    "GenerationSession",
     "GenerationResult",
     "GenerationStats",
     "LoadedModel",
     "ModelConfig",
+    "RequestUpdate",
+    "SamplingParams",
+    "SamplingParamsError",
+    "StepCommits",
     "Tokenizer",
     "TokenizerError",
     "llada_8b_config",

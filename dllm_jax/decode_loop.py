@@ -11,6 +11,12 @@ Each iteration advances every active slot by exactly one step:
 The queue and the results are rings of Q entries (request g at entry g % Q), so the compiled
 loop does not depend on how many requests a call has: the host calls the loop in chunks of
 iterations, and between chunks collects finished results and pushes waiting requests.
+
+Per-request values (max_new_tokens, temperature, top_p/top_k, seed, threshold, gamma,
+cfg_scale, remasking) travel with the request through the ring into its slot
+(dllm_jax.slots.SlotParams): one compiled loop serves every mix of them. A request whose
+logits are not finite, or that runs past its step bound, ends with an error code in its
+result while the other slots go on.
 """
 
 from __future__ import annotations
@@ -24,25 +30,27 @@ from jax.sharding import Mesh
 
 from dllm_jax.cached_forward import PassSpec, VerifyKeys, cached_forward
 from dllm_jax.config import ModelConfig
-from dllm_jax.decode_config import DecodeKnobs
 from dllm_jax.flat_cache import FlatCache, allocate_cache
 from dllm_jax.kernel_backend import Kernels
 from dllm_jax.model import Params
 from dllm_jax.policies import DecodePolicy
 from dllm_jax.sharding import CACHE_ROWS, DATA, REPLICATED, SLOTS, axis_size, per_data_shard
-from dllm_jax.slots import Slots, empty_slots, install
+from dllm_jax.sampling import all_finite, filter_top_p_top_k, guided_logits
+from dllm_jax.slots import ERROR_NON_FINITE, ERROR_STEP_LIMIT, SlotParams, Slots, empty_slots, install
 
 
 @struct.dataclass
 class RequestQueue:
     """A ring of prompts: request g (global index) sits at entry g % Q.
 
-    tokens int32 [Q, P_max] (padded), lengths int32 [Q]; count: requests pushed so far by the
-    host; next: requests installed so far (next < count: requests are waiting).
+    tokens int32 [Q, P_max] (padded), lengths int32 [Q], params: SlotParams [Q]; count:
+    requests pushed so far by the host; next: requests installed so far (next < count:
+    requests are waiting).
     """
 
     tokens: jax.Array
     lengths: jax.Array
+    params: SlotParams
     count: jax.Array
     next: jax.Array
 
@@ -51,7 +59,9 @@ class RequestQueue:
 class Results:
     """A ring of per-request outputs, request g at entry g % Q (done: not yet collected).
 
-    tokens int32 [Q, G]: the canvas after the prompt; request: the global index.
+    tokens int32 [Q, G]: the canvas after the prompt; request: the global index; error:
+    int32 [Q] the slot's ERROR_* code (0: finished normally); commit_step int32 [Q, G] and
+    verified bool [Q, G]: Slots.commit_step / verified over the same positions.
     """
 
     tokens: jax.Array
@@ -63,6 +73,9 @@ class Results:
     accepted: jax.Array
     start_iter: jax.Array
     end_iter: jax.Array
+    error: jax.Array
+    commit_step: jax.Array
+    verified: jax.Array
     done: jax.Array
 
 
@@ -91,6 +104,10 @@ class DecodeLoop:
     With a mesh (dllm_jax.sharding), each data shard steps its own num_slots / data slots
     (model passes, commits, Flash-Verify); the request ring, the results ring and the loop
     condition see all slots.
+
+    cfg: the classifier-free-guidance variant (policies whose every step is a full pass):
+    each full pass is run twice, with the prompt and with it masked, and the candidates'
+    logits combined per slot with its cfg_scale (slots at 0 take the conditional logits).
     """
 
     model: ModelConfig
@@ -101,6 +118,11 @@ class DecodeLoop:
     kernels: Kernels = Kernels()
     full_pass_lanes: tuple[int, ...] | None = None
     mesh: Mesh | None = None
+    cfg: bool = False
+
+    def __post_init__(self):
+        if self.cfg and self.policy.num_sparse_rows != 0:
+            raise ValueError("cfg needs a policy whose every step is a full pass (method='llada')")
 
     @property
     def shard_slots(self) -> int:
@@ -130,17 +152,19 @@ class DecodeLoop:
 
     # ----- state -------------------------------------------------------------------------
 
-    def init_state(self, prompts: jax.Array, lengths: jax.Array, count: jax.Array) -> DecodeState:
+    def init_state(self, prompts: jax.Array, lengths: jax.Array, params: SlotParams, count: jax.Array) -> DecodeState:
         """Empty slots, a zero cache, the queue; the first requests are installed.
 
-        prompts: int32 [Q, P_max]; lengths: int32 [Q]; count: requests pushed (<= Q).
+        prompts: int32 [Q, P_max]; lengths: int32 [Q]; params: SlotParams [Q]; count: requests
+        pushed (<= Q).
         """
         Q = prompts.shape[0]
         zeros = jnp.zeros((Q,), jnp.int32)
+        G = self.gen_length
         state = DecodeState(
             slots=empty_slots(self.num_slots, self.max_len),
             cache=allocate_cache(self.model, self.num_slots, self.max_len),
-            queue=RequestQueue(tokens=prompts, lengths=lengths, count=jnp.int32(count), next=jnp.int32(0)),
+            queue=RequestQueue(tokens=prompts, lengths=lengths, params=params, count=jnp.int32(count), next=jnp.int32(0)),
             results=Results(
                 tokens=jnp.zeros((Q, self.gen_length), jnp.int32),
                 request=zeros,
@@ -151,6 +175,9 @@ class DecodeLoop:
                 accepted=zeros,
                 start_iter=zeros,
                 end_iter=zeros,
+                error=zeros,
+                commit_step=jnp.full((Q, G), -1, jnp.int32),
+                verified=jnp.zeros((Q, G), bool),
                 done=jnp.zeros((Q,), bool),
             ),
             iteration=jnp.int32(0),
@@ -165,13 +192,14 @@ class DecodeLoop:
         take = free & (request < queue.count)
         entry = request % queue.tokens.shape[0]
         lengths = queue.lengths[entry]
-        installed = jax.vmap(install, in_axes=(0, 0, 0, 0, 0, None, None, None, None))(
+        params = jax.tree_util.tree_map(lambda a: a[entry], queue.params)
+        installed = jax.vmap(install, in_axes=(0, 0, 0, 0, 0, 0, None, None, None))(
             slots,
             queue.tokens[entry],
             lengths,
             request,
-            self.policy.key_length(lengths),
-            self.gen_length,
+            params,
+            self.policy.key_length(lengths, lengths + params.max_new_tokens),
             self.model.mask_token_id,
             self.model.eos_token_id,
             state.iteration,
@@ -198,6 +226,14 @@ class DecodeLoop:
             self.model, self._spec, params, cache, lane.tokens, positions, row_valid,
             safe_slot, lane.key_len, candidates, score_rows,
         )
+        if self.cfg:
+            # LLaDA's un_x: the prompt positions masked (prompt_index = the initial non-mask tokens)
+            unconditional = jnp.where(positions < lane.prompt_len[:, None], self.model.mask_token_id, lane.tokens)
+            uncond_logits, _, cache = cached_forward(
+                self.model, self._spec, params, cache, unconditional, positions, row_valid,
+                safe_slot, lane.key_len, candidates, score_rows,
+            )
+            logits = jax.vmap(guided_logits)(logits, uncond_logits, lane.params.cfg_scale).astype(logits.dtype)
         V = logits.shape[-1]
         full_logits = jnp.zeros((B, C, V), logits.dtype).at[lane_slot].set(logits, mode="drop")
         full_scores = jnp.zeros((B, L), jnp.float32)
@@ -246,7 +282,7 @@ class DecodeLoop:
         scores = jnp.where(pick, full_scores, sparse_scores)
         return logits, scores, cache
 
-    def _step(self, params, knobs: DecodeKnobs, seed: jax.Array, state: DecodeState) -> DecodeState:
+    def _step(self, params, state: DecodeState) -> DecodeState:
         slots = state.slots
         ran = slots.active
         # Decided over all slots, so every device takes the same branches: the full-pass lane
@@ -258,37 +294,57 @@ class DecodeLoop:
         step_slots = per_data_shard(
             self._step_slots,
             self.mesh,
-            in_specs=(REPLICATED, REPLICATED, REPLICATED, SLOTS, CACHE_ROWS, REPLICATED, REPLICATED, REPLICATED),
+            in_specs=(REPLICATED, SLOTS, CACHE_ROWS, REPLICATED, REPLICATED, REPLICATED),
             out_specs=(SLOTS, CACHE_ROWS),
         )
-        slots, cache = step_slots(params, knobs, seed, slots, state.cache, branch, any_sparse, jnp.any(ran))
+        slots, cache = step_slots(params, slots, state.cache, branch, any_sparse, jnp.any(ran))
 
-        finished = ran & jax.vmap(self.policy.finished)(slots)
+        complete = jax.vmap(self.policy.finished)(slots)
+        # the hard bound: a request that is not complete after step_limit steps ends with an error
+        over = ran & ~complete & (slots.error == 0) & (slots.steps >= slots.params.step_limit)
+        slots = slots.replace(error=jnp.where(over, ERROR_STEP_LIMIT, slots.error))
+        finished = ran & (complete | (slots.error != 0))
         results = self._record(state.results, slots, finished, state.iteration + 1)
         slots = slots.replace(active=slots.active & ~finished)
         state = state.replace(slots=slots, cache=cache, results=results, iteration=state.iteration + 1)
         return self._refill(state)
 
-    def _step_slots(
-        self, params, knobs: DecodeKnobs, seed, slots: Slots, cache: FlatCache, branch, any_sparse, any_ran
-    ) -> tuple[Slots, FlatCache]:
+    def _step_slots(self, params, slots: Slots, cache: FlatCache, branch, any_sparse, any_ran) -> tuple[Slots, FlatCache]:
         """One step of the active slots (of one data shard under a mesh): model passes, commits
         and Flash-Verify. The branch choices are made over all slots (see _step)."""
         run_full = slots.active & slots.needs_full
         run_sparse = slots.active & ~slots.needs_full
         logits, scores, cache = self._model_passes(params, slots, cache, run_full, run_sparse, branch, any_sparse)
+        _, candidate_valid = jax.vmap(self.policy.candidates)(slots)
+        finite = jax.vmap(all_finite)(logits, candidate_valid)
+        logits = self._filter(slots, logits)
 
-        base = jax.random.key(seed)
-        rngs = jax.vmap(lambda r, s: jax.random.fold_in(jax.random.fold_in(base, r), s))(slots.request, slots.steps)
-        committed, draft = jax.vmap(self.policy.commit, in_axes=(0, 0, 0, None, 0))(slots, logits, scores, knobs, rngs)
-        committed = committed.replace(steps=committed.steps + 1, passes=committed.passes + 1)
+        def stream(p):
+            return jax.random.fold_in(jax.random.key(p.seed), p.stream)
+
+        rngs = jax.vmap(lambda p, s: jax.random.fold_in(stream(p), s))(slots.params, slots.steps)
+        committed, draft = jax.vmap(self.policy.commit)(slots, logits, scores, rngs)
         if self.policy.verify:
-            committed = self._verify(params, knobs, slots, committed, draft, slots.active, any_ran, cache)
+            committed = self._verify(params, slots, committed, draft, slots.active, any_ran, cache)
+        committed = committed.replace(
+            steps=committed.steps + 1,
+            passes=committed.passes + 1,
+            error=jnp.where(finite, committed.error, ERROR_NON_FINITE),
+        )
         return _where_tree(slots.active, committed, slots), cache
 
-    def _verify(
-        self, params, knobs: DecodeKnobs, old: Slots, new: Slots, draft, ran: jax.Array, any_ran, cache: FlatCache
-    ) -> Slots:
+    def _filter(self, slots: Slots, logits: jax.Array) -> jax.Array:
+        """top_p / top_k filtering of the slots that ask for it (skipped when none does)."""
+        p = slots.params
+        wants = slots.active & ((p.top_p < 1.0) | (p.top_k > 0))
+
+        def filtered(logits):
+            out = jax.vmap(filter_top_p_top_k)(logits, p.temperature, p.top_p, p.top_k).astype(logits.dtype)
+            return jnp.where(wants[:, None, None], out, logits)
+
+        return jax.lax.cond(jnp.any(wants), filtered, lambda logits: logits, logits)
+
+    def _verify(self, params, old: Slots, new: Slots, draft, ran: jax.Array, any_ran, cache: FlatCache) -> Slots:
         """Flash-Verify: a read-only pass over each slot's verify query, then stage-2 commits
         (any_ran: some slot of any data shard ran, so every device runs the pass)."""
         plan = jax.vmap(self.policy.plan_verify)(old, new, draft)
@@ -306,19 +362,21 @@ class DecodeLoop:
         logits = jax.lax.cond(
             any_ran, verify_pass, lambda _: jnp.zeros((B, S, self.model.vocab_size), self.model.jnp_dtype), None
         )
-        return jax.vmap(self.policy.verify_commit, in_axes=(0, 0, 0, 0, None))(new, plan, logits, draft, knobs)
+        return jax.vmap(self.policy.verify_commit)(new, plan, logits, draft)
 
     def _record(self, results: Results, slots: Slots, finished: jax.Array, iteration: jax.Array) -> Results:
         Q = results.tokens.shape[0]
         target = jnp.where(finished, slots.request % Q, Q)  # Q is out of range: dropped
-        answer = jax.vmap(lambda t, p: jax.lax.dynamic_slice(t, (p,), (self.gen_length,)))(slots.tokens, slots.prompt_len)
+        def answer(canvas):
+            return jax.vmap(lambda t, p: jax.lax.dynamic_slice(t, (p,), (self.gen_length,)))(canvas, slots.prompt_len)
+
         num_tokens = jax.vmap(self.policy.num_tokens)(slots)
 
         def put(array, values):
             return array.at[target].set(values, mode="drop")
 
         return Results(
-            tokens=put(results.tokens, answer),
+            tokens=put(results.tokens, answer(slots.tokens)),
             request=put(results.request, slots.request),
             num_tokens=put(results.num_tokens, num_tokens),
             steps=put(results.steps, slots.steps),
@@ -327,6 +385,9 @@ class DecodeLoop:
             accepted=put(results.accepted, slots.accepted),
             start_iter=put(results.start_iter, slots.start_iter),
             end_iter=put(results.end_iter, jnp.broadcast_to(iteration, finished.shape)),
+            error=put(results.error, slots.error),
+            commit_step=put(results.commit_step, answer(slots.commit_step)),
+            verified=put(results.verified, answer(slots.verified)),
             done=put(results.done, jnp.ones_like(finished)),
         )
 
@@ -336,8 +397,6 @@ class DecodeLoop:
         self,
         params: Params,
         state: DecodeState,
-        knobs: DecodeKnobs,
-        seed: jax.Array,
         stop_iteration: jax.Array,
         host_has_more: jax.Array,
     ) -> DecodeState:
@@ -358,4 +417,4 @@ class DecodeLoop:
 
         # requests the host pushed since the last call take their free slots first
         state = self._refill(state)
-        return jax.lax.while_loop(keep_going, lambda st: self._step(params, knobs, seed, st), state)
+        return jax.lax.while_loop(keep_going, lambda st: self._step(params, st), state)

@@ -53,3 +53,54 @@ def threshold_commit(confidence: jax.Array, eligible: jax.Array, threshold: jax.
 def count_commit(confidence: jax.Array, eligible: jax.Array, count: jax.Array) -> jax.Array:
     """Commit the `count` most confident eligible candidates (LLaDA's low-confidence remasking)."""
     return eligible & (descending_rank(confidence, eligible) < count)
+
+
+# ----- the reference samplers' options (per slot values; shapes in each docstring) -------------
+
+# What Dream's filters write into removed entries (torch.finfo(float32).min): finite, so a
+# Gumbel-perturbed argmax and a softmax stay well defined.
+_REMOVED = float(jnp.finfo(jnp.float32).min)
+
+
+def filter_top_p_top_k(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k: jax.Array) -> jax.Array:
+    """Dream's top_p_logits then top_k_logits, on the logits a sampler at `temperature` sees.
+
+    logits: [C, V]; temperature, top_p (1 = off) float32 scalars; top_k int32 scalar (0 = off).
+    The nucleus is taken over softmax(logits / temperature) (over softmax(logits) when
+    temperature is 0, where it changes only the confidence, never the argmax): the smallest
+    prefix of the descending order whose probability reaches top_p, plus nothing else; top_k
+    keeps every entry >= the k-th largest (ties kept). Returns float32 [C, V]: the logits with
+    removed entries set to float32's lowest value.
+    """
+    logits = logits.astype(jnp.float32)
+    V = logits.shape[-1]
+    scaled = logits / jnp.where(temperature > 0, jnp.maximum(temperature, 1e-6), 1.0)
+    ordered = -jnp.sort(-scaled, axis=-1)  # descending
+    cumulative = jnp.cumsum(jax.nn.softmax(ordered, axis=-1), axis=-1)
+    # Dream removes sorted entry j >= 1 when cumulative[j - 1] > top_p
+    kept_p = 1 + jnp.sum(cumulative[:, :-1] <= top_p, axis=-1)
+    kept_k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
+    kept = jnp.minimum(jnp.where(top_p < 1.0, kept_p, V), kept_k)
+    cutoff = jnp.take_along_axis(ordered, (kept - 1)[:, None], axis=-1)
+    return jnp.where(scaled >= cutoff, logits, _REMOVED)
+
+
+def random_confidence(rng: jax.Array, count: int) -> jax.Array:
+    """LLaDA's remasking="random": the confidence of each of `count` candidates is U[0, 1)."""
+    return jax.random.uniform(rng, (count,), jnp.float32)
+
+
+def guided_logits(conditional: jax.Array, unconditional: jax.Array, cfg_scale: jax.Array) -> jax.Array:
+    """LLaDA's classifier-free guidance: un + (cfg_scale + 1) * (cond - un); cond itself at 0.
+
+    conditional, unconditional: [C, V] logits with the prompt, and with the prompt masked.
+    """
+    conditional = conditional.astype(jnp.float32)
+    unconditional = unconditional.astype(jnp.float32)
+    guided = unconditional + (cfg_scale + 1.0) * (conditional - unconditional)
+    return jnp.where(cfg_scale > 0, guided, conditional)
+
+
+def all_finite(logits: jax.Array, valid: jax.Array) -> jax.Array:
+    """bool: every valid row of logits [C, V] (valid bool [C]) is finite (no NaN, no +-inf)."""
+    return jnp.all(jnp.all(jnp.isfinite(logits), axis=-1) | ~valid)

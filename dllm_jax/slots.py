@@ -12,6 +12,48 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+# Slots.error codes: why a request ended without finishing (0: it did not).
+ERROR_NONE = 0
+ERROR_NON_FINITE = 1  # the model produced NaN or +-inf logits at one of its candidates
+ERROR_STEP_LIMIT = 2  # it ran more steps than its length allows (a commit rule stopped committing)
+ERROR_MESSAGES = {
+    ERROR_NON_FINITE: "the model produced non-finite logits (NaN or inf) for this request",
+    ERROR_STEP_LIMIT: "the request exceeded its step bound without finishing",
+}
+
+
+@struct.dataclass
+class SlotParams:
+    """One request's generation parameters (dllm_jax.sampling_params.SamplingParams, resolved).
+
+    Each leaf is one scalar per request: [B] in Slots, [Q] in the request ring.
+    max_new_tokens int32 (the slot's gen_end = P + max_new_tokens); step_limit int32 (hard
+    bound on its steps); temperature, top_p float32; top_k int32 (0: off); seed, stream int32
+    (its random stream: key(seed) folded with stream, then the step); threshold, gamma,
+    cfg_scale float32; random_remasking bool.
+    """
+
+    max_new_tokens: jax.Array
+    step_limit: jax.Array
+    temperature: jax.Array
+    top_p: jax.Array
+    top_k: jax.Array
+    seed: jax.Array
+    stream: jax.Array
+    threshold: jax.Array
+    gamma: jax.Array
+    cfg_scale: jax.Array
+    random_remasking: jax.Array
+
+
+def zero_params(shape: tuple[int, ...]) -> SlotParams:
+    """SlotParams of the given leading shape, all zero (an empty slot or ring entry)."""
+    i32, f32 = (lambda: jnp.zeros(shape, jnp.int32)), (lambda: jnp.zeros(shape, jnp.float32))
+    return SlotParams(
+        max_new_tokens=i32(), step_limit=i32(), temperature=f32(), top_p=f32(), top_k=i32(), seed=i32(),
+        stream=i32(), threshold=f32(), gamma=f32(), cfg_scale=f32(), random_remasking=jnp.zeros(shape, bool),
+    )
+
 
 @struct.dataclass
 class Slots:
@@ -28,6 +70,9 @@ class Slots:
       request: index of the request in the queue.
     steps, passes (main forward passes), verify_passes, accepted (drafts accepted by
       verification), start_iter (loop iteration at install): per-request counters [B].
+    params: the request's SlotParams [B]; error: int32 [B] an ERROR_* code (non-zero ends it).
+    commit_step: int32 [B, L] the slot's step at which each position was committed (-1: not
+      committed, the prompt included); verified: bool [B, L] committed by Flash-Verify.
     """
 
     tokens: jax.Array
@@ -50,6 +95,10 @@ class Slots:
     verify_passes: jax.Array
     accepted: jax.Array
     start_iter: jax.Array
+    params: SlotParams
+    error: jax.Array
+    commit_step: jax.Array
+    verified: jax.Array
 
 
 def empty_slots(num_slots: int, max_len: int) -> Slots:
@@ -77,6 +126,10 @@ def empty_slots(num_slots: int, max_len: int) -> Slots:
         verify_passes=i32(),
         accepted=i32(),
         start_iter=i32(),
+        params=zero_params((B,)),
+        error=i32(),
+        commit_step=jnp.full((B, L), -1, jnp.int32),
+        verified=jnp.zeros((B, L), bool),
     )
 
 
@@ -85,20 +138,21 @@ def install(
     prompt: jax.Array,
     prompt_len: jax.Array,
     request: jax.Array,
+    params: SlotParams,
     key_len: jax.Array,
-    gen_length: int,
     mask_id: int,
     eos_id: int,
     iteration: jax.Array,
 ) -> Slots:
     """Puts a request into a slot: prompt, [MASK] canvas, EOS padding; next step is a full pass.
 
-    prompt: int32 [P_max] (padded), prompt_len: its true length P.
+    prompt: int32 [P_max] (padded), prompt_len: its true length P; the canvas has
+    params.max_new_tokens [MASK] positions after it.
     """
     L = slot.tokens.shape[0]
     pos = jnp.arange(L, dtype=jnp.int32)
     padded = jnp.zeros((L,), jnp.int32).at[: prompt.shape[0]].set(prompt[:L])
-    gen_end = prompt_len + gen_length
+    gen_end = prompt_len + params.max_new_tokens
     tokens = jnp.where(pos < prompt_len, padded, jnp.where(pos < gen_end, mask_id, eos_id))
     zero = jnp.zeros((), jnp.int32)
     return Slots(
@@ -122,6 +176,10 @@ def install(
         verify_passes=zero,
         accepted=zero,
         start_iter=iteration,
+        params=params,
+        error=zero,
+        commit_step=jnp.full((L,), -1, jnp.int32),
+        verified=jnp.zeros((L,), bool),
     )
 
 
@@ -132,13 +190,14 @@ def commit_tokens(
 
     positions, tokens, commit: [C]. With stop_at_eos, the first commit stage that commits an
     EOS sets bound = (largest EOS position it committed) + 1, once per request: positions at
-    or after the bound are never generated.
+    or after the bound are never generated. commit_step records the slot's current step.
     """
     L = slot.tokens.shape[0]
     target = jnp.where(commit, positions, L)  # L is out of range: dropped
     new_tokens = slot.tokens.at[target].set(tokens, mode="drop")
     decoded = slot.decoded.at[target].set(True, mode="drop")
-    slot = slot.replace(tokens=new_tokens, decoded=decoded)
+    commit_step = slot.commit_step.at[target].set(slot.steps, mode="drop")
+    slot = slot.replace(tokens=new_tokens, decoded=decoded, commit_step=commit_step)
     if not stop_at_eos:
         return slot
     eos_hits = commit & (tokens == eos_id)

@@ -71,6 +71,14 @@ class Tokenizer:
         messages = [{"role": "user", "content": text}]
         return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a conversation ({"role", "content"} messages, system turns included)
+        rendered by the chat template, ending with the assistant header."""
+        if not self.has_chat_template:
+            raise TokenizerError("the tokenizer has no chat template")
+        text = self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(self._tok.encode(text, add_special_tokens=False))
+
     def encode(self, text: str, *, chat: bool = False) -> list[int]:
         """Token ids of ``text``; with ``chat=True`` the text is one user turn of the chat template.
 

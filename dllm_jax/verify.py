@@ -169,4 +169,9 @@ def verify_commit(
     slot = commit_tokens(slot, plan.search_positions, plan.search_drafts, take, eos_id, stop_at_eos=True)
     verified = jnp.zeros((L,), bool).at[jnp.where(take, plan.search_positions, L)].set(True, mode="drop")
     pinned = verified | stage1_committed if pin == "all_commits" else verified
-    return slot.replace(pinned=pinned, verify_passes=slot.verify_passes + 1, accepted=slot.accepted + accepted)
+    return slot.replace(
+        pinned=pinned,
+        verified=slot.verified | verified,
+        verify_passes=slot.verify_passes + 1,
+        accepted=slot.accepted + accepted,
+    )

@@ -141,7 +141,7 @@ def work_per_request(loop, decode: DecodeConfig, prompt_len: int, steps: int) ->
     """
     policy = loop.policy
     G, W = decode.gen_length, decode.window
-    key_len = int(policy.key_length(jnp.int32(prompt_len)))
+    key_len = int(policy.key_length(jnp.int32(prompt_len), jnp.int32(prompt_len + G)))
     if decode.method == "llada":
         full, sparse = steps, 0
     elif decode.method == "fast_dllm":
@@ -189,31 +189,32 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
     return [list(map(int, rng.randint(0, vocab - 2, length))) for _ in range(n)]
 
 
-def initial_state(compiled, prompts: list[list[int]]):
+def initial_state(compiled, prompts: list[list[int]], decode: DecodeConfig):
     """The decode state of a compiled loop with these prompts in its request ring (all fit)."""
-    tokens = np.zeros((compiled.queue_capacity, compiled.prompt_width), np.int32)
-    lengths = np.zeros((compiled.queue_capacity,), np.int32)
-    for i, p in enumerate(prompts):
-        tokens[i, : len(p)] = p
-        lengths[i] = len(p)
-    return compiled.init(jnp.asarray(tokens), jnp.asarray(lengths), jnp.int32(len(prompts)))
+    return compiled.initial_state(prompts, decode)
+
+
+def key_len(compiled, prompt_len: int) -> int:
+    """Keys a slot of this loop attends to for a prompt of prompt_len and a full-length answer."""
+    end = prompt_len + compiled.loop.gen_length
+    return int(compiled.loop.policy.key_length(jnp.int32(prompt_len), jnp.int32(end)))
 
 
 def steady_step_time(engine: Engine, decode: DecodeConfig, prompts, iterations: int, repeats: int) -> dict:
     """Median seconds per loop iteration after the slots' first full pass (all slots decoding)."""
     compiled = engine.compile(decode, len(prompts[0]))
-    knobs, seed, no_more = decode.knobs(), jnp.int32(0), jnp.bool_(False)
-    state = initial_state(compiled, prompts)
+    no_more = jnp.bool_(False)
+    state = initial_state(compiled, prompts, decode)
     start = time.perf_counter()
-    state = jax.block_until_ready(compiled.run(engine.params, state, knobs, seed, jnp.int32(1), no_more))
+    state = jax.block_until_ready(compiled.run(engine.params, state, jnp.int32(1), no_more))
     prefill = time.perf_counter() - start
     stop = 1
-    state = jax.block_until_ready(compiled.run(engine.params, state, knobs, seed, jnp.int32(stop + 2), no_more))
+    state = jax.block_until_ready(compiled.run(engine.params, state, jnp.int32(stop + 2), no_more))
     stop += 2
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
-        state = jax.block_until_ready(compiled.run(engine.params, state, knobs, seed, jnp.int32(stop + iterations), no_more))
+        state = jax.block_until_ready(compiled.run(engine.params, state, jnp.int32(stop + iterations), no_more))
         samples.append((time.perf_counter() - start) / iterations)
         stop += iterations
     active = int(jnp.sum(state.slots.active))
@@ -223,8 +224,8 @@ def steady_step_time(engine: Engine, decode: DecodeConfig, prompts, iterations: 
         "step_samples_s": samples,
         "active_slots_at_end": active,
         "compile_s": compiled.compile_seconds,
-        "rows_per_slot": min(compiled.loop.policy.num_sparse_rows, int(compiled.loop.policy.key_length(jnp.int32(len(prompts[0]))))),
-        "key_len": int(compiled.loop.policy.key_length(jnp.int32(len(prompts[0])))),
+        "rows_per_slot": min(compiled.loop.policy.num_sparse_rows, key_len(compiled, len(prompts[0]))),
+        "key_len": key_len(compiled, len(prompts[0])),
     }
 
 
@@ -256,10 +257,10 @@ def compare_run(engine, method, schedule, backend, slots, gen_length, prompt_len
     passes = s.iterations * (2 if decode.verify else 1)
     return {
         "preset": "compare", "method": method, "schedule": schedule, "backend": backend, "slots": slots,
-        "gen_length": gen_length, "prompt_length": prompt_len, "tokens": s.num_tokens, "wall_s": s.wall_seconds,
+        "gen_length": gen_length, "prompt_length": prompt_len, "tokens": s.reference_num_tokens, "wall_s": s.wall_seconds,
         "tokens_per_s": s.tokens_per_second, "tokens_per_step": s.tokens_per_step, "steps": s.steps,
         "iterations": s.iterations, "forward_passes": s.forward_passes, "ms_per_iteration": 1e3 * s.wall_seconds / s.iterations,
-        "rows_per_step": rows / s.steps, "flops_per_token": flops / s.num_tokens, "compile_s": compile_s,
+        "rows_per_step": rows / s.steps, "flops_per_token": flops / s.reference_num_tokens, "compile_s": compile_s,
         "cache_bytes": s.cache_bytes, "peak_bytes": peak_bytes(), **cost.work(flops, passes, slots, key_len),
         "work_per_request": work[0],
     }

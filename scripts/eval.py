@@ -80,7 +80,7 @@ def evaluate(engine, problems, decode: DecodeConfig, exact_texts: list[str] | No
         "forward_passes": s.forward_passes,
         "verify_passes": sum(r.verify_passes for r in out.results),
         "accepted_drafts": sum(r.accepted_drafts for r in out.results),
-        "tokens": s.num_tokens,
+        "tokens": s.reference_num_tokens,
         "tokens_per_second": s.tokens_per_second,
         "wall_seconds": s.wall_seconds,
         "compile_seconds": s.compile_seconds,

@@ -42,13 +42,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--block-length", type=int, default=None, help="block (llada, fast_dllm) or window (flash_cache) length")
     p.add_argument("--steps", type=int, default=None, help="llada / fast_dllm schedule: total denoising steps")
     p.add_argument("--threshold", type=float, default=None, help="confidence threshold (default 0.9; llada uses --steps)")
-    p.add_argument("--cache", choices=CACHES, default="dual", help="fast_dllm cache")
-    p.add_argument("--mask-num", type=int, default=4, help="flash_cache: masked blocks recomputed per step")
-    p.add_argument("--track-num", type=int, default=4, help="flash_cache: tracked blocks per step (<0: refresh all)")
+    p.add_argument("--cache", choices=CACHES, default=None, help="fast_dllm cache (default: dual)")
+    p.add_argument("--mask-num", type=int, default=None, help="flash_cache: masked blocks recomputed per step (default: 4)")
+    p.add_argument("--track-num", type=int, default=None, help="flash_cache: tracked blocks per step (<0: refresh all; default: 4)")
     p.add_argument("--verify", action="store_true", help="flash_cache: Flash-Verify")
-    p.add_argument("--gamma", type=float, default=0.8, help="verify threshold")
-    p.add_argument("--accept", choices=ACCEPT_RULES, default="cumprod", help="verify acceptance rule")
-    p.add_argument("--pin", choices=PIN_POLICIES, default="all_commits", help="which commits are refreshed next step")
+    p.add_argument("--gamma", type=float, default=None, help="verify threshold (default: 0.8)")
+    p.add_argument("--accept", choices=ACCEPT_RULES, default=None, help="verify acceptance rule (default: cumprod)")
+    p.add_argument("--pin", choices=PIN_POLICIES, default=None, help="verify: which commits are refreshed next step (default: all_commits)")
     p.add_argument("--batch-size", type=int, default=8, help="slots decoded together")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
@@ -118,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         mesh = parse_mesh(args.mesh) if args.mesh else None
         engine = Engine.from_pretrained(args.model, dtype=dtype, backend=args.backend, mesh=mesh)
-        output = engine.generate(prompts, decode, chat=args.chat, progress=not args.no_progress)
+        chat = args.chat if args.chat is not None else bool(engine.tokenizer and engine.tokenizer.has_chat_template)
+        output = engine.generate(prompts, decode=decode, chat=chat, progress=not args.no_progress)
     except ValueError as e:  # every input error of dllm_jax is a ValueError with a message
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"### [{result.index}] {prompt}\n{result.text}\n")
     s = output.stats
     print(
-        f"{s.num_requests} requests, {s.num_tokens} tokens in {s.wall_seconds:.2f} s "
+        f"{s.num_requests} requests, {s.reference_num_tokens} tokens in {s.wall_seconds:.2f} s "
         f"({s.tokens_per_second:.1f} tokens/s; compile {s.compile_seconds:.1f} s) | "
         f"{s.tokens_per_step:.2f} tokens/step | {s.steps} steps, {s.forward_passes} forward passes, "
         f"{s.iterations} loop iterations | method={decode.method} backend={engine.backend}"
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.output:
         records = [
-            {"index": r.index, "prompt": p, "text": r.text, "num_tokens": r.num_tokens, "steps": r.steps,
+            {"index": r.index, "prompt": p, "text": r.text, "num_tokens": r.reference_num_tokens, "steps": r.steps,
              "forward_passes": r.forward_passes, "verify_passes": r.verify_passes,
              "accepted_drafts": r.accepted_drafts, "seconds": r.seconds}
             for p, r in zip(prompts, output.results)

@@ -50,13 +50,13 @@ def profile(engine: Engine, slots: int, gen_length: int, prompt_len: int, steps:
     decode = decode_config("flash_cache", "one", gen_length, slots)
     prompts = random_prompts(slots, prompt_len, engine.config.vocab_size, seed=slots)
     compiled = engine.compile(decode, prompt_len)
-    knobs, seed, no_more = decode.knobs(), jnp.int32(0), jnp.bool_(False)
-    state = initial_state(compiled, prompts)
-    state = jax.block_until_ready(compiled.run(engine.params, state, knobs, seed, jnp.int32(3), no_more))
+    no_more = jnp.bool_(False)
+    state = initial_state(compiled, prompts, decode)
+    state = jax.block_until_ready(compiled.run(engine.params, state, jnp.int32(3), no_more))
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
         with jax.profiler.trace(tmp, create_perfetto_trace=True):
-            state = jax.block_until_ready(compiled.run(engine.params, state, knobs, seed, jnp.int32(3 + steps), no_more))
+            state = jax.block_until_ready(compiled.run(engine.params, state, jnp.int32(3 + steps), no_more))
         wall = (time.perf_counter() - start) / steps
         events = device_events(Path(tmp))
     per_kernel = collections.defaultdict(lambda: [0.0, 0])

@@ -7,6 +7,7 @@ import pytest
 
 from dllm_jax.decode_config import DecodeConfig, DecodeConfigError
 from dllm_jax.engine import Engine, GenerationError
+from dllm_jax.sampling_params import SamplingParams
 from tests.reference_decoder import ReferenceDecoder
 
 PROMPT_LENGTHS = (12, 7, 15, 9, 3)
@@ -51,9 +52,9 @@ def test_flash_cache_matches_the_python_reference(engine, prompts, setting):
     for prompt, result in zip(prompts, out.results):
         tokens, steps, committed = ref.flash_cache(prompt)
         assert result.token_ids == _answer(tokens, eos)
-        assert (result.steps, result.num_tokens) == (steps, committed)
+        assert (result.steps, result.reference_num_tokens) == (steps, committed)
     if setting["threshold"] > 1:  # the at-least-one rule alone: one token per step
-        assert all(r.steps == r.num_tokens for r in out.results)
+        assert all(r.steps == r.reference_num_tokens for r in out.results)
     else:
         assert out.stats.tokens_per_step > 1.1, "the setting should exercise parallel commits"
 
@@ -61,11 +62,11 @@ def test_flash_cache_matches_the_python_reference(engine, prompts, setting):
 def test_answers_end_at_the_first_committed_eos(engine, prompts):
     decode = DecodeConfig(method="flash_cache", gen_length=32, batch_size=2, threshold=0.5, mask_num=2, track_num=1)
     out = engine.generate(prompts, decode)
-    ended = [r for r in out.results if r.num_tokens < 32]
+    ended = [r for r in out.results if r.reference_num_tokens < 32]
     assert ended, "the lively model commits EOS for some prompts"
     for r in ended:
         # everything before the EOS bound is decoded, nothing after it is generated
-        assert r.num_tokens >= len(r.token_ids) + 1
+        assert r.reference_num_tokens >= len(r.token_ids) + 1
         assert engine.config.mask_token_id not in r.token_ids
 
 
@@ -179,8 +180,11 @@ def test_bad_inputs_are_named(engine):
     decode = DecodeConfig(method="flash_cache", gen_length=32, batch_size=2)
     with pytest.raises(GenerationError, match="prompt 1 is empty"):
         engine.generate([[1, 2], []], decode)
+    limit = engine.config.max_sequence_length
     with pytest.raises(GenerationError, match="max_sequence_length"):
-        engine.generate([[1] * 500], decode)
+        engine.generate([[1] * limit], decode)
+    with pytest.raises(GenerationError, match=f"{limit - 20} prompt tokens \\+ max_new_tokens=32"):
+        engine.generate([[1] * (limit - 20)], SamplingParams(max_new_tokens=32), decode=decode)
     with pytest.raises(GenerationError, match="no tokenizer"):
         engine.generate(["hello"], decode)
     with pytest.raises(GenerationError, match="outside"):
@@ -220,3 +224,144 @@ def test_more_requests_than_the_queue_ring_holds(engine):
     assert [r.prompt_ids for r in out.results] == many
     assert [r.token_ids for r in out.results] == [r.token_ids for r in wider.results]
     assert all(r.seconds >= 0 for r in out.results)
+
+
+# ----- per-request parameters ------------------------------------------------------------------
+
+
+def test_mixed_request_parameters_share_one_compiled_loop(lively, prompts):
+    cfg, params = lively
+    engine = Engine(cfg, params, backend="xla")
+    decode = DecodeConfig(method="flash_cache", gen_length=32, batch_size=2, mask_num=2, track_num=1)
+    mixed = [
+        SamplingParams(max_new_tokens=8),
+        SamplingParams(threshold=0.3, temperature=0.8, seed=4),
+        SamplingParams(max_new_tokens=20, top_k=5, temperature=1.0),
+        SamplingParams(remasking="random", top_p=0.9, seed=2),
+        SamplingParams(threshold=2.0, stop_token_ids=[3]),
+    ]
+    out = engine.generate(prompts, mixed, decode=decode)
+    engine.generate(prompts[:2], SamplingParams(max_new_tokens=3), decode=decode)
+    assert engine.num_compilations == 1
+    assert len(out.results[0].token_ids) <= 8 and len(out.results[2].token_ids) <= 20
+    assert out.results[4].steps == out.results[4].reference_num_tokens  # threshold 2: one per step
+
+
+@pytest.mark.parametrize("method", ["flash_cache", "llada"])
+def test_max_new_tokens_decodes_as_a_config_of_that_length(engine, prompts, method):
+    """A request of m new tokens in a bucket of G decodes what gen_length=m would."""
+    extra = dict(threshold=0.3, mask_num=2, track_num=1) if method == "flash_cache" else dict(block_length=8, steps=16)
+    short = DecodeConfig(method=method, gen_length=16, batch_size=2, **extra)
+    bucket = dataclasses.replace(short, gen_length=32, **({} if method == "flash_cache" else dict(steps=32)))
+    alone = engine.generate(prompts, decode=short)
+    inside = engine.generate(prompts, SamplingParams(max_new_tokens=16), decode=bucket)
+    for a, b in zip(alone.results, inside.results):
+        assert (a.token_ids, a.steps, a.finish_reason) == (b.token_ids, b.steps, b.finish_reason)
+
+
+def test_per_request_threshold_equals_the_config_default(engine, prompts):
+    decode = DecodeConfig(method="flash_cache", gen_length=32, batch_size=2, mask_num=2, track_num=1)
+    by_config = engine.generate(prompts, decode=dataclasses.replace(decode, threshold=0.3))
+    by_request = engine.generate(prompts, SamplingParams(threshold=0.3), decode=decode)
+    assert [r.token_ids for r in by_config.results] == [r.token_ids for r in by_request.results]
+    assert [r.steps for r in by_config.results] == [r.steps for r in by_request.results]
+
+
+def test_seeded_request_is_the_same_wherever_it_runs(engine, prompts):
+    decode = DecodeConfig(method="flash_cache", gen_length=32, batch_size=2, threshold=0.5)
+    hot = SamplingParams(temperature=1.0, seed=9)
+    together = engine.generate(prompts, [SamplingParams()] * 2 + [hot] + [SamplingParams()] * 2, decode=decode)
+    alone = engine.generate([prompts[2]], hot, decode=decode)
+    assert together.results[2].token_ids == alone.results[0].token_ids
+
+
+def test_stop_token_ids_and_finish_reasons(engine, prompts):
+    decode = DecodeConfig(method="flash_cache", gen_length=16, batch_size=2, threshold=0.3)
+    eos = engine.config.eos_token_id
+    plain = engine.generate(prompts, SamplingParams(max_new_tokens=16), decode=decode)
+    for r in plain.results:
+        assert r.prompt_tokens == len(r.prompt_ids) and r.completion_tokens == len(r.token_ids)
+        assert r.finish_reason == ("stop" if len(r.token_ids) < 16 else "length") and r.error is None
+        assert eos not in r.token_ids
+    long = max(plain.results, key=lambda r: len(r.token_ids))
+    assert len(long.token_ids) >= 3
+    stop_id = long.token_ids[2]
+    cut = engine.generate([long.prompt_ids], SamplingParams(max_new_tokens=16, stop_token_ids=[stop_id]), decode=decode)
+    r = cut.results[0]
+    first = long.token_ids.index(stop_id)
+    assert r.token_ids == long.token_ids[:first] and r.finish_reason == "stop"
+    assert r.completion_tokens == first and r.reference_num_tokens == long.reference_num_tokens
+
+
+def test_library_inputs_are_strict(engine):
+    decode = DecodeConfig(method="flash_cache", gen_length=16, batch_size=2)
+    cases = [
+        ("2+3", "prompts: expected a list of prompts, got a str"),
+        (b"2+3", "prompts: expected a list of prompts, got a bytes"),
+        (np.array([1, 2, 3]), r"2-D array of token ids \[N, P\], got an array of shape \(3,\)"),
+        (np.ones((1, 2, 3), np.int32), "shape"),
+        ([b"abc"], "prompt 0: bytes are not a prompt"),
+        ([[1, True]], "prompt 0 token 1: True"),
+        ([[1, 2.0]], r"prompt 0 token 1: 2.0 \(float\)"),
+        ([[1, float("nan")]], "prompt 0 token 1: nan"),
+        ([["1", 2]], "prompt 0 token 0: '1'"),
+        ([np.array([1.0, 2.0])], "expected integer token ids, got an array of float64"),
+        ([np.ones((2, 2), np.int32)], "prompt 0: expected a 1-D array"),
+        ([None], "prompt 0: expected a string or a list of token ids, got NoneType"),
+        (5, "prompts: expected a list of prompts, got int"),
+    ]
+    for prompts, match in cases:
+        with pytest.raises(GenerationError, match=match):
+            engine.generate(prompts, decode=decode)
+    bad_params = [
+        ("fast", "params='fast'"),
+        ([SamplingParams()], "1 SamplingParams for 2 prompts"),
+        ([SamplingParams(), None], r"params\[1\]=None"),
+        (dict(temperature=1.0), "expected a SamplingParams"),
+    ]
+    for params, match in bad_params:
+        with pytest.raises(GenerationError, match=match):
+            engine.generate([[1, 2], [3, 4]], params, decode=decode)
+    with pytest.raises(GenerationError, match="decode=5"):
+        engine.generate([[1, 2]], decode=5)
+    with pytest.raises(GenerationError, match="chat=None"):
+        engine.generate([[1, 2]], decode=decode, chat=None)
+    with pytest.raises(GenerationError, match="max_new_tokens=64 is more than this engine's generation bucket"):
+        engine.generate([[1, 2]], SamplingParams(max_new_tokens=64), decode=decode)
+    with pytest.raises(GenerationError, match="gamma=0.5 applies only with DecodeConfig"):
+        engine.generate([[1, 2]], SamplingParams(gamma=0.5), decode=decode)
+    with pytest.raises(GenerationError, match="threshold=0.5 does not apply"):
+        engine.generate([[1, 2]], SamplingParams(threshold=0.5), decode=DecodeConfig(method="llada", gen_length=32))
+    with pytest.raises(GenerationError, match="stop_token_ids"):
+        engine.generate([[1, 2]], SamplingParams(stop_token_ids=[10_000]), decode=decode)
+    with pytest.raises(GenerationError, match="stop strings need a tokenizer"):
+        engine.generate([[1, 2]], SamplingParams(stop=["x"]), decode=decode)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(chunk_iterations=0), "chunk_iterations=0"),
+        (dict(chunk_iterations=2.5), r"chunk_iterations=2.5 \(float\)"),
+        (dict(queue_capacity=True), r"queue_capacity=True \(bool\)"),
+        (dict(full_pass_lanes=(0,)), "full_pass_lanes entry=0"),
+        (dict(interpret="yes"), "interpret='yes'"),
+    ],
+)
+def test_engine_options_are_strict(lively, kwargs, match):
+    cfg, params = lively
+    with pytest.raises(GenerationError, match=match):
+        Engine(cfg, params, backend="xla", **kwargs)
+
+
+def test_slots_never_exceed_the_requests(lively):
+    cfg, params = lively
+    engine = Engine(cfg, params, backend="xla")
+    decode = DecodeConfig(method="flash_cache", gen_length=16, batch_size=10_000)
+    out = engine.generate([[1, 2, 3]], decode=decode)
+    (key,) = engine._executables
+    assert key[0].num_slots == 1 and out.stats.cache_bytes < 10**7
+    engine.generate([[1, 2, 3]] * 3, decode=decode)
+    assert sorted(k[0].num_slots for k in engine._executables) == [1, 4]
+    engine.generate([[1, 2, 3]] * 2, decode=decode)  # reuses the 4-slot loop
+    assert engine.num_compilations == 2

@@ -9,6 +9,7 @@ from dllm_jax.engine import Engine
 from dllm_jax.kernel_backend import Kernels
 from dllm_jax.model import init_params
 from dllm_jax.sharding import parse_mesh
+from dllm_jax.slots import zero_params
 from tests.conftest import tiny_config
 
 
@@ -83,10 +84,9 @@ def test_decode_loop_lowers_for_cuda_at_llada_8b_shapes(backend):
     decode = DecodeConfig(method="flash_cache", gen_length=256, batch_size=8, threshold=2.0, verify=True)
     loop = engine.decode_loop(decode, 256)
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-    state = jax.eval_shape(loop.init_state, i32(32, 256), i32(32), i32())
+    state = jax.eval_shape(loop.init_state, i32(32, 256), i32(32), jax.eval_shape(lambda: zero_params((32,))), i32())
     text = lower_for_cuda(
-        jax.jit(loop.run, donate_argnums=1), engine.params, state, jax.eval_shape(decode.knobs), i32(), i32(),
-        jax.ShapeDtypeStruct((), jnp.bool_),
+        jax.jit(loop.run, donate_argnums=1), engine.params, state, i32(), jax.ShapeDtypeStruct((), jnp.bool_)
     )
     triton_calls = text.count("__gpu$xla.gpu.triton")
     # distinct kernel instances (each jitted kernel is one function however often it is called):

@@ -71,8 +71,8 @@ def test_sharded_engine_decodes_the_single_device_tokens(engines, single_device,
     expected = single_device(decode)
     out = engines(spec).generate(prompts, DECODES[decode])
     assert [r.token_ids for r in out.results] == [r.token_ids for r in expected.results]
-    assert [(r.steps, r.num_tokens, r.accepted_drafts) for r in out.results] == [
-        (r.steps, r.num_tokens, r.accepted_drafts) for r in expected.results
+    assert [(r.steps, r.reference_num_tokens, r.accepted_drafts) for r in out.results] == [
+        (r.steps, r.reference_num_tokens, r.accepted_drafts) for r in expected.results
     ]
     assert expected.stats.tokens_per_step > 1.1, "the setting should exercise parallel commits"
 
@@ -108,8 +108,8 @@ def test_weights_cache_and_slots_are_split_as_intended(engines, prompts):
     decode = DECODES["flash"]
     compiled = engine.compile(decode, max(map(len, prompts)))
     B, L, Q, W = decode.batch_size, compiled.loop.max_len, compiled.queue_capacity, compiled.prompt_width
-    state = compiled.init(jnp.zeros((Q, W), jnp.int32), jnp.full((Q,), 3, jnp.int32), jnp.int32(B))
-    state = compiled.run(engine.params, state, decode.knobs(), jnp.int32(0), jnp.int32(2), jnp.bool_(False))
+    state = compiled.initial_state([[0, 0, 0]] * B, decode)
+    state = compiled.run(engine.params, state, jnp.int32(2), jnp.bool_(False))
     for cache in (state.cache.k, state.cache.v):
         assert cache.sharding.spec == P(None, "data", "tensor")
         assert _shard_shape(cache) == (NL, B * L // 2, cfg.kv_dim // 2)

@@ -115,8 +115,8 @@ def test_verify_matches_the_python_reference(lively_engine, accept, pin):
     for prompt, result in zip(prompts, out.results):
         tokens, steps, committed = ref.flash_cache(prompt)
         assert result.token_ids == _answer(tokens, engine.config.eos_token_id)
-        assert (result.steps, result.num_tokens, result.accepted_drafts) == (steps, committed, ref.accepted)
-        assert result.num_tokens >= result.steps, "at least one token per step"
+        assert (result.steps, result.reference_num_tokens, result.accepted_drafts) == (steps, committed, ref.accepted)
+        assert result.reference_num_tokens >= result.steps, "at least one token per step"
         assert result.verify_passes == result.steps
         assert result.forward_passes == 2 * result.steps
     without = engine.generate(prompts, dataclasses.replace(decode, verify=False))

@@ -17,7 +17,6 @@ def make_policy(decode: DecodeConfig, model: ModelConfig, max_len: int) -> Decod
             window=W,
             lookahead=(decode.mask_num - 1) * W,
             tracked=decode.track_num * W if decode.track_num >= 0 else -1,
-            gen_length=decode.gen_length,
             max_len=max_len,
             n_heads=model.n_heads,
             eos_id=model.eos_token_id,

@@ -12,7 +12,6 @@ from typing import Any, Protocol
 
 import jax
 
-from dllm_jax.decode_config import DecodeKnobs
 from dllm_jax.slots import Slots
 
 
@@ -28,8 +27,8 @@ class DecodePolicy(Protocol):
     def score_scale(self) -> float | None:
         """Scale of the tracking scores (None: no scores)."""
 
-    def key_length(self, prompt_len: jax.Array) -> jax.Array:
-        """Key positions [0, key_len) a slot attends to, from its prompt length."""
+    def key_length(self, prompt_len: jax.Array, gen_end: jax.Array) -> jax.Array:
+        """Key positions [0, key_len) a slot attends to, from its prompt length and generation end."""
 
     def candidates(self, slot: Slots) -> tuple[jax.Array, jax.Array]:
         """Candidate positions int32 [C] and their validity bool [C]."""
@@ -40,10 +39,9 @@ class DecodePolicy(Protocol):
     verify: bool
     """Runs Flash-Verify after each commit (then also: verify_rows, plan_verify, verify_commit)."""
 
-    def commit(
-        self, slot: Slots, logits: jax.Array, scores: jax.Array, knobs: DecodeKnobs, rng: jax.Array
-    ) -> tuple[Slots, Any]:
-        """Applies one step's candidate logits [C, V] (and tracking scores [L]) to the slot.
+    def commit(self, slot: Slots, logits: jax.Array, scores: jax.Array, rng: jax.Array) -> tuple[Slots, Any]:
+        """Applies one step's candidate logits [C, V] (and tracking scores [L]) to the slot,
+        with the slot's own sampling values (slot.params).
 
         Returns the slot and what the policy's verify stage needs (None without verify).
         """

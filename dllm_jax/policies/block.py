@@ -16,8 +16,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from dllm_jax.decode_config import DecodeKnobs
-from dllm_jax.sampling import count_commit, sample_tokens, threshold_commit
+from dllm_jax.sampling import count_commit, random_confidence, sample_tokens, threshold_commit
 from dllm_jax.slots import Slots, answer_length, commit_tokens
 
 
@@ -41,8 +40,9 @@ class BlockPolicy:
     def score_scale(self) -> None:
         return None
 
-    def key_length(self, prompt_len: jax.Array) -> jax.Array:
-        return prompt_len + self.gen_length
+    def key_length(self, prompt_len: jax.Array, gen_end: jax.Array) -> jax.Array:
+        # exactly the canvas: a request shorter than the bucket decodes as if G were its length
+        return gen_end
 
     def candidates(self, slot: Slots) -> tuple[jax.Array, jax.Array]:
         positions = slot.block_start + jnp.arange(self.block, dtype=jnp.int32)
@@ -56,13 +56,16 @@ class BlockPolicy:
 
     verify = False
 
-    def commit(self, slot: Slots, logits: jax.Array, scores: jax.Array, knobs: DecodeKnobs, rng: jax.Array) -> tuple[Slots, None]:
+    def commit(self, slot: Slots, logits: jax.Array, scores: jax.Array, rng: jax.Array) -> tuple[Slots, None]:
         positions, valid = self.candidates(slot)
         safe = jnp.minimum(positions, slot.tokens.shape[0] - 1)
-        tokens, confidence = sample_tokens(logits, knobs.temperature, rng)
+        tokens, confidence = sample_tokens(logits, slot.params.temperature, rng)
+        confidence = jnp.where(
+            slot.params.random_remasking, random_confidence(jax.random.fold_in(rng, 1), self.block), confidence
+        )
         eligible = valid & ~slot.decoded[safe]
         if self.steps_per_block is None:
-            commit = threshold_commit(confidence, eligible, knobs.threshold)
+            commit = threshold_commit(confidence, eligible, slot.params.threshold)
         else:
             base, extra = divmod(self.block, self.steps_per_block)
             count = base + (slot.block_step < extra).astype(jnp.int32)

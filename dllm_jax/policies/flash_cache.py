@@ -26,8 +26,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from dllm_jax.decode_config import DecodeKnobs
-from dllm_jax.sampling import sample_tokens, threshold_commit
+from dllm_jax.sampling import random_confidence, sample_tokens, threshold_commit
 from dllm_jax.slots import Slots, answer_remaining, commit_tokens, smallest_undecoded
 from dllm_jax.verify import VerifyPlan, WindowDraft, plan_verify, verify_commit
 
@@ -42,7 +41,6 @@ class FlashCachePolicy:
     window: int
     lookahead: int
     tracked: int  # negative: refresh everything
-    gen_length: int
     max_len: int
     n_heads: int
     eos_id: int
@@ -77,8 +75,8 @@ class FlashCachePolicy:
     def score_scale(self) -> float:
         return 1.0 / (self.window * self.n_heads)
 
-    def key_length(self, prompt_len: jax.Array) -> jax.Array:
-        rounded = ((prompt_len + self.gen_length) // KEY_ROUNDING + 1) * KEY_ROUNDING
+    def key_length(self, prompt_len: jax.Array, gen_end: jax.Array) -> jax.Array:
+        rounded = (gen_end // KEY_ROUNDING + 1) * KEY_ROUNDING
         # the slot's last row is its trash row (flat_cache), never a key
         return jnp.minimum(rounded, self.max_len - 1).astype(jnp.int32)
 
@@ -108,14 +106,15 @@ class FlashCachePolicy:
         tracked, tracked_valid = self.tracked_rows(slot, self._tracked_rows)
         return jnp.concatenate([masked, tracked]), jnp.concatenate([masked_valid, tracked_valid])
 
-    def commit(
-        self, slot: Slots, logits: jax.Array, scores: jax.Array, knobs: DecodeKnobs, rng: jax.Array
-    ) -> tuple[Slots, WindowDraft]:
+    def commit(self, slot: Slots, logits: jax.Array, scores: jax.Array, rng: jax.Array) -> tuple[Slots, WindowDraft]:
         L = self.max_len
         positions, valid = self.candidates(slot)
-        tokens, confidence = sample_tokens(logits, knobs.temperature, rng)
+        tokens, confidence = sample_tokens(logits, slot.params.temperature, rng)
+        confidence = jnp.where(
+            slot.params.random_remasking, random_confidence(jax.random.fold_in(rng, 1), self.window), confidence
+        )
         eligible = valid & (positions < slot.bound)
-        commit = threshold_commit(confidence, eligible, knobs.threshold)
+        commit = threshold_commit(confidence, eligible, slot.params.threshold)
         drafts = slot.drafts.at[jnp.where(valid, positions, L)].set(tokens, mode="drop")
         slot = commit_tokens(slot, positions, tokens, commit, self.eos_id, stop_at_eos=True)
         pinned = jnp.zeros((L,), bool).at[jnp.where(commit, positions, L)].set(True, mode="drop")
@@ -131,11 +130,11 @@ class FlashCachePolicy:
     def plan_verify(self, old: Slots, new: Slots, draft: WindowDraft) -> VerifyPlan:
         return plan_verify(old, new, draft, self.mask_id)
 
-    def verify_commit(self, slot: Slots, plan: VerifyPlan, logits: jax.Array, draft: WindowDraft, knobs: DecodeKnobs) -> Slots:
+    def verify_commit(self, slot: Slots, plan: VerifyPlan, logits: jax.Array, draft: WindowDraft) -> Slots:
         stage1 = jnp.zeros((self.max_len,), bool).at[jnp.where(draft.committed, draft.positions, self.max_len)].set(
             True, mode="drop"
         )
-        return verify_commit(slot, plan, logits, stage1, knobs.gamma, self.accept, self.pin, self.eos_id)
+        return verify_commit(slot, plan, logits, stage1, slot.params.gamma, self.accept, self.pin, self.eos_id)
 
     def finished(self, slot: Slots) -> jax.Array:
         return ~answer_remaining(slot)
