@@ -167,7 +167,7 @@ def test_loglikelihood_picks_the_right_answer_where_the_model_solves_it(flash_lm
 
     # the values lm-eval got are LLaDA's estimator over the masks the scorer drew
     sample = samples[0]
-    for (context, continuation), resps in list(zip(sample["arguments"], sample["resps"]))[:2]:
+    for (context, continuation), resps in list(zip(sample["arguments"], sample["resps"]))[:1]:
         ((value, _),) = resps  # one (loglikelihood, is_greedy) per choice
         prefix, target = flash_lm.encode_pair(context, continuation)
         estimate = flash_lm.scorer.estimate(prefix, target)
@@ -196,12 +196,16 @@ def request(context: str, **gen_kwargs) -> Instance:
 
 def test_generation_kwargs_are_honoured_or_refused_by_name(flash_lm):
     context = flash_lm.apply_chat_template([{"role": "user", "content": "sort: 5 3 9 1"}])
-    full, short, stopped = flash_lm.generate_until([
+    full, short, stopped, sampled = flash_lm.generate_until([
         request(context, until=[]), request(context, until=[], max_gen_toks=3), request(context, until="#"),
+        request(context, until=[], do_sample=True, temperature=0.5, top_k=2),
     ])
-    assert full.startswith("1 3 5 9") and short == full[:3] and stopped == full.split("#")[0]
-    with pytest.raises(GenerationKwargsError, match="top_p=0.5"):
-        flash_lm.generate_until([request(context, until=[], top_p=0.5)])
+    assert full.startswith("1 3 5 9") and len(flash_lm.encode(short)) <= 3 and stopped == full.split("#")[0]
+    assert tiny_tasks.extract_final(sampled) is not None
+    with pytest.raises(GenerationKwargsError, match="repetition_penalty=1.2"):
+        flash_lm.generate_until([request(context, until=[], repetition_penalty=1.2)])
+    with pytest.raises(GenerationKwargsError, match="top_p"):
+        flash_lm.generate_until([request(context, do_sample=True, temperature=1.0, top_p=1.5)])
     with pytest.raises(GenerationKwargsError, match="do_sample=True needs temperature"):
         flash_lm.generate_until([request(context, do_sample=True)])
     with pytest.raises(LoglikelihoodRollingError, match="no left-to-right factorisation"):

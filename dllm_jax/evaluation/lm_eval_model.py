@@ -14,11 +14,14 @@ cache, mask_num, track_num, batch_size, seed, verify, gamma, accept, pin) and th
 own options (dllm_jax.evaluation.model_args.AdapterArgs).
 
 generate_until: every request of a call goes through one Engine.generate call (continuous
-batching over batch_size slots), longest prompt first, answers back in request order. The
-answer is cut as the papers' adapters (LLaDA/Fast-dLLM/Flash-dLLM eval_llada.py) cut it:
-decoded with special tokens kept, split at each ``until`` string, re-encoded, decoded without
-special tokens. gen_length is the canvas of every request (as in the papers, which ignore
-max_gen_toks); a smaller max_gen_toks keeps at most that many generated tokens.
+batching over batch_size slots), longest prompt first, answers back in request order, each
+with its own SamplingParams: ``until`` as stop strings, ``max_gen_toks`` as max_new_tokens
+(gen_length is the bucket and the default, as in the papers, which decode gen_length
+positions whatever max_gen_toks says), temperature/top_p/top_k. The answer is then cut as the
+papers' adapters (LLaDA/Fast-dLLM/Flash-dLLM eval_llada.py) cut it: decoded with special
+tokens kept, split at each ``until`` string, re-encoded, decoded without special tokens (so a
+stop string such as ``<|eot_id|>`` works; the engine matches stop strings on text without
+special tokens).
 
 loglikelihood: LLaDA's Monte-Carlo estimator (dllm_jax.evaluation.mc_loglikelihood) over the
 full bidirectional forward. loglikelihood_rolling is refused (see its docstring).
@@ -50,12 +53,13 @@ from dllm_jax.engine import Engine
 from dllm_jax.evaluation.mc_loglikelihood import MonteCarloLoglikelihood
 from dllm_jax.evaluation.model_args import ModelArgsError, ParsedArgs, parse_model_args
 from dllm_jax.loading import load_model
+from dllm_jax.sampling_params import MAX_SEED, SamplingParams, SamplingParamsError
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_GEN_KWARGS = ("until", "max_gen_toks", "do_sample", "temperature")
-# Values of other sampling kwargs that change nothing (lm-eval tasks sometimes spell them out).
-_NEUTRAL_GEN_KWARGS = {"top_p": (1, 1.0, None), "top_k": (0, None), "num_beams": (1, None)}
+SUPPORTED_GEN_KWARGS = ("until", "max_gen_toks", "do_sample", "temperature", "top_p", "top_k")
+# Values of other generation kwargs that change nothing (lm-eval tasks sometimes spell them out).
+_NEUTRAL_GEN_KWARGS = {"num_beams": (1, None)}
 
 
 class GenerationKwargsError(ValueError):
@@ -67,31 +71,11 @@ class LoglikelihoodRollingError(NotImplementedError):
 
 
 @dataclasses.dataclass(frozen=True)
-class GenerationRequest:
-    """One generate_until request, tokenized: prompt ids, stop strings, at most max_new_tokens
-    generated tokens, sampling temperature (0 = greedy)."""
-
-    prompt_ids: list[int]
-    until: tuple[str, ...]
-    max_new_tokens: int
-    temperature: float
-
-
-@dataclasses.dataclass(frozen=True)
-class Generated:
-    """One request's generated ids (before EOS, at most max_new_tokens) and counters."""
-
-    token_ids: list[int]
-    num_tokens: int
-    steps: int
-
-
-@dataclasses.dataclass(frozen=True)
 class EngineCall:
-    """The results of one engine call, in request order, and its totals."""
+    """The answers of one engine call (token ids, request order) and its totals."""
 
-    outputs: list[Generated]
-    num_tokens: int
+    token_ids: list[list[int]]
+    reference_num_tokens: int
     steps: int
     forward_passes: int
     iterations: int
@@ -99,26 +83,15 @@ class EngineCall:
     compile_seconds: float
 
 
-def run_engine(engine: Engine, requests: list[GenerationRequest], decode: DecodeConfig) -> EngineCall:
-    """All requests through one Engine.generate call; the only place this module calls the engine.
-
-    The engine takes one temperature per call and decodes gen_length positions for every
-    request; max_new_tokens is applied to the answers here.
-    """
-    temperatures = sorted({r.temperature for r in requests})
-    if len(temperatures) > 1:
-        raise GenerationKwargsError(
-            f"generation kwarg temperature differs between requests ({temperatures}): "
-            "dllm_jax decodes one call with one temperature; evaluate such tasks separately"
-        )
-    decode = dataclasses.replace(decode, temperature=temperatures[0])
-    out = engine.generate([r.prompt_ids for r in requests], decode, chat=False)
-    outputs = [
-        Generated(token_ids=list(res.token_ids[: req.max_new_tokens]), num_tokens=res.num_tokens, steps=res.steps)
-        for req, res in zip(requests, out.results)
-    ]
+def run_engine(engine: Engine, prompts: list[list[int]], params: list[SamplingParams], decode: DecodeConfig) -> EngineCall:
+    """All requests through one Engine.generate call; the only place this module calls the engine."""
+    out = engine.generate(prompts, params, decode=decode)
+    failed = [r for r in out.results if r.finish_reason == "error"]
+    if failed:
+        raise RuntimeError(f"dllm_jax engine: request {failed[0].index} failed: {failed[0].error}")
     s = out.stats
-    return EngineCall(outputs, s.num_tokens, s.steps, s.forward_passes, s.iterations, s.wall_seconds, s.compile_seconds)
+    return EngineCall([r.token_ids for r in out.results], s.reference_num_tokens, s.steps, s.forward_passes,
+                      s.iterations, s.wall_seconds, s.compile_seconds)
 
 
 def _load_hf_tokenizer(path: str):
@@ -203,21 +176,22 @@ class DLLMJaxLM(LM):
         if not requests:
             return []
         start = time.perf_counter()
-        specs = [self._generation_request(i, req) for i, req in enumerate(requests)]
+        prompts, params = zip(*(self._generation_request(i, req) for i, req in enumerate(requests)))
         # longest prompt first: the slots that refill last hold the shortest requests
-        order = sorted(range(len(specs)), key=lambda i: -len(specs[i].prompt_ids))
-        call = run_engine(self.engine, [specs[i] for i in order], self.decode)
-        texts: list[str] = [""] * len(specs)
-        for generated, i in zip(call.outputs, order):
-            texts[i] = self.cut_at_stop_strings(generated.token_ids, specs[i].until)
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+        call = run_engine(self.engine, [prompts[i] for i in order], [params[i] for i in order], self.decode)
+        texts: list[str] = [""] * len(prompts)
+        for ids, i in zip(call.token_ids, order):
+            texts[i] = self.cut_at_stop_strings(ids, params[i].stop)
         wall = time.perf_counter() - start
         for req, text in zip(requests, texts):
             self.cache_hook.add_partial("generate_until", req.args, text)
-        self.generation_calls.append(self._throughput(call, len(specs), wall))
+        self.generation_calls.append(self._throughput(call, len(prompts), wall))
         self._write_stats()
         return texts
 
-    def _generation_request(self, i: int, req: Instance) -> GenerationRequest:
+    def _generation_request(self, i: int, req: Instance) -> tuple[list[int], SamplingParams]:
+        """The prompt ids and SamplingParams of request i; GenerationKwargsError names a bad kwarg."""
         context, kwargs = req.args[0], dict(req.args[1] or {})
         where = f"request {i} (task {req.task_name}, doc {req.doc_id})"
         for key, value in kwargs.items():
@@ -226,30 +200,39 @@ class DLLMJaxLM(LM):
                     f"{where}: generation kwarg {key}={value!r} is not supported by dllm_jax "
                     f"(supported: {', '.join(SUPPORTED_GEN_KWARGS)})"
                 )
-        until = kwargs.get("until") or []
-        until = (until,) if isinstance(until, str) else tuple(until)
-        if not all(isinstance(s, str) for s in until):
-            raise GenerationKwargsError(f"{where}: generation kwarg until={until!r}: expected strings")
+        until = kwargs.get("until") or ()
+        until = (until,) if isinstance(until, str) else tuple(s for s in until if s != "")
         G = self.decode.gen_length
-        max_new = kwargs.get("max_gen_toks", G)
-        if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1:
+        max_new = kwargs.get("max_gen_toks")
+        if max_new is not None and (not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1):
             raise GenerationKwargsError(f"{where}: generation kwarg max_gen_toks={max_new!r}: expected a positive integer")
         temperature = kwargs.get("temperature", 0.0)
-        if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or temperature < 0:
-            raise GenerationKwargsError(f"{where}: generation kwarg temperature={temperature!r}: expected a number >= 0")
+        if not isinstance(temperature, (int, float)) or isinstance(temperature, bool):
+            raise GenerationKwargsError(f"{where}: generation kwarg temperature={temperature!r}: expected a number")
         do_sample = kwargs.get("do_sample", temperature > 0)
         if do_sample and temperature == 0:
             raise GenerationKwargsError(f"{where}: generation kwarg do_sample=True needs temperature > 0")
+        sampling = dict(top_p=kwargs.get("top_p", 1.0), top_k=kwargs.get("top_k") or 0) if do_sample else {}
+        try:
+            params = SamplingParams(
+                max_new_tokens=None if max_new is None or max_new >= G else max_new,
+                temperature=float(temperature) if do_sample else 0.0,
+                seed=(self.decode.seed + i) % MAX_SEED if do_sample else None,
+                stop=until,
+                **sampling,
+            )
+        except SamplingParamsError as e:
+            raise GenerationKwargsError(f"{where}: generation kwargs: {e}") from None
         prompt_ids = self.encode(context)
         if not prompt_ids:
             raise GenerationKwargsError(f"{where}: the context is empty")
         limit = self.config.max_sequence_length
-        if len(prompt_ids) + G > limit:
+        if len(prompt_ids) + (params.max_new_tokens or G) > limit:
             raise GenerationKwargsError(
-                f"{where}: {len(prompt_ids)} prompt tokens + gen_length={G} exceed the model's "
-                f"max_sequence_length={limit}"
+                f"{where}: {len(prompt_ids)} prompt tokens + {params.max_new_tokens or G} generated exceed the "
+                f"model's max_sequence_length={limit}"
             )
-        return GenerationRequest(prompt_ids, until, min(max_new, G), float(temperature) if do_sample else 0.0)
+        return prompt_ids, params
 
     def cut_at_stop_strings(self, token_ids: list[int], until: tuple[str, ...]) -> str:
         """The papers' post-processing: text with special tokens, cut before each stop string
@@ -264,17 +247,19 @@ class DLLMJaxLM(LM):
         nfe = call.steps
         return {
             "requests": requests,
-            "num_tokens": call.num_tokens,
+            "num_tokens": call.reference_num_tokens,
             "nfe": nfe,
             "avg_steps": nfe / requests,
-            "tokens_per_step": call.num_tokens / nfe if nfe else float("nan"),
+            "tokens_per_step": call.reference_num_tokens / nfe if nfe else float("nan"),
             "max_tokens_per_step": requests * self.decode.gen_length / nfe if nfe else float("nan"),
             "forward_passes": call.forward_passes,
             "iterations": call.iterations,
             "wall_seconds": wall,
-            "tokens_per_second": call.num_tokens / wall if wall > 0 else float("nan"),
+            "tokens_per_second": call.reference_num_tokens / wall if wall > 0 else float("nan"),
             "decode_seconds": call.decode_seconds,
-            "decode_tokens_per_second": call.num_tokens / call.decode_seconds if call.decode_seconds > 0 else float("nan"),
+            "decode_tokens_per_second": (
+                call.reference_num_tokens / call.decode_seconds if call.decode_seconds > 0 else float("nan")
+            ),
             "compile_seconds": call.compile_seconds,
         }
 

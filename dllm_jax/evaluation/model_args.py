@@ -16,7 +16,10 @@ from typing import Any
 from dllm_jax.decode_config import DecodeConfig, DecodeConfigError
 
 # Per-request generation parameters come from lm-eval's gen_kwargs, not from model_args.
-_REQUEST_LEVEL = {"temperature": "a generation kwarg (the task's generation_kwargs or --gen_kwargs temperature=...)"}
+_REQUEST_LEVEL = {
+    "temperature": "a generation kwarg (the task's generation_kwargs or --gen_kwargs temperature=...)",
+    "cfg": "chosen by the engine (LLaDA's guidance in loglikelihood is the cfg_scale key)",
+}
 # Passed by lm-eval's CLI to every model; JAX places arrays on its default backend
 # (choose it with JAX_PLATFORMS), so these are accepted and not used.
 _HARNESS_KEYS = ("device", "max_batch_size")
