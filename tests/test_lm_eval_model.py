@@ -274,3 +274,14 @@ def test_greedy_check_is_llada_suffix_greedy_prediction(flash_lm):
     greedy = seq[len(prefix):]
     other = greedy[:-1] + [(greedy[-1] + 1) % config.vocab_size]
     assert flash_lm.scorer.greedy_reproduces(prefix, greedy) and not flash_lm.scorer.greedy_reproduces(prefix, other)
+
+
+def test_the_registered_model_is_the_entry_point_of_the_package():
+    import importlib
+    import tomllib
+
+    from lm_eval.api.registry import get_model
+
+    target = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["lm_eval.models"]["dllm_jax"]
+    module, _, name = target.partition(":")
+    assert getattr(importlib.import_module(module), name) is DLLMJaxLM is get_model("dllm_jax")
