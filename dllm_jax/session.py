@@ -260,7 +260,7 @@ class GenerationSession:
             state = state.replace(slots=state.slots.replace(active=state.slots.active & ~jnp.asarray(free)))
         installed = {int(r) for r, f in zip(slots_request, free) if f}
         queued = [g for g in aborted if g not in installed]
-        limit = np.asarray(jax.device_get(state.queue.params.step_limit))
+        limit = np.array(jax.device_get(state.queue.params.step_limit))
         for g in queued:  # not installed yet (or finished this call): it ends after one step
             limit[g % self._ring.capacity] = 0
             self._ring.params["step_limit"][g % self._ring.capacity] = 0

@@ -12,7 +12,7 @@ from dllm_jax.decode_config import DecodeConfig
 from dllm_jax.engine import Engine
 from dllm_jax.flat_cache import allocate_cache
 from dllm_jax.model import forward, init_params
-from dllm_jax.slots import commit_tokens, empty_slots, install
+from dllm_jax.slots import commit_tokens, empty_slots, install, zero_params
 from dllm_jax.verify import WindowDraft, accepted_count, plan_verify
 from tests.conftest import tiny_config
 from tests.reference_decoder import ReferenceDecoder
@@ -41,9 +41,10 @@ def _one_slot_after_stage1(cfg, W, L, key_len, num_committed, seed):
     rng = np.random.RandomState(seed)
     P, G = 9, 40
     prompt = jnp.asarray(rng.randint(0, 100, P), jnp.int32)
+    params = zero_params(()).replace(max_new_tokens=jnp.int32(G))
     slot = install(
-        jax.tree_util.tree_map(lambda x: x[0], empty_slots(1, L)), prompt, jnp.int32(P), jnp.int32(0),
-        jnp.int32(key_len), G, cfg.mask_token_id, cfg.eos_token_id, jnp.int32(0),
+        jax.tree_util.tree_map(lambda x: x[0], empty_slots(1, L)), prompt, jnp.int32(P), jnp.int32(0), params,
+        jnp.int32(key_len), cfg.mask_token_id, cfg.eos_token_id, jnp.int32(0),
     )
     slot = slot.replace(scores=jnp.asarray(rng.randn(L), jnp.float32), pinned=jnp.arange(L) == 3)
     window = jnp.arange(P, P + W, dtype=jnp.int32)
@@ -119,7 +120,7 @@ def test_verify_matches_the_python_reference(lively_engine, accept, pin):
         assert result.reference_num_tokens >= result.steps, "at least one token per step"
         assert result.verify_passes == result.steps
         assert result.forward_passes == 2 * result.steps
-    without = engine.generate(prompts, dataclasses.replace(decode, verify=False))
+    without = engine.generate(prompts, dataclasses.replace(decode, verify=False, gamma=None, accept=None, pin=None))
     assert out.stats.tokens_per_step > without.stats.tokens_per_step
     assert sum(r.accepted_drafts for r in out.results) > 0
 

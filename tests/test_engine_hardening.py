@@ -1,0 +1,207 @@
+"""The decode loop always terminates: non-finite logits and runaway requests end with an error
+in THEIR result while the other requests go on; sessions take requests online and abort them."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import dllm_jax.session as session_module
+from dllm_jax import DecodeConfig, Engine, GenerationError, SamplingParams
+
+POISON = 50  # the token whose embedding the poisoned model holds as non-finite
+
+
+def _poisoned(lively, value: float):
+    cfg, params = lively
+    params = dict(params)
+    wte = params["wte"]["embedding"]
+    params["wte"] = {"embedding": wte.at[POISON].set(value)}
+    return Engine(cfg, params, backend="xla")
+
+
+@pytest.fixture(scope="module")
+def nan_engine(lively):
+    return _poisoned(lively, float("nan"))
+
+
+@pytest.fixture(scope="module")
+def engine(lively):
+    cfg, params = lively
+    return Engine(cfg, params, backend="xla")
+
+
+DECODES = {
+    "flash": DecodeConfig(method="flash_cache", gen_length=16, batch_size=2, threshold=0.5, mask_num=2, track_num=1),
+    "verify": DecodeConfig(method="flash_cache", gen_length=16, batch_size=2, threshold=0.7, verify=True, gamma=0.5),
+    "fast_dllm": DecodeConfig(method="fast_dllm", gen_length=16, block_length=8, batch_size=2, threshold=0.5),
+    "llada": DecodeConfig(method="llada", gen_length=16, block_length=8, steps=8, batch_size=2),
+}
+
+
+@pytest.mark.parametrize("name", list(DECODES))
+def test_non_finite_logits_end_that_request_only(nan_engine, engine, name):
+    decode = DECODES[name]
+    prompts = [[3, 4, 5], [7, POISON, 9, 10], [11, 12], [POISON], [13, 14, 15]]
+    out = nan_engine.generate(prompts, decode=decode)
+    clean = engine.generate([p for p in prompts if POISON not in p], decode=decode)
+    clean_results = iter(clean.results)
+    for prompt, r in zip(prompts, out.results):
+        if POISON in prompt:
+            assert r.finish_reason == "error" and "non-finite logits" in r.error
+            assert r.steps == 1
+        else:
+            expected = next(clean_results)
+            assert (r.token_ids, r.finish_reason, r.error) == (expected.token_ids, expected.finish_reason, None)
+
+
+def test_a_model_with_a_nan_layer_errors_every_request_without_hanging(lively):
+    cfg, params = lively
+    layers = dict(params["layers"])
+    mlp = dict(layers["ff_out"])
+    mlp["kernel"] = mlp["kernel"].at[1].set(jnp.nan)  # layer 1 of the stacked weights
+    layers["ff_out"] = mlp
+    broken = Engine(cfg, {**params, "layers": layers}, backend="xla")
+    out = broken.generate([[1, 2, 3], [4, 5]] * 3, decode=DECODES["flash"])
+    assert [r.finish_reason for r in out.results] == ["error"] * 6
+    assert all(r.steps == 1 for r in out.results)
+
+
+def test_a_request_past_its_step_bound_ends_with_an_error(engine, monkeypatch):
+    """A commit rule that stops committing cannot spin: the request's step bound ends it."""
+    resolve = session_module.resolve_params
+
+    def tight(params, prompt_len, *args):
+        values = resolve(params, prompt_len, *args)
+        return dict(values, step_limit=3) if params.seed == 1 else values
+
+    monkeypatch.setattr(session_module, "resolve_params", tight)
+    decode = dataclasses.replace(DECODES["flash"], threshold=2.0)  # one token per step: 16 steps
+    out = engine.generate([[1, 2, 3], [4, 5, 6]], [SamplingParams(seed=1), SamplingParams(seed=2)], decode=decode)
+    bounded, free = out.results
+    assert bounded.finish_reason == "error" and "step bound" in bounded.error and bounded.steps == 3
+    assert free.finish_reason in ("stop", "length") and free.steps > 3
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    data=st.data(),
+    poison=st.sampled_from([float("nan"), float("inf"), float("-inf")]),
+    name=st.sampled_from(["flash", "fast_dllm"]),
+)
+def test_the_loop_terminates_on_any_mix_of_finite_and_non_finite_requests(lively, data, poison, name):
+    engine = _POISONED.setdefault(poison, _poisoned(lively, poison))
+    n = data.draw(st.integers(1, 5), label="requests")
+    prompts = [data.draw(st.lists(st.sampled_from([1, 2, 3, 40, POISON]), min_size=1, max_size=6)) for _ in range(n)]
+    params = [
+        SamplingParams(
+            max_new_tokens=data.draw(st.integers(1, 16)),
+            threshold=data.draw(st.sampled_from([0.0, 0.5, 0.99, 2.0])),
+            temperature=data.draw(st.sampled_from([0.0, 1.0])),
+            seed=data.draw(st.integers(0, 5)),
+        )
+        for _ in range(n)
+    ]
+    out = engine.generate(prompts, params, decode=DECODES[name])
+    for prompt, p, r in zip(prompts, params, out.results):
+        assert r.steps <= 2 * p.max_new_tokens + 2
+        if POISON in prompt:
+            assert r.finish_reason == "error", (prompt, r)
+        else:
+            assert r.finish_reason in ("stop", "length") and len(r.token_ids) <= p.max_new_tokens
+
+
+_POISONED: dict = {}
+
+
+# ----- sessions ----------------------------------------------------------------------------------
+
+
+def test_session_takes_requests_online_and_matches_generate(engine):
+    decode = DECODES["flash"]
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10], [11, 12, 13]]
+    expected = engine.generate(prompts, decode=decode)
+    session = engine.session(decode, max_prompt_len=16)
+    session.add("a", prompts[0])
+    session.add("b", prompts[1])
+    results = {}
+    for i, p in enumerate(prompts[2:]):
+        for u in session.step(2):
+            if u.result:
+                results[u.request_id] = u.result
+        session.add(f"late{i}", p)
+    while session.num_running or session.num_waiting:
+        for u in session.step():
+            if u.result:
+                results[u.request_id] = u.result
+    got = [results[k] for k in ["a", "b", "late0", "late1", "late2"]]
+    assert [r.token_ids for r in got] == [r.token_ids for r in expected.results]
+    with pytest.raises(GenerationError, match="already in this session"):
+        session.add("x", [1]) or session.add("x", [1])
+    with pytest.raises(GenerationError, match="max_prompt_len=16"):
+        session.add("long", [1] * 17)
+
+
+def test_session_abort_frees_the_slot_and_reports_nothing(engine):
+    decode = dataclasses.replace(DECODES["flash"], threshold=2.0)
+    session = engine.session(decode, max_prompt_len=16, num_slots=2)
+    for name in ("run", "stop_running", "stop_waiting", "after"):
+        session.add(name, [1, 2, 3])
+    session.step(1)
+    assert session.num_running == 4 and session.num_waiting == 0  # all four fit the ring
+    assert session.abort("stop_running") and session.abort("stop_waiting")
+    assert not session.abort("unknown")
+    finished = {}
+    for _ in range(100):
+        if not (session.num_running or session.num_waiting):
+            break
+        for u in session.step(4):
+            if u.result:
+                finished[u.request_id] = u.result
+    assert set(finished) == {"run", "after"}
+    assert finished["after"].token_ids == finished["run"].token_ids
+
+
+def test_streamed_commits_rebuild_the_answer(engine):
+    decode = DECODES["verify"]
+    session = engine.session(decode, max_prompt_len=16, stream=True)
+    prompts = {"x": [1, 2, 3], "y": [9, 8, 7, 6]}
+    for k, p in prompts.items():
+        session.add(k, p, SamplingParams(max_new_tokens=16))
+    canvases = {k: {} for k in prompts}
+    steps_seen = {k: [] for k in prompts}
+    verified = {k: 0 for k in prompts}
+    results = {}
+    while session.num_running or session.num_waiting:
+        for u in session.step(1):
+            for c in u.commits:
+                steps_seen[u.request_id].append(c.step)
+                verified[u.request_id] += sum(c.verified)
+                for pos, tok in zip(c.positions, c.tokens):
+                    assert pos not in canvases[u.request_id]
+                    canvases[u.request_id][pos] = tok
+            if u.result:
+                results[u.request_id] = u.result
+    for k, r in results.items():
+        assert steps_seen[k] == sorted(set(steps_seen[k])), "each step reported once, in order"
+        answer = [canvases[k][i] for i in range(len(r.token_ids))]
+        assert answer == r.token_ids
+        assert verified[k] == r.accepted_drafts
+    assert sum(verified.values()) > 0, "the setting should accept some drafts"
+    expected = engine.generate(list(prompts.values()), SamplingParams(max_new_tokens=16), decode=decode)
+    assert [results[k].token_ids for k in prompts] == [r.token_ids for r in expected.results]
+
+
+def test_results_ring_carries_commit_steps(engine):
+    decode = DECODES["flash"]
+    session = engine.session(decode, max_prompt_len=16)
+    session.add(0, [1, 2, 3], SamplingParams(max_new_tokens=12))
+    session.step(100)
+    state = session._state
+    steps = np.asarray(state.results.commit_step[0])
+    assert steps.shape == (16,)
+    assert (steps[12:] == -1).all(), "padding positions are never committed"
+    assert steps[:12].max() < int(state.results.steps[0])
