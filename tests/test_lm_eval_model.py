@@ -1,0 +1,286 @@
+"""The dllm_jax lm-eval model on the embedded tiny model, over local task files (no Hub).
+
+generate_until through lm_eval.simple_evaluate and through the command line scores what
+scripts/eval.py scores on the same problems and settings (flash_cache and Fast-dLLM's dual cache);
+loglikelihood (LLaDA's Monte-Carlo estimator) picks the right answer of a multiple-choice task
+where the model solves the problem, and equals a plain computation over the same masks.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from lm_eval import simple_evaluate
+from lm_eval.api.instance import Instance
+from lm_eval.tasks import TaskManager
+
+from dllm_jax import tiny_tasks
+from dllm_jax.assets import tiny_model_path
+from dllm_jax.evaluation.lm_eval_model import DLLMJaxLM, GenerationKwargsError, LoglikelihoodRollingError
+from dllm_jax.evaluation.mc_loglikelihood import MonteCarloLoglikelihood
+from dllm_jax.evaluation.model_args import ModelArgsError, parse_model_args
+from dllm_jax.evaluation.tiny_task_files import GEN_TASK, MC_TASK, write_tiny_tasks
+from dllm_jax.model import forward
+
+ROOT = Path(__file__).resolve().parent.parent
+PROBLEMS = 16
+GEN_LENGTH, BATCH = 64, 8
+# scripts/eval.py's settings of the same names, as model_args
+SETTINGS = {
+    "flash-track4-t0.9": dict(method="flash_cache", mask_num=4, track_num=4, threshold=0.9),
+    "fast_dllm-dual-t0.9": dict(method="fast_dllm", cache="dual", block_length=32, threshold=0.9),
+}
+MODEL = str(tiny_model_path())
+# Monte-Carlo samples (LLaDA's default: 128), per forward pass; multiple-choice problems scored
+MC_NUM, MC_BATCH, MC_PROBLEMS = 32, 16, 8
+
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+
+def _eval_script():
+    spec = importlib.util.spec_from_file_location("eval_script", ROOT / "scripts" / "eval.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def make_lm(setting: str) -> DLLMJaxLM:
+    return DLLMJaxLM(pretrained=MODEL, backend="xla", gen_length=GEN_LENGTH, batch_size=BATCH,
+                     mc_num=MC_NUM, mc_batch_size=MC_BATCH, **SETTINGS[setting])
+
+
+@pytest.fixture(scope="module")
+def task_dir(tmp_path_factory):
+    return write_tiny_tasks(tmp_path_factory.mktemp("tiny_tasks"), PROBLEMS)
+
+
+@pytest.fixture(scope="module")
+def flash_lm():
+    return make_lm("flash-track4-t0.9")
+
+
+def script_result(lm: DLLMJaxLM, setting: str) -> dict:
+    """scripts/eval.py's evaluation of the same problems and setting, on the model's own engine."""
+    script = _eval_script()
+    decode = script.settings(GEN_LENGTH, BATCH)[setting]
+    assert decode == lm.decode
+    return script.evaluate(lm.engine, tiny_tasks.held_out_problems(PROBLEMS), decode, None)
+
+
+@pytest.fixture(scope="module")
+def flash_script(flash_lm):
+    return script_result(flash_lm, "flash-track4-t0.9")
+
+
+@pytest.fixture(scope="module")
+def task_manager(task_dir):
+    # only the local tasks: indexing lm-eval's thousands of task files takes a minute on a busy CPU
+    return TaskManager(include_path=str(task_dir), include_defaults=False)
+
+
+def evaluate_tasks(lm, task_manager, tasks, limit=None):
+    return simple_evaluate(model=lm, tasks=tasks, apply_chat_template=True, log_samples=True, limit=limit,
+                           task_manager=task_manager)
+
+
+def check_generation_matches_script(results: dict, script: dict) -> None:
+    assert results["results"][GEN_TASK]["exact_match,none"] == pytest.approx(script["accuracy"])
+    assert script["accuracy"] >= 0.75  # the model solves most problems: the comparison means something
+    finals = {s["doc_id"]: tiny_tasks.extract_final(s["filtered_resps"][0]) for s in results["samples"][GEN_TASK]}
+    assert [finals[i] for i in range(PROBLEMS)] == [tiny_tasks.extract_final(t) for t in script["texts"]]
+    throughput = results["config"]["dllm_jax"]["throughput"]
+    assert throughput["nfe"] == script["steps"] and throughput["num_tokens"] == script["tokens"]
+    assert throughput["tokens_per_step"] == pytest.approx(script["tokens_per_step"])
+    assert throughput["tokens_per_second"] > 0
+
+
+def test_generate_until_scores_what_eval_script_scores_flash_cache(flash_lm, flash_script, task_manager):
+    results = evaluate_tasks(flash_lm, task_manager, [GEN_TASK])
+    check_generation_matches_script(results, flash_script)
+
+
+def test_generate_until_scores_what_eval_script_scores_fast_dllm_baseline(task_manager):
+    lm = make_lm("fast_dllm-dual-t0.9")
+    results = evaluate_tasks(lm, task_manager, [GEN_TASK])
+    check_generation_matches_script(results, script_result(lm, "fast_dllm-dual-t0.9"))
+
+
+def test_lm_eval_command_line_scores_what_eval_script_scores(flash_script, task_dir, tmp_path):
+    args = ",".join(f"{k}={v}" for k, v in SETTINGS["flash-track4-t0.9"].items())
+    stats = tmp_path / "stats.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "dllm_jax.evaluation", "--model", "dllm_jax", "--model_args",
+         f"pretrained={MODEL},{args},gen_length={GEN_LENGTH},batch_size={BATCH},backend=xla,stats_path={stats}",
+         "--tasks", GEN_TASK, "--include_path", str(task_dir), "--apply_chat_template",
+         "--output_path", str(tmp_path / "out")],
+        capture_output=True, text=True, stdin=subprocess.DEVNULL, cwd=ROOT, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    (path,) = (tmp_path / "out").rglob("results*.json")
+    report = json.loads(path.read_text())
+    assert report["results"][GEN_TASK]["exact_match,none"] == pytest.approx(flash_script["accuracy"])
+    sidecar = json.loads(stats.read_text())
+    assert sidecar["decode"]["method"] == "flash_cache" and sidecar["throughput"]["nfe"] == flash_script["steps"]
+    assert report["config"]["dllm_jax"]["throughput"]["num_tokens"] == flash_script["tokens"]
+
+
+def plain_estimate(config, params, prefix, target, masks, batch, cfg_scale=0.0) -> float:
+    """LLaDA's get_log_likelihood written out: one unpadded forward per noisy row, float64 softmax."""
+    L, P = len(target), len(prefix)
+    losses = []
+    for start in range(0, len(masks), batch):
+        total = 0.0
+        for row in masks[start : start + batch]:
+            noisy = prefix + [config.mask_token_id if m else t for m, t in zip(row, target)]
+            logits = np.asarray(forward(config, params, jnp.asarray([noisy])), np.float64)[0]
+            if cfg_scale:
+                blind = [config.mask_token_id] * P + noisy[P:]
+                un = np.asarray(forward(config, params, jnp.asarray([blind])), np.float64)[0]
+                logits = un + (cfg_scale + 1) * (logits - un)
+            logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
+            share = sum(row) / L
+            total += sum(-logp[P + j, target[j]] / share for j in range(L) if row[j])
+        losses.append(total / batch)
+    return -sum(losses) / len(losses)
+
+
+def llada_counts(k: int, batch: int, length: int) -> list[int]:
+    """LLaDA's stratified mask counts for a draw k, in plain Python (round half to even, as torch)."""
+    return [((round(k + i * (length / batch)) - 1) % length) + 1 for i in range(batch)]
+
+
+def test_loglikelihood_picks_the_right_answer_where_the_model_solves_it(flash_lm, flash_script, task_manager):
+    results = evaluate_tasks(flash_lm, task_manager, [MC_TASK], limit=MC_PROBLEMS)
+    problems = tiny_tasks.held_out_problems(MC_PROBLEMS)
+    solved = [tiny_tasks.is_correct(p, t) for p, t in zip(problems, flash_script["texts"])]
+    samples = sorted(results["samples"][MC_TASK], key=lambda s: s["doc_id"])
+    picked = [s["acc"] == 1.0 for s in samples]
+    assert len(samples) == MC_PROBLEMS and sum(solved) >= MC_PROBLEMS - 2
+    assert all(p for p, ok in zip(picked, solved) if ok), list(zip(picked, solved))
+
+    # the values lm-eval got are LLaDA's estimator over the masks the scorer drew
+    sample = samples[0]
+    for (context, continuation), resps in list(zip(sample["arguments"], sample["resps"]))[:1]:
+        ((value, _),) = resps  # one (loglikelihood, is_greedy) per choice
+        prefix, target = flash_lm.encode_pair(context, continuation)
+        estimate = flash_lm.scorer.estimate(prefix, target)
+        assert estimate.value == value
+        masks = estimate.masks
+        assert masks.shape == (MC_NUM, len(target))
+        for start in range(0, len(masks), MC_BATCH):
+            counts = masks[start : start + MC_BATCH].sum(axis=1).tolist()
+            assert any(counts == llada_counts(k, MC_BATCH, len(target)) for k in range(1, len(target) + 1)), counts
+        plain = plain_estimate(flash_lm.config, flash_lm.engine.params, prefix, target, masks.tolist(), MC_BATCH)
+        assert value == pytest.approx(plain, rel=1e-4)
+
+
+def test_guided_estimate_equals_the_plain_computation(flash_lm):
+    guided = MonteCarloLoglikelihood(flash_lm.config, flash_lm.engine.params, mc_num=8, mc_batch_size=4, cfg_scale=0.5, seed=3)
+    prefix, target = flash_lm.encode_pair(flash_lm.apply_chat_template([{"role": "user", "content": "sort: 3 1 2"}]), "1 2 3\n#### 123")
+    estimate = guided.estimate(prefix, target)
+    plain = plain_estimate(flash_lm.config, flash_lm.engine.params, prefix, target, estimate.masks.tolist(), 4, cfg_scale=0.5)
+    assert estimate.value == pytest.approx(plain, rel=1e-4)
+    assert guided.estimate(prefix, target).value == estimate.value  # same request, same masks
+
+
+def request(context: str, **gen_kwargs) -> Instance:
+    return Instance("generate_until", {}, (context, gen_kwargs), 0, ("t", 0, 1))
+
+
+def test_generation_kwargs_are_honoured_or_refused_by_name(flash_lm):
+    context = flash_lm.apply_chat_template([{"role": "user", "content": "sort: 5 3 9 1"}])
+    full, short, stopped, sampled = flash_lm.generate_until([
+        request(context, until=[]), request(context, until=[], max_gen_toks=3), request(context, until="#"),
+        request(context, until=[], do_sample=True, temperature=0.5, top_k=2),
+    ])
+    assert full.startswith("1 3 5 9") and len(flash_lm.encode(short)) <= 3 and stopped == full.split("#")[0]
+    assert tiny_tasks.extract_final(sampled) is not None
+    with pytest.raises(GenerationKwargsError, match="repetition_penalty=1.2"):
+        flash_lm.generate_until([request(context, until=[], repetition_penalty=1.2)])
+    with pytest.raises(GenerationKwargsError, match="top_p"):
+        flash_lm.generate_until([request(context, do_sample=True, temperature=1.0, top_p=1.5)])
+    with pytest.raises(GenerationKwargsError, match="do_sample=True needs temperature"):
+        flash_lm.generate_until([request(context, do_sample=True)])
+    with pytest.raises(LoglikelihoodRollingError, match="no left-to-right factorisation"):
+        flash_lm.loglikelihood_rolling([request("text")])
+
+
+def test_stop_strings_are_cut_on_the_text_with_special_tokens(flash_lm):
+    ids = flash_lm.encode("12\n#### 3<|eot_id|>more")
+    assert flash_lm.cut_at_stop_strings(ids, ("<|eot_id|>",)) == "12\n#### 3"
+    assert flash_lm.cut_at_stop_strings(ids, ("\n", "<|eot_id|>")) == "12"
+    assert flash_lm.cut_at_stop_strings(ids, ()) == "12\n#### 3more"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (dict(pretrained="p", windw=16), "unknown key 'windw'"),
+        (dict(pretrained="p", gen_length="long"), "gen_length='long' (str): expected int"),
+        (dict(pretrained="p", verify=1), "verify=1 (int): expected bool"),
+        (dict(pretrained="p", temperature=0.5), "temperature is a generation kwarg"),
+        (dict(pretrained="p", method="beam"), "method='beam'"),
+        (dict(pretrained="p", mc_num=100, batch_size=32), "mc_num=100 is not a multiple of mc_batch_size=32"),
+        (dict(method="llada"), "pretrained=PATH is required"),
+    ],
+)
+def test_bad_model_args_name_the_key(args, message):
+    with pytest.raises(ModelArgsError, match=message.replace("(", r"\(").replace(")", r"\)")) as e:
+        parse_model_args(args)
+    assert "\n" not in str(e.value)
+
+
+def test_model_args_types_and_the_harness_batch_size():
+    parsed = parse_model_args(dict(pretrained="p", threshold=1, batch_size=4, device="cuda:0"), harness_batch_size=1)
+    assert parsed.decode.threshold == 1.0 and isinstance(parsed.decode.threshold, float)
+    assert parsed.decode.batch_size == 4  # model_args win over lm-eval's --batch_size
+    assert parse_model_args(dict(pretrained="p"), harness_batch_size="16").decode.batch_size == 16
+    with pytest.raises(ModelArgsError, match="batch_size='auto'"):
+        parse_model_args(dict(pretrained="p"), harness_batch_size="auto")
+
+
+def test_command_line_names_a_bad_model_arg_in_one_line(task_dir, monkeypatch, capsys):
+    from dllm_jax.evaluation.__main__ import main
+
+    monkeypatch.setattr(sys, "argv", [
+        "dllm_jax.evaluation", "--model", "dllm_jax", "--model_args", f"pretrained={MODEL},trak_num=2",
+        "--tasks", GEN_TASK, "--include_path", str(task_dir),
+    ])
+    assert main() == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: model_args: unknown key 'trak_num'") and not any("Traceback" in line for line in err)
+
+
+def test_greedy_check_is_llada_suffix_greedy_prediction(flash_lm):
+    """is_check_greedy: True exactly for the continuation that one-most-confident-commit-per-step
+    decoding (written out here over unpadded forwards) produces."""
+    config, params = flash_lm.config, flash_lm.engine.params
+    prefix = flash_lm.encode(flash_lm.apply_chat_template([{"role": "user", "content": "sort: 3 1 2"}]))
+    L = 12
+    seq = prefix + [config.mask_token_id] * L
+    for _ in range(L):
+        logits = np.asarray(forward(config, params, jnp.asarray([seq])), np.float64)[0, len(prefix):]
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        confidence = np.where(np.asarray(seq[len(prefix):]) == config.mask_token_id, (probs / probs.sum(-1, keepdims=True)).max(-1), -1)
+        j = int(np.argmax(confidence))
+        seq[len(prefix) + j] = int(np.argmax(logits[j]))
+    greedy = seq[len(prefix):]
+    other = greedy[:-1] + [(greedy[-1] + 1) % config.vocab_size]
+    assert flash_lm.scorer.greedy_reproduces(prefix, greedy) and not flash_lm.scorer.greedy_reproduces(prefix, other)
+
+
+def test_the_registered_model_is_the_entry_point_of_the_package():
+    import importlib
+    import tomllib
+
+    from lm_eval.api.registry import get_model
+
+    target = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["lm_eval.models"]["dllm_jax"]
+    module, _, name = target.partition(":")
+    assert getattr(importlib.import_module(module), name) is DLLMJaxLM is get_model("dllm_jax")
