@@ -81,3 +81,30 @@ def test_tpu_lowering_at_llada_8b_shapes(n_groups, n_rows, verify):
     )
     assert text.count("tpu_custom_call") == 1
     assert "cache_attention_tpu" in text
+
+
+def test_auto_picks_the_tpu_kernel_on_a_tpu_and_xla_on_a_cpu(monkeypatch):
+    from dllm_jax import kernel_backend
+
+    assert kernel_backend.resolve_kernels("auto") == kernel_backend.Kernels()
+    monkeypatch.setattr(kernel_backend, "on_tpu", lambda: True)
+    tpu = kernel_backend.resolve_kernels("auto")
+    assert tpu.attention and tpu.mosaic and not tpu.qkv and not tpu.scatter
+    assert tpu.name == "xla+pallas-attention-tpu"
+
+
+def test_engine_with_the_tpu_kernel_decodes_the_xla_tokens(lively):
+    """Flash-Cache with Flash-Verify (sparse, full and verify passes) through the interpreted
+    Mosaic kernel gives the xla backend's tokens."""
+    from dllm_jax.decode_config import DecodeConfig
+    from dllm_jax.engine import Engine
+    from dllm_jax.kernel_backend import Kernels
+
+    cfg, params = lively
+    prompts = [[5, 9, 17, 3], [40, 2, 8, 8, 11, 60, 7]]
+    decode = DecodeConfig(method="flash_cache", gen_length=32, batch_size=2, mask_num=2, track_num=1,
+                          threshold=0.3, verify=True)
+    xla = Engine(cfg, params, backend="xla").generate(prompts, decode)
+    tpu = Engine(cfg, params, backend=Kernels(attention=True, mosaic=True, interpret=True)).generate(prompts, decode)
+    assert [r.token_ids for r in tpu.results] == [r.token_ids for r in xla.results]
+    assert xla.stats.tokens_per_step > 1.1
