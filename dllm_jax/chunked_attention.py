@@ -3,8 +3,8 @@
 What CPUs, TPUs and ``backend="xla"`` run. Same signature and semantics as
 ``pallas_kernels.cache_attention.cache_attention_reference`` (and the kernels), but no
 [groups, heads, rows, keys] score tensor and no per-slot copy of the keys is ever
-materialised: each group's K and V rows are gathered from the cache once, then a
-``lax.while_loop`` over chunks of ``block_k`` keys updates a running max, denominator and float32
+materialised: a ``lax.while_loop`` over chunks of ``block_k`` keys gathers each group's
+chunk of K and V rows straight from the cache and updates a running max, denominator and float32
 accumulator, and adds the chunk's tracking scores (the score rows' summed queries times the
 chunk's keys: the one vector-matrix product, cut along the keys). The loop runs only as many
 chunks as the longest group's key_len needs. The score and the output of a layer come out of
@@ -12,8 +12,8 @@ the same loop, so no part of the attention can be scheduled after the next layer
 write (which would keep an old copy of the cache alive).
 
 Peak temporaries per call: the chunk's logits, float32 [S, H, R, block_k] (block_k is chosen
-so that they stay under ``LOGIT_BUDGET_BYTES``), the groups' K and V rows [S, max_len
-rounded up to block_k, KVH*Dh] in the cache dtype, and the float32 accumulator [S, H, R, Dh].
+so that they stay under ``LOGIT_BUDGET_BYTES``), the K and V chunks [S, block_k,
+KVH*Dh] in the cache dtype, and the float32 accumulator [S, H, R, Dh].
 """
 
 from __future__ import annotations
@@ -26,21 +26,23 @@ from dllm_jax.attention import MASKED_LOGIT
 
 Extra = tuple[jax.Array, jax.Array, jax.Array]
 
-# Bytes of one chunk's float32 logits the default key block aims for (LLaDA-8B at 32 slots
-# of 128 rows: 512 keys; a full pass over 32 slots of 640 rows: 64 keys).
+# Most bytes of one chunk's float32 logits under the default key block (LLaDA-8B at 32 slots
+# of 128 rows over 640 keys: 2 chunks of 320 keys, 160 MiB; a full pass over 32 slots of 640
+# rows: 7 chunks of 96 keys, 240 MiB).
 LOGIT_BUDGET_BYTES = 256 << 20
 MAX_BLOCK_K = 512
-MIN_BLOCK_K = 16
+MIN_BLOCK_K = 8
 
 
 def default_block_k(n_groups: int, n_rows: int, n_heads: int, max_len: int) -> int:
-    """The largest power of two in [MIN_BLOCK_K, MAX_BLOCK_K] whose chunk logits fit the budget,
-    and no larger than max_len needs (one chunk for short caches)."""
+    """Keys per chunk: as few chunks as keep each chunk's float32 logits under the budget (and
+    at most MAX_BLOCK_K keys), cut evenly from max_len and rounded up to a multiple of 8
+    (640 keys at 32 slots of 128 rows: 2 x 320)."""
     per_key = max(1, n_groups * n_rows * n_heads * 4)
-    block = MAX_BLOCK_K
-    while block > MIN_BLOCK_K and (block * per_key > LOGIT_BUDGET_BYTES or block // 2 >= max_len):
-        block //= 2
-    return block
+    bound = max(MIN_BLOCK_K, min(MAX_BLOCK_K, LOGIT_BUDGET_BYTES // per_key))
+    chunks = -(-max_len // bound)
+    per_chunk = -(-max_len // chunks)
+    return -(-per_chunk // 8) * 8
 
 
 def _softmax_update(carry, logits, v):
@@ -119,27 +121,22 @@ def chunked_cache_attention(
         # [S, KVH, Dh]: the score is linear in q, so the score rows and query heads add up first
         q_sum = jnp.einsum("skgrd,sr->skd", q5.astype(jnp.float32), score_rows.astype(jnp.float32))
 
-    # Each group's keys, gathered once per call ([S, n_chunks * K, KVH*Dh]; rows past max_len are
-    # hidden). The chunk loop must not take the cache itself: a while loop's operand that the
-    # next layer's cache write then updates in place is copied whole (XLA's copy insertion).
-    rows = jnp.minimum(first_row[:, None] + jnp.arange(n_chunks * block_k, dtype=jnp.int32)[None, :], cache_rows - 1)
-    slot_k, slot_v = k_cache[layer, rows], v_cache[layer, rows]
-
-    def chunk_keys(slot_keys, first):
-        """Each group's keys [first, first + block_k): [S, K, KVH, Dh] and visibility [S, K]."""
+    def chunk_keys(cache, first):
+        """Each group's keys [first, first + block_k) of `layer`: [S, K, KVH, Dh] and visibility [S, K]."""
         j = first + jnp.arange(block_k, dtype=jnp.int32)
         visible = j[None, :] < key_len[:, None]
         if key_exclude is not None:
             visible &= ~lax.dynamic_slice_in_dim(key_exclude, first, block_k, axis=1)
-        block = lax.dynamic_slice_in_dim(slot_keys, first, block_k, axis=1).reshape(n_groups, block_k, n_kv_heads, head_dim)
+        rows = jnp.minimum(first_row[:, None] + j[None, :], cache_rows - 1)
+        block = cache[layer, rows].reshape(n_groups, block_k, n_kv_heads, head_dim)
         # hidden rows may hold anything (NaN included): zero them, never multiply them
         return jnp.where(visible[:, :, None, None], block, 0), visible
 
     def step(t, carry):
         softmax, scores = carry
         first = t * block_k
-        k, visible = chunk_keys(slot_k, first)
-        v, _ = chunk_keys(slot_v, first)
+        k, visible = chunk_keys(k_cache, first)
+        v, _ = chunk_keys(v_cache, first)
         logits = jnp.einsum("skgrd,sjkd->skgrj", q5, k, preferred_element_type=jnp.float32) * scale
         logits = jnp.where(visible[:, None, None, None, :], logits, MASKED_LOGIT)
         softmax = _softmax_update(softmax, logits, v)

@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax  # noqa: E402
 
-from bench import decode_config, tiny_config  # noqa: E402
+from bench import MODEL_SHAPES, decode_config, tiny_config  # noqa: E402
 from dllm_jax.atomic_write import write_text_atomically  # noqa: E402
-from dllm_jax.config import ModelConfig, llada_8b_config  # noqa: E402
+from dllm_jax.config import ModelConfig  # noqa: E402
 from dllm_jax.engine import Engine  # noqa: E402
 from dllm_jax.flat_cache import cache_bytes  # noqa: E402
 from dllm_jax.model import abstract_params  # noqa: E402
@@ -42,18 +42,11 @@ GiB = 2**30
 
 
 def model_shape(name: str) -> ModelConfig:
-    if name == "llada-8b":
-        return llada_8b_config()
-    if name == "1b":
-        # a 1B-parameter LLaDA-shaped model (Llama-3.2-1B's widths, LLaDA's vocabulary)
-        return ModelConfig(
-            d_model=2048, n_layers=16, n_heads=32, n_kv_heads=32, mlp_hidden_size=8192, vocab_size=126464,
-            rope_theta=500000.0, mask_token_id=126336, eos_token_id=126081, pad_token_id=126081,
-            bos_token_id=126080, max_sequence_length=4096, dtype="bfloat16",
-        )
     if name == "tiny":
         return tiny_config()
-    raise SystemExit(f"--model-shape {name!r}: expected llada-8b, 1b or tiny")
+    if name not in MODEL_SHAPES:
+        raise SystemExit(f"--model-shape {name!r}: expected tiny or one of {', '.join(MODEL_SHAPES)}")
+    return MODEL_SHAPES[name]()
 
 
 def per_layer(params):
@@ -143,20 +136,21 @@ def markdown(report: dict) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model-shape", default="llada-8b", help="llada-8b, 1b or tiny")
+    p.add_argument("--model-shape", default="llada-8b", help=f"tiny or one of {', '.join(MODEL_SHAPES)}")
     p.add_argument("--slots", nargs="+", type=int, default=[1, 8, 32])
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     p.add_argument("--backend", choices=("auto", "xla", "pallas"), default="xla")
     p.add_argument("--layers", choices=("stacked", "per_layer"), default="per_layer",
                    help="layer-stacked weights (scanned layer loop) or per-layer arrays (unrolled, as bench.py)")
-    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
-                   help="model dtype; XLA:CPU on jax 0.10 computes bf16 dots and scatters through float32 copies of "
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
+                   help="model dtype (default: the model's own: bfloat16, tiny float32); XLA:CPU on jax 0.10 computes bf16 dots and scatters through float32 copies of "
                         "their operands, so on a CPU float32 shows the program's own temporaries")
     p.add_argument("--gen-length", type=int, default=None, help="default 256 (tiny: 32)")
     p.add_argument("--prompt-length", type=int, default=None, help="default 256 (tiny: 16)")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
     opts = p.parse_args(argv)
-    config = dataclasses.replace(model_shape(opts.model_shape), dtype=opts.dtype)
+    config = model_shape(opts.model_shape)
+    config = dataclasses.replace(config, dtype=opts.dtype or config.dtype)
     tiny = opts.model_shape == "tiny"
     gen_length = opts.gen_length or (32 if tiny else 256)
     prompt_len = opts.prompt_length or (16 if tiny else 256)
@@ -169,7 +163,7 @@ def main(argv=None) -> int:
     engine = Engine(config, params, backend=opts.backend, full_pass_lanes=())
     report = {
         "device": f"{jax.devices()[0].device_kind}", "jax": jax.__version__, "model": opts.model_shape,
-        "backend": engine.backend, "layers": opts.layers, "dtype": opts.dtype, "date": time.strftime("%Y-%m-%d"),
+        "backend": engine.backend, "layers": opts.layers, "dtype": config.dtype, "date": time.strftime("%Y-%m-%d"),
         "command": " ".join(sys.argv), "runs": [], "errors": [],
     }
     opts.out.mkdir(parents=True, exist_ok=True)

@@ -63,6 +63,8 @@ def test_verify_pass_excluded_keys_and_extra_keys(dtype, n_kv_heads, scores):
 
 def test_default_block_keeps_the_chunk_logits_under_the_budget():
     # LLaDA-8B, 32 slots: sparse pass (128 rows) and a full pass over 32 lanes of 640 rows
-    assert default_block_k(32, 128, 32, 640) == 512
-    assert default_block_k(32, 640, 32, 640) == 64
-    assert default_block_k(2, 16, 4, 128) == 128  # a small cache: one chunk
+    assert default_block_k(32, 128, 32, 640) == 320  # 512 would fit, two even chunks do too
+    assert default_block_k(32, 128, 32, 2048) == 512
+    assert default_block_k(32, 640, 32, 640) == 96  # a full pass: 7 chunks, 240 MiB of logits each
+    assert default_block_k(2, 16, 4, 160) == 160  # a small cache: one chunk
+    assert default_block_k(2, 16, 4, 80) == 80
