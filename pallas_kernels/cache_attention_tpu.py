@@ -42,14 +42,17 @@ from pallas_kernels.cache_attention import Extra, _check_args
 
 ROW_PADDING = 16  # bf16 packs 16 rows per (8, 128) tile
 MAX_BLOCK_Q = 512
+# K and V blocks of 2048 x 128 bf16 (double-buffered: 2 MiB) and [BQ, 2048] float32 logits
+# (4 MiB at BQ = 512) fit the 16 MiB of VMEM a v5e kernel may use by default.
+MAX_WHOLE_SLOT_KEYS = 2048
 
 
 @dataclasses.dataclass(frozen=True)
 class TpuBlockSizes:
     """Tiling of ``cache_attention_tpu``.
 
-    block_k: keys per grid step; must divide max_len and be a multiple of 8 (None: the largest
-      of 512, 256, ..., 16 dividing max_len).
+    block_k: keys per grid step; must divide max_len and be a multiple of 8 (None: all of
+      max_len up to 2048 keys, else the largest of 512, 256, ..., 8 dividing it).
     block_q: most query rows (G * Rp flattened) per program (a multiple of 16).
     """
 
@@ -64,10 +67,14 @@ class TpuBlockSizes:
 
 
 def _key_block(max_len: int, requested: int | None) -> int:
+    """Keys per grid step: the whole slot up to MAX_WHOLE_SLOT_KEYS keys (a TPU grid step costs
+    ~0.35 us, so fewer, larger steps), else the largest power of two dividing max_len."""
     if requested is not None:
         if max_len % requested:
             raise ValueError(f"block_k={requested} does not divide max_len={max_len}")
         return requested
+    if max_len % 8 == 0 and max_len <= MAX_WHOLE_SLOT_KEYS:
+        return max_len
     for block in (512, 256, 128, 64, 32, 16, 8):
         if max_len % block == 0:
             return block

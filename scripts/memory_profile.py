@@ -106,7 +106,7 @@ def profile(engine: Engine, method: str, slots: int, gen_length: int, prompt_len
         "method": method, "slots": slots, "gen_length": gen_length, "prompt_length": prompt_len,
         "max_len": loop.max_len, "backend": engine.backend, **sizes, "weight_bytes": weight_bytes, "cache_bytes": cache,
         "peak_estimate_bytes": peak, "over_weights_and_cache_bytes": peak - weight_bytes - cache,
-        "compile_s": seconds, "largest_arrays": largest_arrays(compiled.run.as_text(), 12, 1 << 20),
+        "compile_s": seconds, "largest_arrays": largest_arrays(compiled.run.as_text(), 12, 0),
     }
 
 

@@ -37,7 +37,7 @@ def check(case, blocks):
     "dtype, blocks",
     [
         ("float32", TpuBlockSizes(block_k=16, block_q=16)),  # 2 query tiles of 16 rows, 5 key blocks
-        ("bfloat16", None),  # default: one 16-key block... max_len 80 -> 16; one query tile
+        ("bfloat16", None),  # default: one block of all 80 keys, one query tile
     ],
 )
 def test_main_pass_ragged_keys_several_slots(dtype, blocks):

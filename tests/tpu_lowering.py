@@ -1,9 +1,13 @@
 """Lowers a jitted function for TPU on a CPU-only machine (Pallas -> Mosaic, no TPU).
 
 Runs the real Pallas TPU lowering of every pallas_call (interpret=False), so an operation or
-block shape it rejects fails here. The lowering reads the target chip from the abstract mesh's
-device (jax 0.10 and 0.11: ``tpu_info.get_device_kind``); without one it would ask the default
-device, the CPU. Mosaic's layout passes run later, in the TPU compiler, and are not covered.
+block shape it rejects fails here. Wherever the lowering needs the chip (block-shape rules,
+the generation), ``jax._src.pallas.mosaic.tpu_info.get_device_kind`` reads it from the abstract
+mesh's AbstractDevice, in jax 0.10.2 (installed source) and 0.11 alike; without one it asks the
+default device and raises "Unsupported TPU device kind: cpu" (0.11's message adds: wrap the
+code in ``jax.sharding.use_abstract_mesh`` with the TPU version to target). Nothing else is
+needed: no TPU plugin, no topology. Mosaic's layout passes (``needs_layout_passes``) run later,
+in the TPU compiler, and are not covered.
 """
 
 from __future__ import annotations
