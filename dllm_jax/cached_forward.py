@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from pallas_kernels.reference.attention import dense_attention
+from dllm_jax.chunked_attention import chunked_cache_attention
 from dllm_jax.config import ModelConfig
 from dllm_jax.flat_cache import FlatCache, flat_rows
 from dllm_jax.kernel_backend import Kernels
@@ -57,42 +57,22 @@ class VerifyKeys:
     extra_mask: jax.Array
 
 
-def _slot_keys(cache_layer: jax.Array, group_slot: jax.Array | None, max_len: int, config: ModelConfig) -> jax.Array:
-    """The L cache rows of each group's slot: [M, KVD] -> [S, L, KVH, Dh]."""
-    rows = cache_layer.shape[0]
-    per_slot = cache_layer.reshape(rows // max_len, max_len, config.n_kv_heads, config.head_dim)
-    return per_slot if group_slot is None else per_slot[group_slot]
-
-
-def tracking_scores(q: jax.Array, keys: jax.Array, score_rows: jax.Array) -> jax.Array:
-    """Sum over score rows and query heads of the raw logits q . k, for every key.
-
-    Linear in q, so the rows are summed first: one vector-matrix product per group.
-    q: [S, R, H, Dh]; keys: [S, L, KVH, Dh]; score_rows: bool [S, R]. Returns float32 [S, L].
-    """
-    S, R, H, Dh = q.shape
-    kv_heads = keys.shape[2]
-    q_sum = jnp.sum(jnp.where(score_rows[:, :, None, None], q.astype(jnp.float32), 0.0), axis=1)
-    # [S, KVH, Dh]: the query heads sharing a kv head add up
-    q_sum = q_sum.reshape(S, kv_heads, H // kv_heads, Dh).sum(axis=2)
-    return jnp.einsum("skd,slkd->sl", q_sum, keys.astype(jnp.float32))
-
-
-def _xla_layer_attention(config, spec, q, k_cache_layer, v_cache_layer, group_slot, key_len, score_rows, verify, extra_kv):
-    keys = _slot_keys(k_cache_layer, group_slot, spec.max_len, config)
-    values = _slot_keys(v_cache_layer, group_slot, spec.max_len, config)
-    # [S, 1, L]: a key-padding mask per group
-    mask = (jnp.arange(spec.max_len)[None, :] < key_len[:, None])[:, None, :]
-    scores = None
-    if spec.score_scale is not None:
-        scores = tracking_scores(q, keys, score_rows) * (jnp.arange(spec.max_len)[None] < key_len[:, None])
+def _xla_layer_attention(config, spec, q, k_cache, v_cache, layer, group_slot, key_len, score_rows, verify, extra_kv):
+    """The XLA path's attention: chunked over keys, never a full score tensor (chunked_attention)."""
+    S, R = q.shape[:2]
+    slots = jnp.arange(S, dtype=jnp.int32) if group_slot is None else group_slot
+    key_exclude = extra = None
     if verify is not None:
-        mask = mask & ~verify.key_exclude[:, None, :]
         k_extra, v_extra = extra_kv
-        keys = jnp.concatenate([keys, k_extra], axis=1)
-        values = jnp.concatenate([values, v_extra], axis=1)
-        mask = jnp.concatenate([jnp.broadcast_to(mask, (*verify.extra_mask.shape[:2], spec.max_len)), verify.extra_mask], axis=2)
-    return dense_attention(q, keys, values, mask), scores
+        key_exclude = verify.key_exclude
+        extra = (k_extra.reshape(S, R, -1), v_extra.reshape(S, R, -1), verify.extra_mask)
+    out, scores = chunked_cache_attention(
+        q.reshape(S, R, -1), k_cache, v_cache, layer, slots, key_len,
+        score_rows if spec.score_scale is not None else None,
+        n_heads=config.n_heads, n_kv_heads=config.n_kv_heads, max_len=spec.max_len,
+        key_exclude=key_exclude, extra=extra,
+    )
+    return out, (scores if spec.score_scale is not None else None)
 
 
 def cached_forward(
@@ -164,7 +144,7 @@ def cached_forward(
             )
         else:
             out, layer_scores = _xla_layer_attention(
-                config, spec, q, k_cache[layer], v_cache[layer], group_slot, key_len, score_rows, verify, extra_kv
+                config, spec, q, k_cache, v_cache, layer, group_slot, key_len, score_rows, verify, extra_kv
             )
         if scores is not None and not (per_layer and layer < SCORE_START_LAYER):
             scores = scores + jnp.where(layer >= SCORE_START_LAYER, layer_scores, 0.0)

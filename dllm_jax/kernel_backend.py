@@ -10,7 +10,9 @@ Backends: "xla" runs every op through XLA (any device); "pallas" runs the fused 
 measured fastest on the device (BENCHMARKS.md, H200, LLaDA-8B layer shapes, 1/8/32 slots):
 the attention kernel (1.4x-12x faster than XLA's and cuDNN's paths) and the K/V row scatter
 (XLA's scatter ran at 0.23 TB/s), but XLA's cuBLAS projections (the fused projection kernel
-was 0.5x-0.9x their speed), and pure XLA off NVIDIA GPUs.
+was 0.5x-0.9x their speed); on a TPU the Mosaic version of the attention kernel (never run
+on a real TPU: tested in interpret mode and lowered for TPU on the CPU); pure XLA elsewhere
+(CPUs, other GPUs), whose attention is chunked over keys (dllm_jax.chunked_attention).
 """
 
 from __future__ import annotations
@@ -34,13 +36,15 @@ class Kernels:
     attention: bool = False
     scatter: bool = False  # the K/V cache write of the XLA projection path
     interpret: bool = False
+    mosaic: bool = False  # the attention kernel is the Pallas TPU (Mosaic) one, not the Triton one
 
     @property
     def name(self) -> str:
         if self.qkv and self.attention:
             return "pallas"
         used = [name for name, on in (("qkv", self.qkv), ("attention", self.attention), ("scatter", self.scatter)) if on]
-        return "xla+pallas-" + "-".join(used) if used else "xla"
+        name = "xla+pallas-" + "-".join(used) if used else "xla"
+        return name + "-tpu" if self.mosaic and used else name
 
 
 def on_nvidia_gpu() -> bool:
@@ -51,12 +55,22 @@ def on_nvidia_gpu() -> bool:
     return device.platform == "gpu" and "nvidia" in device.device_kind.lower()
 
 
+def on_tpu() -> bool:
+    try:
+        return jax.devices()[0].platform == "tpu"
+    except RuntimeError:
+        return False
+
+
 def resolve_kernels(backend: str | Kernels, interpret: bool = False) -> Kernels:
     """The Kernels a backend name stands for on this machine (a Kernels is taken as given)."""
     if isinstance(backend, Kernels):
         return dataclasses.replace(backend, interpret=backend.interpret or interpret)
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}: expected one of {BACKENDS}")
+    if backend in ("auto", "pallas") and on_tpu():
+        # the only kernel with a TPU version
+        return Kernels(attention=True, mosaic=True, interpret=interpret)
     if backend == "pallas":
         return Kernels(qkv=True, attention=True, interpret=interpret)
     if backend == "auto" and on_nvidia_gpu():
@@ -119,7 +133,10 @@ def pallas_scatter_kv(spec, k_cache, v_cache, k, v, rows, layer):
 
 def pallas_layer_attention(config: ModelConfig, spec, q, k_cache, v_cache, layer, group_slot, key_len, score_rows, verify, extra_kv):
     """Attention of each group's rows over its slot's cache rows (plus verify's in-query keys)."""
-    from pallas_kernels.cache_attention import cache_attention
+    if spec.kernels.mosaic:
+        from pallas_kernels.cache_attention_tpu import cache_attention_tpu as cache_attention
+    else:
+        from pallas_kernels.cache_attention import cache_attention
 
     S, R = q.shape[:2]
     tensor = axis_size(spec.mesh, TENSOR)

@@ -60,6 +60,23 @@ def tiny_config() -> ModelConfig:
     )
 
 
+def mid_size_config(d_model: int, n_layers: int, n_heads: int, mlp: int) -> ModelConfig:
+    """A LLaDA-shaped model of another size (LLaDA's vocabulary and special tokens)."""
+    return ModelConfig(
+        d_model=d_model, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_heads, mlp_hidden_size=mlp,
+        vocab_size=126464, rope_theta=500000.0, mask_token_id=126336, eos_token_id=126081, pad_token_id=126081,
+        bos_token_id=126080, max_sequence_length=4096, dtype="bfloat16",
+    )
+
+
+# --model-shape: random-weight models by name (--tiny is the CPU smoke test's own)
+MODEL_SHAPES = {
+    "llada-8b": llada_8b_config,
+    "1b": lambda: mid_size_config(2048, 16, 32, 8192),  # Llama-3.2-1B's widths: 1.59 B parameters (0.52 B embedding and head)
+    "0.5b": lambda: mid_size_config(1024, 12, 16, 4096),  # 0.46 B parameters (0.26 B embedding and head)
+}
+
+
 def decode_config(method: str, schedule: str, gen_length: int, slots: int) -> DecodeConfig:
     """The equal-work DecodeConfig of a method under a schedule."""
     one = schedule == "one"
@@ -221,6 +238,14 @@ def peak_bytes() -> int | None:
     return stats.get("peak_bytes_in_use")
 
 
+def host_peak_rss_bytes() -> int:
+    """The process's peak resident memory (what a CPU device's arrays live in; CPUs report no
+    device memory statistics)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     rng = np.random.RandomState(seed)
     return [list(map(int, rng.randint(0, vocab - 2, length))) for _ in range(n)]
@@ -300,7 +325,7 @@ def compare_run(engine, method, schedule, backend, slots, gen_length, prompt_len
         "tokens_per_s": s.tokens_per_second, "tokens_per_step": s.tokens_per_step, "steps": s.steps,
         "iterations": s.iterations, "forward_passes": s.forward_passes, "ms_per_iteration": 1e3 * s.wall_seconds / s.iterations,
         "rows_per_step": rows / s.steps, "flops_per_token": flops / s.reference_num_tokens, "compile_s": compile_s,
-        "cache_bytes": s.cache_bytes, "peak_bytes": peak_bytes(), **cost.work(flops, passes, slots, key_len),
+        "cache_bytes": s.cache_bytes, "peak_bytes": peak_bytes(), "host_peak_rss_bytes": host_peak_rss_bytes(), **cost.work(flops, passes, slots, key_len),
         "work_per_request": work[0],
     }
 
@@ -362,7 +387,8 @@ def markdown(report: dict) -> str:
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in compare:
-            peak = f"{r['peak_bytes'] / 2**30:.1f}" if r["peak_bytes"] else "n/a"
+            rss = r.get("host_peak_rss_bytes")
+            peak = f"{r['peak_bytes'] / 2**30:.1f}" if r["peak_bytes"] else f"RSS {rss / 2**30:.1f}" if rss else "n/a"
             lines.append(
                 f"| {r['method']} | {r['schedule']} | {r['backend']} | {r['slots']} | {r['gen_length']} | "
                 f"{r['tokens_per_s']:.1f} | {r['tokens_per_step']:.2f} | {r['ms_per_iteration']:.2f} | {r['rows_per_step']:.0f} | "
@@ -388,6 +414,10 @@ def markdown(report: dict) -> str:
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="CPU smoke test on a tiny model")
+    p.add_argument("--model-shape", choices=tuple(MODEL_SHAPES), default="llada-8b",
+                   help="random-weight model to run without --tiny")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
+                   help="weights and activations (default: the model's own; float32 suits CPUs)")
     p.add_argument("--reanalyse", type=Path, default=None,
                    help="recompute the floors and tables of an earlier bench.json (no device needed); writes next to it")
     p.add_argument("--preset", nargs="+", choices=("steps", "compare"), default=["steps", "compare"])
@@ -423,7 +453,8 @@ def reanalyse(path: Path) -> int:
     from dllm_jax.model import abstract_params
 
     report = json.loads(path.read_text())
-    config = tiny_config() if report["model"] == "tiny" else llada_8b_config()
+    config = tiny_config() if report["model"] == "tiny" else MODEL_SHAPES.get(report["model"], llada_8b_config)()
+    config = dataclasses.replace(config, dtype=report.get("dtype", config.dtype))
     cost = Cost(config)
     engine = Engine(config, abstract_params(config), backend="xla")
     for run in report["runs"]:
@@ -444,7 +475,8 @@ def main(argv=None) -> int:
     opts = parse_args(argv)
     if opts.reanalyse is not None:
         return reanalyse(opts.reanalyse)
-    config = tiny_config() if opts.tiny else llada_8b_config()
+    config = tiny_config() if opts.tiny else MODEL_SHAPES[opts.model_shape]()
+    config = dataclasses.replace(config, dtype=opts.dtype or config.dtype)
     started = time.perf_counter()
     shapes = Shapes(d_model=config.d_model, n_heads=config.n_heads, n_kv_heads=config.n_kv_heads, n_layers=1,
                     rows_per_slot=128, max_len=128, cache_slots=1, slot_counts=(), key_lengths=(), verify_rows=32,
@@ -459,9 +491,9 @@ def main(argv=None) -> int:
     print(f"random weights on {jax.devices()[0]} in {time.perf_counter() - init_start:.1f} s", flush=True)
     cost = Cost(config)
     report = {
-        "device": f"{jax.device_count()} x {jax.devices()[0].device_kind}", "jax": jax.__version__, "mesh": opts.mesh, "model": "tiny" if opts.tiny else "LLaDA-8B",
+        "device": f"{jax.device_count()} x {jax.devices()[0].device_kind}", "jax": jax.__version__, "mesh": opts.mesh, "model": "tiny" if opts.tiny else "LLaDA-8B" if opts.model_shape == "llada-8b" else opts.model_shape,
         "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "layers": opts.layers, "ceilings": None,
+        "layers": opts.layers, "dtype": config.dtype, "ceilings": None,
         "weight_bytes": cost.weight_bytes, "weight_bytes_by_quantization": {}, "runs": [], "errors": [],
         "flop_ratio_checks": [],
     }
