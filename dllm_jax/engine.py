@@ -191,8 +191,8 @@ class Engine:
         check_int("chunk_iterations", chunk_iterations, GenerationError, low=1)
         check_int("queue_capacity", queue_capacity, GenerationError, low=1, optional=True)
         if full_pass_lanes is not None:
-            if not isinstance(full_pass_lanes, (tuple, list)) or not full_pass_lanes:
-                raise GenerationError(f"full_pass_lanes={full_pass_lanes!r}: expected a non-empty tuple of ints or None")
+            if not isinstance(full_pass_lanes, (tuple, list)):
+                raise GenerationError(f"full_pass_lanes={full_pass_lanes!r}: expected a tuple of ints or None")
             full_pass_lanes = tuple(check_int("full_pass_lanes entry", n, GenerationError, low=1) for n in full_pass_lanes)
         self.config = config
         self.params = params
@@ -333,6 +333,7 @@ class Engine:
         B = decode.batch_size
         wanted = min(B, _next_power_of_two(num_requests, 1))
         if self.mesh is not None:
+            sharding.check_batch(self.mesh, B)  # the configured size must fit the mesh, whatever a call uses
             data = sharding.axis_size(self.mesh, sharding.DATA)
             wanted = max(wanted, data)
             if wanted % data or wanted > B:
