@@ -335,6 +335,7 @@ class Engine:
         B = decode.batch_size
         wanted = min(B, _next_power_of_two(num_requests, 1))
         if self.mesh is not None:
+            sharding.check_batch(self.mesh, B)  # the configured size must fit the mesh, whatever a call uses
             data = sharding.axis_size(self.mesh, sharding.DATA)
             wanted = max(wanted, data)
             if wanted % data or wanted > B:

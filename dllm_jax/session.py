@@ -27,14 +27,17 @@ import numpy as np
 from dllm_jax.decode_config import DecodeConfig
 from dllm_jax.errors import GenerationError
 from dllm_jax.sampling_params import SamplingParams
-from dllm_jax.slots import ERROR_MESSAGES, SlotParams
+from dllm_jax.slots import SlotParams
 
 if TYPE_CHECKING:
     from dllm_jax.engine import CompiledLoop, Engine, GenerationResult
 
-# SlotParams fields and their host dtypes (the ring's numpy mirror).
-_PARAM_DTYPES = {f.name: (np.bool_ if f.name == "random_remasking" else np.float32 if f.name in (
-    "temperature", "top_p", "threshold", "gamma", "cfg_scale") else np.int32) for f in dataclasses.fields(SlotParams)}
+# The host dtype of each SlotParams field (the ring's numpy mirror); the rest are int32.
+_FLOAT_PARAMS = ("temperature", "top_p", "threshold", "gamma", "cfg_scale")
+_PARAM_DTYPES = {
+    f.name: np.bool_ if f.name == "random_remasking" else np.float32 if f.name in _FLOAT_PARAMS else np.int32
+    for f in dataclasses.fields(SlotParams)
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -353,6 +356,3 @@ class GenerationSession:
             if commits:
                 updates.append(RequestUpdate(request.request_id, commits))
         return updates
-
-    def error_message(self, code: int) -> str:
-        return ERROR_MESSAGES.get(code, f"error code {code}")

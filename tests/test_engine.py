@@ -365,3 +365,39 @@ def test_slots_never_exceed_the_requests(lively):
     assert sorted(k[0].num_slots for k in engine._executables) == [1, 4]
     engine.generate([[1, 2, 3]] * 2, decode=decode)  # reuses the 4-slot loop
     assert engine.num_compilations == 2
+
+
+def test_chat_stop_strings_and_counts_on_the_embedded_model():
+    from dllm_jax.assets import tiny_model_path
+
+    engine = Engine.from_pretrained(str(tiny_model_path()), dtype="float32", backend="xla")
+    decode = DecodeConfig(gen_length=64, batch_size=2)
+    question = "sort: 3 9 1 4"
+    # generate never templates unless asked; chat() and chat=True render the same template
+    assert engine.encode([question]) == [engine.tokenizer.encode(question)]
+    templated = engine.encode([question], chat=True)
+    assert templated == engine.encode_chat([[{"role": "user", "content": question}]]) != engine.encode([question])
+    with_system = engine.encode_chat([[{"role": "system", "content": "short"}, {"role": "user", "content": question}]])
+    assert len(with_system[0]) > len(templated[0])
+
+    out = engine.chat([[{"role": "user", "content": question}]], decode=decode)
+    full = out.results[0]
+    assert full.text.startswith("1 3 4 9") and full.finish_reason == "stop"
+    assert full.completion_tokens == len(full.token_ids) < full.reference_num_tokens
+    assert engine.tokenizer.decode(full.token_ids) == full.text
+
+    cut = engine.chat([[{"role": "user", "content": question}]], SamplingParams(stop=[" 4", "9"]), decode=decode)
+    r = cut.results[0]
+    assert r.text == "1 3" and r.finish_reason == "stop"
+    assert engine.tokenizer.decode(r.token_ids) == "1 3" and r.completion_tokens == len(r.token_ids)
+    assert r.prompt_tokens == len(templated[0])
+
+    short = engine.chat([[{"role": "user", "content": question}]], SamplingParams(max_new_tokens=3), decode=decode)
+    assert short.results[0].finish_reason == "length" and short.results[0].completion_tokens == 3
+
+    with pytest.raises(GenerationError, match="conversation 0 message 0"):
+        engine.chat([[{"role": "robot", "content": "hi"}]], decode=decode)
+    with pytest.raises(GenerationError, match="conversation 0: expected a non-empty list of messages, got str"):
+        engine.chat(["hi"], decode=decode)
+    with pytest.raises(GenerationError, match="conversations: expected a non-empty list"):
+        engine.chat("hi", decode=decode)
