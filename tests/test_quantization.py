@@ -199,3 +199,20 @@ def test_a_converted_quantized_checkpoint_is_half_the_projections_and_loads_as_s
         load_model(int8, dtype="float32", quantization="fp8")
     with pytest.raises(ConversionError, match="quantization='int4'"):
         load_model(hf, dtype="float32", quantization="int4")
+
+
+def test_the_generate_command_line_loads_quantized_weights(tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "answers.jsonl"
+    run = subprocess.run(
+        [sys.executable, "-m", "dllm_jax.cli.generate", "--prompt", "sort: 3 9 1 4", "--quantization", "int8-weights",
+         "--output", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert run.returncode == 0, run.stderr
+    assert json.loads(out.read_text())["text"].split("####")[-1].strip() == "1349"
+    bad = subprocess.run([sys.executable, "-m", "dllm_jax.cli.generate", "--prompt", "x", "--quantization", "int4"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--quantization" in bad.stderr and "Traceback" not in bad.stderr

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from dllm_jax.checkpoint.dtypes import QUANTIZATIONS
 from dllm_jax.cli import arguments, running
 from dllm_jax.cli.output import check_output_path
 from dllm_jax.cli.prompts import PromptRecord, encode_all, from_flags, read_jsonl
@@ -118,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "heads and MLP over tensor; the sizes multiply to the number of devices")
     run.add_argument("--dtype", choices=("bfloat16", "float32"),
                      help="params dtype; default: float32 on the CPU, bfloat16 on accelerators")
+    run.add_argument("--quantization", choices=QUANTIZATIONS,
+                     help="8-bit block projections (fp8: W8A8, int8-weights: weight-only); default: as the "
+                          "checkpoint stores them (none for a Hugging Face folder)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     running.add_logging_flags(p)
     return p
@@ -221,7 +225,7 @@ def _main(argv: Sequence[str] | None) -> int:
         resolve_params(params, len(ids), decode, config.max_sequence_length, decode.cfg, record.where)
 
     log.info("loading %s (%s)", path, dtype)
-    loaded = load_model(path, dtype=dtype)
+    loaded = load_model(path, dtype=dtype, quantization=args.quantization)
     engine = Engine(loaded.config, loaded.params, tokenizer, backend=args.backend, mesh=mesh)
     log.info("generating %d request(s): %s, gen_length=%d, chat=%s", len(encoded), decode.method, decode.gen_length, chat)
     output = engine.generate(encoded, params, decode=decode, progress=not (args.no_progress or args.quiet))

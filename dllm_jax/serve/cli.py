@@ -20,6 +20,8 @@ import time
 import uuid
 from pathlib import Path
 
+from dllm_jax.checkpoint.dtypes import QUANTIZATIONS
+
 log = logging.getLogger("dllm_jax.serve")
 
 # dllm_jax.serve.assemble.METHOD_SPECS (not imported here: --help stays fast)
@@ -56,6 +58,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds running requests may finish after SIGTERM (default 30)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), help="default: float32 on the CPU, else bfloat16")
+    p.add_argument("--quantization", choices=QUANTIZATIONS,
+                   help="8-bit block projections (fp8: W8A8, int8-weights: weight-only); default: as the checkpoint stores them")
     p.add_argument("--backend", choices=("auto", "xla", "pallas"), default="auto", help="kernels (default auto)")
     p.add_argument("--port-file", type=Path, help="write the bound port here once serving (for scripts and tests)")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info", help="default info")
@@ -88,7 +92,7 @@ def build(args: argparse.Namespace):
     if not path.is_dir():
         raise UsageError(f"--model {path}: not a folder")
     dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
-    engine = Engine.from_pretrained(str(path), dtype=dtype, backend=args.backend)
+    engine = Engine.from_pretrained(str(path), dtype=dtype, quantization=args.quantization, backend=args.backend)
     if engine.tokenizer is None:
         raise UsageError(f"--model {path}: the folder has no tokenizer files; the server needs them")
     limit = engine.config.max_sequence_length
