@@ -201,6 +201,7 @@ class Engine:
             self.kernels = resolve_kernels(backend, interpret)
         except ValueError as e:
             raise GenerationError(str(e)) from None
+        self._unroll_layers = unroll_layers
         if unroll_layers:
             self.params = params = unstack_layers(params)
         self.mesh = mesh
@@ -221,6 +222,26 @@ class Engine:
 
         loaded = load_model(path, dtype=dtype, quantization=quantization)
         return cls(loaded.config, loaded.params, loaded.tokenizer, **kwargs)
+
+    def swap_params(self, params: Params) -> None:
+        """Decodes with `params` from now on, without recompiling: a tree of the same structure,
+        shapes and dtypes as the current one (e.g. a trainer's weights between evaluations).
+
+        Raises GenerationError naming the first leaf that differs.
+        """
+        if self._unroll_layers:
+            params = unstack_layers(params)
+
+        (new, new_def), (old, old_def) = (jax.tree_util.tree_flatten_with_path(t) for t in (params, self.params))
+        if new_def != old_def:
+            raise GenerationError("swap_params: the params tree has another structure than the engine's")
+        for (path, got), (_, want) in zip(new, old):
+            got, want = (tuple(got.shape), jnp.dtype(got.dtype)), (tuple(want.shape), jnp.dtype(want.dtype))
+            if got != want:
+                raise GenerationError(
+                    f"swap_params: {jax.tree_util.keystr(path)} is {got}, the engine's is {want} (shape, dtype)"
+                )
+        self.params = sharding.place_params(params, self.mesh) if self.mesh is not None else params
 
     @property
     def backend(self) -> str:

@@ -36,8 +36,11 @@ from convert.jax_to_hf import save_llada_checkpoint
 from dllm_jax import tiny_tasks
 from dllm_jax.atomic_write import write_text_atomically
 from dllm_jax.config import ConfigError, ModelConfig
+from dllm_jax.decode_config import DecodeConfig
+from dllm_jax.engine import Engine
 from dllm_jax.model import Params, count_params, forward, init_params
 from dllm_jax.tiny_tokenizer import EOT, TINY_VOCAB_SIZE, build_tiny_tokenizer, save_tiny_tokenizer
+from dllm_jax.tokenizer import Tokenizer
 
 # The engine lets every request attend to keys up to the next multiple of 128 (an EOS tail after
 # the canvas), so every position below 128 must be one the model was trained on.
@@ -75,36 +78,6 @@ def encode_training_batch(
         tokens[b, : len(full)] = full
         prompt_len[b] = len(ids)
     return tokens, prompt_len
-
-
-def encode_canvas(
-    tokenizer: PreTrainedTokenizerBase, mask_id: int, questions: Sequence[str], gen_len: int, seq_len: int = SEQ_LEN
-) -> tuple[np.ndarray, np.ndarray]:
-    """Questions -> (tokens int32 [B, seq_len], prompt_len int32 [B]) ready for decoding.
-
-    Row b is the prompt, gen_len mask tokens, then EOS up to seq_len (the engine's layout).
-    """
-    tokens = np.full((len(questions), seq_len), tokenizer.eos_token_id, dtype=np.int32)
-    prompt_len = np.zeros(len(questions), dtype=np.int32)
-    for b, question in enumerate(questions):
-        ids = prompt_ids(tokenizer, question)
-        if len(ids) + gen_len > seq_len:
-            raise ValueError(f"{question!r}: {len(ids)} prompt tokens + gen_len={gen_len} exceed seq_len={seq_len}")
-        tokens[b, : len(ids)] = ids
-        tokens[b, len(ids) : len(ids) + gen_len] = mask_id
-        prompt_len[b] = len(ids)
-    return tokens, prompt_len
-
-
-def answer_text(tokenizer: PreTrainedTokenizerBase, tokens: np.ndarray, prompt_len: int) -> str:
-    """The decoded answer of one row: the tokens after the prompt up to <|eot_id|> or EOS."""
-    stops = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(EOT)}
-    ids = []
-    for token in tokens[prompt_len:].tolist():
-        if token in stops:
-            break
-        ids.append(token)
-    return tokenizer.decode(ids, skip_special_tokens=True)
 
 
 # ----------------------------------------------------------------------------- model and loss
@@ -188,44 +161,16 @@ def make_train_step(config: ModelConfig, optimizer: optax.GradientTransformation
 # ----------------------------------------------------------------------------- held-out metric
 
 
-@functools.partial(jax.jit, static_argnums=(0, 3))
-def decode_one_per_step(config: ModelConfig, params: Params, tokens: jax.Array, gen_len: int) -> jax.Array:
-    """Greedy decoding, one token per step: gen_len full passes, each commits the most
-    confident masked position of every row to its argmax token.
-
-    Args:
-      tokens: int32 [B, T] canvases from encode_canvas (masks exactly on the gen_len canvas).
-    Returns:
-      int32 [B, T] with every canvas position committed.
-    """
-    rows = jnp.arange(tokens.shape[0])
-
-    def step(_, tokens):
-        probs = jax.nn.softmax(forward(config, params, tokens).astype(jnp.float32), axis=-1)
-        confidence = jnp.where(tokens == config.mask_token_id, probs.max(axis=-1), -1.0)
-        position = jnp.argmax(confidence, axis=1)
-        return tokens.at[rows, position].set(jnp.argmax(probs[rows, position], axis=-1).astype(tokens.dtype))
-
-    return jax.lax.fori_loop(0, gen_len, step, tokens)
-
-
-def held_out_accuracy(
-    config: ModelConfig,
-    params: Params,
-    tokenizer: PreTrainedTokenizerBase,
-    problems: Sequence[tiny_tasks.Problem],
-    gen_len: int,
-    batch_size: int = 64,
-) -> dict[str, float]:
-    """Exact-match accuracy of one-token-per-step decoding, overall and per task."""
+def held_out_accuracy(engine: Engine, problems: Sequence[tiny_tasks.Problem], gen_len: int, batch_size: int = 64) -> dict[str, float]:
+    """Exact-match accuracy of one-token-per-step decoding (LLaDA's sampler over one block of
+    gen_len positions: each step commits the most confident masked position), overall and per
+    task, decoded and scored as scripts/eval.py does (the engine holds the current weights:
+    Engine.swap_params)."""
+    decode = DecodeConfig(method="llada", gen_length=gen_len, block_length=gen_len, steps=gen_len, batch_size=batch_size)
+    out = engine.generate([p.prompt for p in problems], decode=decode, chat=True)
     correct: dict[str, list[bool]] = {}
-    for start in range(0, len(problems), batch_size):
-        chunk = problems[start : start + batch_size]
-        tokens, prompt_len = encode_canvas(tokenizer, config.mask_token_id, [p.prompt for p in chunk], gen_len)
-        out = np.asarray(decode_one_per_step(config, params, jnp.asarray(tokens), gen_len))
-        for row, problem in enumerate(chunk):
-            ok = tiny_tasks.is_correct(problem, answer_text(tokenizer, out[row], int(prompt_len[row])))
-            correct.setdefault(problem.task, []).append(ok)
+    for problem, result in zip(problems, out.results):
+        correct.setdefault(problem.task, []).append(tiny_tasks.is_correct(problem, result.text))
     result = {task: float(np.mean(oks)) for task, oks in sorted(correct.items())}
     result["all"] = float(np.mean([ok for oks in correct.values() for ok in oks]))
     return result
@@ -342,6 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{config.n_heads=}, {config.mlp_hidden_size=}); steps {start}..{args.steps}", flush=True)
 
     train_step = make_train_step(config, optimizer)
+    engine = Engine(config, state["params"], Tokenizer(tokenizer))
     base_key = jax.random.key(args.seed)
     held_out = tiny_tasks.held_out_problems(args.eval_problems, mix=args.mix)
     started = time.time()
@@ -357,7 +303,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if done % args.ckpt_every == 0 or done == args.steps:
             manager.save(done, args=ocp.args.StandardSave(state))
         if done % args.eval_every == 0 or done == args.steps:
-            acc = held_out_accuracy(config, state["params"], tokenizer, held_out, args.gen_length)
+            engine.swap_params(state["params"])
+            acc = held_out_accuracy(engine, held_out, args.gen_length)
             bar.write(f"step {done}: loss {float(loss):.4f}, held-out exact match "
                       + ", ".join(f"{k} {v:.3f}" for k, v in acc.items())
                       + f" ({len(held_out)} problems), {time.time() - started:.0f} s")
@@ -365,7 +312,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     manager.wait_until_finished()
 
     final_problems = tiny_tasks.held_out_problems(args.final_eval_problems, mix=args.mix)
-    acc = held_out_accuracy(config, state["params"], tokenizer, final_problems, args.gen_length)
+    engine.swap_params(state["params"])
+    acc = held_out_accuracy(engine, final_problems, args.gen_length)
     report = {"step": int(state["step"]), "held_out_problems": len(final_problems), "exact_match": acc,
               "gen_length": args.gen_length, "train_seconds_this_run": round(time.time() - started)}
     write_text_atomically(args.out / "final_eval.json", json.dumps(report, indent=2))
