@@ -30,9 +30,11 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from dllm_jax.chunked_attention import default_block_k
 from dllm_jax.config import ModelConfig
 from dllm_jax.flat_cache import cache_bytes
 from dllm_jax.sharding import DATA, TENSOR, axis_size
+from dllm_jax.slots import zero_params
 
 # Model-dtype copies of the hidden state alive in a layer: input, normed input, attention
 # output, the residual sum.
@@ -44,10 +46,11 @@ _LOGITS_COPIES = 4
 # float32 [B, C, V] in the sampler: the cast logits, the uniform draw, the Gumbel noise, the
 # noisy logits, the softmax.
 _SAMPLER_F32_COPIES = 5
-# Bytes per (slot, position) of the per-slot arrays: tokens, drafts and scores (4 each),
-# decoded and pinned (1 each), rounded up; and per slot for its scalars.
-_SLOT_POSITION_BYTES = 16
-_SLOT_BYTES = 128
+# Bytes per (slot, position) of the per-slot arrays: tokens, drafts, scores and commit_step
+# (4 each), decoded, pinned and verified (1 each), rounded up; and per slot for its scalars
+# (counters, bounds and the request's SlotParams).
+_SLOT_POSITION_BYTES = 20
+_SLOT_BYTES = 256
 _GIB = 2**30
 
 
@@ -123,8 +126,9 @@ def estimate_memory(
       num_candidates: C, candidate rows per slot whose logits are computed.
       gen_length, queue_capacity, prompt_width: the result ring [Q, G] and request ring [Q, P].
       full_pass_lanes: slots in the largest full pass per data shard (None: all of the shard's).
-      dense_attention: attention through XLA, which materialises [lanes, H, L, L] float32
-        logits; False for the Pallas attention kernel.
+      dense_attention: attention through XLA (dllm_jax.chunked_attention), which materialises
+        one chunk of float32 logits [lanes, H, L, block_k] at a time; False for the Pallas
+        attention kernel.
       data, tensor: mesh axis sizes (slots split over data, heads and MLP over tensor).
     """
     itemsize = config.jnp_dtype.itemsize
@@ -137,8 +141,10 @@ def estimate_memory(
         _HIDDEN_COPIES * config.d_model + projected + _MLP_COPIES * -(-config.mlp_hidden_size // tensor)
     ) * itemsize
     if dense_attention:
-        # float32 logits and probabilities, and the probabilities rounded to the model dtype
-        activations += lanes * heads * max_len * max_len * (2 * 4 + itemsize)
+        # one chunk's float32 logits and the probabilities rounded to the model dtype (the
+        # online softmax's exp fuses into the rounding)
+        block_k = min(max_len, default_block_k(lanes, max_len, heads, max_len))
+        activations += lanes * heads * max_len * block_k * (4 + itemsize)
     logit_rows = shard_slots * num_candidates
     return MemoryEstimate(
         weights=config.num_params() * itemsize // tensor,
@@ -146,7 +152,8 @@ def estimate_memory(
         activations=activations,
         logits=logit_rows * config.vocab_size * (_LOGITS_COPIES * itemsize + _SAMPLER_F32_COPIES * 4),
         state=(shard_slots * (max_len * _SLOT_POSITION_BYTES + _SLOT_BYTES)
-               + queue_capacity * (prompt_width + gen_length + 16) * 4),
+               # request ring: prompt and SlotParams; result ring: tokens, commit_step, verified, counters
+               + queue_capacity * ((prompt_width + 2 * gen_length + 24) * 4 + gen_length)),
     )
 
 
@@ -174,6 +181,7 @@ def estimate_decode_loop(loop, *, queue_capacity: int, prompt_width: int) -> Mem
         loop.init_state,
         jax.ShapeDtypeStruct((queue_capacity, prompt_width), jnp.int32),
         jax.ShapeDtypeStruct((queue_capacity,), jnp.int32),
+        jax.eval_shape(lambda: zero_params((queue_capacity,))),
         jax.ShapeDtypeStruct((), jnp.int32),
     )
     devices = axis_size(loop.mesh, DATA) * axis_size(loop.mesh, TENSOR)

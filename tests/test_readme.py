@@ -13,6 +13,12 @@ stdout. What is not run as printed, and why:
   from this checkout, as pip's wrappers would from an installed one.
 * the placeholder ``PATH/TO/LLaDA-8B-Instruct`` (a Hugging Face LLaDA folder) is replaced by
   the embedded tiny model's folder, which is one.
+* ``python`` is the suite's interpreter (a shim in the folder's ``.venv/bin``, first on PATH,
+  as in an activated virtual environment), and ``pretrained=dllm_jax/assets/tiny-llada`` (the
+  embedded model, relative to the checkout) names the checkout's folder.
+* a block whose first line is ``# needs: ...`` says what it needs that a test machine does not
+  have (a model's real weights and the Hub's datasets; a server left running in a terminal):
+  it is not run; tests/test_serve.py and tests/test_lm_eval_model.py run its equivalents.
 * the processes see 4 CPU devices (JAX_NUM_CPU_DEVICES=4), as the rest of the suite does.
 """
 
@@ -26,7 +32,11 @@ import pytest
 from dllm_jax.assets import tiny_model_path
 
 ROOT = Path(__file__).resolve().parent.parent
-PLACEHOLDERS = {"PATH/TO/LLaDA-8B-Instruct": str(tiny_model_path())}
+PLACEHOLDERS = {
+    "PATH/TO/LLaDA-8B-Instruct": str(tiny_model_path()),
+    "pretrained=dllm_jax/assets/tiny-llada": f"pretrained={tiny_model_path()}",
+}
+NEEDS = "# needs: "
 SCRIPTS = {"dllm-generate": "dllm_jax.cli.generate", "dllm-convert": "convert.hf_to_jax"}
 INSTALL_PREFIX = "python3 -m venv .venv && .venv/bin/pip install"
 SUITE_COMMAND = ".venv/bin/python -m pytest"
@@ -96,6 +106,9 @@ def workdir(tmp_path, compilation_cache):
         script = bin_dir / name
         script.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m {module} "$@"\n')
         script.chmod(0o755)
+    python = bin_dir / "python"
+    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    python.chmod(0o755)
     env = {
         **os.environ,
         "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
@@ -113,6 +126,9 @@ def test_readme_section_runs_as_printed(section, workdir):
     cwd, env = workdir
     for block in readme_blocks()[section]:
         if block["lang"] not in RUN:
+            continue
+        if block["code"].startswith(NEEDS):
+            assert len(block["code"].splitlines()[0]) > len(NEEDS) + 10, "say what the block needs"
             continue
         code = as_run(block["code"])
         command = ["bash", "-euo", "pipefail", "-c", code] if block["lang"] == "bash" else [sys.executable, "-c", code]
