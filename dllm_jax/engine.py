@@ -34,6 +34,7 @@ from dllm_jax.errors import GenerationError
 from dllm_jax.sampling_params import SamplingParams
 from dllm_jax.session import GenerationSession, _HostRing, _Request, resolve_params
 from dllm_jax.slots import ERROR_MESSAGES, zero_params
+from dllm_jax.tokenizer import tokens_within
 from dllm_jax.validate import check_bool, check_int
 from dllm_jax.flat_cache import cache_bytes
 from dllm_jax.kernel_backend import Kernels, resolve_kernels
@@ -505,7 +506,7 @@ class Engine:
             hits = [text.find(s) for s in params.stop if s in text]
             if hits:
                 stopped, text = True, text[: min(hits)]
-                ids = ids[: _tokens_within(self.tokenizer, ids, len(text))]
+                ids = ids[: tokens_within(self.tokenizer.decode, ids, len(text))]
         code = int(row["error"])
         error = ERROR_MESSAGES.get(code, f"error code {code}") if code else None
         seconds = float(np.interp(row["end_iter"], iters, times) - np.interp(row["start_iter"], iters, times))
@@ -525,19 +526,6 @@ class Engine:
             seconds=seconds,
             error=error,
         )
-
-
-def _tokens_within(tokenizer, ids: list[int], length: int) -> int:
-    """The most leading ids whose decoded text fits in `length` characters (decoded prefix
-    lengths grow with the number of ids: binary search)."""
-    low, high = 0, len(ids)
-    while low < high:
-        mid = (low + high + 1) // 2
-        if len(tokenizer.decode(ids[:mid])) <= length:
-            low = mid
-        else:
-            high = mid - 1
-    return low
 
 
 def _decode_config(decode: Any) -> DecodeConfig:

@@ -6,7 +6,7 @@ LLaDA's tokenizer adds no BOS/EOS on plain text; only its chat template inserts 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -126,3 +126,17 @@ class Tokenizer:
         if self.eos_id is not None and self.eos_id in ids:
             ids = ids[: ids.index(self.eos_id)]
         return self._tok.decode(ids, skip_special_tokens=True)
+
+
+def tokens_within(decode: Callable[[Sequence[int]], str], ids: Sequence[int], length: int) -> int:
+    """The most leading ids whose decoded text fits in `length` characters (what a stop-string
+    cut leaves as completion tokens). Decoded prefix lengths grow with the number of ids, so
+    this is a binary search: O(log n) decodes."""
+    low, high = 0, len(ids)
+    while low < high:
+        mid = (low + high + 1) // 2
+        if len(decode(ids[:mid])) <= length:
+            low = mid
+        else:
+            high = mid - 1
+    return low

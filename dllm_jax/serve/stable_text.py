@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 
+from dllm_jax.tokenizer import tokens_within
+
 _REPLACEMENT = "\ufffd"
 
 
@@ -120,20 +122,8 @@ class StableText:
             hold = stop_prefix_holdback(text, self._stops)
             text = text[: len(text) - hold]
             text = text.rstrip(_REPLACEMENT)
-        self.answer_tokens = prefix if cut is None else self._tokens_within(ids, len(text))
+        self.answer_tokens = prefix if cut is None else tokens_within(self._decode, ids, len(text))
         return self._emit(text, reason)
-
-    def _tokens_within(self, ids: list[int], length: int) -> int:
-        """The most leading ids whose text fits in `length` characters (what a stop string cut
-        leaves as completion tokens; decoded length grows with the ids: binary search)."""
-        low, high = 0, len(ids)
-        while low < high:
-            mid = (low + high + 1) // 2
-            if len(self._decode(ids[:mid])) <= length:
-                low = mid
-            else:
-                high = mid - 1
-        return low
 
     def finish(self, text: str, finish_reason: str) -> TextDelta:
         """The engine's final answer: emits what remains of it (idempotent once finished)."""
