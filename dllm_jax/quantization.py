@@ -13,14 +13,19 @@ no transpose of the weights at run time. The matmuls:
 
   fp8            activations quantized per row at run time (x ~= xq * xs, xs = max|x| / 448),
                  one float8 x float8 -> float32 dot_general, then * xs * scale.
-  int8-weights   activations stay in the model dtype; the int8 weights are converted inside
-                 the dot (XLA fuses the convert into the GEMM's operand read), then * scale.
+  int8-weights   activations stay in the model dtype; the int8 weights are converted to it
+                 inside the GEMM, float32 accumulation, then * scale. On an NVIDIA GPU, up to
+                 INT8_KERNEL_MAX_ROWS rows, that GEMM is the Pallas kernel
+                 pallas_kernels.int8_matmul (int8 tiles dequantized in registers, each weight
+                 byte read once); elsewhere XLA's dot on the converted weights (which on the
+                 H200 ran slower than bf16: BENCHMARKS.md).
 
 On a CPU, XLA emulates the 8-bit dots by converting to float32 (same numbers, not faster).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -34,6 +39,12 @@ QUANTIZED_MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "attn_out", 
 _FP8 = jnp.float8_e4m3fn
 _FP8_MAX = float(jnp.finfo(_FP8).max)  # 448
 _INT8_MAX = 127.0
+
+# int8_gemm choices of quantized_matmul: "auto" = the Pallas kernel on an NVIDIA GPU for at most
+# INT8_KERNEL_MAX_ROWS rows (the weight-bound small batches: 1 and 8 slots of 128 rows) and XLA
+# otherwise; "xla"; "pallas"; "interpret" = the kernel in interpret mode (CPU tests).
+INT8_GEMMS: tuple[str, ...] = ("auto", "xla", "pallas", "interpret")
+INT8_KERNEL_MAX_ROWS = 1024
 
 
 def weight_dtype(mode: str) -> Any:
@@ -93,10 +104,11 @@ def quantize_params(params: Any, mode: str) -> Any:
     return {**params, "layers": layers}
 
 
-def quantized_matmul(x: jax.Array, qkernel: jax.Array, scale: jax.Array, out_dtype: Any) -> jax.Array:
+def quantized_matmul(x: jax.Array, qkernel: jax.Array, scale: jax.Array, out_dtype: Any, *, int8_gemm: str = "auto") -> jax.Array:
     """x [..., in] @ the quantized kernel -> [..., out] in out_dtype (accumulated in float32).
 
-    The mode follows from qkernel's dtype: float8_e4m3fn = W8A8, int8 = weight-only.
+    The mode follows from qkernel's dtype: float8_e4m3fn = W8A8, int8 = weight-only (int8_gemm
+    picks its GEMM: INT8_GEMMS).
     """
     contract = (((x.ndim - 1,), (1,)), ((), ()))
     if qkernel.dtype == _FP8:
@@ -106,8 +118,48 @@ def quantized_matmul(x: jax.Array, qkernel: jax.Array, scale: jax.Array, out_dty
         xq = (x32 / x_scale).astype(_FP8)
         y = jax.lax.dot_general(xq, qkernel, contract, preferred_element_type=jnp.float32)
         return (y * (x_scale * scale)).astype(out_dtype)
+    if _int8_kernel(int8_gemm, x, qkernel):
+        from pallas_kernels.int8_matmul import int8_weight_matmul
+
+        lead, (n, k) = x.shape[:-1], qkernel.shape
+        y = int8_weight_matmul(x.reshape(-1, k), qkernel, scale, out_dtype=jnp.dtype(out_dtype), interpret=int8_gemm == "interpret")
+        return y.reshape(*lead, n)
     y = jax.lax.dot_general(x, qkernel.astype(x.dtype), contract, preferred_element_type=jnp.float32)
     return (y * scale).astype(out_dtype)
+
+
+def _int8_kernel(int8_gemm: str, x: jax.Array, qkernel: jax.Array) -> bool:
+    """Whether an int8 weight GEMM runs as the Pallas kernel (see INT8_GEMMS)."""
+    if int8_gemm not in INT8_GEMMS:
+        raise ValueError(f"int8_gemm={int8_gemm!r}: expected one of {INT8_GEMMS}")
+    if int8_gemm == "xla":
+        return False
+    from pallas_kernels.int8_matmul import supports
+
+    rows = math.prod(x.shape[:-1])
+    fits = supports(rows, *qkernel.shape) and jnp.issubdtype(x.dtype, jnp.floating)
+    if int8_gemm != "auto":
+        if not fits:
+            raise ValueError(f"int8_gemm={int8_gemm!r}: the kernel does not take x {x.shape} @ qkernel {qkernel.shape}")
+        return True
+    from dllm_jax.kernel_backend import on_nvidia_gpu
+
+    return fits and rows <= INT8_KERNEL_MAX_ROWS and on_nvidia_gpu()
+
+
+def compiler_options(mode: str) -> dict[str, Any]:
+    """XLA options for compiling a model stored with this quantization (Engine's default).
+
+    On NVIDIA GPUs, XLA's Triton GEMM autotuner is turned off for 8-bit models: it tried dozens
+    of Triton tilings for every FP8 GEMM fusion of every row count (activation convert fused as
+    the GEMM's prologue), then picked cuBLASLt's FP8 GEMM anyway, so an fp8 decode loop compiled
+    for 37 s at 1 slot, 93 s at 8 and past 180 s at 32 (H200, BENCHMARKS.md) against 12-15 s in
+    bf16. Without it, XLA emits the cuBLAS(Lt) GEMMs directly (and the int8 weight GEMM that is
+    not the Pallas kernel becomes a convert + cuBLAS GEMM).
+    """
+    from dllm_jax.kernel_backend import on_nvidia_gpu
+
+    return {"xla_gpu_enable_triton_gemm": False} if mode != "none" and on_nvidia_gpu() else {}
 
 
 def weight_bytes(params: Any) -> int:

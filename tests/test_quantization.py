@@ -12,14 +12,17 @@ import pytest
 from conftest import tiny_config
 from convert.conversion import convert_checkpoint
 from convert.jax_to_hf import save_llada_checkpoint
+import dllm_jax.kernel_backend
 from dllm_jax import DecodeConfig, Engine, tiny_tasks
 from dllm_jax.assets import tiny_model_path
 from dllm_jax.checkpoint.converted import METADATA_FILE
 from dllm_jax.checkpoint.errors import ConversionError
+from dllm_jax.errors import GenerationError
 from dllm_jax.loading import load_model
 from dllm_jax.model import abstract_params, forward, init_params, init_params_per_layer
 from dllm_jax.quantization import (
     QUANTIZED_MODULES,
+    compiler_options,
     dequantize_kernel,
     quantize_kernel,
     quantize_params,
@@ -216,3 +219,24 @@ def test_the_generate_command_line_loads_quantized_weights(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "dllm_jax.cli.generate", "--prompt", "x", "--quantization", "int4"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--quantization" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_8bit_models_compile_without_xla_triton_gemms_on_nvidia_gpus(monkeypatch):
+    assert compiler_options("fp8") == {}  # this CPU: XLA's defaults
+    monkeypatch.setattr(dllm_jax.kernel_backend, "on_nvidia_gpu", lambda: True)
+    options = compiler_options("fp8")
+    assert options == compiler_options("int8-weights") == {"xla_gpu_enable_triton_gemm": False}
+    assert compiler_options("none") == {}
+    # XLA validates option names (an unknown one raises), and this CPU compiler takes the GPU ones
+    jax.jit(lambda x: x @ x).lower(jnp.ones((8, 8))).compile(options)
+    with pytest.raises(Exception, match="xla_gpu_no_such_option"):
+        jax.jit(lambda x: x @ x + 1).lower(jnp.ones((8, 8))).compile({"xla_gpu_no_such_option": False})
+    config = tiny_config(quantization="fp8")
+    engine = Engine(config, quantize_params(init_params(tiny_config(), jax.random.key(0)), "fp8"))
+    assert engine.compiler_options == options
+    monkeypatch.setattr(dllm_jax.kernel_backend, "on_nvidia_gpu", lambda: False)  # compile for this CPU
+    engine = Engine(config, engine.params, compiler_options={"xla_gpu_enable_triton_gemm": False})
+    out = engine.generate([[3, 4, 5]], DecodeConfig(gen_length=16, batch_size=1))
+    assert out.results[0].completion_tokens > 0
+    with pytest.raises(GenerationError, match="compiler_options"):
+        Engine(config, engine.params, compiler_options=["xla_gpu_enable_triton_gemm"])
