@@ -12,7 +12,8 @@ attention and RoPE keep the model dtype. A quantized projection stores, instead 
 no transpose of the weights at run time. The matmuls:
 
   fp8            activations quantized per row at run time (x ~= xq * xs, xs = max|x| / 448),
-                 one float8 x float8 -> float32 dot_general, then * xs * scale.
+                 one float8 x float8 dot_general (float32 accumulation, the product rounded to
+                 the output dtype), then * xs * scale.
   int8-weights   activations stay in the model dtype; the int8 weights are converted to it
                  inside the GEMM, float32 accumulation, then * scale. On an NVIDIA GPU, up to
                  INT8_KERNEL_MAX_ROWS rows, that GEMM is the Pallas kernel
@@ -116,8 +117,12 @@ def quantized_matmul(x: jax.Array, qkernel: jax.Array, scale: jax.Array, out_dty
         amax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
         x_scale = jnp.where(amax > 0, amax / _FP8_MAX, 1.0)
         xq = (x32 / x_scale).astype(_FP8)
-        y = jax.lax.dot_general(xq, qkernel, contract, preferred_element_type=jnp.float32)
-        return (y * (x_scale * scale)).astype(out_dtype)
+        # the GEMM writes out_dtype when that is narrower than float32 (cuBLASLt rounds its
+        # float32 accumulator once; the scales follow in the consumer's fusion): half the
+        # product's bytes at 32 slots, where [4096, 12288] float32 products are 200 MB each
+        product = jnp.float32 if jnp.dtype(out_dtype).itemsize >= 4 else out_dtype
+        y = jax.lax.dot_general(xq, qkernel, contract, preferred_element_type=product)
+        return (y.astype(jnp.float32) * (x_scale * scale)).astype(out_dtype)
     if _int8_kernel(int8_gemm, x, qkernel):
         from pallas_kernels.int8_matmul import int8_weight_matmul
 

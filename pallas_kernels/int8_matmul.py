@@ -15,14 +15,18 @@ for all but the first.
 Where the time goes (LLaDA-8B shapes, H200 ~4.3 TB/s, ~800 TFLOP/s bf16 MMA): the kernel
 does 2 M FLOPs per weight byte; the bf16 tensor cores' ridge is ~186 FLOP/byte, so from
 M ~ 96 rows up it is bound by the MMA rate of the dequantized tiles, below that by the weight
-stream. cuBLAS's bf16 GEMM at M = 128 ran at ~240-280 TFLOP/s (BENCHMARKS.md), which leaves a
-kernel at MMA speed up to ~2x, and the weight stream floor at M = 128 (gate/up: 50 MB) is
-~12 us against cuBLAS's ~54 us.
+stream. At M = 128 (one slot) gate/up has a 12 us weight-stream floor and a 16 us MMA floor,
+against ~54 us for cuBLAS's bf16 GEMM (~240 TFLOP/s, BENCHMARKS.md): the room is cuBLAS's
+low efficiency at 128 rows, not the halved bytes alone. Each program also re-reads its
+[BM, K] x rows from L2 (2 BM bytes per k against BN weight bytes), which is why the tiles
+are not made narrow to fill the SMs.
 
 swap_ab computes the tile as (w_tile @ x_tile.T).T: the dequantized weights become the MMA's
 left operand, which Hopper's wgmma may take from registers (the converted tile then need not
-be written to shared memory), and a small M becomes the MMA's N side (8..256) rather than
-its M side (64 minimum). Which is faster is measured (scripts/bench_gemm.py --sweep).
+be written back to shared memory; as the right operand, Triton may fall back to the older
+mma.sync path), and a small M becomes the MMA's N side (8..256) rather than its M side (64
+minimum). It is the default; which tiling is fastest is measured by
+scripts/bench_gemm.py --sweep (not yet run on the H200 when this was written).
 
 Ragged M (not a multiple of BM) is handled by masked loads and stores of the last row tile;
 N must be a multiple of BN and K of BK (the callers fall back to XLA otherwise).
@@ -77,15 +81,22 @@ class Int8MatmulBlockSizes:
 
 
 def default_int8_block_sizes(m: int, n: int, k: int) -> Int8MatmulBlockSizes:
-    """A heuristic: up to 128 rows per tile, 128 output channels, narrowed to 64 while the grid
-    has fewer programs than SMs (1 slot: M = 128 rows, N = 4096 gives 32 programs at BN = 128)."""
+    """A heuristic until the H200 sweep (scripts/bench_gemm.py --sweep) says better.
+
+    Up to 128 rows per tile; 128 output channels, or 64 where that leaves fewer than half as
+    many programs as SMs (1 slot, N = 4096: 32 programs at BN = 128). A narrower tile re-reads
+    the x tile (2 * BM bytes per k, from L2) for fewer weight columns (BN bytes per k), so it
+    is not narrowed further. swap_ab, so that the dequantized weights are the MMA's register
+    operand. BK = 64 at 4 stages keeps the pipeline's shared memory (x and w tiles) plus the
+    epilogue's transpose of the [BN, BM] accumulator under Hopper's 227 KiB.
+    """
     block_m = min(128, max(16, next_power_of_two(m)))
     block_n = 128 if n % 128 == 0 else 64 if n % 64 == 0 else 32 if n % 32 == 0 else 16
-    while block_n > 64 and cdiv(m, block_m) * (n // block_n) < NUM_SMS:
-        block_n //= 2
-    block_k = next(b for b in (128, 64, 32, 16) if k % b == 0) if k % 16 == 0 else 16
+    if block_n > 64 and cdiv(m, block_m) * (n // block_n) < NUM_SMS // 2:
+        block_n = 64
+    block_k = next((b for b in ((128, 64, 32, 16) if block_n <= 64 else (64, 32, 16)) if k % b == 0), 16)
     num_warps = 8 if block_m * block_n >= 128 * 128 else 4
-    return Int8MatmulBlockSizes(block_m, block_n, block_k, swap_ab=False, num_warps=num_warps, num_stages=4)
+    return Int8MatmulBlockSizes(block_m, block_n, block_k, swap_ab=True, num_warps=num_warps, num_stages=4)
 
 
 def supports(m: int, n: int, k: int, blocks: Int8MatmulBlockSizes | None = None) -> bool:

@@ -51,9 +51,11 @@ GEMM_CALL = re.compile(r'custom_call_target="([^"]+)"|fusion_kind="?(\w+)"?|"kin
 SWEEP = tuple(
     Int8MatmulBlockSizes(bm, bn, bk, swap, warps, stages)
     for bm, bn, bk, swap, warps, stages in [
-        (128, 128, 64, False, 4, 4), (128, 128, 128, False, 8, 3), (128, 64, 128, False, 4, 4),
-        (64, 128, 128, False, 4, 4), (128, 128, 128, True, 8, 3), (128, 64, 128, True, 4, 4),
-        (128, 256, 64, True, 8, 3), (64, 64, 256, False, 4, 3),
+        (128, 128, 64, False, 4, 4), (128, 128, 128, False, 8, 3), (128, 128, 128, False, 4, 4),
+        (128, 64, 128, False, 4, 4), (128, 64, 256, False, 4, 3), (128, 32, 128, False, 4, 4),
+        (64, 128, 128, False, 4, 4), (64, 64, 256, False, 4, 3), (64, 128, 64, False, 4, 5),
+        (128, 128, 64, True, 8, 4), (128, 128, 128, True, 8, 3), (128, 128, 128, True, 4, 4), (128, 64, 128, True, 4, 4),
+        (128, 64, 256, True, 4, 3), (128, 256, 64, True, 8, 3), (64, 128, 128, True, 4, 4),
     ]
 )
 
@@ -101,7 +103,9 @@ def variants(d_in: int, d_out: int, rows: int, w: jax.Array, sweep: bool, chosen
     return out
 
 
-def run(rows_list, shapes, repeats, sweep=False, chosen=BASE_VARIANTS) -> list[dict]:
+def run(rows_list, shapes, repeats, sweep=False, chosen=BASE_VARIANTS, save=lambda results: None) -> list[dict]:
+    """Times every variant at every shape and row count; save(results) after each (a run cut
+    short by a time limit keeps what it measured)."""
     results = []
     for name, (d_in, d_out) in shapes.items():
         w = jax.random.normal(jax.random.key(0), (d_in, d_out), jnp.float32) * 0.02
@@ -127,6 +131,7 @@ def run(rows_list, shapes, repeats, sweep=False, chosen=BASE_VARIANTS) -> list[d
                 except Exception as e:  # a tiling that does not compile is reported, the others still run
                     print(f"{name} rows={rows} {label}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
                     results.append({"shape": name, "rows": rows, "variant": label, "error": f"{type(e).__name__}: {str(e)[:1000]}"})
+                    save(results)
                     continue
                 bf16_seconds = seconds if label == "bf16" else bf16_seconds
                 results.append({
@@ -135,6 +140,7 @@ def run(rows_list, shapes, repeats, sweep=False, chosen=BASE_VARIANTS) -> list[d
                     "time_over_bf16": seconds / bf16_seconds if bf16_seconds else None,
                     "rel_error_vs_f32": error, "gemm": gemm_kinds(compiled.as_text()),
                 })
+                save(results)
                 r = results[-1]
                 print(f"{name} rows={rows} {label}: {1e6 * seconds:.1f} us, {r['tflops']:.0f} TFLOP/s, "
                       f"{r['weight_gbps']:.0f} GB/s weights, x{r['time_over_bf16'] or 0:.2f} bf16, err {error:.2e}, {r['gemm']}", flush=True)
@@ -180,12 +186,15 @@ def main(argv=None) -> int:
     rows = opts.rows or ([8, 32] if opts.tiny else [128, 1024, 4096])
     shapes = TINY_SHAPES if opts.tiny else {name: SHAPES[name] for name in (opts.shapes or SHAPES)}
     chosen = ("bf16", *(v for v in opts.variants if v != "bf16"))
-    results = run(rows, shapes, 2 if opts.tiny else opts.repeats, opts.sweep, chosen)
-    report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),
-              "command": " ".join(sys.argv), "results": results}
     opts.out.mkdir(parents=True, exist_ok=True)
-    write_text_atomically(opts.out / "bench_gemm.json", json.dumps(report, indent=1))
-    write_text_atomically(opts.out / "bench_gemm.md", markdown(results) + "\n")
+
+    def save(results):
+        report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),
+                  "command": " ".join(sys.argv), "xla_flags": os.environ.get("XLA_FLAGS", ""), "results": results}
+        write_text_atomically(opts.out / "bench_gemm.json", json.dumps(report, indent=1))
+        write_text_atomically(opts.out / "bench_gemm.md", markdown(results) + "\n")
+
+    results = run(rows, shapes, 2 if opts.tiny else opts.repeats, opts.sweep, chosen, save)
     print(markdown(results))
     return 0
 

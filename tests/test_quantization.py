@@ -87,6 +87,9 @@ def test_fp8_projection_is_one_float8_dot():
     text = jax.jit(lambda x, k, s: quantized_matmul(x, k, s, jnp.bfloat16)).lower(x, q["qkernel"], q["scale"]).as_text()
     dots = [line for line in text.splitlines() if "dot_general" in line]
     assert len(dots) == 1 and dots[0].count("f8E4M3FN") >= 2, dots
+    assert dots[0].rstrip().endswith("tensor<8x32xbf16>"), "a bf16 projection's GEMM writes bf16, not a float32 product"
+    as_f32 = jax.jit(lambda x, k, s: quantized_matmul(x, k, s, jnp.float32)).lower(x, q["qkernel"], q["scale"]).as_text()
+    assert [line for line in as_f32.splitlines() if "dot_general" in line][0].rstrip().endswith("tensor<8x32xf32>")
 
 
 def test_quantized_params_keep_the_head_and_norms_and_halve_the_projections():
