@@ -29,7 +29,10 @@ minimum). It is the default; which tiling is fastest is measured by
 scripts/bench_gemm.py --sweep (not yet run on the H200 when this was written).
 
 Ragged M (not a multiple of BM) is handled by masked loads and stores of the last row tile;
-N must be a multiple of BN and K of BK (the callers fall back to XLA otherwise).
+N must be a multiple of BN and K of BK * split_k (the callers fall back to XLA otherwise).
+split_k > 1 splits the reduction over that many programs per output tile, which write float32
+partial products (already scaled) that XLA sums: at one slot a [128, 4096] product has only
+32-64 tiles for 132 SMs, and its partial products (2 MB each) stay in the 50 MB L2.
 """
 
 from __future__ import annotations
@@ -56,6 +59,8 @@ class Int8MatmulBlockSizes:
       block_n: output channels per program (BN); must divide N.
       block_k: reduction tile (BK); must divide K.
       swap_ab: compute each tile as (w @ x.T).T (see the module docstring).
+      split_k: programs sharing one output tile, each over K / split_k (a power of two); they
+        write float32 partial products that XLA sums (more programs for a narrow N at few rows).
       num_warps, num_stages: Triton launch parameters (stages = software-pipeline depth).
     """
 
@@ -65,6 +70,7 @@ class Int8MatmulBlockSizes:
     swap_ab: bool = False
     num_warps: int = 4
     num_stages: int = 3
+    split_k: int = 1
 
     def __post_init__(self):
         check_power_of_two("block_m", self.block_m, 16)
@@ -73,11 +79,13 @@ class Int8MatmulBlockSizes:
         if not isinstance(self.swap_ab, bool):
             raise ValueError(f"swap_ab={self.swap_ab!r}: expected a bool")
         check_launch(self.num_warps, self.num_stages)
+        check_power_of_two("split_k", self.split_k, 1)
 
     @property
     def name(self) -> str:
         swap = " swap" if self.swap_ab else ""
-        return f"{self.block_m}x{self.block_n}x{self.block_k}{swap} w{self.num_warps} s{self.num_stages}"
+        split = f" k/{self.split_k}" if self.split_k > 1 else ""
+        return f"{self.block_m}x{self.block_n}x{self.block_k}{swap}{split} w{self.num_warps} s{self.num_stages}"
 
 
 def default_int8_block_sizes(m: int, n: int, k: int) -> Int8MatmulBlockSizes:
@@ -100,11 +108,11 @@ def default_int8_block_sizes(m: int, n: int, k: int) -> Int8MatmulBlockSizes:
 
 
 def supports(m: int, n: int, k: int, blocks: Int8MatmulBlockSizes | None = None) -> bool:
-    """Whether the kernel takes these shapes (N a multiple of BN, K of BK)."""
+    """Whether the kernel takes these shapes (N a multiple of BN, K of BK * split_k)."""
     if m < 1 or n % 16 or k % 16:
         return False
     blocks = blocks or default_int8_block_sizes(m, n, k)
-    return n % blocks.block_n == 0 and k % blocks.block_k == 0
+    return n % blocks.block_n == 0 and k % (blocks.block_k * blocks.split_k) == 0
 
 
 def _check(x, qkernel, scale, out_dtype):
@@ -123,12 +131,13 @@ def _int8_matmul_kernel(x_ref, w_ref, scale_ref, o_ref, *, m: int, blocks: Int8M
     bm, bn, bk = blocks.block_m, blocks.block_n, blocks.block_k
     row0 = pl.program_id(0) * bm
     col0 = pl.program_id(1) * bn
-    k = x_ref.shape[1]
+    k_part = x_ref.shape[1] // blocks.split_k
+    k_start = pl.program_id(2) * k_part
     ragged = m % bm != 0
     row_ok = (row0 + jnp.arange(bm, dtype=jnp.int32)) < m
 
     def step(t, acc):
-        k0 = pl.multiple_of(t * bk, bk)
+        k0 = pl.multiple_of(k_start + t * bk, bk)
         if ragged:
             x = plgpu.load(x_ref.at[pl.ds(row0, bm), pl.ds(k0, bk)], mask=jnp.broadcast_to(row_ok[:, None], (bm, bk)), other=0)
         else:
@@ -139,11 +148,12 @@ def _int8_matmul_kernel(x_ref, w_ref, scale_ref, o_ref, *, m: int, blocks: Int8M
         return acc + lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
     acc_shape = (bn, bm) if blocks.swap_ab else (bm, bn)
-    acc = lax.fori_loop(0, k // bk, step, jnp.zeros(acc_shape, jnp.float32))
+    acc = lax.fori_loop(0, k_part // bk, step, jnp.zeros(acc_shape, jnp.float32))
     if blocks.swap_ab:
         acc = acc.T
     out = (acc * scale_ref[pl.ds(col0, bn)][None, :]).astype(o_ref.dtype)
-    target = o_ref.at[pl.ds(row0, bm), pl.ds(col0, bn)]
+    # split_k > 1: this program's float32 partial product, in its own [M, N] plane
+    target = o_ref.at[pl.program_id(2), pl.ds(row0, bm), pl.ds(col0, bn)] if blocks.split_k > 1 else o_ref.at[pl.ds(row0, bm), pl.ds(col0, bn)]
     if ragged:
         plgpu.store(target, out, mask=jnp.broadcast_to(row_ok[:, None], (bm, bn)))
     else:
@@ -163,22 +173,27 @@ def int8_weight_matmul(
     """x [M, K] @ (qkernel [N, K] int8 * scale [N] float32).T -> [M, N] in out_dtype.
 
     Accumulates x * q in float32 and multiplies the accumulator by the channel's scale.
-    ValueError for shapes or dtypes that do not fit (N % BN, K % BK included).
+    ValueError for shapes or dtypes that do not fit (N % BN, K % (BK * split_k) included).
     """
     _check(x, qkernel, scale, out_dtype)
     (m, k), n = x.shape, qkernel.shape[0]
     blocks = block_sizes or default_int8_block_sizes(m, n, k)
-    if n % blocks.block_n or k % blocks.block_k:
-        raise ValueError(f"qkernel {qkernel.shape}: N must be a multiple of block_n={blocks.block_n} and K of block_k={blocks.block_k}")
+    if n % blocks.block_n or k % (blocks.block_k * blocks.split_k):
+        raise ValueError(
+            f"qkernel {qkernel.shape}: N must be a multiple of block_n={blocks.block_n} and K of "
+            f"block_k * split_k={blocks.block_k * blocks.split_k}"
+        )
+    split = blocks.split_k
     kernel = functools.partial(_int8_matmul_kernel, m=m, blocks=blocks)
-    return pl.pallas_call(
+    out = pl.pallas_call(
         kernel,
-        grid=(cdiv(m, blocks.block_m), n // blocks.block_n),
-        out_shape=jax.ShapeDtypeStruct((m, n), jnp.dtype(out_dtype)),
+        grid=(cdiv(m, blocks.block_m), n // blocks.block_n, split),
+        out_shape=jax.ShapeDtypeStruct((split, m, n), jnp.float32) if split > 1 else jax.ShapeDtypeStruct((m, n), jnp.dtype(out_dtype)),
         compiler_params=compiler_params(blocks.num_warps, blocks.num_stages),
         interpret=interpret,
         name="int8_weight_matmul",
     )(x, qkernel, scale)
+    return out.sum(0).astype(out_dtype) if split > 1 else out
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "block_sizes"))

@@ -47,15 +47,18 @@ from bench_kernels import rel_l2, time_chain  # noqa: E402
 SHAPES = {"qkvo 4096x4096": (4096, 4096), "gate/up 4096x12288": (4096, 12288), "down 12288x4096": (12288, 4096)}
 TINY_SHAPES = {"tiny 128x256": (128, 256)}
 GEMM_CALL = re.compile(r'custom_call_target="([^"]+)"|fusion_kind="?(\w+)"?|"kind":"(__\w+)"')
-# int8 kernel tilings tried by --sweep (BM, BN, BK, swap_ab, warps, stages); BM is capped at the rows
+# int8 kernel tilings tried by --sweep (BM, BN, BK, swap_ab, warps, stages, split_k); BM is
+# capped at the rows
 SWEEP = tuple(
-    Int8MatmulBlockSizes(bm, bn, bk, swap, warps, stages)
-    for bm, bn, bk, swap, warps, stages in [
-        (128, 128, 64, False, 4, 4), (128, 128, 128, False, 8, 3), (128, 128, 128, False, 4, 4),
-        (128, 64, 128, False, 4, 4), (128, 64, 256, False, 4, 3), (128, 32, 128, False, 4, 4),
-        (64, 128, 128, False, 4, 4), (64, 64, 256, False, 4, 3), (64, 128, 64, False, 4, 5),
-        (128, 128, 64, True, 8, 4), (128, 128, 128, True, 8, 3), (128, 128, 128, True, 4, 4), (128, 64, 128, True, 4, 4),
-        (128, 64, 256, True, 4, 3), (128, 256, 64, True, 8, 3), (64, 128, 128, True, 4, 4),
+    Int8MatmulBlockSizes(bm, bn, bk, swap, warps, stages, split)
+    for bm, bn, bk, swap, warps, stages, split in [
+        (128, 128, 64, False, 4, 4, 1), (128, 128, 128, False, 8, 3, 1), (128, 128, 128, False, 4, 4, 1),
+        (128, 64, 128, False, 4, 4, 1), (128, 64, 256, False, 4, 3, 1), (128, 32, 128, False, 4, 4, 1),
+        (64, 128, 128, False, 4, 4, 1), (64, 64, 256, False, 4, 3, 1), (64, 128, 64, False, 4, 5, 1),
+        (128, 128, 64, True, 8, 4, 1), (128, 128, 128, True, 8, 3, 1), (128, 128, 128, True, 4, 4, 1),
+        (128, 64, 128, True, 4, 4, 1), (128, 64, 256, True, 4, 3, 1), (128, 256, 64, True, 8, 3, 1),
+        (64, 128, 128, True, 4, 4, 1),
+        (128, 128, 64, True, 8, 4, 2), (128, 128, 64, True, 8, 4, 4), (128, 64, 128, True, 4, 4, 2),
     ]
 )
 

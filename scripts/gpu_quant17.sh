@@ -11,7 +11,7 @@
 #   fp8        the same for fp8, compiled with XLA's Triton GEMM autotuner off (the Engine's new
 #              default for 8-bit models; before, the 32-slot fp8 compile ran past 180 s)
 #   profile    per-kernel device time of one 1-slot step, fp8 and int8-weights (scripts/profile_step.py)
-#   sweep      the int8 kernel at each tiling of bench_gemm.SWEEP, rows 128 and 1024
+#   sweep      the int8 kernel at each tiling of bench_gemm.SWEEP (split-K included), rows 128
 #   fp8gemm    fp8 GEMM with its activation quantization ("fp8") vs the bare FP8 GEMM ("fp8 dot")
 #   fp8_triton fp8 at 1 slot compiled with XLA's defaults (Triton GEMM autotuner on), for the
 #              compile time against the fp8 step's
@@ -39,7 +39,7 @@ step() {
     pack
 }
 STEP_ARGS="--preset steps --backends auto --slots 1 8 32 --gen-lengths 256 --iterations 4 --repeats 2 --ceiling-repeats 2"
-ROWS="128 1024 4096"; SWEEP_ROWS="128 1024"; GEMM=""; PROFILE=""; ONE="--slots 1"
+ROWS="128 1024 4096"; SWEEP_ROWS="128"; GEMM=""; PROFILE=""; ONE="--slots 1"
 if [[ -n "${SMOKE:-}" ]]; then
     STEP_ARGS="--tiny --preset steps --backends auto --slots 1 2 --iterations 2 --repeats 1"; ROWS="8 32"; SWEEP_ROWS="8"; GEMM="--tiny"; PROFILE="--tiny"
 fi
@@ -47,7 +47,7 @@ step gemm 150 python3 scripts/bench_gemm.py $GEMM --variants bf16 "int8 xla" "in
 step steps 200 python3 scripts/bench.py $STEP_ARGS --quantizations none int8-weights --out $R/steps
 step fp8 150 python3 scripts/bench.py $STEP_ARGS --quantizations fp8 --out $R/fp8
 step profile 150 bash -c "python3 scripts/profile_step.py $PROFILE --slots 1 --quantization fp8 --out $R/profile && python3 scripts/profile_step.py $PROFILE --slots 1 --quantization int8-weights --out $R/profile"
-step sweep 120 python3 scripts/bench_gemm.py $GEMM --sweep --variants bf16 --rows $SWEEP_ROWS --repeats 3 --out $R/sweep
+step sweep 180 python3 scripts/bench_gemm.py $GEMM --sweep --variants bf16 --rows $SWEEP_ROWS --repeats 3 --out $R/sweep
 step fp8gemm 60 python3 scripts/bench_gemm.py $GEMM --variants bf16 fp8 "fp8 dot" --rows $ROWS --repeats 3 --out $R/fp8gemm
 step fp8_triton 120 python3 scripts/bench.py $STEP_ARGS $ONE --quantizations fp8 --compiler-options '{}' --out $R/fp8_triton
 python3 - "$R" <<'EOF'

@@ -41,6 +41,8 @@ def random_case(rng, m, n, k, dtype):
         (64, 64, 64, jnp.float32, jnp.float32, Int8MatmulBlockSizes(32, 16, 16, swap_ab=True)),
         (33, 128, 64, jnp.bfloat16, jnp.bfloat16, None),  # one ragged tile, default blocks
         (48, 32, 128, jnp.bfloat16, jnp.float32, Int8MatmulBlockSizes(32, 32, 64, swap_ab=True)),  # ragged + swap
+        (40, 32, 128, jnp.float32, jnp.float32, Int8MatmulBlockSizes(32, 16, 16, split_k=4)),  # ragged + split K
+        (32, 64, 64, jnp.bfloat16, jnp.bfloat16, Int8MatmulBlockSizes(16, 32, 16, swap_ab=True, split_k=2)),
     ],
 )
 def test_kernel_equals_its_reference(m, n, k, dtype, out_dtype, blocks):
@@ -66,6 +68,8 @@ def test_bad_arguments_are_named():
         int8_weight_matmul(x, q, s, interpret=True, block_sizes=Int8MatmulBlockSizes(16, 64, 16))
     with pytest.raises(ValueError, match="block_k"):
         Int8MatmulBlockSizes(block_k=24)
+    with pytest.raises(ValueError, match="split_k"):
+        int8_weight_matmul(x, q, s, interpret=True, block_sizes=Int8MatmulBlockSizes(16, 16, 16, split_k=8))
     with pytest.raises(ValueError, match="int8_gemm"):
         quantized_matmul(x, q, s, jnp.float32, int8_gemm="cuda")
 
@@ -87,10 +91,10 @@ def _lowered(fn, rows, d_in, d_out):
     return lower_for_cuda(jax.jit(lambda *a: fn(*a)), *args)  # a fresh function: no cached trace
 
 
-@pytest.mark.parametrize("swap_ab", [False, True])
+@pytest.mark.parametrize("swap_ab, split_k", [(False, 1), (True, 1), (True, 4)])
 @pytest.mark.parametrize("rows, d_in, d_out", [(128, 4096, 12288), (1024, 12288, 4096), (100, 4096, 4096)])
-def test_lowers_for_cuda_at_llada_8b_shapes(rows, d_in, d_out, swap_ab):
-    blocks = dataclasses.replace(default_int8_block_sizes(rows, d_out, d_in), swap_ab=swap_ab)
+def test_lowers_for_cuda_at_llada_8b_shapes(rows, d_in, d_out, swap_ab, split_k):
+    blocks = dataclasses.replace(default_int8_block_sizes(rows, d_out, d_in), swap_ab=swap_ab, split_k=split_k)
     text = _lowered(lambda x, q, s: int8_weight_matmul(x, q, s, block_sizes=blocks), rows, d_in, d_out)
     assert "int8_weight_matmul" in text and TRITON in text
 
