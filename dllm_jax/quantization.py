@@ -42,7 +42,8 @@ _FP8_MAX = float(jnp.finfo(_FP8).max)  # 448
 _INT8_MAX = 127.0
 
 # int8_gemm choices of quantized_matmul: "auto" = the Pallas kernel on an NVIDIA GPU for at most
-# INT8_KERNEL_MAX_ROWS rows (the weight-bound small batches: 1 and 8 slots of 128 rows) and XLA
+# INT8_KERNEL_MAX_ROWS rows (1 and 8 slots of 128 rows, where XLA's int8 GEMMs ran at 0.7-0.9x
+# cuBLAS's bf16 rate; a threshold chosen before the kernel was timed on the GPU) and XLA
 # otherwise; "xla"; "pallas"; "interpret" = the kernel in interpret mode (CPU tests).
 INT8_GEMMS: tuple[str, ...] = ("auto", "xla", "pallas", "interpret")
 INT8_KERNEL_MAX_ROWS = 1024
@@ -117,9 +118,9 @@ def quantized_matmul(x: jax.Array, qkernel: jax.Array, scale: jax.Array, out_dty
         amax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
         x_scale = jnp.where(amax > 0, amax / _FP8_MAX, 1.0)
         xq = (x32 / x_scale).astype(_FP8)
-        # the GEMM writes out_dtype when that is narrower than float32 (cuBLASLt rounds its
-        # float32 accumulator once; the scales follow in the consumer's fusion): half the
-        # product's bytes at 32 slots, where [4096, 12288] float32 products are 200 MB each
+        # the GEMM writes out_dtype when that is narrower than float32 (its float32 accumulator
+        # rounded once; XLA can fuse the scaling into the consumer): half the product's bytes,
+        # which at 32 slots are 200 MB per [4096, 12288] float32 product
         product = jnp.float32 if jnp.dtype(out_dtype).itemsize >= 4 else out_dtype
         y = jax.lax.dot_general(xq, qkernel, contract, preferred_element_type=product)
         return (y.astype(jnp.float32) * (x_scale * scale)).astype(out_dtype)
@@ -155,12 +156,13 @@ def _int8_kernel(int8_gemm: str, x: jax.Array, qkernel: jax.Array) -> bool:
 def compiler_options(mode: str) -> dict[str, Any]:
     """XLA options for compiling a model stored with this quantization (Engine's default).
 
-    On NVIDIA GPUs, XLA's Triton GEMM autotuner is turned off for 8-bit models: it tried dozens
-    of Triton tilings for every FP8 GEMM fusion of every row count (activation convert fused as
-    the GEMM's prologue), then picked cuBLASLt's FP8 GEMM anyway, so an fp8 decode loop compiled
-    for 37 s at 1 slot, 93 s at 8 and past 180 s at 32 (H200, BENCHMARKS.md) against 12-15 s in
-    bf16. Without it, XLA emits the cuBLAS(Lt) GEMMs directly (and the int8 weight GEMM that is
-    not the Pallas kernel becomes a convert + cuBLAS GEMM).
+    On NVIDIA GPUs, XLA's Triton GEMM autotuner is turned off for 8-bit models. Measured on the
+    H200 before (BENCHMARKS.md): an fp8 decode loop compiled for 37 s at 1 slot, 93 s at 8 and
+    past 180 s at 32, against 12-15 s in bf16, and its compiled GEMMs were cuBLASLt's FP8 GEMM
+    all the same. The suspected cause, to be confirmed by scripts/gpu_quant17.sh: the
+    autotuner tries many Triton tilings for each FP8 GEMM fusion (the activation convert fused
+    as its prologue) at every row count. Without it XLA emits the cuBLAS(Lt) GEMMs directly
+    (and an int8 weight GEMM that is not the Pallas kernel becomes a convert + cuBLAS GEMM).
     """
     from dllm_jax.kernel_backend import on_nvidia_gpu
 
