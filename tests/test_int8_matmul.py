@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import dllm_jax.kernel_backend
+import dllm_jax.model
 from conftest import tiny_config
 from cuda_lowering import lower_for_cuda
 from dllm_jax.model import forward, init_params
@@ -119,3 +120,25 @@ def test_int8_model_lowers_for_cuda_with_the_kernel(monkeypatch):
     tokens = jax.ShapeDtypeStruct((2, 16), jnp.int32)
     text = lower_for_cuda(jax.jit(lambda p, t: forward(config, p, t)), params, tokens)
     assert text.count("int8_weight_matmul") >= 7, "every block projection runs the kernel"
+
+
+def test_engine_decodes_the_same_through_the_kernel(monkeypatch):
+    """flash_cache on int8 weights, the block projections through the kernel (interpret mode)
+    against XLA's path: the same tokens."""
+    from dllm_jax import DecodeConfig, Engine
+
+    config = tiny_config(quantization="int8-weights")
+    params = quantize_params(init_params(tiny_config(), jax.random.key(1)), "int8-weights")
+    prompts = [[3, 4, 5, 6], [7, 8], [9, 10, 11]]
+    decode = DecodeConfig(gen_length=16, batch_size=2)
+    expected = [r.token_ids for r in Engine(config, params).generate(prompts, decode).results]
+    traced = []
+
+    def through_the_kernel(*args, **kwargs):
+        traced.append(args[1].shape)
+        return quantized_matmul(*args, **kwargs, int8_gemm="interpret")
+
+    monkeypatch.setattr(dllm_jax.model, "quantized_matmul", through_the_kernel)
+    got = [r.token_ids for r in Engine(config, params).generate(prompts, decode).results]
+    assert len(traced) >= 7, "the decode loop was traced anew, through the kernel"
+    assert got == expected
