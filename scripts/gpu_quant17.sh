@@ -71,6 +71,17 @@ print("decode step (flash_cache, 128 rows/slot): quantization slots step_ms x_bf
 for x in runs:
     ratio = x["step_s"] / bf16[x["slots"]] if x["slots"] in bf16 else float("nan")
     print(f"  {x['quantization']:28s} {x['slots']:3d} {1e3 * x['step_s']:8.2f} {ratio:6.2f} {x['compile_s']:7.1f}")
+def verdict(what, quantization, slots, target):
+    run = next((x for x in runs if x["quantization"] == quantization and x["slots"] == slots), None)
+    if run is None or slots not in bf16:
+        print(f"TARGET {what}: not measured")
+        return
+    ratio = run["step_s"] / bf16[slots]
+    print(f"TARGET {what}: {ratio:.2f}x bf16 ({1e3 * run['step_s']:.2f} vs {1e3 * bf16[slots]:.2f} ms), "
+          f"target <= {target}: {'MET' if ratio <= target else 'MISSED'}; compile {run['compile_s']:.0f} s")
+verdict("int8-weights at 1 slot", "int8-weights", 1, 0.65)
+verdict("fp8 at 1 slot", "fp8", 1, 0.65)
+verdict("fp8 at 32 slots", "fp8", 32, 0.6)
 for name in ("gemm", "sweep", "fp8gemm"):
     f = r / name / "bench_gemm.json"
     if not f.exists():
