@@ -5,6 +5,8 @@ down 12288 x 4096) and each row count (1, 8 and 32 slots x 128 rows), times agai
 ``jnp.dot``:
   fp8          dllm_jax.quantization.quantized_matmul (the engine's W8A8: per-row activation
                abs-max and convert, one FP8 GEMM, the scales on the product);
+  fp8 f32 product  the same with a float32 GEMM product, scaled and rounded after (the
+               engine's path before the GEMM wrote bf16 itself);
   fp8 dot      the FP8 GEMM on activations already in e4m3 (no abs-max), so the difference to
                "fp8" is what the activation quantization costs per projection;
   int8 xla     quantized_matmul's XLA path (int8 weights converted inside XLA's GEMM);
@@ -77,7 +79,7 @@ def gemm_kinds(compiled_text: str) -> list[str]:
     return sorted(kinds)
 
 
-BASE_VARIANTS = ("bf16", "fp8", "fp8 dot", "int8 xla", "int8 pallas")
+BASE_VARIANTS = ("bf16", "fp8", "fp8 f32 product", "fp8 dot", "int8 xla", "int8 pallas")
 
 
 def variants(d_in: int, d_out: int, rows: int, w: jax.Array, sweep: bool, chosen=BASE_VARIANTS) -> dict[str, tuple]:
@@ -91,6 +93,8 @@ def variants(d_in: int, d_out: int, rows: int, w: jax.Array, sweep: bool, chosen
     out = {
         "bf16": (lambda x, k: jnp.dot(x, k, preferred_element_type=jnp.bfloat16), w_bf16, 2 * d_in * d_out, jnp.bfloat16),
         "fp8": (lambda x, q: quantized_matmul(x, q["qkernel"], q["scale"], jnp.bfloat16), fp8, bytes8, jnp.bfloat16),
+        "fp8 f32 product": (lambda x, q: quantized_matmul(x, q["qkernel"], q["scale"], jnp.float32).astype(jnp.bfloat16),
+                            fp8, bytes8, jnp.bfloat16),
         "fp8 dot": (lambda x, q: jax.lax.dot_general(x, q["qkernel"], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
                     * q["scale"], fp8, bytes8, jnp.float8_e4m3fn),
         "int8 xla": (lambda x, q: quantized_matmul(x, q["qkernel"], q["scale"], jnp.bfloat16, int8_gemm="xla"), int8, bytes8, jnp.bfloat16),

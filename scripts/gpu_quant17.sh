@@ -12,7 +12,8 @@
 #              default for 8-bit models; before, the 32-slot fp8 compile ran past 180 s)
 #   profile    per-kernel device time of one 1-slot step, fp8 and int8-weights (scripts/profile_step.py)
 #   sweep      the int8 kernel at each tiling of bench_gemm.SWEEP (split-K included), rows 128
-#   fp8gemm    fp8 GEMM with its activation quantization ("fp8") vs the bare FP8 GEMM ("fp8 dot")
+#   fp8gemm    fp8 GEMM with its activation quantization ("fp8", bf16 product; "fp8 f32 product",
+#              the engine's previous float32 product) vs the bare FP8 GEMM ("fp8 dot")
 #   fp8_triton fp8 at 1 slot compiled with XLA's defaults (Triton GEMM autotuner on), for the
 #              compile time against the fp8 step's
 # Results: $R/<step>/ (bench.json/.md, bench_gemm.json/.md, profile_*.json) and $R/<step>.log,
@@ -48,7 +49,7 @@ step steps 200 python3 scripts/bench.py $STEP_ARGS --quantizations none int8-wei
 step fp8 150 python3 scripts/bench.py $STEP_ARGS --quantizations fp8 --out $R/fp8
 step profile 150 bash -c "python3 scripts/profile_step.py $PROFILE --slots 1 --quantization fp8 --out $R/profile && python3 scripts/profile_step.py $PROFILE --slots 1 --quantization int8-weights --out $R/profile"
 step sweep 180 python3 scripts/bench_gemm.py $GEMM --sweep --variants bf16 --rows $SWEEP_ROWS --repeats 3 --out $R/sweep
-step fp8gemm 60 python3 scripts/bench_gemm.py $GEMM --variants bf16 fp8 "fp8 dot" --rows $ROWS --repeats 3 --out $R/fp8gemm
+step fp8gemm 90 python3 scripts/bench_gemm.py $GEMM --variants bf16 fp8 "fp8 f32 product" "fp8 dot" --rows $ROWS --repeats 3 --out $R/fp8gemm
 step fp8_triton 120 python3 scripts/bench.py $STEP_ARGS $ONE --quantizations fp8 --compiler-options '{}' --out $R/fp8_triton
 python3 - "$R" <<'EOF'
 import json, sys
