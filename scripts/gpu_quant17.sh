@@ -44,7 +44,7 @@ ROWS="128 1024 4096"; SWEEP_ROWS="128"; GEMM=""; PROFILE=""; ONE="--slots 1"
 if [[ -n "${SMOKE:-}" ]]; then
     STEP_ARGS="--tiny --preset steps --backends auto --slots 1 2 --iterations 2 --repeats 1"; ROWS="8 32"; SWEEP_ROWS="8"; GEMM="--tiny"; PROFILE="--tiny"
 fi
-step gemm 150 python3 scripts/bench_gemm.py $GEMM --variants bf16 "int8 xla" "int8 pallas" --rows $ROWS --repeats 3 --out $R/gemm
+step gemm 180 python3 scripts/bench_gemm.py $GEMM --variants bf16 "int8 xla" "int8 pallas" --rows $ROWS --repeats 3 --out $R/gemm
 step steps 200 python3 scripts/bench.py $STEP_ARGS --quantizations none int8-weights --out $R/steps
 step fp8 150 python3 scripts/bench.py $STEP_ARGS --quantizations fp8 --out $R/fp8
 step profile 150 bash -c "python3 scripts/profile_step.py $PROFILE --slots 1 --quantization fp8 --out $R/profile && python3 scripts/profile_step.py $PROFILE --slots 1 --quantization int8-weights --out $R/profile"
