@@ -15,11 +15,11 @@ no transpose of the weights at run time. The matmuls:
                  one float8 x float8 dot_general (float32 accumulation, the product rounded to
                  the output dtype), then * xs * scale.
   int8-weights   activations stay in the model dtype; the int8 weights are converted to it
-                 inside the GEMM, float32 accumulation, then * scale. On an NVIDIA GPU, up to
-                 INT8_KERNEL_MAX_ROWS rows, that GEMM is the Pallas kernel
-                 pallas_kernels.int8_matmul (int8 tiles dequantized in registers, each weight
-                 byte read once); elsewhere XLA's dot on the converted weights (which on the
-                 H200 ran slower than bf16: BENCHMARKS.md).
+                 inside the GEMM, float32 accumulation, then * scale: XLA's dot on the
+                 converted weights (on the H200 slower than bf16: BENCHMARKS.md). The Pallas
+                 kernel pallas_kernels.int8_matmul (int8 tiles dequantized in registers, each
+                 weight byte read once) is opt-in (int8_gemm="pallas"): on the H200 it ran at
+                 1.45-2.0x the bf16 GEMM's time, slower than XLA's fusion (1.11-1.46x).
 
 On a CPU, XLA emulates the 8-bit dots by converting to float32 (same numbers, not faster).
 """
@@ -42,11 +42,12 @@ _FP8_MAX = float(jnp.finfo(_FP8).max)  # 448
 _INT8_MAX = 127.0
 
 # int8_gemm choices of quantized_matmul: "auto" = the Pallas kernel on an NVIDIA GPU for at most
-# INT8_KERNEL_MAX_ROWS rows (1 and 8 slots of 128 rows, where XLA's int8 GEMMs ran at 0.7-0.9x
-# cuBLAS's bf16 rate; a threshold chosen before the kernel was timed on the GPU) and XLA
-# otherwise; "xla"; "pallas"; "interpret" = the kernel in interpret mode (CPU tests).
+# INT8_KERNEL_MAX_ROWS rows and XLA otherwise; "xla"; "pallas"; "interpret" = the kernel in
+# interpret mode (CPU tests). INT8_KERNEL_MAX_ROWS is 0 (auto = XLA everywhere) because the
+# kernel's default tiling ran slower than XLA's int8 fusion at 128, 1024 and 4096 rows on the
+# H200 (scripts/bench_gemm.py, BENCHMARKS.md); raise it once a tiling from `--sweep` wins.
 INT8_GEMMS: tuple[str, ...] = ("auto", "xla", "pallas", "interpret")
-INT8_KERNEL_MAX_ROWS = 1024
+INT8_KERNEL_MAX_ROWS = 0
 
 
 def weight_dtype(mode: str) -> Any:
@@ -156,17 +157,17 @@ def _int8_kernel(int8_gemm: str, x: jax.Array, qkernel: jax.Array) -> bool:
 def compiler_options(mode: str) -> dict[str, Any]:
     """XLA options for compiling a model stored with this quantization (Engine's default).
 
-    On NVIDIA GPUs, XLA's Triton GEMM autotuner is turned off for 8-bit models. Measured on the
+    On NVIDIA GPUs, XLA's Triton GEMM autotuner is turned off for fp8 models. Measured on the
     H200 before (BENCHMARKS.md): an fp8 decode loop compiled for 37 s at 1 slot, 93 s at 8 and
     past 180 s at 32, against 12-15 s in bf16, and its compiled GEMMs were cuBLASLt's FP8 GEMM
     all the same. The suspected cause, to be confirmed by scripts/gpu_quant17.sh: the
     autotuner tries many Triton tilings for each FP8 GEMM fusion (the activation convert fused
     as its prologue) at every row count. Without it XLA emits the cuBLAS(Lt) GEMMs directly
-    (and an int8 weight GEMM that is not the Pallas kernel becomes a convert + cuBLAS GEMM).
+    (int8-weights keeps the defaults: without Triton its GEMM would be a convert + cuBLAS GEMM).
     """
     from dllm_jax.kernel_backend import on_nvidia_gpu
 
-    return {"xla_gpu_enable_triton_gemm": False} if mode != "none" and on_nvidia_gpu() else {}
+    return {"xla_gpu_enable_triton_gemm": False} if mode == "fp8" and on_nvidia_gpu() else {}
 
 
 def weight_bytes(params: Any) -> int:

@@ -11,7 +11,8 @@ down 12288 x 4096) and each row count (1, 8 and 32 slots x 128 rows), times agai
                "fp8" is what the activation quantization costs per projection;
   int8 xla     quantized_matmul's XLA path (int8 weights converted inside XLA's GEMM);
   int8 pallas  the Pallas kernel pallas_kernels.int8_matmul at its default tiling (what
-               quantized_matmul's "auto" runs on NVIDIA GPUs up to INT8_KERNEL_MAX_ROWS rows);
+               quantized_matmul's "auto" runs on NVIDIA GPUs up to INT8_KERNEL_MAX_ROWS rows,
+               0 since it measured slower than "int8 xla");
   with --sweep, the kernel at each tiling of SWEEP that fits.
 Reports time, TFLOP/s, the weight stream in GB/s (weight bytes read once per call / time: 2
 bytes per weight in bf16, 1 in 8 bits) and reads the compiled HLO of each to say which GEMM
