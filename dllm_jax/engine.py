@@ -40,6 +40,7 @@ from dllm_jax.flat_cache import cache_bytes
 from dllm_jax.kernel_backend import Kernels, resolve_kernels
 from dllm_jax.model import Params, unstack_layers
 from dllm_jax.policies import make_policy
+from dllm_jax.quantization import compiler_options as quantization_compiler_options
 
 # flash_cache: max_len as the reference computes it (reference-spec B.1); key lengths are
 # rounded to 128 within it. Block methods attend to exactly prompt + gen_length positions, so
@@ -186,8 +187,12 @@ class Engine:
         full_pass_lanes: tuple[int, ...] | None = None,
         unroll_layers: bool = False,
         mesh: Mesh | None = None,
+        compiler_options: dict[str, Any] | None = None,
     ):
         check_bool("interpret", interpret, GenerationError)
+        if compiler_options is not None and not isinstance(compiler_options, dict):
+            raise GenerationError(f"compiler_options={compiler_options!r}: expected a dict of XLA options or None")
+        self.compiler_options = quantization_compiler_options(config.quantization) if compiler_options is None else compiler_options
         check_bool("unroll_layers", unroll_layers, GenerationError)
         check_int("chunk_iterations", chunk_iterations, GenerationError, low=1)
         check_int("queue_capacity", queue_capacity, GenerationError, low=1, optional=True)
@@ -387,8 +392,9 @@ class Engine:
             scalar = jax.ShapeDtypeStruct((), jnp.int32)
             flag = jax.ShapeDtypeStruct((), jnp.bool_)
             init_layout, run_layout = self._layouts(state)
-            init = jax.jit(loop.init_state, **init_layout).lower(prompts, lengths, params, count).compile()
-            run = jax.jit(loop.run, donate_argnums=1, **run_layout).lower(self.params, state, scalar, flag).compile()
+            options = self.compiler_options or None
+            init = jax.jit(loop.init_state, **init_layout).lower(prompts, lengths, params, count).compile(options)
+            run = jax.jit(loop.run, donate_argnums=1, **run_layout).lower(self.params, state, scalar, flag).compile(options)
             self._executables[key] = CompiledLoop(loop, capacity, width, init, run, time.perf_counter() - start)
         return self._executables[key]
 

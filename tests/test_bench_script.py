@@ -37,3 +37,21 @@ def test_bench_tiny_reports_steps_and_comparisons(tmp_path):
     table = (tmp_path / "bench.md").read_text()
     assert "| backend | slots | rows/slot |" in table and "| method | schedule | backend |" in table
     assert "speed-up / floor ratio" in table
+
+
+def test_bench_gemm_tiny_times_every_variant_and_the_int8_kernel_tilings(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_gemm.py"), "--tiny", "--rows", "24", "--sweep",
+         "--variants", "fp8", "fp8 f32 product", "int8 xla", "int8 pallas", "--out", str(tmp_path)],
+        capture_output=True, text=True, stdin=subprocess.DEVNULL, cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads((tmp_path / "bench_gemm.json").read_text())["results"]
+    assert not [r for r in results if "error" in r]
+    variants = [r["variant"] for r in results]
+    assert variants[:5] == ["bf16", "fp8", "fp8 f32 product", "int8 xla", "int8 pallas"] and len(variants) > 7  # + the sweep's tilings
+    for r in results:
+        assert r["seconds"] > 0 and r["weight_gbps"] > 0 and r["rel_error_vs_f32"] < 0.05
+        assert ("pallas int8_weight_matmul" in r["gemm"]) == (r["variant"] not in ("bf16", "fp8", "fp8 f32 product", "int8 xla"))
+    assert "Fastest int8 variant" in (tmp_path / "bench_gemm.md").read_text()
