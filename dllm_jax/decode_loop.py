@@ -304,22 +304,13 @@ class DecodeLoop:
         over = ran & ~complete & (slots.error == 0) & (slots.steps >= slots.params.step_limit)
         slots = slots.replace(error=jnp.where(over, ERROR_STEP_LIMIT, slots.error))
         finished = ran & (complete | (slots.error != 0))
-        cache = self._clear_poisoned(cache, finished & (slots.error == ERROR_NON_FINITE))
+        # A slot that ended on non-finite logits keeps its NaN cache rows: the next request in
+        # that slot rewrites rows [0, key_len) in its first full pass before reading them, and
+        # every attention path zeroes the K and V of keys it hides (never 0 * NaN).
         results = self._record(state.results, slots, finished, state.iteration + 1)
         slots = slots.replace(active=slots.active & ~finished)
         state = state.replace(slots=slots, cache=cache, results=results, iteration=state.iteration + 1)
         return self._refill(state)
-
-    def _clear_poisoned(self, cache: FlatCache, poisoned: jax.Array) -> FlatCache:
-        """Zeroes the cache rows of slots that ended on non-finite logits (poisoned bool [B]):
-        the next request of the slot masks stale rows out of its attention, but a masked NaN
-        value still poisons it (0 * NaN). Skipped unless some slot needs it."""
-
-        def clear(cache: FlatCache) -> FlatCache:
-            rows = jnp.repeat(poisoned, self.max_len)[None, :, None]
-            return FlatCache(k=jnp.where(rows, 0, cache.k), v=jnp.where(rows, 0, cache.v))
-
-        return jax.lax.cond(jnp.any(poisoned), clear, lambda cache: cache, cache)
 
     def _step_slots(self, params, slots: Slots, cache: FlatCache, branch, any_sparse, any_ran) -> tuple[Slots, FlatCache]:
         """One step of the active slots (of one data shard under a mesh): model passes, commits
