@@ -37,6 +37,7 @@ from dllm_jax.policies import DecodePolicy
 from dllm_jax.sharding import CACHE_ROWS, DATA, REPLICATED, SLOTS, axis_size, per_data_shard
 from dllm_jax.sampling import all_finite, filter_top_p_top_k, guided_logits
 from dllm_jax.slots import ERROR_NON_FINITE, ERROR_STEP_LIMIT, SlotParams, Slots, empty_slots, install
+from pallas_kernels.top_p_top_k import apply_cutoff, top_p_top_k_cutoff
 
 
 @struct.dataclass
@@ -337,9 +338,22 @@ class DecodeLoop:
         return _where_tree(slots.active, committed, slots), cache
 
     def _filter(self, slots: Slots, logits: jax.Array) -> jax.Array:
-        """top_p / top_k filtering of the slots that ask for it (skipped when none does)."""
+        """top_p / top_k filtering of the slots that ask for it: logits [B, C, V] -> the same,
+        removed entries at float32's lowest value (in logits.dtype). With the kernel, rows
+        that do not ask cost nothing and no conditional is needed (XLA:GPU would read its
+        predicate back to the host at every step); otherwise the sort is skipped by a cond
+        when no slot asks."""
         p = slots.params
         wants = slots.active & ((p.top_p < 1.0) | (p.top_k > 0))
+        if self.kernels.top_p_top_k:
+            B, C, V = logits.shape
+            rows = lambda x: jnp.repeat(x, C)  # noqa: E731
+            flat = logits.reshape(B * C, V)
+            cutoff = top_p_top_k_cutoff(
+                flat, rows(p.temperature), rows(p.top_p), rows(p.top_k), rows(wants), interpret=self.kernels.interpret
+            )
+            out = apply_cutoff(flat, cutoff).astype(logits.dtype).reshape(B, C, V)
+            return jnp.where(wants[:, None, None], out, logits)
 
         def filtered(logits):
             out = jax.vmap(filter_top_p_top_k)(logits, p.temperature, p.top_p, p.top_k).astype(logits.dtype)
