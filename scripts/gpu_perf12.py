@@ -72,7 +72,36 @@ def measure(bench, slots_list, gen_length: int, prompt_len: int, backend: str, s
         report["runs"].append(run)
         print(json.dumps(run), flush=True)
         engine._executables.clear()  # noqa: SLF001 - one executable alive at a time
+    report["cutoff_kernel"] = time_cutoff_kernel(config.vocab_size, smoke)
     return report
+
+
+def time_cutoff_kernel(vocab: int, smoke: bool) -> list[dict] | None:
+    """Milliseconds per call of the top-p/top-k cutoff kernel (None: this tree has none) over
+    1 and 32 slots' candidate rows, with no row and with every row asking."""
+    try:
+        from pallas_kernels.top_p_top_k import top_p_top_k_cutoff
+    except ImportError:
+        return None
+    import jax
+    import jax.numpy as jnp
+
+    out = []
+    for rows in (16,) if smoke else (16, 512):
+        logits = jax.random.normal(jax.random.key(rows), (rows, vocab), jnp.bfloat16) * 3
+        temperature, top_p = jnp.full((rows,), 0.7), jnp.full((rows,), 0.9)
+        top_k = jnp.full((rows,), 50, jnp.int32)
+        for asking in (False, True):
+            wants = jnp.full((rows,), asking)
+            call = jax.jit(lambda x, w: top_p_top_k_cutoff(x, temperature, top_p, top_k, w, interpret=smoke))
+            jax.block_until_ready(call(logits, wants))
+            start = time.perf_counter()
+            for _ in range(10):
+                result = call(logits, wants)
+            jax.block_until_ready(result)
+            out.append({"rows": rows, "asking": asking, "ms": 1e3 * (time.perf_counter() - start) / 10})
+            print(json.dumps(out[-1]), flush=True)
+    return out
 
 
 def compare(new_path: Path, old_path: Path) -> str:
@@ -94,6 +123,9 @@ def compare(new_path: Path, old_path: Path) -> str:
         )
     lines.append("")
     lines.append("step: the better of the two calls' medians (8 iterations x 3 samples each)")
+    if new.get("cutoff_kernel"):
+        lines += ["", "top-p/top-k cutoff kernel (new): " + ", ".join(
+            f"{r['rows']} rows {'asking' if r['asking'] else 'not asking'} {r['ms']:.3f} ms" for r in new["cutoff_kernel"])]
     return "\n".join(lines)
 
 
