@@ -17,5 +17,5 @@ if [ "${SMOKE:-0}" = 1 ]; then SMOKE_ARGS=(--smoke) MEM_ARGS=(--model-shape tiny
 PYTHONPATH="$PWD" python3 scripts/gpu_perf12.py "${SMOKE_ARGS[@]}" --out "$DIR/new.json" || status=1
 PYTHONPATH="$PWD/.old" python3 scripts/gpu_perf12.py "${SMOKE_ARGS[@]}" --tree .old --out "$DIR/old.json" || status=1
 PYTHONPATH="$PWD" python3 scripts/gpu_perf12.py --compare "$DIR/new.json" "$DIR/old.json" | tee "$DIR/steps.md" || status=1
-PYTHONPATH="$PWD" python3 scripts/memory_profile.py "${MEM_ARGS[@]}" --backend xla --methods flash_cache llada --out "$DIR/mem" || status=1
+PYTHONPATH="$PWD" python3 scripts/memory_profile.py "${MEM_ARGS[@]}" --backend xla --methods flash_cache llada --peak-buffers --out "$DIR/mem" || status=1
 exit $status
