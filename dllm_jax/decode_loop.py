@@ -307,7 +307,7 @@ class DecodeLoop:
         finished = ran & (complete | (slots.error != 0))
         # A slot that ended on non-finite logits keeps its NaN cache rows: the next request in
         # that slot rewrites rows [0, key_len) in its first full pass before reading them, and
-        # every attention path zeroes the K and V of keys it hides (never 0 * NaN).
+        # every attention path hides the other keys by selection, never as 0 * NaN.
         results = self._record(state.results, slots, finished, state.iteration + 1)
         slots = slots.replace(active=slots.active & ~finished)
         state = state.replace(slots=slots, cache=cache, results=results, iteration=state.iteration + 1)
