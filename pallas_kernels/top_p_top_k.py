@@ -34,7 +34,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import check_float, check_launch, check_power_of_two, check_shape, compiler_params, next_power_of_two
+from pallas_kernels._common import (
+    check_float,
+    check_launch,
+    check_power_of_two,
+    check_shape,
+    compiler_params,
+    next_power_of_two,
+)
 
 # What Dream's filters write into removed entries (torch.finfo(float32).min): finite, so a
 # Gumbel-perturbed argmax and a softmax stay well defined.
@@ -77,11 +84,12 @@ def _check(logits, temperature, top_p, top_k, wants):
     if logits.ndim != 2:
         raise ValueError(f"logits.shape={tuple(logits.shape)}: expected [N, V]")
     n = logits.shape[0]
-    for name, x, kind in (("temperature", temperature, jnp.floating), ("top_p", top_p, jnp.floating),
-                          ("top_k", top_k, jnp.integer), ("wants", wants, jnp.bool_)):
+    kinds = {"temperature": (temperature, jnp.floating, "floating"), "top_p": (top_p, jnp.floating, "floating"),
+             "top_k": (top_k, jnp.integer, "integer"), "wants": (wants, jnp.bool_, "bool")}
+    for name, (x, kind, expected) in kinds.items():
         check_shape(name, x, (n,))
         if not jnp.issubdtype(x.dtype, kind):
-            raise ValueError(f"{name}.dtype={x.dtype}: expected {jnp.dtype(kind).name if kind is jnp.bool_ else kind.__name__}")
+            raise ValueError(f"{name}.dtype={x.dtype}: expected {expected}")
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_sizes"))
@@ -117,6 +125,8 @@ def _midpoint(lo, hi):
 
 
 def _cutoff_kernel(logits_ref, temperature_ref, top_p_ref, top_k_ref, wants_ref, out_ref, *, vocab, blocks):
+    """Refs: logits [N, V], temperature, top_p f32 [N], top_k, wants int32 [N]; out f32 [N].
+    One program per row."""
     row = pl.program_id(0)
     bv = blocks.block_v
     wants = wants_ref[row] != 0
@@ -124,7 +134,7 @@ def _cutoff_kernel(logits_ref, temperature_ref, top_p_ref, top_k_ref, wants_ref,
     n_blocks = jnp.where(wants, -(-vocab // bv), 0)
     rounds = jnp.where(wants, 32, 0)
 
-    scale = jnp.where(temperature_ref[row] > 0, jnp.maximum(temperature_ref[row], MIN_TEMPERATURE), 1.0)
+    scale = filter_scale(temperature_ref[row])
     top_p, top_k = top_p_ref[row], top_k_ref[row]
 
     def load(b):
@@ -205,4 +215,7 @@ def top_p_top_k_cutoff(
         compiler_params=compiler_params(blocks.num_warps, blocks.num_stages),
         interpret=interpret,
         name="top_p_top_k_cutoff",
-    )(logits, temperature.astype(jnp.float32), top_p.astype(jnp.float32), top_k.astype(jnp.int32), wants.astype(jnp.int32))
+    )(
+        logits, temperature.astype(jnp.float32), top_p.astype(jnp.float32), top_k.astype(jnp.int32),
+        wants.astype(jnp.int32),
+    )
