@@ -128,11 +128,22 @@ def _cutoff_kernel(logits_ref, temperature_ref, top_p_ref, top_k_ref, wants_ref,
     """Refs: logits [N, V], temperature, top_p f32 [N], top_k, wants int32 [N]; out f32 [N].
     One program per row."""
     row = pl.program_id(0)
-    bv = blocks.block_v
     wants = wants_ref[row] != 0
-    # a row that does not ask runs no loop iteration: it costs this program's launch only
-    n_blocks = jnp.where(wants, -(-vocab // bv), 0)
-    rounds = jnp.where(wants, 32, 0)
+    out_ref[row] = -jnp.inf * jnp.ones((), jnp.float32)  # (a bare -inf literal does not lower to Triton)
+
+    # a row that does not ask skips everything (an scf.if inside the program: no host sync);
+    # the loops have static trip counts (the Triton lowering rejects an scf.for whose bounds
+    # mix a constant with a run-time int32)
+    @pl.when(wants)
+    def _():
+        _cutoff_row(logits_ref, temperature_ref, top_p_ref, top_k_ref, out_ref, row, vocab=vocab, blocks=blocks)
+
+
+def _cutoff_row(logits_ref, temperature_ref, top_p_ref, top_k_ref, out_ref, row, *, vocab, blocks):
+    """The cutoff of one row that asks, written to out_ref[row]."""
+    bv = blocks.block_v
+    n_blocks = -(-vocab // bv)
+    rounds = 32
 
     scale = filter_scale(temperature_ref[row])
     top_p, top_k = top_p_ref[row], top_k_ref[row]
@@ -182,7 +193,7 @@ def _cutoff_kernel(logits_ref, temperature_ref, top_p_ref, top_k_ref, wants_ref,
     k_lo, _, p_lo, _ = lax.fori_loop(0, rounds, bisect, (lo, hi, lo, hi))
     cut_k = jnp.where(top_k > 0, _value(k_lo), -jnp.inf)
     cut_p = jnp.where(top_p < 1.0, _value(p_lo), -jnp.inf)
-    out_ref[row] = jnp.where(wants, jnp.maximum(cut_k, cut_p), -jnp.inf)
+    out_ref[row] = jnp.maximum(cut_k, cut_p)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_sizes"))
