@@ -37,6 +37,7 @@ from dllm_jax.policies import DecodePolicy
 from dllm_jax.sharding import CACHE_ROWS, DATA, REPLICATED, SLOTS, axis_size, per_data_shard
 from dllm_jax.sampling import all_finite, filter_top_p_top_k, guided_logits
 from dllm_jax.slots import ERROR_NON_FINITE, ERROR_STEP_LIMIT, SlotParams, Slots, empty_slots, install
+from pallas_kernels.top_p_top_k import apply_cutoff, top_p_top_k_cutoff
 
 
 @struct.dataclass
@@ -304,22 +305,13 @@ class DecodeLoop:
         over = ran & ~complete & (slots.error == 0) & (slots.steps >= slots.params.step_limit)
         slots = slots.replace(error=jnp.where(over, ERROR_STEP_LIMIT, slots.error))
         finished = ran & (complete | (slots.error != 0))
-        cache = self._clear_poisoned(cache, finished & (slots.error == ERROR_NON_FINITE))
+        # A slot that ended on non-finite logits keeps its NaN cache rows: the next request in
+        # that slot rewrites rows [0, key_len) in its first full pass before reading them, and
+        # every attention path hides the other keys by selection, never as 0 * NaN.
         results = self._record(state.results, slots, finished, state.iteration + 1)
         slots = slots.replace(active=slots.active & ~finished)
         state = state.replace(slots=slots, cache=cache, results=results, iteration=state.iteration + 1)
         return self._refill(state)
-
-    def _clear_poisoned(self, cache: FlatCache, poisoned: jax.Array) -> FlatCache:
-        """Zeroes the cache rows of slots that ended on non-finite logits (poisoned bool [B]):
-        the next request of the slot masks stale rows out of its attention, but a masked NaN
-        value still poisons it (0 * NaN). Skipped unless some slot needs it."""
-
-        def clear(cache: FlatCache) -> FlatCache:
-            rows = jnp.repeat(poisoned, self.max_len)[None, :, None]
-            return FlatCache(k=jnp.where(rows, 0, cache.k), v=jnp.where(rows, 0, cache.v))
-
-        return jax.lax.cond(jnp.any(poisoned), clear, lambda cache: cache, cache)
 
     def _step_slots(self, params, slots: Slots, cache: FlatCache, branch, any_sparse, any_ran) -> tuple[Slots, FlatCache]:
         """One step of the active slots (of one data shard under a mesh): model passes, commits
@@ -346,9 +338,22 @@ class DecodeLoop:
         return _where_tree(slots.active, committed, slots), cache
 
     def _filter(self, slots: Slots, logits: jax.Array) -> jax.Array:
-        """top_p / top_k filtering of the slots that ask for it (skipped when none does)."""
+        """top_p / top_k filtering of the slots that ask for it: logits [B, C, V] -> the same,
+        removed entries at float32's lowest value (in logits.dtype). With the kernel, rows
+        that do not ask cost nothing and no conditional is needed (XLA:GPU would read its
+        predicate back to the host at every step); otherwise the sort is skipped by a cond
+        when no slot asks."""
         p = slots.params
         wants = slots.active & ((p.top_p < 1.0) | (p.top_k > 0))
+        if self.kernels.top_p_top_k:
+            B, C, V = logits.shape
+            rows = lambda x: jnp.repeat(x, C)  # noqa: E731
+            flat = logits.reshape(B * C, V)
+            cutoff = top_p_top_k_cutoff(
+                flat, rows(p.temperature), rows(p.top_p), rows(p.top_k), rows(wants), interpret=self.kernels.interpret
+            )
+            out = apply_cutoff(flat, cutoff).astype(logits.dtype).reshape(B, C, V)
+            return jnp.where(wants[:, None, None], out, logits)
 
         def filtered(logits):
             out = jax.vmap(filter_top_p_top_k)(logits, p.temperature, p.top_p, p.top_k).astype(logits.dtype)

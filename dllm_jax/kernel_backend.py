@@ -37,6 +37,10 @@ class Kernels:
     scatter: bool = False  # the K/V cache write of the XLA projection path
     interpret: bool = False
     mosaic: bool = False  # the attention kernel is the Pallas TPU (Mosaic) one, not the Triton one
+    # per-slot top-p/top-k cutoffs by a kernel whose programs skip the rows that do not ask,
+    # instead of a sort under a lax.cond (XLA:GPU reads a cond's predicate back to the host
+    # at every step); not part of the name
+    top_p_top_k: bool = False
 
     @property
     def name(self) -> str:
@@ -72,9 +76,9 @@ def resolve_kernels(backend: str | Kernels, interpret: bool = False) -> Kernels:
         # the only kernel with a TPU version
         return Kernels(attention=True, mosaic=True, interpret=interpret)
     if backend == "pallas":
-        return Kernels(qkv=True, attention=True, interpret=interpret)
+        return Kernels(qkv=True, attention=True, top_p_top_k=True, interpret=interpret)
     if backend == "auto" and on_nvidia_gpu():
-        return Kernels(attention=True, scatter=True)
+        return Kernels(attention=True, scatter=True, top_p_top_k=True)
     return Kernels()
 
 

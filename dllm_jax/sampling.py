@@ -10,6 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.top_p_top_k import apply_cutoff, top_p_top_k_cutoff_reference
+
 
 def sample_tokens(logits: jax.Array, temperature: jax.Array, rng: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Greedy (temperature 0) or Gumbel-max (temperature T) choice per row.
@@ -70,11 +72,6 @@ def count_commit(confidence: jax.Array, eligible: jax.Array, count: jax.Array) -
 
 # ----- the reference samplers' options (per slot values; shapes in each docstring) -------------
 
-# What Dream's filters write into removed entries (torch.finfo(float32).min): finite, so a
-# Gumbel-perturbed argmax and a softmax stay well defined.
-_REMOVED = float(jnp.finfo(jnp.float32).min)
-
-
 def filter_top_p_top_k(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k: jax.Array) -> jax.Array:
     """Dream's top_p_logits then top_k_logits, on the logits a sampler at `temperature` sees.
 
@@ -83,19 +80,13 @@ def filter_top_p_top_k(logits: jax.Array, temperature: jax.Array, top_p: jax.Arr
     temperature is 0, where it changes only the confidence, never the argmax): the smallest
     prefix of the descending order whose probability reaches top_p, plus nothing else; top_k
     keeps every entry >= the k-th largest (ties kept). Returns float32 [C, V]: the logits with
-    removed entries set to float32's lowest value.
+    removed entries set to float32's lowest value (pallas_kernels.top_p_top_k.REMOVED).
     """
-    logits = logits.astype(jnp.float32)
-    V = logits.shape[-1]
-    scaled = logits / jnp.where(temperature > 0, jnp.maximum(temperature, 1e-6), 1.0)
-    ordered = -jnp.sort(-scaled, axis=-1)  # descending
-    cumulative = jnp.cumsum(jax.nn.softmax(ordered, axis=-1), axis=-1)
-    # Dream removes sorted entry j >= 1 when cumulative[j - 1] > top_p
-    kept_p = 1 + jnp.sum(cumulative[:, :-1] <= top_p, axis=-1)
-    kept_k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
-    kept = jnp.minimum(jnp.where(top_p < 1.0, kept_p, V), kept_k)
-    cutoff = jnp.take_along_axis(ordered, (kept - 1)[:, None], axis=-1)
-    return jnp.where(scaled >= cutoff, logits, _REMOVED)
+    rows = lambda x: jnp.broadcast_to(x, logits.shape[:1])  # noqa: E731
+    cutoff = top_p_top_k_cutoff_reference(
+        logits, rows(temperature), rows(top_p), rows(top_k), jnp.ones(logits.shape[:1], bool)
+    )
+    return apply_cutoff(logits, cutoff)
 
 
 def random_confidence(rng: jax.Array, count: int) -> jax.Array:

@@ -21,7 +21,9 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -89,12 +91,47 @@ def largest_arrays(hlo_text: str, count: int, floor_bytes: int) -> list[dict]:
     return top
 
 
-def profile(engine: Engine, method: str, slots: int, gen_length: int, prompt_len: int, weight_bytes: int) -> dict:
+_LIVE = re.compile(r"^\s+([\w.\-]+)\{[\d,]*\}: (\d+) bytes")
+
+
+def peak_buffers(dump_dir: Path, hlo_text: str, count: int) -> dict | None:
+    """The buffers live at the program's memory peak, from the newest live-range report XLA
+    dumped for the decode loop (None when there is none): the largest `count` with their
+    shape and producing op, and XLA's breakdown of the peak by source location."""
+    reports = sorted(dump_dir.glob("*jit_run*after_optimizations-live-range.txt"), key=lambda f: f.stat().st_mtime)
+    if not reports:
+        return None
+    lines = reports[-1].read_text().splitlines()
+    start = next((i for i, line in enumerate(lines) if "(peak):" in line), None)
+    if start is None:
+        return None
+    shapes = {}
+    for line in hlo_text.splitlines():
+        m = _ARRAY.match(line)
+        if m:
+            name, dtype, dims, op = m.groups()
+            shapes[name] = (f"{dtype}[{dims}]", op)
+    live = []
+    for line in lines[start + 1:]:
+        m = _LIVE.match(line)
+        if not m:
+            break
+        shape, op = shapes.get(m.group(1), ("?", "?"))
+        live.append({"name": m.group(1), "bytes": int(m.group(2)), "shape": shape, "op": op})
+    breakdown = [line for line in lines[start + 1 + len(live):] if line.strip()][:40]
+    temporaries = sorted((b for b in live if b["op"] != "parameter"), key=lambda b: -b["bytes"])
+    return {"buffers": temporaries[:count], "live_at_peak": len(live), "bytes_at_peak": sum(b["bytes"] for b in live),
+            "temporaries_at_peak": sum(b["bytes"] for b in temporaries), "breakdown": breakdown}
+
+
+def profile(engine: Engine, method: str, slots: int, gen_length: int, prompt_len: int, weight_bytes: int,
+            dump_dir: Path | None = None) -> dict:
     decode = decode_config(method, "one", gen_length, slots)
     start = time.perf_counter()
     compiled = engine.compile(decode, prompt_len)
     seconds = time.perf_counter() - start
     analysis = compiled.run.memory_analysis()
+    text = compiled.run.as_text()
     loop = compiled.loop
     cache = cache_bytes(engine.config, loop.num_slots, loop.max_len)
     fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
@@ -106,7 +143,8 @@ def profile(engine: Engine, method: str, slots: int, gen_length: int, prompt_len
         "method": method, "slots": slots, "gen_length": gen_length, "prompt_length": prompt_len,
         "max_len": loop.max_len, "backend": engine.backend, **sizes, "weight_bytes": weight_bytes, "cache_bytes": cache,
         "peak_estimate_bytes": peak, "over_weights_and_cache_bytes": peak - weight_bytes - cache,
-        "compile_s": seconds, "largest_arrays": largest_arrays(compiled.run.as_text(), 12, 0),
+        "compile_s": seconds, "largest_arrays": largest_arrays(text, 12, 0),
+        "peak_buffers": peak_buffers(dump_dir, text, 16) if dump_dir else None,
     }
 
 
@@ -129,6 +167,13 @@ def markdown(report: dict) -> str:
         for a in r["largest_arrays"][:8]:
             ops = ", ".join(f"{op} x{n}" for op, n in a["ops"].items())
             lines.append(f"- {a['dtype']}{a['shape']} {a['bytes'] / GiB:.3f} GiB: {a['instructions']} ({ops})")
+        peak = r.get("peak_buffers")
+        if peak:
+            lines += ["", f"Largest non-parameter buffers live at the peak of {r['method']} at {r['slots']} slots "
+                          f"(XLA's live ranges: {peak['live_at_peak']} buffers, {peak['bytes_at_peak'] / GiB:.3f} GiB, "
+                          f"{peak['temporaries_at_peak'] / GiB:.3f} GiB not parameters):"]
+            lines += [f"- {b['shape']} {b['bytes'] / GiB:.3f} GiB: {b['name']} ({b['op']})" for b in peak["buffers"]]
+            lines += ["", "XLA's breakdown of the peak:", "```", *peak["breakdown"], "```"]
     for e in report["errors"]:
         lines.append(f"\nERROR {e['run']}: {e['error']}")
     return "\n".join(lines)
@@ -147,8 +192,16 @@ def main(argv=None) -> int:
                         "their operands, so on a CPU float32 shows the program's own temporaries")
     p.add_argument("--gen-length", type=int, default=None, help="default 256 (tiny: 32)")
     p.add_argument("--prompt-length", type=int, default=None, help="default 256 (tiny: 16)")
+    p.add_argument("--peak-buffers", action="store_true",
+                   help="also list the buffers live at the memory peak (from XLA's dump of the compiled loop, "
+                        "written to a temporary folder and deleted)")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
     opts = p.parse_args(argv)
+    dump_dir = None
+    if opts.peak_buffers:
+        # read when the backend starts (the first compile below), not at import
+        dump_dir = Path(tempfile.mkdtemp(prefix="memory_profile_"))
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump_dir} --xla_dump_hlo_module_re=jit_run"
     config = model_shape(opts.model_shape)
     config = dataclasses.replace(config, dtype=opts.dtype or config.dtype)
     tiny = opts.model_shape == "tiny"
@@ -171,14 +224,18 @@ def main(argv=None) -> int:
         for method in opts.methods:
             name = f"{method} slots={slots}"
             try:
-                report["runs"].append(profile(engine, method, slots, gen_length, prompt_len, weight_bytes))
+                report["runs"].append(profile(engine, method, slots, gen_length, prompt_len, weight_bytes, dump_dir))
             except Exception as e:  # one failed compile is reported, the others still run
                 report["errors"].append({"run": name, "error": f"{type(e).__name__}: {e}"[:2000]})
             engine._executables.clear()  # noqa: SLF001 - keep one executable alive at a time
+            if dump_dir:
+                shutil.rmtree(dump_dir, ignore_errors=True)
             print(f"{name}: done", flush=True)
             write_text_atomically(opts.out / "memory.json", json.dumps(report, indent=1))
             write_text_atomically(opts.out / "memory.md", markdown(report) + "\n")
     print(markdown(report))
+    if dump_dir:
+        shutil.rmtree(dump_dir, ignore_errors=True)
     return 1 if report["errors"] else 0
 
 

@@ -58,6 +58,22 @@ def test_non_finite_logits_end_that_request_only(nan_engine, engine, name):
             assert (r.token_ids, r.finish_reason, r.error) == (expected.token_ids, expected.finish_reason, None)
 
 
+@pytest.mark.parametrize("name", ["fast_dllm", "llada"])
+def test_a_slot_after_a_non_finite_request_decodes_as_if_fresh(nan_engine, engine, name):
+    """One slot: a long poisoned request leaves NaN K/V in its cache rows, also past the next
+    request's keys (these methods attend to exactly prompt + max_new_tokens keys); the next
+    request in that slot must not see them (its full pass rewrites its own rows, attention hides
+    the rest by selection: the loop does not clear them)."""
+    decode = dataclasses.replace(DECODES[name], batch_size=1)
+    prompts = [[POISON] + list(range(1, 30)), [3, 4, 5]]
+    params = [SamplingParams(max_new_tokens=16), SamplingParams(max_new_tokens=8)]
+    out = nan_engine.generate(prompts, params, decode=decode)
+    clean = engine.generate(prompts[1:], params[1:], decode=decode).results[0]
+    assert out.results[0].finish_reason == "error"
+    after = out.results[1]
+    assert (after.token_ids, after.finish_reason, after.error) == (clean.token_ids, clean.finish_reason, None)
+
+
 def test_a_model_with_a_nan_layer_errors_every_request_without_hanging(lively):
     cfg, params = lively
     layers = dict(params["layers"])

@@ -18,7 +18,7 @@ FLASH_VERIFY = DecodeConfig(
 )
 FAST_DLLM = DecodeConfig(method="fast_dllm", gen_length=32, block_length=16, threshold=0.5, batch_size=2)
 # what "auto" picks on an NVIDIA GPU
-GPU_AUTO = Kernels(attention=True, scatter=True)
+GPU_AUTO = Kernels(attention=True, scatter=True, top_p_top_k=True)
 
 
 def _kernel_sized_model():
@@ -78,7 +78,7 @@ def test_decode_loop_lowers_for_cuda_at_llada_8b_shapes(backend):
     cfg = llada_8b_config()
     if backend == "gpu-auto":
         engine = Engine(cfg, jax.eval_shape(unstack_layers, abstract_params(cfg)),
-                        backend=Kernels(attention=True, scatter=True), full_pass_lanes=())
+                        backend=GPU_AUTO, full_pass_lanes=())
     else:
         engine = Engine(cfg, abstract_params(cfg), backend=backend, full_pass_lanes=())
     decode = DecodeConfig(method="flash_cache", gen_length=256, batch_size=8, threshold=2.0, verify=True)
@@ -90,6 +90,8 @@ def test_decode_loop_lowers_for_cuda_at_llada_8b_shapes(backend):
     )
     triton_calls = text.count("__gpu$xla.gpu.triton")
     # distinct kernel instances (each jitted kernel is one function however often it is called):
-    # full and sparse pass, projection (pallas) or scatter (gpu-auto) + attention each; verify attention
-    assert triton_calls == {"pallas": 5, "xla": 0, "gpu-auto": 5}[backend]
+    # full and sparse pass, projection (pallas) or scatter (gpu-auto) + attention each; verify
+    # attention; the top-p/top-k cutoffs
+    assert triton_calls == {"pallas": 6, "xla": 0, "gpu-auto": 6}[backend]
+    assert ("top_p_top_k_cutoff_reference" in text) == (backend == "xla")
     assert ("scatter_kv_rows" in text) == (backend == "gpu-auto")

@@ -5,12 +5,15 @@ cfg_scale and remasking="random": LLaDA's generate() (un_x = the prompt masked, 
 un + (cfg + 1) * (cond - un); random remasking = uniform confidences), decoded end to end.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from dllm_jax import DecodeConfig, Engine, GenerationError, SamplingParams
+from dllm_jax.kernel_backend import Kernels
 from dllm_jax.model import forward
 from dllm_jax.sampling import filter_top_p_top_k, guided_logits, sample_tokens
 
@@ -186,3 +189,24 @@ def test_top_k_one_draws_the_argmax_at_any_temperature(engine):
     assert [r.token_ids for r in nucleus.results] == [r.token_ids for r in cold.results]
     assert [r.token_ids for r in unfiltered.results] != [r.token_ids for r in cold.results]
     assert all(r.steps == 1 for r in cold.results), "confidence 1 everywhere: the whole window at once"
+
+
+def test_the_cutoff_kernel_filters_as_the_sort_in_the_loop(lively, engine):
+    """The decode loop with the top-p/top-k kernel (what auto runs on NVIDIA GPUs, here in
+    interpret mode) draws the same tokens as with the sort under a cond, for a mix of slots
+    that ask and do not ask."""
+    cfg, params = lively
+    with_kernel = Engine(cfg, params, backend=Kernels(top_p_top_k=True), interpret=True)
+    prompts = PROMPTS + [[7, 7, 3], [1, 2, 3, 4, 5]]
+    mix = [
+        SamplingParams(temperature=1.0, top_p=0.6, seed=3),
+        SamplingParams(temperature=0.8, seed=4),
+        SamplingParams(temperature=2.0, top_k=3, seed=5),
+        SamplingParams(top_p=0.2, top_k=4),
+    ]
+    decode = DecodeConfig(gen_length=16, batch_size=2, threshold=0.5)
+    got = with_kernel.generate(prompts, mix, decode=decode)
+    want = engine.generate(prompts, mix, decode=decode)
+    assert [r.token_ids for r in got.results] == [r.token_ids for r in want.results]
+    unfiltered = engine.generate(prompts, [dataclasses.replace(p, top_p=1.0, top_k=0) for p in mix], decode=decode)
+    assert [r.token_ids for r in unfiltered.results] != [r.token_ids for r in want.results]
