@@ -27,6 +27,7 @@ from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from dllm_jax import sharding
+from dllm_jax.batch_invariance import check_model as check_invariant_model
 from dllm_jax.config import ModelConfig
 from dllm_jax.decode_config import DecodeConfig
 from dllm_jax.decode_loop import DecodeLoop, DecodeState
@@ -171,6 +172,10 @@ class Engine:
       mesh: decode over several devices (dllm_jax.sharding.parse_mesh): slots split across
         its data axis, weights and cache across its tensor axis. The params are laid out
         for it here (a no-op if they already are).
+      batch_invariant: compile every pass so that a slot's rows are computed independently of
+        the other slots (dllm_jax.batch_invariance): a request's answer does not depend on
+        the batch it runs in. Run-to-run determinism on GPUs also needs
+        batch_invariance.deterministic_xla_flags() in XLA_FLAGS before JAX starts.
     """
 
     def __init__(
@@ -186,8 +191,10 @@ class Engine:
         full_pass_lanes: tuple[int, ...] | None = None,
         unroll_layers: bool = False,
         mesh: Mesh | None = None,
+        batch_invariant: bool = False,
     ):
         check_bool("interpret", interpret, GenerationError)
+        check_bool("batch_invariant", batch_invariant, GenerationError)
         check_bool("unroll_layers", unroll_layers, GenerationError)
         check_int("chunk_iterations", chunk_iterations, GenerationError, low=1)
         check_int("queue_capacity", queue_capacity, GenerationError, low=1, optional=True)
@@ -199,9 +206,13 @@ class Engine:
         self.params = params
         self.tokenizer = tokenizer
         try:
-            self.kernels = resolve_kernels(backend, interpret)
+            self.kernels = resolve_kernels(backend, interpret, batch_invariant)
+            if batch_invariant:
+                check_invariant_model(config)
         except ValueError as e:
             raise GenerationError(str(e)) from None
+        if batch_invariant and self.kernels.matmul and sharding.axis_size(mesh, sharding.TENSOR) > 1:
+            raise GenerationError("batch_invariant=True with the Pallas matmul does not shard over a tensor axis; use a data-only mesh")
         self._unroll_layers = unroll_layers
         if unroll_layers:
             self.params = params = unstack_layers(params)
@@ -246,8 +257,12 @@ class Engine:
 
     @property
     def backend(self) -> str:
-        """What runs the per-layer ops: "xla", "pallas" or a mix."""
+        """What runs the per-layer ops: "xla", "pallas" or a mix ("+invariant": batch-invariant)."""
         return self.kernels.name
+
+    @property
+    def batch_invariant(self) -> bool:
+        return self.kernels.invariant
 
     @property
     def num_compilations(self) -> int:
