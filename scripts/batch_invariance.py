@@ -50,7 +50,7 @@ from dllm_jax import tiny_tasks  # noqa: E402
 from dllm_jax.atomic_write import write_text_atomically  # noqa: E402
 from dllm_jax.batch_invariance import LAYER_TAP_ORDER  # noqa: E402
 from dllm_jax.decode_config import DecodeConfig  # noqa: E402
-from dllm_jax.engine import Engine  # noqa: E402
+from dllm_jax.engine import CompiledLoop, Engine  # noqa: E402
 from dllm_jax.model import init_params  # noqa: E402
 
 METHODS = ("llada", "fast_dllm", "flash_cache", "flash_verify")
@@ -95,10 +95,13 @@ class Run:
 
     def __init__(self, engine: Engine, decode: DecodeConfig, prompts: list[list[int]], slot: int):
         self.slot = slot
-        compiled = engine.compile(decode, max(map(len, prompts)), len(prompts))
-        self.loop = loop = compiled.loop
+        longest = max(map(len, prompts))
+        self.loop = loop = engine.decode_loop(decode, longest, len(prompts))
         self.params = engine.params
-        self.state = compiled.initial_state(prompts, decode)
+        # the engine's own request ring and initial state, without compiling the whole loop
+        width = max(16, 1 << (longest - 1).bit_length())
+        ring = CompiledLoop(loop, max(16, 4 * len(prompts)), width, jax.jit(loop.init_state), None, 0.0)
+        self.state = ring.initial_state(prompts, decode)
         self.step = jax.jit(loop._step)
         self._taps = {}
 

@@ -5,6 +5,8 @@ that depends on how many rows share a GEMM, an attention call or a full-pass lan
 """
 
 import dataclasses
+import importlib.util
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +14,13 @@ import numpy as np
 import pytest
 
 from dllm_jax.decode_config import DecodeConfig
-from dllm_jax.engine import Engine
+from dllm_jax.engine import Engine, GenerationError
+from dllm_jax.kernel_backend import resolve_kernels
+
+_SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "batch_invariance.py"
+_spec = importlib.util.spec_from_file_location("batch_invariance_script", _SCRIPT)
+batch_invariance_script = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(batch_invariance_script)
 
 
 @pytest.fixture(scope="module")
@@ -48,3 +56,60 @@ def test_bf16_answers_do_not_depend_on_the_batch(lively_bf16, decode):
     for i in (0, 3, 5):
         alone = engine.generate([many[i]], decode).results[0]
         assert (alone.token_ids, alone.steps) == (answers[i], together.results[i].steps), i
+
+
+# ----- the batch-invariant mode and the leak report (scripts/batch_invariance.py)
+
+
+def test_invariant_kernels_replace_the_row_count_dependent_ones():
+    k = resolve_kernels("pallas", interpret=True, batch_invariant=True)
+    assert (k.invariant, k.matmul, k.qkv, k.attention, k.scatter) == (True, True, False, True, True)
+    assert k.name == "xla+pallas-attention-scatter-matmul+invariant"
+    k = resolve_kernels("xla", batch_invariant=True)
+    assert (k.invariant, k.matmul, k.attention) == (True, False, False) and k.name == "xla+invariant"
+    assert not resolve_kernels("xla").invariant
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_invariant_mode_answers_do_not_depend_on_the_batch(lively_bf16, backend):
+    cfg, params = lively_bf16
+    engine = Engine(cfg, params, backend=backend, interpret=backend == "pallas", batch_invariant=True)
+    assert engine.batch_invariant and engine.backend.endswith("+invariant")
+    decode = DecodeConfig(method="flash_cache", gen_length=32, batch_size=4, threshold=0.5, mask_num=2, track_num=1, verify=True)
+    many = _prompts(2, (5, 14, 8, 11, 3))
+    together = engine.generate(many, decode)
+    assert together.stats.tokens_per_step > 1.1
+    for i in (1, 4):
+        alone = engine.generate([many[i]], decode).results[0]
+        assert (alone.token_ids, alone.steps) == (together.results[i].token_ids, together.results[i].steps), i
+
+
+def test_invariant_mode_rejects_what_it_cannot_run(lively_bf16):
+    cfg, params = lively_bf16
+    with pytest.raises(GenerationError, match="batch_invariant=True runs bfloat16 weights, not quantization='int8-weights'"):
+        Engine(dataclasses.replace(cfg, quantization="int8-weights"), params, batch_invariant=True)
+    with pytest.raises(GenerationError, match="batch_invariant"):
+        Engine(cfg, params, batch_invariant="yes")
+
+
+def test_leak_report_compares_every_tap_bit_for_bit(lively_bf16):
+    cfg, params = lively_bf16
+    engine = Engine(cfg, params, backend="xla")
+    decode = DecodeConfig(method="flash_cache", gen_length=32, batch_size=4, threshold=0.5, mask_num=2, track_num=1)
+    request, *others = _prompts(3, (9, 9, 9, 9))
+    report = batch_invariance_script.leak_report(engine, decode, request, others, steps=3)
+    steps = report["steps"]
+    assert [s["pass"] for s in steps] == ["full", "sparse", "sparse"] and steps[0]["lanes_among"] == 4
+    assert all(s["logits_identical"] and s["committed_identical"] and s["first_difference"] is None for s in steps)
+    assert "bit-identical over 3 steps" in batch_invariance_script.summary_line(report)
+
+    # the comparison itself: one ulp in one valid row of one op is found, in order; invalid rows are ignored
+    alone = batch_invariance_script.Run(engine, decode, [request], 0).taps()
+    among = jax.tree_util.tree_map(np.copy, alone)
+    bits = among["layers"]["ff_proj"].view(f"u{among['layers']['ff_proj'].dtype.itemsize}")
+    rows = np.flatnonzero(alone["rows"])
+    bits[1, rows[2], 3] ^= 1  # one ulp
+    if (~alone["rows"]).any():  # a row outside the pass may differ
+        among["layers"]["residual"][0, np.flatnonzero(~alone["rows"])[0]] += 1
+    first = batch_invariance_script.first_difference(alone, among)
+    assert (first["op"], first["layer"], first["differing"]) == ("ff_proj", 1, 1)
