@@ -113,3 +113,26 @@ def test_leak_report_compares_every_tap_bit_for_bit(lively_bf16):
         among["layers"]["residual"][0, np.flatnonzero(~alone["rows"])[0]] += 1
     first = batch_invariance_script.first_difference(alone, among)
     assert (first["op"], first["layer"], first["differing"]) == ("ff_proj", 1, 1)
+
+
+def test_invariant_decode_loop_lowers_for_cuda_at_llada_8b_widths():
+    """The whole loop (flash_cache + verify) of the GPU's invariant kernels, lowered for CUDA on
+    the CPU at LLaDA-8B widths (2 layers): every matmul is the invariant kernel."""
+    from dllm_jax.config import llada_8b_config
+    from dllm_jax.kernel_backend import Kernels
+    from dllm_jax.model import abstract_params, unstack_layers
+    from dllm_jax.slots import zero_params
+    from tests.cuda_lowering import lower_for_cuda
+
+    cfg = dataclasses.replace(llada_8b_config(), n_layers=2)
+    engine = Engine(cfg, jax.eval_shape(unstack_layers, abstract_params(cfg)), backend=Kernels(attention=True, scatter=True),
+                    full_pass_lanes=(), batch_invariant=True)
+    assert engine.kernels.matmul and engine.backend == "xla+pallas-attention-scatter-matmul+invariant"
+    decode = DecodeConfig(method="flash_cache", gen_length=256, batch_size=8, threshold=2.0, verify=True)
+    loop = engine.decode_loop(decode, 256)
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    state = jax.eval_shape(loop.init_state, i32(32, 256), i32(32), jax.eval_shape(lambda: zero_params((32,))), i32())
+    text = lower_for_cuda(jax.jit(loop.run, donate_argnums=1), engine.params, state, i32(), jax.ShapeDtypeStruct((), jnp.bool_))
+    assert "invariant_matmul" in text and "cache_attention" in text
+    weight_dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line and "4096x" in line]
+    assert not weight_dots, weight_dots[:3]  # no projection or LM head left to XLA's dot
