@@ -209,7 +209,8 @@ def answers_identical(engine: Engine, decode: DecodeConfig, request: list[int], 
     return alone == together.results[slot].token_ids
 
 
-def run_leak(args, engine: Engine) -> dict:
+def run_leak(args, engine: Engine, out: dict, save) -> None:
+    """Fills out["method/among N"] one comparison at a time (save() after each)."""
     rng = np.random.RandomState(args.seed)
     if engine.tokenizer is not None:  # the tiny model: its held-out problems (random ids end at once)
         problems = iter(tiny_tasks.held_out_problems(1 + sum(args.others) * len(args.methods), seed=args.seed))
@@ -218,7 +219,6 @@ def run_leak(args, engine: Engine) -> dict:
         vocab = min(engine.config.vocab_size, engine.config.mask_token_id)
         prompt = lambda: [int(t) for t in rng.randint(0, vocab, args.prompt_len)]  # noqa: E731
     request = prompt()
-    out = {}
     for method in args.methods:
         for n in args.others:
             others = [prompt() for _ in range(n)]
@@ -230,7 +230,7 @@ def run_leak(args, engine: Engine) -> dict:
             report["seconds"] = time.perf_counter() - start
             out[f"{method}/among {n}"] = report
             print(f"leak {method} among {n}: {summary_line(report)}", flush=True)
-    return out
+            save()
 
 
 def summary_line(report: dict) -> str:
@@ -252,10 +252,10 @@ def summary_line(report: dict) -> str:
 # ------------------------------------------------------------------------------ problems
 
 
-def run_problems(args, engine: Engine) -> dict:
+def run_problems(args, engine: Engine, out: dict, save) -> None:
+    """Fills out[method] method by method (save() after each)."""
     problems = tiny_tasks.held_out_problems(args.problems, seed=tiny_tasks.HELD_OUT_SEED)
     prompts = [p.prompt for p in problems]
-    out = {}
     for method in args.methods:
         texts, seconds = {}, {}
         for batch in args.batches:
@@ -271,7 +271,7 @@ def run_problems(args, engine: Engine) -> dict:
         }
         counts = ", ".join(f"batch {b}: {n}/{len(problems)}" for b, n in out[method]["identical_to_batch_%d" % args.batches[0]].items())
         print(f"problems {method}: identical to batch {args.batches[0]}: {counts}", flush=True)
-    return out
+        save()
 
 
 # ------------------------------------------------------------------------------ report
@@ -369,8 +369,8 @@ def main(argv=None) -> int:
             args.methods = args.methods or ["flash_cache"]
             engine, report["leak_model"] = build_leak_engine(args)
             report["backend"] = engine.backend
-            report["leak"] = run_leak(args, engine)
-            save()
+            report["leak"] = {}
+            run_leak(args, engine, report["leak"], save)
             args.methods = args.methods_all
             del engine
         if "problems" in args.what:
@@ -380,8 +380,8 @@ def main(argv=None) -> int:
                                             batch_invariant=args.batch_invariant)
             report["backend"] = engine.backend
             args.methods = args.methods or list(METHODS)
-            report["problems"] = run_problems(args, engine)
-            save()
+            report["problems"] = {}
+            run_problems(args, engine, report["problems"], save)
     except ValueError as e:  # GenerationError, DecodeConfigError, ConfigError
         print(f"error: {e}", file=sys.stderr)
         return 2
