@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import os
 import sys
@@ -75,6 +76,10 @@ def _bits(a: np.ndarray) -> np.ndarray:
     return a.view(np.dtype(f"u{a.dtype.itemsize}"))
 
 
+def _digest(a: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()[:16]
+
+
 def compare(a: np.ndarray, b: np.ndarray) -> dict:
     """Bitwise comparison of two arrays of one shape: identical, elements that differ, the
     largest absolute difference and its size relative to the largest |a|."""
@@ -85,6 +90,17 @@ def compare(a: np.ndarray, b: np.ndarray) -> dict:
     diff = float(np.nanmax(np.abs(a32 - b32)))
     scale = float(np.nanmax(np.abs(a32))) or 1.0
     return {"identical": False, "differing": int((~same).sum()), "of": int(same.size), "max_abs": diff, "max_rel": diff / scale}
+
+
+# jitted step and tap functions by (kind, loop, ...): the lone request's loop is the same for
+# every N, so it compiles once
+_JITS: dict = {}
+
+
+def _jitted(key, make):
+    if key not in _JITS:
+        _JITS[key] = make()
+    return _JITS[key]
 
 
 class Run:
@@ -102,12 +118,11 @@ class Run:
         width = max(16, 1 << (longest - 1).bit_length())
         ring = CompiledLoop(loop, max(16, 4 * len(prompts)), width, jax.jit(loop.init_state), None, 0.0)
         self.state = ring.initial_state(prompts, decode)
-        self.step = jax.jit(loop._step)
-        self._taps = {}
+        self.step = _jitted(("step", loop), lambda: jax.jit(loop._step))
 
     def _taps_fn(self, full: bool, lanes: int):
-        key = (full, lanes)
-        if key not in self._taps:
+        key = ("taps", self.loop, self.slot, full, lanes)
+        if key not in _JITS:
             loop, slot = self.loop, self.slot
 
             def run(params, state):
@@ -131,8 +146,8 @@ class Run:
                     "candidates": candidates,
                 }
 
-            self._taps[key] = jax.jit(run)
-        return self._taps[key]
+            _JITS[key] = jax.jit(run)
+        return _JITS[key]
 
     def taps(self) -> dict:
         slots = jax.device_get(self.state.slots)
@@ -195,6 +210,9 @@ def leak_report(engine: Engine, decode: DecodeConfig, request: list[int], others
             "step": t, "pass": "full" if ta["full_pass"] else "sparse", "lanes_alone": ta["lanes"], "lanes_among": tb["lanes"],
             "logits_identical": logits["identical"], "logits": logits, "committed_identical": same_tokens,
             "first_difference": first,
+            # for run-to-run comparisons (the same command in another process must give the same digests)
+            "sha256": {"logits_alone": _digest(ta["logits"]), "logits_among": _digest(tb["logits"]),
+                       "tokens_among": _digest(among.slot_tokens())},
         })
         if not same_tokens or alone.done() or among.done():
             break

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Issue 21 on one GPU (H200; every part capped, at most 9.5 minutes in all): where the batch leaks
+# Issue 21 on one GPU (H200; every part capped, at most 9.8 minutes in all): where the batch leaks
 # into a request's result in the default mode, whether the batch-invariant mode removes it, and
 # what the mode costs.
 #
 #   bash scripts/gpu_batch_invariance.sh              # everything, results under ${OUT:-results}/batch_invariance
-#   bash scripts/gpu_batch_invariance.sh leak bench   # only some parts (flags gemm leak problems bench)
+#   bash scripts/gpu_batch_invariance.sh leak bench   # only some parts (flags gemm leak rerun problems bench)
 #
 # Parts (each capped by `timeout`; a part that runs out still leaves what it wrote):
 #   flags  XLA accepts the deterministic flags (dllm_jax.batch_invariance.DETERMINISTIC_XLA_FLAGS)
@@ -12,8 +12,10 @@
 #          rows come out bit-identical inside a 1/8/32-slot GEMM (scripts/bench_invariant_matmul.py)
 #   leak   per mode (default, batch-invariant): a request alone vs among 7 and 31 others at
 #          LLaDA-8B widths (4 of 32 layers, random bf16 weights, flash_cache): bit identity of
-#          logits / committed tokens / answers and the first layer and op whose activations
-#          differ (scripts/batch_invariance.py --what leak)
+#          logits and committed tokens, and the first layer and op whose activations differ
+#          (scripts/batch_invariance.py --what leak; answers: the problems part)
+#   rerun  the batch-invariant leak probe (1 layer, 8 slots) twice, in two processes: are the
+#          logits and tokens' digests the same from run to run?
 #   problems  per mode: 240 held-out problems of the embedded tiny model (bf16) at batch 1, 5,
 #          16 per method: answers identical to batch 1 (scripts/batch_invariance.py --what problems)
 #   bench  step time of flash_cache at 1/8/32 slots, LLaDA-8B, backend auto, default vs
@@ -24,7 +26,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD
 R=${OUT:-results}/batch_invariance
 mkdir -p "$R"
-PARTS=${*:-flags gemm leak problems bench}
+PARTS=${*:-flags gemm leak rerun problems bench}
 PY=${PYTHON:-python}
 
 log() { echo "[$(date -u +%H:%M:%S)] $*" | tee -a "$R/run.log"; }
@@ -40,24 +42,39 @@ wants() { [[ " $PARTS " == *" $1 "* ]]; }
 
 log "parts: $PARTS; $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1); git $(git rev-parse --short HEAD 2>/dev/null)"
 if wants flags; then
-    part flags 30 env XLA_FLAGS="$($PY -c 'from dllm_jax.batch_invariance import deterministic_xla_flags as f; print(f({}))')" \
+    part flags 20 env XLA_FLAGS="$($PY -c 'from dllm_jax.batch_invariance import deterministic_xla_flags as f; print(f({}))')" \
         $PY -c 'import jax, jax.numpy as jnp, os; print(os.environ["XLA_FLAGS"], "->", float(jnp.arange(8.0).sum()), jax.devices())'
 fi
 if wants gemm; then
     part gemm 45 $PY scripts/bench_invariant_matmul.py --out "$R/gemm"
 fi
 if wants leak; then
-    part leak_default 80 $PY scripts/batch_invariance.py --what leak --others 7 31 --layers 4 --steps 3 --out "$R/leak"
-    part leak_invariant 80 $PY scripts/batch_invariance.py --what leak --batch-invariant --others 7 31 --layers 4 --steps 3 --out "$R/leak"
+    part leak_default 70 $PY scripts/batch_invariance.py --what leak --others 7 31 --layers 4 --steps 3 --no-answers --out "$R/leak"
+    part leak_invariant 70 $PY scripts/batch_invariance.py --what leak --batch-invariant --others 7 31 --layers 4 --steps 3 --no-answers --out "$R/leak"
+fi
+if wants rerun; then
+    for i in 1 2; do
+        part rerun_$i 35 $PY scripts/batch_invariance.py --what leak --batch-invariant --others 7 --layers 1 --steps 2 --no-answers --out "$R/rerun_$i"
+    done
+    $PY - "$R" <<'PYEOF' | tee -a "$R/run.log"
+import json, sys
+from pathlib import Path
+runs = [Path(sys.argv[1]) / f"rerun_{i}" / "batch_invariance_batch-invariant.json" for i in (1, 2)]
+if not all(p.is_file() for p in runs):
+    print("run-to-run: a rerun did not finish (see rerun_*.log)")
+else:
+    digests = [[s["sha256"] for r in json.loads(p.read_text())["leak"].values() for s in r["steps"]] for p in runs]
+    print("run-to-run (batch-invariant, two processes): logits and tokens " + ("IDENTICAL" if digests[0] == digests[1] else "DIFFER") + f" over {len(digests[0])} steps")
+PYEOF
 fi
 if wants problems; then
     METHODS="flash_cache flash_verify fast_dllm llada"
-    part problems_default 90 $PY scripts/batch_invariance.py --what problems --problems 240 --batches 1 5 16 --methods $METHODS --out "$R/problems"
-    part problems_invariant 90 $PY scripts/batch_invariance.py --what problems --batch-invariant --problems 240 --batches 1 5 16 --methods $METHODS --out "$R/problems"
+    part problems_default 75 $PY scripts/batch_invariance.py --what problems --problems 240 --batches 1 5 16 --methods $METHODS --out "$R/problems"
+    part problems_invariant 75 $PY scripts/batch_invariance.py --what problems --batch-invariant --problems 240 --batches 1 5 16 --methods $METHODS --out "$R/problems"
 fi
 if wants bench; then
-    part bench_default 85 $PY scripts/bench.py --preset steps --backends auto --slots 1 8 32 --budget-s 60 --ceiling-repeats 3 --out "$R/bench_default"
-    part bench_invariant 85 $PY scripts/bench.py --preset steps --backends auto --slots 1 8 32 --budget-s 60 --ceiling-repeats 3 --batch-invariant --out "$R/bench_invariant"
+    part bench_default 80 $PY scripts/bench.py --preset steps --backends auto --slots 1 8 32 --budget-s 55 --ceiling-repeats 3 --out "$R/bench_default"
+    part bench_invariant 80 $PY scripts/bench.py --preset steps --backends auto --slots 1 8 32 --budget-s 55 --ceiling-repeats 3 --batch-invariant --out "$R/bench_invariant"
 fi
 {
     echo "# Issue 21 GPU run ($(date -u +%Y-%m-%d))"; echo; echo '```'; cat "$R/run.log"; echo '```'
