@@ -21,6 +21,7 @@
 #   bench  step time of flash_cache at 1/8/32 slots, LLaDA-8B, backend auto, default vs
 #          batch-invariant (scripts/bench.py --preset steps)
 # Every part writes a .md next to its .json; SUMMARY.md concatenates them with the run log.
+# TIME_SCALE=N multiplies every time limit; PYTHON picks the interpreter (default: python).
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD
@@ -31,7 +32,7 @@ PY=${PYTHON:-python}
 
 log() { echo "[$(date -u +%H:%M:%S)] $*" | tee -a "$R/run.log"; }
 part() {  # part NAME LIMIT_S COMMAND...
-    local name=$1 limit=$2; shift 2
+    local name=$1 limit=$(( $2 * ${TIME_SCALE:-1} )); shift 2
     log "start $name (limit ${limit}s): $*"
     local start=$SECONDS
     timeout "$limit" "$@" > "$R/$name.log" 2>&1
