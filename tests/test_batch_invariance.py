@@ -136,3 +136,13 @@ def test_invariant_decode_loop_lowers_for_cuda_at_llada_8b_widths():
     assert "invariant_matmul" in text and "cache_attention" in text
     weight_dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line and "4096x" in line]
     assert not weight_dots, weight_dots[:3]  # no projection or LM head left to XLA's dot
+
+
+def test_deterministic_flags_keep_what_is_set():
+    from dllm_jax import deterministic_xla_flags
+    from dllm_jax.serve.cli import parse_args
+
+    assert deterministic_xla_flags({}) == "--xla_gpu_deterministic_ops=true --xla_gpu_autotune_level=0"
+    flags = deterministic_xla_flags({"XLA_FLAGS": "--xla_dump_to=/tmp/x --xla_gpu_autotune_level=4"}).split()
+    assert flags == ["--xla_dump_to=/tmp/x", "--xla_gpu_autotune_level=4", "--xla_gpu_deterministic_ops=true"]
+    assert parse_args(["--batch-invariant"]).batch_invariant and not parse_args([]).batch_invariant
