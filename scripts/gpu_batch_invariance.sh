@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 21 on one GPU (H200; every part capped, at most 585 s of time limits in all): where the batch leaks
+# Issue 21 on one GPU (H200; every part capped, at most 575 s of time limits in all): where the batch leaks
 # into a request's result in the default mode, whether the batch-invariant mode removes it, and
 # what the mode costs.
 #
@@ -18,7 +18,7 @@
 #          logits and tokens' digests the same from run to run?
 #   problems  per mode: 240 held-out problems of the embedded tiny model (bf16) at batch 1, 5,
 #          16 per method: answers identical to batch 1 (scripts/batch_invariance.py --what problems)
-#   bench  step time of flash_cache at 1/8/32 slots, LLaDA-8B, backend auto, default vs
+#   bench  step time of flash_cache at 32/8/1 slots (most important first), LLaDA-8B, backend auto, default vs
 #          batch-invariant (scripts/bench.py --preset steps)
 # Every part writes a .md next to its .json; SUMMARY.md concatenates them with the run log.
 # TIME_SCALE=N multiplies every time limit; PYTHON picks the interpreter (default: python).
@@ -50,12 +50,12 @@ if wants gemm; then
     part gemm 60 $PY scripts/bench_invariant_matmul.py --out "$R/gemm"
 fi
 if wants leak; then
-    part leak_default 70 $PY scripts/batch_invariance.py --what leak --others 7 31 --layers 4 --steps 3 --no-answers --out "$R/leak"
-    part leak_invariant 70 $PY scripts/batch_invariance.py --what leak --batch-invariant --others 7 31 --layers 4 --steps 3 --no-answers --out "$R/leak"
+    part leak_default 60 $PY scripts/batch_invariance.py --what leak --others 7 31 --layers 4 --steps 3 --no-answers --out "$R/leak"
+    part leak_invariant 60 $PY scripts/batch_invariance.py --what leak --batch-invariant --others 7 31 --layers 4 --steps 3 --no-answers --out "$R/leak"
 fi
 if wants rerun; then
     for i in 1 2; do
-        part rerun_$i 35 $PY scripts/batch_invariance.py --what leak --batch-invariant --others 7 --layers 1 --steps 2 --no-answers --out "$R/rerun_$i"
+        part rerun_$i 30 $PY scripts/batch_invariance.py --what leak --batch-invariant --others 7 --layers 1 --steps 2 --no-answers --out "$R/rerun_$i"
     done
     $PY - "$R" <<'PYEOF' | tee -a "$R/run.log"
 import json, sys
@@ -70,12 +70,12 @@ PYEOF
 fi
 if wants problems; then
     METHODS="flash_cache flash_verify fast_dllm llada"
-    part problems_default 75 $PY scripts/batch_invariance.py --what problems --problems 240 --batches 1 5 16 --methods $METHODS --out "$R/problems"
-    part problems_invariant 75 $PY scripts/batch_invariance.py --what problems --batch-invariant --problems 240 --batches 1 5 16 --methods $METHODS --out "$R/problems"
+    part problems_default 60 $PY scripts/batch_invariance.py --what problems --problems 240 --batches 1 5 16 --methods $METHODS --out "$R/problems"
+    part problems_invariant 60 $PY scripts/batch_invariance.py --what problems --batch-invariant --problems 240 --batches 1 5 16 --methods $METHODS --out "$R/problems"
 fi
 if wants bench; then
-    part bench_default 75 $PY scripts/bench.py --preset steps --backends auto --slots 1 8 32 --budget-s 50 --ceiling-repeats 3 --out "$R/bench_default"
-    part bench_invariant 75 $PY scripts/bench.py --preset steps --backends auto --slots 1 8 32 --budget-s 50 --ceiling-repeats 3 --batch-invariant --out "$R/bench_invariant"
+    part bench_default 100 $PY scripts/bench.py --preset steps --backends auto --slots 32 8 1 --budget-s 75 --ceiling-repeats 3 --out "$R/bench_default"
+    part bench_invariant 100 $PY scripts/bench.py --preset steps --backends auto --slots 32 8 1 --budget-s 75 --ceiling-repeats 3 --batch-invariant --out "$R/bench_invariant"
 fi
 {
     echo "# Issue 21 GPU run ($(date -u +%Y-%m-%d))"; echo; echo '```'; cat "$R/run.log"; echo '```'
