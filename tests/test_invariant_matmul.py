@@ -76,3 +76,20 @@ def test_lowers_for_cuda_at_llada_8b_shapes(m, k, n):
         invariant_matmul, jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((k, n), jnp.bfloat16)
     )
     assert "invariant_matmul" in text and "__gpu$xla.gpu.triton" in text
+
+
+def test_gemm_bench_smoke_reports_time_and_row_identity(tmp_path):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "bench_invariant_matmul.py"
+    spec = importlib.util.spec_from_file_location("bench_invariant_matmul", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["--smoke", "--slots", "1", "4", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "invariant_matmul.json").read_text())
+    assert {(r["impl"], r["m"]) for r in rows} == {(i, m) for i in ("xla_dot", "reference_tiles128") for m in (32, 128)}
+    assert all(r["us"] > 0 for r in rows)
+    assert all(r["rows_identical_to_alone"] for r in rows if r["impl"] == "reference_tiles128")
+    assert "| small 256x512 | 4 | 128 | reference_tiles128 |" in (tmp_path / "invariant_matmul.md").read_text()
