@@ -13,8 +13,9 @@ What the mode changes in every model pass (dllm_jax.cached_forward, when
   when few groups leave SMs idle);
 * the fused projection kernel (backend "pallas") is not used: its row tiling follows the
   row count.
-Everything else (norms, RoPE, elementwise ops, sampling, commits) works row by row or slot
-by slot already. The debug taps (``LayerTaps``) capture a pass's intermediates per layer
+Everything else (norms, RoPE, elementwise ops, sampling, commits) is computed row by row or
+slot by slot already; whether XLA's reductions in the norms keep one order whatever the row
+count is what the leak report checks on the GPU (every op's output is a tap). The debug taps (``LayerTaps``) capture a pass's intermediates per layer
 to find where two runs' activations first differ (scripts/batch_invariance.py).
 
 Run-to-run determinism (same inputs, same bits across processes) on a GPU also needs XLA's
