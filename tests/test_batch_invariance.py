@@ -45,6 +45,7 @@ def _prompts(seed, lengths):
     ],
     ids=["flash", "flash_verify", "fast_dllm", "llada"],
 )
+@pytest.mark.slow
 def test_bf16_answers_do_not_depend_on_the_batch(lively_bf16, decode):
     cfg, params = lively_bf16
     engine = Engine(cfg, params, backend="xla")
@@ -70,6 +71,7 @@ def test_invariant_kernels_replace_the_row_count_dependent_ones():
     assert not resolve_kernels("xla").invariant
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["xla", "pallas"])
 def test_invariant_mode_answers_do_not_depend_on_the_batch(lively_bf16, backend):
     cfg, params = lively_bf16
@@ -148,6 +150,7 @@ def test_deterministic_flags_keep_what_is_set():
     assert parse_args(["--batch-invariant"]).batch_invariant and not parse_args([]).batch_invariant
 
 
+@pytest.mark.slow
 def test_invariant_gpu_kernels_are_bit_identical_in_every_tap(lively_bf16):
     """The GPU's invariant kernel choice (Pallas attention, scatter and matmul; interpret mode)
     through the leak report, Flash-Verify on: every intermediate of the request's rows is
