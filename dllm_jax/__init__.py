@@ -29,6 +29,7 @@ _EXPORTS = {
     "ModelConfig": "dllm_jax.config",
     "llada_8b_config": "dllm_jax.config",
     "ConversionError": "dllm_jax.checkpoint.errors",
+    "deterministic_xla_flags": "dllm_jax.batch_invariance",
     "DecodeConfig": "dllm_jax.decode_config",
     "DecodeConfigError": "dllm_jax.decode_config",
     "Engine": "dllm_jax.engine",
@@ -65,6 +66,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
+    from dllm_jax.batch_invariance import deterministic_xla_flags
     from dllm_jax.checkpoint.errors import ConversionError
     from dllm_jax.config import ConfigError, ModelConfig, llada_8b_config
     from dllm_jax.decode_config import DecodeConfig, DecodeConfigError

@@ -12,11 +12,14 @@ per slot, D model width, V vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from dllm_jax.batch_invariance import INVARIANT_BLOCK_K, LAYER_TAP_ORDER, LayerTaps, invariant_linears, map_groups
 from dllm_jax.chunked_attention import chunked_cache_attention
 from dllm_jax.config import ModelConfig
 from dllm_jax.flat_cache import FlatCache, flat_rows
@@ -96,12 +99,20 @@ def _xla_layer_attention(config, spec, q, k_cache, v_cache, layer, group_slot, k
         k_extra, v_extra = extra_kv
         key_exclude = verify.key_exclude
         extra = (k_extra.reshape(S, R, -1), v_extra.reshape(S, R, -1), verify.extra_mask)
-    out, scores = chunked_cache_attention(
-        q.reshape(S, R, -1), k_cache, v_cache, layer, slots, key_len,
-        score_rows if spec.score_scale is not None else None,
-        n_heads=config.n_heads, n_kv_heads=config.n_kv_heads, max_len=spec.max_len,
-        key_exclude=key_exclude, extra=extra,
-    )
+
+    invariant = spec.kernels.invariant
+
+    def attend(q, slots, key_len, score_rows, key_exclude, extra):
+        return chunked_cache_attention(
+            q, k_cache, v_cache, layer, slots, key_len, score_rows,
+            n_heads=config.n_heads, n_kv_heads=config.n_kv_heads, max_len=spec.max_len,
+            key_exclude=key_exclude, extra=extra, block_sizes=INVARIANT_BLOCK_K if invariant else None,
+        )
+
+    args = (q.reshape(S, R, -1), slots, key_len, score_rows if spec.score_scale is not None else None, key_exclude, extra)
+    # batch-invariant: one group at a time and a fixed key chunk, so that neither the number
+    # of groups nor max_len (the prompt bucket) changes a row's online-softmax order
+    out, scores = map_groups(attend, *args) if invariant else attend(*args)
     return out, (scores if spec.score_scale is not None else None)
 
 
@@ -118,7 +129,8 @@ def cached_forward(
     candidate_rows: jax.Array,
     score_rows: jax.Array | None = None,
     verify: VerifyKeys | None = None,
-) -> tuple[jax.Array, jax.Array | None, FlatCache]:
+    taps: bool = False,
+) -> tuple[jax.Array, jax.Array | None, FlatCache] | tuple[jax.Array, jax.Array | None, FlatCache, dict]:
     """Runs the model on the query rows over the cache.
 
     Args:
@@ -130,15 +142,18 @@ def cached_forward(
       score_rows: bool [S, R] rows feeding the tracking score (when spec.score_scale is set).
       verify: read-only pass (Flash-Verify): the rows' K/V are not written to the cache;
         instead each row attends to the allowed cached keys plus the allowed in-query rows.
+      taps: a debug pass: also return the intermediates, {"embed": [S, R, D], "layers":
+        {name: [NL, S, R, ...]} (batch_invariance.LAYER_TAP_ORDER), "logits": [S, C, V]}.
     Returns:
-      logits [S, C, V] (model dtype), scores float32 [S, L] or None, the updated cache.
+      logits [S, C, V] (model dtype), scores float32 [S, L] or None, the updated cache
+      (and the taps when asked).
     """
     S, R = tokens.shape
     slots = jnp.arange(S, dtype=jnp.int32) if group_slot is None else group_slot
     rows = flat_rows(slots, positions, row_valid, spec.max_len)
     block = LLaDABlock(config)
     model = LLaDAModel(config)
-    h = model.apply({"params": params}, tokens, method=LLaDAModel.embed)
+    h = h_embed = model.apply({"params": params}, tokens, method=LLaDAModel.embed)
     layers = params["layers"]
     per_layer = isinstance(layers, (list, tuple))
     if spec.kernels.qkv or spec.kernels.attention or spec.kernels.scatter:
@@ -151,16 +166,29 @@ def cached_forward(
             "use backend 'auto' or 'xla'"
         )
 
+    def ops(layer_taps: LayerTaps | None = None):
+        """The contexts every model call runs in: tap recording (outermost), invariant matmuls."""
+        stack = contextlib.ExitStack()
+        if layer_taps is not None:
+            stack.enter_context(layer_taps.recording())
+        if spec.kernels.invariant:
+            stack.enter_context(invariant_linears(spec.kernels))
+        return stack
+
     def layer_step(carry, lp, layer):
-        """One block; lp: this layer's params; layer: its index (int32 when scanned)."""
+        """One block; lp: this layer's params; layer: its index (int32 when scanned).
+        Returns the carry and the layer's taps ({} unless taps)."""
+        layer_taps = LayerTaps() if taps else None
         h, k_cache, v_cache, scores = carry
         lp = {"params": lp}
-        x = block.apply(lp, h, method=LLaDABlock.attention_input)
+        with ops(layer_taps):
+            x = block.apply(lp, h, method=LLaDABlock.attention_input)
         extra_kv = None
         if spec.kernels.qkv and verify is None:
             q, k_cache, v_cache = pallas_qkv_to_cache(config, spec, layers, x, positions, rows, k_cache, v_cache, layer)
         else:
-            q, k, v = block.apply(lp, x, positions, method=LLaDABlock.project_qkv)
+            with ops(layer_taps):
+                q, k, v = block.apply(lp, x, positions, method=LLaDABlock.project_qkv)
             if verify is not None:
                 extra_kv = (k, v)
             elif spec.kernels.scatter:
@@ -178,25 +206,40 @@ def cached_forward(
             )
         if scores is not None and not (per_layer and layer < SCORE_START_LAYER):
             scores = scores + jnp.where(layer >= SCORE_START_LAYER, layer_scores, 0.0)
-        h = output_and_mlp_in_chunks(block, lp, h, out.reshape(S, R, -1))
-        return h, k_cache, v_cache, scores
+        with ops(layer_taps):
+            if layer_taps is None:
+                h = output_and_mlp_in_chunks(block, lp, h, out.reshape(S, R, -1))
+            else:  # taps record inside the block's methods: no lax.map around them
+                h = block.apply(lp, h, out.reshape(S, R, -1), method=LLaDABlock.output_and_mlp)
+        if layer_taps is None:
+            return (h, k_cache, v_cache, scores), {}
+        for name, value in (("q", q), ("k", None if spec.kernels.qkv else k), ("v", None if spec.kernels.qkv else v),
+                            ("attention", out), ("attention_scores", layer_scores), ("residual", h)):
+            layer_taps.put(name, value)
+        return (h, k_cache, v_cache, scores), {n: layer_taps.values[n] for n in LAYER_TAP_ORDER if n in layer_taps.values}
 
     carry = (h, cache.k, cache.v, None if spec.score_scale is None else jnp.zeros((S, spec.max_len), jnp.float32))
     if per_layer:
         # separate arrays per layer, unrolled: no layer's weights are sliced (copied) out of a stack
+        per_layer_taps = []
         for layer, lp in enumerate(layers):
-            carry = layer_step(carry, lp, layer)
+            carry, layer_tap = layer_step(carry, lp, layer)
+            per_layer_taps.append(layer_tap)
+        stacked_taps = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *per_layer_taps)
     else:
 
         def scan_step(carry, layer):
-            return layer_step(carry, jax.tree_util.tree_map(lambda w: w[layer], layers), layer), None
+            return layer_step(carry, jax.tree_util.tree_map(lambda w: w[layer], layers), layer)
 
-        carry, _ = jax.lax.scan(scan_step, carry, jnp.arange(config.n_layers, dtype=jnp.int32))
+        carry, stacked_taps = jax.lax.scan(scan_step, carry, jnp.arange(config.n_layers, dtype=jnp.int32))
     h, k_cache, v_cache, scores = carry
     # [S, C, D] -> [S, C, V]: the LM head runs on candidate rows only
     h_candidates = jnp.take_along_axis(h, candidate_rows[:, :, None], axis=1)
-    logits = model.apply({"params": params}, h_candidates, method=LLaDAModel.logits)
+    with ops():
+        logits = model.apply({"params": params}, h_candidates, method=LLaDAModel.logits)
     if scores is not None:
         scores = scores * spec.score_scale
+    if taps:
+        return logits, scores, FlatCache(k=k_cache, v=v_cache), {"embed": h_embed, "layers": stacked_taps, "logits": logits}
     return logits, scores, FlatCache(k=k_cache, v=v_cache)
 

@@ -210,8 +210,9 @@ class DecodeLoop:
 
     # ----- one iteration -----------------------------------------------------------------
 
-    def _full_pass(self, params, slots: Slots, cache: FlatCache, run_full: jax.Array, lanes: int):
-        """Full forward of up to `lanes` slots needing it; returns logits/scores scattered to [B, ...]."""
+    def _full_pass(self, params, slots: Slots, cache: FlatCache, run_full: jax.Array, lanes: int, taps: bool = False):
+        """Full forward of up to `lanes` slots needing it; returns logits/scores scattered to [B, ...]
+        (taps: a debug pass, also the cached_forward taps and "group_slot", each lane's slot)."""
         B, L, C = run_full.shape[0], self.max_len, self.policy.num_candidates
         lane_slot = jnp.nonzero(run_full, size=lanes, fill_value=B)[0].astype(jnp.int32)
         lane_valid = lane_slot < B
@@ -223,9 +224,9 @@ class DecodeLoop:
         score_rows = jax.vmap(lambda c, v: jnp.zeros((L,), bool).at[jnp.where(v, c, L)].set(True, mode="drop"))(
             candidates, candidate_valid
         )
-        logits, scores, cache = cached_forward(
+        logits, scores, cache, *pass_taps = cached_forward(
             self.model, self._spec, params, cache, lane.tokens, positions, row_valid,
-            safe_slot, lane.key_len, candidates, score_rows,
+            safe_slot, lane.key_len, candidates, score_rows, taps=taps,
         )
         if self.cfg:
             # LLaDA's un_x: the prompt positions masked (prompt_index = the initial non-mask tokens)
@@ -240,10 +241,13 @@ class DecodeLoop:
         full_scores = jnp.zeros((B, L), jnp.float32)
         if scores is not None:
             full_scores = full_scores.at[lane_slot].set(scores, mode="drop")
+        if taps:
+            return full_logits, full_scores, cache, {**pass_taps[0], "group_slot": lane_slot}
         return full_logits, full_scores, cache
 
-    def _sparse_pass(self, params, slots: Slots, cache: FlatCache, run_sparse: jax.Array):
-        """The policy's sparse step for every slot (rows of other slots are invalid)."""
+    def _sparse_pass(self, params, slots: Slots, cache: FlatCache, run_sparse: jax.Array, taps: bool = False):
+        """The policy's sparse step for every slot (rows of other slots are invalid; taps: a
+        debug pass, also the cached_forward taps)."""
         B, L, C = run_sparse.shape[0], self.max_len, self.policy.num_candidates
         positions, row_valid = jax.vmap(self.policy.sparse_rows)(slots)
         row_valid = row_valid & run_sparse[:, None]
@@ -251,13 +255,13 @@ class DecodeLoop:
         R = positions.shape[1]
         candidate_rows = jnp.broadcast_to(jnp.arange(C, dtype=jnp.int32), (B, C))
         score_rows = row_valid & (jnp.arange(R) < C)[None, :]
-        logits, scores, cache = cached_forward(
+        logits, scores, cache, *pass_taps = cached_forward(
             self.model, self._spec, params, cache, tokens, positions, row_valid,
-            None, slots.key_len, candidate_rows, score_rows,
+            None, slots.key_len, candidate_rows, score_rows, taps=taps,
         )
         if scores is None:
             scores = jnp.zeros((B, L), jnp.float32)
-        return logits, scores, cache
+        return (logits, scores, cache, *pass_taps)
 
     def _model_passes(self, params, slots: Slots, cache: FlatCache, run_full, run_sparse, branch, any_sparse):
         """The full-pass variant `branch` (0: none) and the sparse pass (if any_sparse):

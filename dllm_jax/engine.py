@@ -27,6 +27,7 @@ from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from dllm_jax import sharding
+from dllm_jax.batch_invariance import check_model as check_invariant_model
 from dllm_jax.config import ModelConfig
 from dllm_jax.decode_config import DecodeConfig
 from dllm_jax.decode_loop import DecodeLoop, DecodeState
@@ -125,7 +126,8 @@ class CompiledLoop:
     init(prompts int32 [queue_capacity, prompt_width], lengths int32 [queue_capacity],
     params SlotParams [queue_capacity], count) -> DecodeState; run(params, state,
     stop_iteration, host_has_more) -> DecodeState (state donated). See DecodeLoop.
-    memory: the bytes per device it was estimated to need (checked before compiling).
+    memory: the bytes per device it was estimated to need (checked before compiling; None for a
+    loop built outside Engine.compile).
     """
 
     loop: DecodeLoop
@@ -134,7 +136,7 @@ class CompiledLoop:
     init: Any
     run: Any
     compile_seconds: float
-    memory: MemoryEstimate
+    memory: MemoryEstimate | None = None
 
     def initial_state(self, prompts: Sequence[Sequence[int]], decode: DecodeConfig) -> DecodeState:
         """The state with these prompts (at most queue_capacity) in the ring, with the
@@ -175,6 +177,10 @@ class Engine:
       mesh: decode over several devices (dllm_jax.sharding.parse_mesh): slots split across
         its data axis, weights and cache across its tensor axis. The params are laid out
         for it here (a no-op if they already are).
+      batch_invariant: compile every pass so that a slot's rows are computed independently of
+        the other slots (dllm_jax.batch_invariance): a request's answer does not depend on
+        the batch it runs in. Run-to-run determinism on GPUs also needs
+        batch_invariance.deterministic_xla_flags() in XLA_FLAGS before JAX starts.
     """
 
     def __init__(
@@ -191,8 +197,10 @@ class Engine:
         unroll_layers: bool = False,
         mesh: Mesh | None = None,
         compiler_options: dict[str, Any] | None = None,
+        batch_invariant: bool = False,
     ):
         check_bool("interpret", interpret, GenerationError)
+        check_bool("batch_invariant", batch_invariant, GenerationError)
         if compiler_options is not None and not isinstance(compiler_options, dict):
             raise GenerationError(f"compiler_options={compiler_options!r}: expected a dict of XLA options or None")
         self.compiler_options = quantization_compiler_options(config.quantization) if compiler_options is None else compiler_options
@@ -207,9 +215,13 @@ class Engine:
         self.params = params
         self.tokenizer = tokenizer
         try:
-            self.kernels = resolve_kernels(backend, interpret)
+            self.kernels = resolve_kernels(backend, interpret, batch_invariant)
+            if batch_invariant:
+                check_invariant_model(config)
         except ValueError as e:
             raise GenerationError(str(e)) from None
+        if batch_invariant and self.kernels.matmul and sharding.axis_size(mesh, sharding.TENSOR) > 1:
+            raise GenerationError("batch_invariant=True with the Pallas matmul does not shard over a tensor axis; use a data-only mesh")
         self._unroll_layers = unroll_layers
         if unroll_layers:
             self.params = params = unstack_layers(params)
@@ -254,8 +266,12 @@ class Engine:
 
     @property
     def backend(self) -> str:
-        """What runs the per-layer ops: "xla", "pallas" or a mix."""
+        """What runs the per-layer ops: "xla", "pallas" or a mix ("+invariant": batch-invariant)."""
         return self.kernels.name
+
+    @property
+    def batch_invariant(self) -> bool:
+        return self.kernels.invariant
 
     @property
     def num_compilations(self) -> int:

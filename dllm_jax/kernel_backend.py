@@ -41,14 +41,21 @@ class Kernels:
     # instead of a sort under a lax.cond (XLA:GPU reads a cond's predicate back to the host
     # at every step); not part of the name
     top_p_top_k: bool = False
+    # batch-invariant mode (dllm_jax.batch_invariance): a row's result does not depend on
+    # the other rows of the pass; matmul: its matmuls run as the Pallas kernel (else the jnp
+    # reference)
+    invariant: bool = False
+    matmul: bool = False
 
     @property
     def name(self) -> str:
         if self.qkv and self.attention:
             return "pallas"
-        used = [name for name, on in (("qkv", self.qkv), ("attention", self.attention), ("scatter", self.scatter)) if on]
+        ops = (("qkv", self.qkv), ("attention", self.attention), ("scatter", self.scatter), ("matmul", self.matmul))
+        used = [name for name, on in ops if on]
         name = "xla+pallas-" + "-".join(used) if used else "xla"
-        return name + "-tpu" if self.mosaic and used else name
+        name = name + "-tpu" if self.mosaic and used else name
+        return name + "+invariant" if self.invariant else name
 
 
 def on_nvidia_gpu() -> bool:
@@ -66,8 +73,31 @@ def on_tpu() -> bool:
         return False
 
 
-def resolve_kernels(backend: str | Kernels, interpret: bool = False) -> Kernels:
-    """The Kernels a backend name stands for on this machine (a Kernels is taken as given)."""
+def resolve_kernels(backend: str | Kernels, interpret: bool = False, batch_invariant: bool = False) -> Kernels:
+    """The Kernels a backend name stands for on this machine (a Kernels is taken as given),
+    made batch-invariant when asked (``invariant_kernels``)."""
+    kernels = _backend_kernels(backend, interpret)
+    return invariant_kernels(kernels) if batch_invariant else kernels
+
+
+def invariant_kernels(kernels: Kernels) -> Kernels:
+    """The batch-invariant variant of a kernel choice: the invariant matmul as a Pallas kernel
+    wherever the Triton kernels run, the XLA projections with the row-scatter kernel instead of
+    the fused projection kernel (whose row tiling follows the row count), and the XLA path's
+    attention instead of the Mosaic kernel (not checked for invariance)."""
+    triton = (kernels.qkv or kernels.attention or kernels.scatter) and not kernels.mosaic
+    return dataclasses.replace(
+        kernels,
+        invariant=True,
+        qkv=False,
+        attention=kernels.attention and not kernels.mosaic,
+        scatter=kernels.scatter or kernels.qkv,
+        mosaic=False,
+        matmul=kernels.matmul or triton,
+    )
+
+
+def _backend_kernels(backend: str | Kernels, interpret: bool) -> Kernels:
     if isinstance(backend, Kernels):
         return dataclasses.replace(backend, interpret=backend.interpret or interpret)
     if backend not in BACKENDS:
@@ -153,6 +183,16 @@ def pallas_layer_attention(config: ModelConfig, spec, q, k_cache, v_cache, layer
         key_exclude = verify.key_exclude
         extra = (k_extra.reshape(S, R, -1), v_extra.reshape(S, R, -1), verify.extra_mask)
 
+    block_sizes = None
+    if spec.kernels.invariant:
+        from pallas_kernels.cache_attention import default_attention_block_sizes
+
+        # the default key split count grows when few groups leave SMs idle: fix it at 1
+        block_sizes = dataclasses.replace(
+            default_attention_block_sizes(S, R, config.n_heads // tensor, config.n_kv_heads // tensor, spec.max_len),
+            num_splits=1,
+        )
+
     def attend(q, k_cache, v_cache, layer, slots, key_len, score_rows, key_exclude, extra):
         out, scores = cache_attention(
             q, k_cache, v_cache, layer, slots, key_len, score_rows,
@@ -162,6 +202,7 @@ def pallas_layer_attention(config: ModelConfig, spec, q, k_cache, v_cache, layer
             key_exclude=key_exclude,
             extra=extra,
             interpret=spec.kernels.interpret,
+            block_sizes=block_sizes,
         )
         # each device summed the scores over its own heads
         return out, (jax.lax.psum(scores, TENSOR) if tensor > 1 else scores)

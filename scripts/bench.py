@@ -33,6 +33,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+# --batch-invariant: XLA reads its (deterministic) flags once, when the backend starts
+if "--batch-invariant" in sys.argv:
+    from dllm_jax.batch_invariance import deterministic_xla_flags  # noqa: E402
+
+    os.environ["XLA_FLAGS"] = deterministic_xla_flags()
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -439,6 +445,8 @@ def parse_args(argv):
     p.add_argument("--compiler-options", type=json.loads, default=None,
                    help='XLA options of the decode loops as JSON, e.g. \'{"xla_gpu_enable_triton_gemm": true}\' '
                         "(default: the quantization's own, dllm_jax.quantization.compiler_options; {} = XLA's defaults)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="the engine's batch-invariant mode (dllm_jax.batch_invariance; sets XLA's deterministic flags)")
     p.add_argument("--budget-s", type=float, default=None, help="skip runs once this much time has passed")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
     opts = p.parse_args(argv)
@@ -522,7 +530,7 @@ def main(argv=None) -> int:
         cost = costs[quantization] = Cost(q_config, params_bytes=weight_bytes(weights[quantization]))
         engine = Engine(q_config, weights[quantization], backend=backend, interpret=opts.tiny and backend == "pallas",
                         full_pass_lanes=(), mesh=parse_mesh(opts.mesh) if opts.mesh else None,
-                        compiler_options=opts.compiler_options)
+                        compiler_options=opts.compiler_options, batch_invariant=opts.batch_invariant)
         report.setdefault("compiler_options", {})[quantization] = engine.compiler_options
         backend = engine.backend + (f" mesh {opts.mesh}" if opts.mesh else "")
         backend += f" {quantization}" if quantization != "none" else ""

@@ -270,3 +270,11 @@ def test_console_script_runs_as_installed(model_dir):
     assert result.returncode == 0 and result.stdout.startswith("usage: dllm-generate")
     wrapper = subprocess.run([sys.executable, str(ROOT / "scripts" / "generate.py"), "--help"], capture_output=True, text=True, timeout=120)
     assert wrapper.returncode == 0 and "--prompts-file" in wrapper.stdout
+
+
+def test_batch_invariant_flag_reaches_the_engine(model_dir, capsys, monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # restored after the test
+    code, _, stderr = run(["--model", model_dir, "--prompt", "What is 2 + 2?", "--gen-length", "16", "--block-length", "8",
+                           "--batch-size", "2", "--no-progress", "--batch-invariant"], capsys)
+    assert code == 0 and "+invariant" in stderr
+    assert "--xla_gpu_deterministic_ops=true" in os.environ["XLA_FLAGS"]

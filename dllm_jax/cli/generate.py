@@ -122,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--quantization", choices=QUANTIZATIONS,
                      help="8-bit block projections (fp8: W8A8, int8-weights: weight-only); default: as the "
                           "checkpoint stores them (none for a Hugging Face folder)")
+    run.add_argument("--batch-invariant", action="store_true",
+                     help="answers independent of the batch (and, with XLA's deterministic ops, of the run); slower")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     running.add_logging_flags(p)
     return p
@@ -199,6 +201,12 @@ def _main(argv: Sequence[str] | None) -> int:
     records = from_flags(args.prompt) if args.prompt else read_jsonl(args.prompts_file, reserved=_output_keys())
     output_path = check_output_path(args.output) if args.output is not None else None
     params = sampling_params(args)
+    if args.batch_invariant:
+        import os
+
+        from dllm_jax.batch_invariance import deterministic_xla_flags
+
+        os.environ["XLA_FLAGS"] = deterministic_xla_flags()  # before JAX starts its backend
 
     from dllm_jax import sharding
     from dllm_jax.engine import Engine
@@ -229,7 +237,8 @@ def _main(argv: Sequence[str] | None) -> int:
 
     log.info("loading %s (%s)", path, dtype)
     loaded = load_model(path, dtype=dtype, quantization=args.quantization)
-    engine = Engine(loaded.config, loaded.params, tokenizer, backend=args.backend, mesh=mesh)
+    engine = Engine(loaded.config, loaded.params, tokenizer, backend=args.backend, mesh=mesh,
+                    batch_invariant=args.batch_invariant)
     log.info("generating %d request(s): %s, gen_length=%d, chat=%s", len(encoded), decode.method, decode.gen_length, chat)
     output = engine.generate(encoded, params, decode=decode, progress=not (args.no_progress or args.quiet))
     failed = 0

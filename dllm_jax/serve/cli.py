@@ -61,6 +61,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quantization", choices=QUANTIZATIONS,
                    help="8-bit block projections (fp8: W8A8, int8-weights: weight-only); default: as the checkpoint stores them")
     p.add_argument("--backend", choices=("auto", "xla", "pallas"), default="auto", help="kernels (default auto)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="answers independent of the load (and, with XLA's deterministic ops, of the run); slower")
     p.add_argument("--port-file", type=Path, help="write the bound port here once serving (for scripts and tests)")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info", help="default info")
     return p.parse_args(argv)
@@ -84,6 +86,10 @@ def _check(args: argparse.Namespace) -> None:
 
 def build(args: argparse.Namespace):
     """Loads the model and assembles the server (compiling and warming up its loops)."""
+    if args.batch_invariant:
+        from dllm_jax.batch_invariance import deterministic_xla_flags
+
+        os.environ["XLA_FLAGS"] = deterministic_xla_flags()  # before JAX starts its backend
     import jax
 
     from dllm_jax.assets import tiny_model_path
@@ -95,7 +101,8 @@ def build(args: argparse.Namespace):
     if not path.is_dir():
         raise UsageError(f"--model {path}: not a folder")
     dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
-    engine = Engine.from_pretrained(str(path), dtype=dtype, quantization=args.quantization, backend=args.backend)
+    engine = Engine.from_pretrained(str(path), dtype=dtype, quantization=args.quantization, backend=args.backend,
+                                    batch_invariant=args.batch_invariant)
     if engine.tokenizer is None:
         raise UsageError(f"--model {path}: the folder has no tokenizer files; the server needs them")
     limit = engine.config.max_sequence_length

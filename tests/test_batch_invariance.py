@@ -1,0 +1,165 @@
+"""Batch invariance in bfloat16 on the CPU: a request's answer does not depend on the batch.
+
+tests/test_engine.py checks the same in float32; bf16 rounds every activation, so a result
+that depends on how many rows share a GEMM, an attention call or a full-pass lane shows up here.
+"""
+
+import dataclasses
+import importlib.util
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dllm_jax.decode_config import DecodeConfig
+from dllm_jax.engine import Engine, GenerationError
+from dllm_jax.kernel_backend import Kernels, resolve_kernels
+
+_SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "batch_invariance.py"
+_spec = importlib.util.spec_from_file_location("batch_invariance_script", _SCRIPT)
+batch_invariance_script = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(batch_invariance_script)
+
+
+@pytest.fixture(scope="module")
+def lively_bf16(lively):
+    cfg, params = lively
+    cfg = dataclasses.replace(cfg, dtype="bfloat16")
+    return cfg, jax.tree_util.tree_map(lambda w: w.astype(jnp.bfloat16), params)
+
+
+def _prompts(seed, lengths):
+    rng = np.random.RandomState(seed)
+    return [list(rng.randint(0, 100, n)) for n in lengths]
+
+
+@pytest.mark.parametrize(
+    "decode",
+    [
+        DecodeConfig(method="flash_cache", gen_length=32, batch_size=4, threshold=0.5, mask_num=2, track_num=1),
+        DecodeConfig(method="flash_cache", gen_length=32, batch_size=4, threshold=0.5, mask_num=2, track_num=1, verify=True),
+        DecodeConfig(method="fast_dllm", gen_length=32, block_length=16, threshold=0.5, batch_size=4),
+        DecodeConfig(method="llada", gen_length=32, block_length=16, steps=16, batch_size=4),
+    ],
+    ids=["flash", "flash_verify", "fast_dllm", "llada"],
+)
+@pytest.mark.slow
+def test_bf16_answers_do_not_depend_on_the_batch(lively_bf16, decode):
+    cfg, params = lively_bf16
+    engine = Engine(cfg, params, backend="xla")
+    many = _prompts(1, (5, 14, 8, 11, 3, 16, 9))
+    together = engine.generate(many, decode)
+    assert together.stats.iterations < sum(r.steps for r in together.results), "slots ran concurrently"
+    answers = [r.token_ids for r in together.results]
+    assert len({tuple(a) for a in answers}) > 1, "the prompts should get different answers"
+    for i in (0, 3, 5):
+        alone = engine.generate([many[i]], decode).results[0]
+        assert (alone.token_ids, alone.steps) == (answers[i], together.results[i].steps), i
+
+
+# ----- the batch-invariant mode and the leak report (scripts/batch_invariance.py)
+
+
+def test_invariant_kernels_replace_the_row_count_dependent_ones():
+    k = resolve_kernels("pallas", interpret=True, batch_invariant=True)
+    assert (k.invariant, k.matmul, k.qkv, k.attention, k.scatter) == (True, True, False, True, True)
+    assert k.name == "xla+pallas-attention-scatter-matmul+invariant"
+    k = resolve_kernels("xla", batch_invariant=True)
+    assert (k.invariant, k.matmul, k.attention) == (True, False, False) and k.name == "xla+invariant"
+    assert not resolve_kernels("xla").invariant
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_invariant_mode_answers_do_not_depend_on_the_batch(lively_bf16, backend):
+    cfg, params = lively_bf16
+    engine = Engine(cfg, params, backend=backend, interpret=backend == "pallas", batch_invariant=True)
+    assert engine.batch_invariant and engine.backend.endswith("+invariant")
+    decode = DecodeConfig(method="flash_cache", gen_length=32, batch_size=4, threshold=0.5, mask_num=2, track_num=1, verify=True)
+    many = _prompts(2, (5, 14, 8, 11, 3))
+    together = engine.generate(many, decode)
+    assert together.stats.tokens_per_step > 1.1
+    for i in (1, 4):
+        alone = engine.generate([many[i]], decode).results[0]
+        assert (alone.token_ids, alone.steps) == (together.results[i].token_ids, together.results[i].steps), i
+
+
+def test_invariant_mode_rejects_what_it_cannot_run(lively_bf16):
+    cfg, params = lively_bf16
+    with pytest.raises(GenerationError, match="batch_invariant=True runs bfloat16 weights, not quantization='int8-weights'"):
+        Engine(dataclasses.replace(cfg, quantization="int8-weights"), params, batch_invariant=True)
+    with pytest.raises(GenerationError, match="batch_invariant"):
+        Engine(cfg, params, batch_invariant="yes")
+
+
+def test_leak_report_compares_every_tap_bit_for_bit(lively_bf16):
+    cfg, params = lively_bf16
+    engine = Engine(cfg, params, backend="xla")
+    decode = DecodeConfig(method="flash_cache", gen_length=32, batch_size=4, threshold=0.5, mask_num=2, track_num=1)
+    request, *others = _prompts(3, (9, 9, 9, 9))
+    report = batch_invariance_script.leak_report(engine, decode, request, others, steps=3)
+    steps = report["steps"]
+    assert [s["pass"] for s in steps] == ["full", "sparse", "sparse"] and steps[0]["lanes_among"] == 4
+    assert all(s["logits_identical"] and s["committed_identical"] and s["first_difference"] is None for s in steps)
+    assert "bit-identical over 3 steps" in batch_invariance_script.summary_line(report)
+
+    # the comparison itself: one ulp in one valid row of one op is found, in order; invalid rows are ignored
+    alone = batch_invariance_script.Run(engine, decode, [request], 0).taps()
+    among = jax.tree_util.tree_map(np.copy, alone)
+    bits = among["layers"]["ff_proj"].view(f"u{among['layers']['ff_proj'].dtype.itemsize}")
+    rows = np.flatnonzero(alone["rows"])
+    bits[1, rows[2], 3] ^= 1  # one ulp
+    if (~alone["rows"]).any():  # a row outside the pass may differ
+        among["layers"]["residual"][0, np.flatnonzero(~alone["rows"])[0]] += 1
+    first = batch_invariance_script.first_difference(alone, among)
+    assert (first["op"], first["layer"], first["differing"]) == ("ff_proj", 1, 1)
+
+
+def test_invariant_decode_loop_lowers_for_cuda_at_llada_8b_widths():
+    """The whole loop (flash_cache + verify) of the GPU's invariant kernels, lowered for CUDA on
+    the CPU at LLaDA-8B widths (2 layers): every matmul is the invariant kernel."""
+    from dllm_jax.config import llada_8b_config
+    from dllm_jax.kernel_backend import Kernels
+    from dllm_jax.model import abstract_params, unstack_layers
+    from dllm_jax.slots import zero_params
+    from tests.cuda_lowering import lower_for_cuda
+
+    cfg = dataclasses.replace(llada_8b_config(), n_layers=2)
+    engine = Engine(cfg, jax.eval_shape(unstack_layers, abstract_params(cfg)), backend=Kernels(attention=True, scatter=True),
+                    full_pass_lanes=(), batch_invariant=True)
+    assert engine.kernels.matmul and engine.backend == "xla+pallas-attention-scatter-matmul+invariant"
+    decode = DecodeConfig(method="flash_cache", gen_length=256, batch_size=8, threshold=2.0, verify=True)
+    loop = engine.decode_loop(decode, 256)
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    state = jax.eval_shape(loop.init_state, i32(32, 256), i32(32), jax.eval_shape(lambda: zero_params((32,))), i32())
+    text = lower_for_cuda(jax.jit(loop.run, donate_argnums=1), engine.params, state, i32(), jax.ShapeDtypeStruct((), jnp.bool_))
+    assert "invariant_matmul" in text and "cache_attention" in text
+    weight_dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line and "4096x" in line]
+    assert not weight_dots, weight_dots[:3]  # no projection or LM head left to XLA's dot
+
+
+def test_deterministic_flags_keep_what_is_set():
+    from dllm_jax import deterministic_xla_flags
+    from dllm_jax.serve.cli import parse_args
+
+    assert deterministic_xla_flags({}) == "--xla_gpu_deterministic_ops=true --xla_gpu_autotune_level=0"
+    flags = deterministic_xla_flags({"XLA_FLAGS": "--xla_dump_to=/tmp/x --xla_gpu_autotune_level=4"}).split()
+    assert flags == ["--xla_dump_to=/tmp/x", "--xla_gpu_autotune_level=4", "--xla_gpu_deterministic_ops=true"]
+    assert parse_args(["--batch-invariant"]).batch_invariant and not parse_args([]).batch_invariant
+
+
+@pytest.mark.slow
+def test_invariant_gpu_kernels_are_bit_identical_in_every_tap(lively_bf16):
+    """The GPU's invariant kernel choice (Pallas attention, scatter and matmul; interpret mode)
+    through the leak report, Flash-Verify on: every intermediate of the request's rows is
+    bit-identical alone and among three others. (In the default mode XLA:CPU's dot itself can
+    differ in the last bit between 1 and 4 slots.)"""
+    cfg, params = lively_bf16
+    engine = Engine(cfg, params, backend=Kernels(attention=True, scatter=True), interpret=True, batch_invariant=True)
+    decode = DecodeConfig(method="flash_cache", gen_length=32, batch_size=4, threshold=2.0, mask_num=2, track_num=1, verify=True)
+    request, *others = _prompts(3, (9, 9, 9, 9))
+    report = batch_invariance_script.leak_report(engine, decode, request, others, steps=2)
+    assert len(report["steps"]) == 2
+    assert all(s["logits_identical"] and s["committed_identical"] and s["first_difference"] is None for s in report["steps"])
