@@ -6,6 +6,9 @@ What the mode changes in every model pass (dllm_jax.cached_forward, when
   ``pallas_kernels.invariant_matmul`` (Triton, NVIDIA GPUs) or its jnp reference (XLA's
   dot on fixed-shape row tiles, elsewhere): fixed tiles, fixed-order K loop, no split-K,
   so a row's result does not depend on the number of rows (slots x rows) of the GEMM;
+* every RMSNorm runs as ``pallas_kernels.invariant_rms_norm`` (Triton) or its jnp reference
+  (the model's math on fixed-shape row tiles): XLA:GPU's row reduction follows the whole
+  shape, and on the H200 a row's ff_norm differed in the last bf16 bit with the row count;
 * the XLA path's attention runs one group at a time (``map_groups``) over key chunks of a
   fixed INVARIANT_BLOCK_K, so its batched dots and its online-softmax order see neither the
   number of groups nor max_len (the prompt-length bucket);
@@ -13,9 +16,8 @@ What the mode changes in every model pass (dllm_jax.cached_forward, when
   when few groups leave SMs idle);
 * the fused projection kernel (backend "pallas") is not used: its row tiling follows the
   row count.
-Everything else (norms, RoPE, elementwise ops, sampling, commits) is computed row by row or
-slot by slot already; whether XLA's reductions in the norms keep one order whatever the row
-count is what the leak report checks on the GPU (every op's output is a tap). The debug taps (``LayerTaps``) capture a pass's intermediates per layer
+Everything else (RoPE, elementwise ops, sampling, commits) is computed row by row or slot by
+slot already, which the leak report checks on the GPU (every op's output is a tap). The debug taps (``LayerTaps``) capture a pass's intermediates per layer
 to find where two runs' activations first differ (scripts/batch_invariance.py).
 
 Run-to-run determinism (same inputs, same bits across processes) on a GPU also needs XLA's
@@ -35,10 +37,12 @@ import jax.numpy as jnp
 
 from dllm_jax.model import Linear, RMSNorm
 from pallas_kernels.invariant_matmul import MatmulBlockSizes, invariant_matmul, invariant_matmul_reference
+from pallas_kernels.invariant_rms_norm import RMSNormBlockSizes, invariant_rms_norm, invariant_rms_norm_reference
 
 # The row tile of the jnp reference: a slot's 128 query rows of Flash-Cache's sparse step
 # in one GEMM (the kernel's tiles are its own default).
 REFERENCE_BLOCKS = MatmulBlockSizes(block_m=128)
+REFERENCE_NORM_BLOCKS = RMSNormBlockSizes(block_m=128)
 
 # Keys per chunk of the XLA path's attention in this mode (its default follows the number of
 # groups and max_len).
@@ -79,24 +83,41 @@ def _matmul(kernels) -> Callable[..., jax.Array]:
     return lambda x, w, out_dtype: invariant_matmul_reference(x, w, out_dtype=out_dtype, block_sizes=REFERENCE_BLOCKS)
 
 
-@contextlib.contextmanager
-def invariant_linears(kernels) -> Iterator[None]:
-    """Within this context (at trace time) every model Linear computes x @ kernel with the
-    batch-invariant matmul (the kernel when kernels.matmul, else the reference)."""
-    matmul = _matmul(kernels)
+def _rms_norm(kernels) -> Callable[..., jax.Array]:
+    if kernels.matmul:
+        return lambda x, w, eps: invariant_rms_norm(x, w, eps, interpret=kernels.interpret)
+    return lambda x, w, eps: invariant_rms_norm_reference(x, w, eps, block_sizes=REFERENCE_NORM_BLOCKS)
 
-    def intercept(next_fun, args, kwargs, context):
-        module = context.module
-        if not isinstance(module, Linear) or context.method_name != "__call__":
-            return next_fun(*args, **kwargs)
+
+@contextlib.contextmanager
+def invariant_ops(kernels) -> Iterator[None]:
+    """Within this context (at trace time) every model Linear computes x @ kernel with the
+    batch-invariant matmul and every RMSNorm with the batch-invariant norm (the Pallas
+    kernels when kernels.matmul, else their jnp references)."""
+    matmul = _matmul(kernels)
+    rms_norm = _rms_norm(kernels)
+
+    def linear(module, x, out_dtype):
         if module.quantization != "none":
             raise ValueError(f"batch_invariant=True: {module.name} holds {module.quantization} weights")
-        x = args[0]
-        out_dtype = args[1] if len(args) > 1 else kwargs.get("out_dtype")
         out_dtype = module.dtype if out_dtype is None else out_dtype
         kernel = module.get_variable("params", "kernel")
         y = matmul(x.astype(module.dtype).reshape(-1, x.shape[-1]), kernel, jnp.dtype(out_dtype))
         return y.reshape(*x.shape[:-1], kernel.shape[1])
+
+    def norm(module, x):
+        y = rms_norm(x.reshape(-1, x.shape[-1]), module.get_variable("params", "weight"), float(module.eps))
+        return y.reshape(x.shape)
+
+    def intercept(next_fun, args, kwargs, context):
+        module = context.module
+        if context.method_name != "__call__":
+            return next_fun(*args, **kwargs)
+        if isinstance(module, Linear):
+            return linear(module, args[0], args[1] if len(args) > 1 else kwargs.get("out_dtype"))
+        if isinstance(module, RMSNorm):
+            return norm(module, args[0] if args else kwargs["x"])
+        return next_fun(*args, **kwargs)
 
     with nn.intercept_methods(intercept):
         yield

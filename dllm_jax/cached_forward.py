@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from dllm_jax.batch_invariance import INVARIANT_BLOCK_K, LAYER_TAP_ORDER, LayerTaps, invariant_linears, map_groups
+from dllm_jax.batch_invariance import INVARIANT_BLOCK_K, LAYER_TAP_ORDER, LayerTaps, invariant_ops, map_groups
 from dllm_jax.chunked_attention import chunked_cache_attention
 from dllm_jax.config import ModelConfig
 from dllm_jax.flat_cache import FlatCache, flat_rows
@@ -167,12 +167,12 @@ def cached_forward(
         )
 
     def ops(layer_taps: LayerTaps | None = None):
-        """The contexts every model call runs in: tap recording (outermost), invariant matmuls."""
+        """The contexts every model call runs in: tap recording (outermost), invariant matmuls and norms."""
         stack = contextlib.ExitStack()
         if layer_taps is not None:
             stack.enter_context(layer_taps.recording())
         if spec.kernels.invariant:
-            stack.enter_context(invariant_linears(spec.kernels))
+            stack.enter_context(invariant_ops(spec.kernels))
         return stack
 
     def layer_step(carry, lp, layer):

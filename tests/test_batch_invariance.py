@@ -119,7 +119,7 @@ def test_leak_report_compares_every_tap_bit_for_bit(lively_bf16):
 
 def test_invariant_decode_loop_lowers_for_cuda_at_llada_8b_widths():
     """The whole loop (flash_cache + verify) of the GPU's invariant kernels, lowered for CUDA on
-    the CPU at LLaDA-8B widths (2 layers): every matmul is the invariant kernel."""
+    the CPU at LLaDA-8B widths (2 layers): every matmul and every norm is an invariant kernel."""
     from dllm_jax.config import llada_8b_config
     from dllm_jax.kernel_backend import Kernels
     from dllm_jax.model import abstract_params, unstack_layers
@@ -138,6 +138,11 @@ def test_invariant_decode_loop_lowers_for_cuda_at_llada_8b_widths():
     assert "invariant_matmul" in text and "cache_attention" in text
     weight_dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line and "4096x" in line]
     assert not weight_dots, weight_dots[:3]  # no projection or LM head left to XLA's dot
+    # Every RMSNorm is the invariant kernel: 2 layers x 2 norms + the final norm in each of the
+    # loop's 3 passes, and no float32 row reduction over the model width left to XLA.
+    assert text.count("call @invariant_rms_norm") == 15
+    row_sums = [line for line in text.splitlines() if "stablehlo.reduce" in line and "x4096xf32>" in line]
+    assert not row_sums, row_sums[:3]
 
 
 def test_deterministic_flags_keep_what_is_set():
