@@ -1,4 +1,4 @@
-"""Convert a Hugging Face LLaDA checkpoint into a dllm_jax checkpoint, once.
+"""Convert a Hugging Face LLaDA or Dream checkpoint into a dllm_jax checkpoint, once.
 
   python -m convert.hf_to_jax --hf-dir PATH --out PATH [--dtype bfloat16]
 
@@ -29,7 +29,7 @@ def convert_checkpoint(hf_dir: str | Path, out_dir: str | Path, *, dtype: str = 
     """Converts ``hf_dir`` into the new folder ``out_dir`` and returns it.
 
     Args:
-      hf_dir: Hugging Face LLaDA folder (config.json, model.safetensors or shards + index,
+      hf_dir: Hugging Face LLaDA or Dream folder (config.json, model.safetensors or shards + index,
         optional tokenizer files).
       out_dir: folder to create; it must not exist.
       dtype: dtype of the stored params; every tensor (F16, BF16 or F32) is cast to it.
@@ -66,7 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The command line; returns the exit status (0 done, 2 bad input, 1 an OS error such as a full disk)."""
     parser = argparse.ArgumentParser(
         prog="python -m convert.hf_to_jax",
-        description="Convert a Hugging Face LLaDA checkpoint (safetensors) into a dllm_jax checkpoint (orbax).",
+        description="Convert a Hugging Face LLaDA or Dream checkpoint (safetensors) into a dllm_jax checkpoint (orbax).",
     )
     parser.add_argument("--hf-dir", required=True, type=Path, help="Hugging Face checkpoint folder")
     parser.add_argument("--out", required=True, type=Path, help="output folder (must not exist)")

@@ -1,4 +1,9 @@
-"""Model configuration: a frozen dataclass read from a Hugging Face LLaDA ``config.json``."""
+"""Model configuration: a frozen dataclass read from a Hugging Face ``config.json``.
+
+Two families: LLaDA (``model_type`` "llada", LLaDA's own key names) and Dream
+(``model_type`` "Dream", Qwen2's key names: q/k/v biases, grouped-query attention, logits
+shifted by one). A folder's ``auto_map`` (its own modeling code) is never read.
+"""
 
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ _REQUIRED_VALUES: dict[str, Any] = {
 }
 
 _SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+FAMILIES = ("llada", "dream")
 
 
 class ConfigError(ValueError):
@@ -53,6 +59,9 @@ class ModelConfig:
       mask_token_id, eos_token_id, pad_token_id, bos_token_id: special ids.
       max_sequence_length: longest sequence (prompt + generation) the model accepts.
       weight_tying: LM head shares the embedding matrix.
+      family: "llada" (Llama-shaped, the logit row of position i predicts token i) or "dream"
+        (Qwen2-shaped, the logit row of position i - 1 predicts token i); see logit_shift.
+      qkv_bias: the q/k/v projections add a bias (Dream).
       dtype: dtype of the weights and activations ("bfloat16" for serving, "float32" in tests);
         matmuls and attention accumulate in float32 either way.
     """
@@ -71,9 +80,13 @@ class ModelConfig:
     bos_token_id: int | None = None
     max_sequence_length: int = 4096
     weight_tying: bool = False
+    family: str = "llada"
+    qkv_bias: bool = False
     dtype: str = "bfloat16"
 
     def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise ConfigError(f"family={self.family!r}: expected one of {FAMILIES}")
         for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "mlp_hidden_size", "vocab_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
@@ -103,6 +116,12 @@ class ModelConfig:
         return self.n_kv_heads * self.head_dim
 
     @property
+    def logit_shift(self) -> int:
+        """How far before its position a token's prediction sits: the logit row of position
+        i - logit_shift predicts token i (0 for LLaDA, 1 for Dream)."""
+        return 1 if self.family == "dream" else 0
+
+    @property
     def jnp_dtype(self) -> jnp.dtype:
         return jnp.dtype(self.dtype)
 
@@ -110,13 +129,15 @@ class ModelConfig:
         """Parameter count, computed from the shapes (no allocation)."""
         D, F, V = self.d_model, self.mlp_hidden_size, self.vocab_size
         attention = D * self.n_heads * self.head_dim * 2 + D * self.kv_dim * 2
+        if self.qkv_bias:
+            attention += self.n_heads * self.head_dim + 2 * self.kv_dim
         per_layer = attention + 3 * D * F + 2 * D
         head = 0 if self.weight_tying else V * D
         return self.n_layers * per_layer + V * D + D + head
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any], *, dtype: str = "bfloat16", source: str = "config.json") -> ModelConfig:
-        """Builds the config from a parsed Hugging Face LLaDA ``config.json``.
+        """Builds the config from a parsed Hugging Face LLaDA or Dream ``config.json``.
 
         Raises ConfigError naming the key for a missing key or an unsupported option
         (alibi, biases, qk-norm, a non-RMS norm, ...).
@@ -124,8 +145,10 @@ class ModelConfig:
         if not isinstance(hf, dict):
             raise ConfigError(f"{source}: expected a JSON object, got {type(hf).__name__}")
         model_type = hf.get("model_type", "llada")
+        if str(model_type).lower() == "dream":
+            return dream_config_from_hf(hf, dtype=dtype, source=source)
         if str(model_type).lower() != "llada":
-            raise ConfigError(f"{source}: model_type={model_type!r} is not supported (only 'llada')")
+            raise ConfigError(f"{source}: model_type={model_type!r} is not supported (expected 'llada' or 'Dream')")
         for key, expected in _REQUIRED_VALUES.items():
             if key in hf and hf[key] != expected:
                 raise ConfigError(
@@ -183,7 +206,9 @@ class ModelConfig:
         return cls.from_hf_config(hf, dtype=dtype, source=str(path))
 
     def to_hf_config(self) -> dict[str, Any]:
-        """The LLaDA ``config.json`` dictionary describing this architecture."""
+        """The LLaDA (or Dream) ``config.json`` dictionary describing this architecture."""
+        if self.family == "dream":
+            return dream_config_to_hf(self)
         hf = dict(_REQUIRED_VALUES)
         hf.update(
             model_type="llada",
@@ -228,4 +253,121 @@ def llada_8b_config(dtype: str = "bfloat16") -> ModelConfig:
         max_sequence_length=4096,
         weight_tying=False,
         dtype=dtype,
+    )
+
+
+# ----- Dream (Qwen2 key names) -----------------------------------------------------------------
+
+# Keys of a Dream config.json whose value must be this (when present) for the model to be
+# computed the way dllm_jax computes it.
+_DREAM_REQUIRED_VALUES: dict[str, Any] = {
+    "hidden_act": "silu",
+    "rope_scaling": None,
+    "use_sliding_window": False,
+}
+
+# Dream's tokenizer: <|endoftext|> ends (and pads) a sequence, <|mask|> is the mask token.
+DREAM_EOS_TOKEN_ID = 151643
+DREAM_MASK_TOKEN_ID = 151666
+
+
+def dream_config_from_hf(hf: dict[str, Any], *, dtype: str = "bfloat16", source: str = "config.json") -> ModelConfig:
+    """The ModelConfig of a Dream ``config.json`` (model_type "Dream": Dream-v0, Dream-Coder,
+    DiffuCoder). Qwen2 blocks: q/k/v biases, no o/MLP biases, GQA, rotate-half RoPE.
+
+    ``auto_map`` (the folder's own modeling code) is ignored: nothing is imported or run.
+    Raises ConfigError naming the key for a missing key or an unsupported option.
+    """
+    for key, expected in _DREAM_REQUIRED_VALUES.items():
+        if key in hf and hf[key] != expected:
+            raise ConfigError(
+                f"{source}: unsupported option {key}={hf[key]!r} (dllm_jax implements only {key}={expected!r})"
+            )
+
+    def need(key: str) -> Any:
+        if key not in hf:
+            raise ConfigError(f"{source}: missing required key {key!r}")
+        return hf[key]
+
+    n_heads = need("num_attention_heads")
+    d_model = need("hidden_size")
+    head_dim = hf.get("head_dim")
+    if head_dim is not None and isinstance(n_heads, int) and n_heads > 0 and head_dim * n_heads != d_model:
+        raise ConfigError(f"{source}: head_dim={head_dim} * num_attention_heads={n_heads} != hidden_size={d_model}")
+    eos = hf.get("eos_token_id", DREAM_EOS_TOKEN_ID)
+    if isinstance(eos, list):  # generation configs may list several; the first ends a sequence
+        eos = eos[0] if eos else DREAM_EOS_TOKEN_ID
+    pad = hf.get("pad_token_id")
+    try:
+        return ModelConfig(
+            d_model=d_model,
+            n_layers=need("num_hidden_layers"),
+            n_heads=n_heads,
+            n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+            mlp_hidden_size=need("intermediate_size"),
+            vocab_size=need("vocab_size"),
+            rope_theta=float(hf.get("rope_theta", 10000.0)),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            mask_token_id=hf.get("mask_token_id", DREAM_MASK_TOKEN_ID),
+            eos_token_id=eos,
+            pad_token_id=eos if pad is None else pad,
+            bos_token_id=hf.get("bos_token_id"),
+            max_sequence_length=int(hf.get("max_position_embeddings", 32768)),
+            weight_tying=bool(hf.get("tie_word_embeddings", False)),
+            family="dream",
+            qkv_bias=True,
+            dtype=dtype,
+        )
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+
+
+def dream_config_to_hf(config: ModelConfig) -> dict[str, Any]:
+    """The Dream ``config.json`` dictionary of this architecture (no auto_map: no remote code)."""
+    hf: dict[str, Any] = dict(_DREAM_REQUIRED_VALUES)
+    hf.update(
+        model_type="Dream",
+        architectures=["DreamModel"],
+        hidden_size=config.d_model,
+        num_hidden_layers=config.n_layers,
+        num_attention_heads=config.n_heads,
+        num_key_value_heads=config.n_kv_heads,
+        intermediate_size=config.mlp_hidden_size,
+        vocab_size=config.vocab_size,
+        rope_theta=config.rope_theta,
+        rms_norm_eps=config.rms_norm_eps,
+        mask_token_id=config.mask_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+        max_position_embeddings=config.max_sequence_length,
+        tie_word_embeddings=config.weight_tying,
+        torch_dtype="bfloat16",
+    )
+    if config.bos_token_id is not None:
+        hf["bos_token_id"] = config.bos_token_id
+    return hf
+
+
+def dream_7b_config(dtype: str = "bfloat16") -> ModelConfig:
+    """Dream-v0-Base/Instruct-7B architecture (published config.json; Qwen2.5-7B shaped)."""
+    return dream_config_from_hf(
+        {
+            "model_type": "Dream",
+            "hidden_size": 3584,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 28,
+            "num_key_value_heads": 4,
+            "intermediate_size": 18944,
+            "vocab_size": 152064,
+            "rope_theta": 1000000.0,
+            "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 131072,
+            "tie_word_embeddings": False,
+            "mask_token_id": DREAM_MASK_TOKEN_ID,
+            "eos_token_id": DREAM_EOS_TOKEN_ID,
+            "pad_token_id": DREAM_EOS_TOKEN_ID,
+            "bos_token_id": DREAM_EOS_TOKEN_ID,
+        },
+        dtype=dtype,
+        source="dream_7b_config",
     )

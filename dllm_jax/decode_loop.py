@@ -27,7 +27,7 @@ from dllm_jax.config import ModelConfig
 from dllm_jax.decode_config import DecodeKnobs
 from dllm_jax.flat_cache import FlatCache, allocate_cache
 from dllm_jax.kernel_backend import Kernels
-from dllm_jax.model import Params
+from dllm_jax.models import Params
 from dllm_jax.policies import DecodePolicy
 from dllm_jax.sharding import CACHE_ROWS, DATA, REPLICATED, SLOTS, axis_size, per_data_shard
 from dllm_jax.slots import Slots, empty_slots, install

@@ -31,7 +31,7 @@ from dllm_jax.decode_config import DecodeConfig
 from dllm_jax.decode_loop import DecodeLoop, DecodeState
 from dllm_jax.flat_cache import cache_bytes
 from dllm_jax.kernel_backend import Kernels, resolve_kernels
-from dllm_jax.model import Params, unstack_layers
+from dllm_jax.models import Params, unstack_layers
 from dllm_jax.policies import make_policy
 
 # flash_cache: max_len as the reference computes it (reference-spec B.1); key lengths are

@@ -6,7 +6,7 @@ import dataclasses
 from pathlib import Path
 
 from dllm_jax.config import ModelConfig
-from dllm_jax.model import Params
+from dllm_jax.models import Params
 from dllm_jax.tokenizer import Tokenizer, has_tokenizer_files
 
 
@@ -15,7 +15,7 @@ class LoadedModel:
     """A model ready to run.
 
     config: the architecture; ``config.dtype`` is the dtype of ``params``.
-    params: the params tree of jax arrays (layout: dllm_jax.model).
+    params: the params tree of jax arrays (layout: dllm_jax.models).
     tokenizer: the folder's tokenizer, or None when it holds no tokenizer files.
     path: the folder it came from.
     """
@@ -27,7 +27,7 @@ class LoadedModel:
 
 
 def load_model(path: str | Path, *, dtype: str = "bfloat16") -> LoadedModel:
-    """Loads a converted folder (has dllm_jax_metadata.json) or a Hugging Face LLaDA folder.
+    """Loads a converted folder (has dllm_jax_metadata.json) or a Hugging Face LLaDA or Dream folder.
 
     A Hugging Face folder is converted in memory by the same streaming reader as
     ``python -m convert.hf_to_jax``; nothing is written. Params are cast to ``dtype``.
@@ -50,7 +50,7 @@ def load_model(path: str | Path, *, dtype: str = "bfloat16") -> LoadedModel:
     else:
         raise ConversionError(
             f"{path}: neither a converted dllm_jax checkpoint (no {METADATA_FILE}) "
-            f"nor a Hugging Face LLaDA folder (no {CONFIG_FILE})"
+            f"nor a Hugging Face LLaDA or Dream folder (no {CONFIG_FILE})"
         )
     tokenizer = Tokenizer.from_dir(path) if has_tokenizer_files(path) else None
     return LoadedModel(config=config, params=params, tokenizer=tokenizer, path=path)

@@ -35,7 +35,7 @@ import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from dllm_jax.config import ModelConfig
-from dllm_jax.model import Params
+from dllm_jax.models import Params
 
 DATA = "data"
 TENSOR = "tensor"
@@ -113,11 +113,13 @@ def check_batch(mesh: Mesh, batch_size: int) -> None:
 
 
 def param_specs(params: Params) -> Params:
-    """A PartitionSpec per parameter: the tree of dllm_jax.model's docstring, its layers
+    """A PartitionSpec per parameter: the tree of dllm_jax.models' docstring, its layers
     stacked ([n_layers, in, out] kernels) or per layer (a tuple of [in, out] kernels)."""
 
     def spec(path, leaf) -> P:
         module = path[-2].key if path[0].key == "layers" else None
+        if module in _COLUMN_SPLIT and path[-1].key == "bias":  # [(n_layers,) out]: split like the columns
+            return P(*(None,) * (leaf.ndim - 1), TENSOR)
         lead = (None,) * (leaf.ndim - 2)
         if module in _COLUMN_SPLIT:
             return P(*lead, None, TENSOR)

@@ -40,7 +40,7 @@ from dllm_jax.atomic_write import write_text_atomically  # noqa: E402
 from dllm_jax.config import ModelConfig, llada_8b_config  # noqa: E402
 from dllm_jax.decode_config import DecodeConfig  # noqa: E402
 from dllm_jax.engine import Engine  # noqa: E402
-from dllm_jax.model import init_params, init_params_per_layer  # noqa: E402
+from dllm_jax.models import init_params, init_params_per_layer  # noqa: E402
 from dllm_jax.sharding import parse_mesh  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -374,7 +374,7 @@ def parse_args(argv):
 
 def reanalyse(path: Path) -> int:
     """Floors and tables of a recorded report, recomputed with this script's formulas."""
-    from dllm_jax.model import abstract_params
+    from dllm_jax.models import abstract_params
 
     report = json.loads(path.read_text())
     config = tiny_config() if report["model"] == "tiny" else llada_8b_config()

@@ -32,11 +32,11 @@ import orbax.checkpoint as ocp
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from convert.jax_to_hf import save_llada_checkpoint
+from convert.jax_to_hf import save_hf_checkpoint
 from dllm_jax import tiny_tasks
 from dllm_jax.atomic_write import write_text_atomically
 from dllm_jax.config import ConfigError, ModelConfig
-from dllm_jax.model import Params, count_params, forward, init_params
+from dllm_jax.models import Params, count_params, forward, init_params
 from dllm_jax.tiny_tokenizer import EOT, TINY_VOCAB_SIZE, build_tiny_tokenizer, save_tiny_tokenizer
 
 # The engine lets every request attend to keys up to the next multiple of 128 (an EOS tail after
@@ -371,7 +371,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     write_text_atomically(args.out / "final_eval.json", json.dumps(report, indent=2))
     print(f"final held-out exact match ({len(final_problems)} problems): {acc}", flush=True)
     if args.export is not None:
-        save_llada_checkpoint(args.export, config, jax.device_get(state["params"]), tokenizer_dir=tokenizer_dir)
+        save_hf_checkpoint(args.export, config, jax.device_get(state["params"]), tokenizer_dir=tokenizer_dir)
         print(f"exported {args.export}", flush=True)
     return 0
 

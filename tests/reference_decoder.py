@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from dllm_jax.attention import dense_attention
 from dllm_jax.config import ModelConfig
 from dllm_jax.decode_config import DecodeConfig
-from dllm_jax.model import LLaDABlock, LLaDAModel, forward
+from dllm_jax.models import LLaDABlock, LLaDAModel, forward
 
 
 class ReferenceDecoder:

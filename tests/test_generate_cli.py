@@ -9,8 +9,8 @@ from pathlib import Path
 import jax
 import pytest
 
-from convert.jax_to_hf import save_llada_checkpoint
-from dllm_jax.model import init_params
+from convert.jax_to_hf import save_hf_checkpoint
+from dllm_jax.models import init_params
 from tests.conftest import tiny_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,7 +24,7 @@ def model_dir(tmp_path_factory, tiny_tokenizer_dir):
     # the tiny tokenizer: ids 0..5 are <|startoftext|>, <|endoftext|>, <|mdm_mask|>, headers, <|eot_id|>
     cfg = tiny_config(vocab_size=300, bos_token_id=0, eos_token_id=1, pad_token_id=1, mask_token_id=2)
     out = tmp_path_factory.mktemp("cli") / "tiny-llada"
-    return save_llada_checkpoint(out, cfg, init_params(cfg, jax.random.key(0)), tokenizer_dir=tiny_tokenizer_dir)
+    return save_hf_checkpoint(out, cfg, init_params(cfg, jax.random.key(0)), tokenizer_dir=tiny_tokenizer_dir)
 
 
 def run(args, capsys):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from dllm_jax import tiny_tasks
-from dllm_jax.model import init_params
+from dllm_jax.models import init_params
 from dllm_jax.tiny_tasks import Problem
 from dllm_jax.tiny_tokenizer import EOT, build_tiny_tokenizer
 from scripts import train_tiny as tr

@@ -1,0 +1,59 @@
+"""Building blocks shared by the model families: a float32-accumulating Linear, RMSNorm, SwiGLU.
+
+Attention lives in dllm_jax.attention (dense, masked) and dllm_jax.cached_forward (over the
+flat cache); RoPE in dllm_jax.rope.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+INIT = nn.initializers.normal(stddev=0.02)
+
+
+class Linear(nn.Module):
+    """y = x @ kernel (+ bias), accumulated in float32, returned in out_dtype (default: the
+    weights' dtype).
+
+    bf16 x bf16 -> bf16 dots accumulate in float32 on GPU (cuBLAS) and CPU; asking for a
+    float32 result only where it is used (q and k before RoPE) keeps the large MLP
+    activations in bf16 in device memory. The bias is added to the float32 product when
+    out_dtype is float32 (before rounding), else in the output dtype.
+    """
+
+    features: int
+    dtype: Any
+    use_bias: bool = False
+
+    @nn.compact
+    def __call__(self, x: jax.Array, out_dtype: Any = None) -> jax.Array:
+        kernel = self.param("kernel", INIT, (x.shape[-1], self.features), self.dtype)
+        out_dtype = self.dtype if out_dtype is None else out_dtype
+        y = jnp.dot(x.astype(self.dtype), kernel, preferred_element_type=out_dtype)
+        if self.use_bias:
+            bias = self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
+            y = y + bias.astype(y.dtype)
+        return y
+
+
+class RMSNorm(nn.Module):
+    """weight * cast(x * rsqrt(mean(x^2) + eps)): statistics in float32, weight applied in x's dtype."""
+
+    eps: float
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return normed.astype(x.dtype) * weight.astype(x.dtype)
+
+
+def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """SiLU(gate) * up, in the inputs' dtype."""
+    return nn.silu(gate) * up
