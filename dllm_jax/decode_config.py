@@ -12,14 +12,15 @@ from typing import Literal
 import jax.numpy as jnp
 from flax import struct
 
-Method = Literal["llada", "fast_dllm", "flash_cache"]
-METHODS: tuple[str, ...] = ("llada", "fast_dllm", "flash_cache")
+Method = Literal["llada", "fast_dllm", "flash_cache", "dream"]
+METHODS: tuple[str, ...] = ("llada", "fast_dllm", "flash_cache", "dream")
+DREAM_ALGORITHMS: tuple[str, ...] = ("origin", "maskgit_plus", "topk_margin", "entropy")
 CACHES: tuple[str, ...] = ("prefix", "dual")
 ACCEPT_RULES: tuple[str, ...] = ("cumprod", "paper")
 PIN_POLICIES: tuple[str, ...] = ("all_commits", "reference")
 
 # Default decoding window / block length per method (published settings).
-_DEFAULT_BLOCK = {"llada": 32, "fast_dllm": 32, "flash_cache": 16}
+_DEFAULT_BLOCK = {"llada": 32, "fast_dllm": 32, "flash_cache": 16, "dream": None}
 
 
 class DecodeConfigError(ValueError):
@@ -52,6 +53,9 @@ class DecodeConfig:
       batch_size: slots decoded together (continuous batching refills finished slots).
       seed: base of the per-request random streams (used when temperature > 0).
       verify, gamma, accept, pin: Flash-Verify options (flash_cache only).
+      alg, alg_temp, eps, top_p, top_k: Dream's sampler (method "dream", its diffusion_generate:
+        dllm_jax.dream_sampling): which positions to unmask (alg, alg_temp), the timestep
+        schedule's eps, and the token filters (top_p 1 and top_k 0 = off; traced scalars).
     """
 
     method: Method = "flash_cache"
@@ -69,6 +73,11 @@ class DecodeConfig:
     gamma: float = 0.8
     accept: str = "cumprod"
     pin: str = "all_commits"
+    alg: str = "entropy"
+    alg_temp: float = 0.0
+    eps: float = 1e-3
+    top_p: float = 1.0
+    top_k: int = 0
 
     def __post_init__(self):
         def fail(message: str):
@@ -90,6 +99,8 @@ class DecodeConfig:
             fail(f"temperature={self.temperature}: expected >= 0")
         if self.threshold is not None and self.threshold < 0:
             fail(f"threshold={self.threshold}: expected >= 0 (above 1 commits one token per step)")
+        if self.method == "dream":
+            self._check_dream(fail)
         W = self.window
         if self.method in ("llada", "fast_dllm"):
             if self.gen_length % W:
@@ -118,10 +129,31 @@ class DecodeConfig:
             if self.window < 2:
                 fail("verify needs a window of at least 2 positions")
 
+    def _check_dream(self, fail) -> None:
+        if self.alg not in DREAM_ALGORITHMS:
+            fail(f"alg={self.alg!r}: expected one of {DREAM_ALGORITHMS}")
+        if self.block_length not in (None, self.gen_length):
+            fail("method='dream' decodes the whole generation as one block: leave block_length unset")
+        if self.threshold is not None:
+            fail("method='dream' unmasks by its timestep schedule: set steps, not threshold")
+        if not 0 < self.total_steps <= self.gen_length:
+            fail(f"steps={self.steps}: expected 1 <= steps <= gen_length={self.gen_length}")
+        if not 0 < self.eps < 1:
+            fail(f"eps={self.eps}: expected 0 < eps < 1")
+        if self.alg_temp < 0:
+            fail(f"alg_temp={self.alg_temp}: expected >= 0")
+        if not 0 < self.top_p <= 1:
+            fail(f"top_p={self.top_p}: expected 0 < top_p <= 1")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            fail(f"top_k={self.top_k!r}: expected an integer >= 0 (0 = off)")
+
     @property
     def window(self) -> int:
-        """W: the block (llada, fast_dllm) or decoding window (flash_cache) length."""
-        return self.block_length if self.block_length is not None else _DEFAULT_BLOCK[self.method]
+        """W: the block (llada, fast_dllm; dream: the whole generation) or decoding window
+        (flash_cache) length."""
+        if self.block_length is not None:
+            return self.block_length
+        return self.gen_length if self.method == "dream" else _DEFAULT_BLOCK[self.method]
 
     @property
     def uses_schedule(self) -> bool:
@@ -136,7 +168,8 @@ class DecodeConfig:
         """The traced scalars of this config."""
         threshold = 2.0 if self.threshold is None else self.threshold
         return DecodeKnobs(
-            threshold=jnp.float32(threshold), temperature=jnp.float32(self.temperature), gamma=jnp.float32(self.gamma)
+            threshold=jnp.float32(threshold), temperature=jnp.float32(self.temperature), gamma=jnp.float32(self.gamma),
+            top_p=jnp.float32(self.top_p), top_k=jnp.int32(self.top_k), alg_temp=jnp.float32(self.alg_temp),
         )
 
     def static_key(self) -> DecodeConfig:
@@ -147,6 +180,9 @@ class DecodeConfig:
             temperature=0.0,
             gamma=1.0,
             seed=0,
+            top_p=1.0,
+            top_k=0,
+            alg_temp=0.0,
         )
 
 
@@ -157,3 +193,6 @@ class DecodeKnobs:
     threshold: jnp.ndarray
     temperature: jnp.ndarray
     gamma: jnp.ndarray
+    top_p: jnp.ndarray  # Dream's sampler (method "dream")
+    top_k: jnp.ndarray
+    alg_temp: jnp.ndarray
