@@ -341,7 +341,7 @@ def dream_config_to_hf(config: ModelConfig) -> dict[str, Any]:
         pad_token_id=config.pad_token_id,
         max_position_embeddings=config.max_sequence_length,
         tie_word_embeddings=config.weight_tying,
-        torch_dtype="bfloat16",
+        torch_dtype=config.dtype,
     )
     if config.bos_token_id is not None:
         hf["bos_token_id"] = config.bos_token_id

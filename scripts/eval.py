@@ -12,7 +12,10 @@ methods (keys up to the next multiple of 128, as the published Flash-dLLM code a
 model's training sequences have). LLaDA's own sampler (one token per step, blocks, keys =
 prompt + generation only) is reported beside it. Writes eval.json and eval.md to --out after
 every setting; --resume keeps the settings an interrupted run of the same command finished.
---model takes any LLaDA checkpoint; the problems stay the tiny tasks.
+--model takes any LLaDA or Dream checkpoint, or the embedded tiny-llada / tiny-dream; with
+several models (e.g. ``--model tiny-llada tiny-dream``) each is evaluated on the same problems
+and settings into --out/<model name>/, and the tables are printed side by side. The dream-*
+settings are Dream's own sampler (method "dream"), on either family.
 """
 
 from __future__ import annotations
@@ -60,6 +63,9 @@ def settings(gen_length: int, batch_size: int) -> dict[str, DecodeConfig]:
         "verify-paper-reference-t0.9": DecodeConfig(threshold=0.9, accept="paper", pin="reference", **verify),
         "verify-paper-all_commits-t0.7": DecodeConfig(threshold=0.7, accept="paper", pin="all_commits", **verify),
     }
+    for alg in ("entropy", "maskgit_plus", "topk_margin", "origin"):
+        grid[f"dream-{alg}-steps{gen_length}"] = DecodeConfig(method="dream", alg=alg, steps=gen_length, **common)
+    grid[f"dream-entropy-steps{gen_length // 2}"] = DecodeConfig(method="dream", alg="entropy", steps=gen_length // 2, **common)
     return grid
 
 
@@ -90,7 +96,7 @@ def evaluate(engine, problems, decode: DecodeConfig, exact_texts: list[str] | No
 
 def markdown(report: dict) -> str:
     lines = [
-        f"model: {report['model']} | {report['problems']} held-out problems (seed {report['seed']}) | "
+        f"model: {report['model']} ({report.get('family', 'llada')}) | {report['problems']} held-out problems (seed {report['seed']}) | "
         f"gen_length {report['gen_length']} | batch {report['batch_size']} | backend {report['backend']} | {report['device']}",
         "",
         "| setting | accuracy | by task | agreement with exact | tokens/step | steps | forward passes | accepted drafts | tokens/s |",
@@ -131,12 +137,25 @@ def finished_results(path: Path, report: dict) -> dict:
     return kept if EXACT in kept else {}
 
 
+def resolve_model(name: str) -> str:
+    """A model folder from a --model value (a folder, or tiny-llada / tiny-dream)."""
+    from dllm_jax.assets import EMBEDDED_MODELS, tiny_model_path
+
+    if name in EMBEDDED_MODELS:
+        try:
+            return str(tiny_model_path(name))
+        except FileNotFoundError as e:
+            raise ValueError(str(e)) from None
+    return name
+
+
 def parse_args(argv):
     from dllm_jax.assets import tiny_model_path
 
     grid_names = list(settings(64, 8))
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=str(tiny_model_path()), help="LLaDA checkpoint (default: the embedded tiny model)")
+    p.add_argument("--model", nargs="+", default=[str(tiny_model_path())],
+                   help="LLaDA or Dream checkpoint(s), or tiny-llada / tiny-dream (default: the embedded tiny-llada)")
     p.add_argument("--problems", type=int, default=256, help="held-out problems")
     p.add_argument("--seed", type=int, default=tiny_tasks.HELD_OUT_SEED, help="seed of the held-out stream")
     p.add_argument("--gen-length", type=int, default=64)
@@ -155,21 +174,36 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    tables = []
+    for model in args.model:
+        out = args.out if len(args.model) == 1 else args.out / Path(model).name
+        status, table = evaluate_model(args, model, out)
+        if status:
+            return status
+        tables.append(table)
+    print("\n\n".join(tables))
+    return 0
+
+
+def evaluate_model(args, model_name: str, out_dir: Path) -> tuple[int, str]:
+    """Evaluates one model into out_dir; (exit status, markdown table)."""
     import jax
 
     from dllm_jax.engine import Engine
 
     dtype = args.dtype or ("float32" if jax.devices()[0].platform == "cpu" else "bfloat16")
     try:
-        engine = Engine.from_pretrained(args.model, dtype=dtype, backend=args.backend)
+        model = resolve_model(model_name)
+        engine = Engine.from_pretrained(model, dtype=dtype, backend=args.backend)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return 2, ""
+    args = argparse.Namespace(**{**vars(args), "model": model, "out": out_dir})
     problems = tiny_tasks.held_out_problems(args.problems, seed=args.seed)
     grid = settings(args.gen_length, args.batch_size)
     names = [EXACT] + [n for n in args.settings if n != EXACT]
     report = {
-        "model": args.model, "problems": args.problems, "seed": args.seed, "gen_length": args.gen_length,
+        "model": args.model, "family": engine.config.family, "problems": args.problems, "seed": args.seed, "gen_length": args.gen_length,
         "batch_size": args.batch_size, "backend": engine.backend, "dtype": dtype,
         "device": str(jax.devices()[0].device_kind), "date": time.strftime("%Y-%m-%d"),
         "command": " ".join(sys.argv), "settings": {n: dataclasses.asdict(grid[n]) for n in names}, "results": {},
@@ -180,7 +214,7 @@ def main(argv=None) -> int:
             report["results"] = finished_results(args.out / "eval.json", report)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
-            return 2
+            return 2, ""
     exact_texts = report["results"].get(EXACT, {}).get("texts")
     for name in tqdm(names, desc="settings"):
         if name in report["results"]:
@@ -192,8 +226,7 @@ def main(argv=None) -> int:
         report["results"][name] = result
         write_text_atomically(args.out / "eval.json", json.dumps(report, indent=1))
         write_text_atomically(args.out / "eval.md", markdown(report) + "\n")
-    print(markdown(report))
-    return 0
+    return 0, markdown(report)
 
 
 if __name__ == "__main__":

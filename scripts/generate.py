@@ -19,7 +19,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dllm_jax.atomic_write import write_text_atomically  # noqa: E402
-from dllm_jax.decode_config import ACCEPT_RULES, CACHES, METHODS, PIN_POLICIES, DecodeConfig  # noqa: E402
+from dllm_jax.decode_config import (  # noqa: E402
+    ACCEPT_RULES,
+    CACHES,
+    DREAM_ALGORITHMS,
+    METHODS,
+    PIN_POLICIES,
+    DecodeConfig,
+)
 
 
 def default_model() -> str | None:
@@ -31,9 +38,22 @@ def default_model() -> str | None:
         return None
 
 
+def resolve_model(name: str) -> tuple[str, bool]:
+    """(folder, is an embedded tiny model) of a --model value: a folder, or tiny-llada / tiny-dream."""
+    from dllm_jax.assets import EMBEDDED_MODELS, tiny_model_path
+
+    if name in EMBEDDED_MODELS:
+        try:
+            return str(tiny_model_path(name)), True
+        except FileNotFoundError as e:
+            raise ValueError(str(e)) from None
+    return name, name == default_model()
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default=default_model(), help="model folder (default: the embedded tiny model)")
+    p.add_argument("--model", default=default_model(),
+                   help="model folder (LLaDA or Dream), or tiny-llada / tiny-dream (default: the embedded tiny-llada)")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
     source.add_argument("--prompts-file", type=Path, help='JSONL file, one {"prompt": ...} per line')
@@ -49,6 +69,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gamma", type=float, default=0.8, help="verify threshold")
     p.add_argument("--accept", choices=ACCEPT_RULES, default="cumprod", help="verify acceptance rule")
     p.add_argument("--pin", choices=PIN_POLICIES, default="all_commits", help="which commits are refreshed next step")
+    p.add_argument("--alg", choices=DREAM_ALGORITHMS, default="entropy", help="dream: which positions to unmask")
+    p.add_argument("--alg-temp", type=float, default=0.0, help="dream: positions drawn from softmax(confidence / alg_temp)")
+    p.add_argument("--eps", type=float, default=1e-3, help="dream: end of the timestep schedule")
+    p.add_argument("--top-p", type=float, default=1.0, help="dream: nucleus filter (1 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="dream: top-k filter (0 = off)")
     p.add_argument("--batch-size", type=int, default=8, help="slots decoded together")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
@@ -96,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
 
     on_cpu = jax.devices()[0].platform == "cpu"
     dtype = args.dtype or ("float32" if on_cpu else "bfloat16")
-    tiny = args.model == default_model()
     try:
+        model, tiny = resolve_model(args.model)
         prompts = read_prompts(args)
         decode = DecodeConfig(
             method=args.method,
@@ -115,9 +140,14 @@ def main(argv: list[str] | None = None) -> int:
             gamma=args.gamma,
             accept=args.accept,
             pin=args.pin,
+            alg=args.alg,
+            alg_temp=args.alg_temp,
+            eps=args.eps,
+            top_p=args.top_p,
+            top_k=args.top_k,
         )
         mesh = parse_mesh(args.mesh) if args.mesh else None
-        engine = Engine.from_pretrained(args.model, dtype=dtype, backend=args.backend, mesh=mesh)
+        engine = Engine.from_pretrained(model, dtype=dtype, backend=args.backend, mesh=mesh)
         output = engine.generate(prompts, decode, chat=args.chat, progress=not args.no_progress)
     except ValueError as e:  # every input error of dllm_jax is a ValueError with a message
         print(f"error: {e}", file=sys.stderr)
