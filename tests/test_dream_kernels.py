@@ -120,3 +120,30 @@ def test_cache_attention_lowers_for_cuda_at_dream_7b_shapes(n_groups, n_rows, ve
         spec((n_groups,), i32), spec((n_groups,), i32), score_rows, **kwargs,
     )
     assert text.count("__gpu$xla.gpu.triton") == 1
+
+
+@pytest.mark.parametrize("backend", ["pallas", "gpu-auto"])
+def test_decode_loop_lowers_for_cuda_at_dream_7b_shapes(backend):
+    """The whole jitted loop (flash_cache + verify, predictor rows, biases) at Dream-7B shapes,
+    lowered for CUDA on the CPU."""
+    from dllm_jax.config import dream_7b_config
+    from dllm_jax.decode_config import DecodeConfig
+    from dllm_jax.engine import Engine
+    from dllm_jax.kernel_backend import Kernels
+    from dllm_jax.models import abstract_params, unstack_layers
+
+    cfg = dream_7b_config()
+    if backend == "gpu-auto":
+        engine = Engine(cfg, jax.eval_shape(unstack_layers, abstract_params(cfg)),
+                        backend=Kernels(attention=True, scatter=True), full_pass_lanes=())
+    else:
+        engine = Engine(cfg, abstract_params(cfg), backend=backend, full_pass_lanes=())
+    decode = DecodeConfig(method="flash_cache", gen_length=256, batch_size=8, threshold=2.0, verify=True)
+    loop = engine.decode_loop(decode, 256)
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    state = jax.eval_shape(loop.init_state, i32(32, 256), i32(32), i32())
+    text = lower_for_cuda(
+        jax.jit(loop.run, donate_argnums=1), engine.params, state, jax.eval_shape(decode.knobs), i32(), i32(),
+        jax.ShapeDtypeStruct((), jnp.bool_),
+    )
+    assert text.count("__gpu$xla.gpu.triton") == 5
