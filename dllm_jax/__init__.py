@@ -1,4 +1,4 @@
-"""dllm_jax: fast, portable inference for masked diffusion LMs (LLaDA) in JAX and Pallas.
+"""dllm_jax: fast, portable inference for masked diffusion LMs (LLaDA, Dream) in JAX and Pallas.
 
 Glossary:
   canvas      a request's positions: prompt [0, P), generation [P, P + G) (starts as [MASK]),
@@ -9,7 +9,8 @@ Glossary:
   full pass   every position of a slot is recomputed (a request's first step, block starts).
   sparse pass only the policy's query rows are recomputed over the flat K/V cache.
   slot        one row of the batch; continuous batching refills a finished slot.
-  logits      same-position alignment: the logit row of position i predicts token i (LLaDA).
+  logits      the output row of position i - logit_shift predicts token i: the same row for
+              LLaDA (shift 0), the row before for Dream (shift 1); dllm_jax.logit_alignment.
 
 Library use:
   from dllm_jax import DecodeConfig, Engine
@@ -17,7 +18,7 @@ Library use:
   out = engine.generate(["What is 2+2?"], DecodeConfig(method="flash_cache", verify=True))
 """
 
-from dllm_jax.config import ConfigError, ModelConfig, llada_8b_config
+from dllm_jax.config import ConfigError, ModelConfig, dream_7b_config, llada_8b_config
 from dllm_jax.decode_config import DecodeConfig, DecodeConfigError
 from dllm_jax.engine import Engine, GenerationError, GenerationOutput, GenerationResult, GenerationStats
 from dllm_jax.loading import LoadedModel, load_model
@@ -36,6 +37,7 @@ __all__ = [
     "ModelConfig",
     "Tokenizer",
     "TokenizerError",
+    "dream_7b_config",
     "llada_8b_config",
     "load_model",
 ]

@@ -20,7 +20,7 @@ ACCEPT_RULES: tuple[str, ...] = ("cumprod", "paper")
 PIN_POLICIES: tuple[str, ...] = ("all_commits", "reference")
 
 # Default decoding window / block length per method (published settings).
-_DEFAULT_BLOCK = {"llada": 32, "fast_dllm": 32, "flash_cache": 16, "dream": None}
+_DEFAULT_BLOCK = {"llada": 32, "fast_dllm": 32, "flash_cache": 16}
 
 
 class DecodeConfigError(ValueError):

@@ -164,3 +164,15 @@ def test_pallas_kernels_decode_like_xla(decode):
     pallas = Engine(cfg, params, backend="pallas", interpret=True).generate(prompts, decode)
     assert [r.token_ids for r in pallas.results] == [r.token_ids for r in xla.results]
     assert [r.steps for r in pallas.results] == [r.steps for r in xla.results]
+
+
+def test_a_tensor_split_decodes_the_single_device_tokens(engine, prompts):
+    """Biases split by heads like their projections' columns (sharding.param_specs)."""
+    from dllm_jax.sharding import parse_mesh
+
+    decode = DecodeConfig(method="flash_cache", gen_length=32, batch_size=2, threshold=0.5, mask_num=2, track_num=1)
+    mesh = parse_mesh("data=2,tensor=2", jax.devices()[:4])
+    cfg, params = lively_dream(n_kv_heads=2)
+    single = Engine(cfg, params, backend="xla").generate(prompts, decode)
+    split = Engine(cfg, params, backend="xla", mesh=mesh).generate(prompts, decode)
+    assert [r.token_ids for r in split.results] == [r.token_ids for r in single.results]
