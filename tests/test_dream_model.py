@@ -289,3 +289,12 @@ def test_predictions_shift_by_one_only_for_dream():
     np.testing.assert_array_equal(dream[:, 0], logits[:, 0])
     llada = dataclasses.replace(tiny_dream_config(), family="llada", qkv_bias=False)
     np.testing.assert_array_equal(predictions(llada, logits), logits)
+
+
+def test_a_converted_dream_folder_loads_the_same_params(checkpoint, tmp_path):
+    from convert.hf_to_jax import convert_checkpoint
+
+    out = convert_checkpoint(checkpoint, tmp_path / "converted", dtype="float32")
+    converted, direct = load_model(out, dtype="float32"), load_model(checkpoint, dtype="float32")
+    assert converted.config == direct.config and converted.config.family == "dream"
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), converted.params, direct.params)
