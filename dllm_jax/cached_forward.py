@@ -21,7 +21,7 @@ from dllm_jax.chunked_attention import chunked_cache_attention
 from dllm_jax.config import ModelConfig
 from dllm_jax.flat_cache import FlatCache, flat_rows
 from dllm_jax.kernel_backend import Kernels
-from dllm_jax.model import LLaDABlock, LLaDAModel, Params
+from dllm_jax.models import Block, Params, Transformer
 
 # The published code accumulates tracking scores from the third layer up (block_idx > 1).
 SCORE_START_LAYER = 2
@@ -106,9 +106,9 @@ def cached_forward(
     S, R = tokens.shape
     slots = jnp.arange(S, dtype=jnp.int32) if group_slot is None else group_slot
     rows = flat_rows(slots, positions, row_valid, spec.max_len)
-    block = LLaDABlock(config)
-    model = LLaDAModel(config)
-    h = model.apply({"params": params}, tokens, method=LLaDAModel.embed)
+    block = Block(config)
+    model = Transformer(config)
+    h = model.apply({"params": params}, tokens, method=Transformer.embed)
     layers = params["layers"]
     per_layer = isinstance(layers, (list, tuple))
     if spec.kernels.qkv or spec.kernels.attention or spec.kernels.scatter:
@@ -125,12 +125,12 @@ def cached_forward(
         """One block; lp: this layer's params; layer: its index (int32 when scanned)."""
         h, k_cache, v_cache, scores = carry
         lp = {"params": lp}
-        x = block.apply(lp, h, method=LLaDABlock.attention_input)
+        x = block.apply(lp, h, method=Block.attention_input)
         extra_kv = None
         if spec.kernels.qkv and verify is None:
             q, k_cache, v_cache = pallas_qkv_to_cache(config, spec, layers, x, positions, rows, k_cache, v_cache, layer)
         else:
-            q, k, v = block.apply(lp, x, positions, method=LLaDABlock.project_qkv)
+            q, k, v = block.apply(lp, x, positions, method=Block.project_qkv)
             if verify is not None:
                 extra_kv = (k, v)
             elif spec.kernels.scatter:
@@ -148,7 +148,7 @@ def cached_forward(
             )
         if scores is not None and not (per_layer and layer < SCORE_START_LAYER):
             scores = scores + jnp.where(layer >= SCORE_START_LAYER, layer_scores, 0.0)
-        h = block.apply(lp, h, out.reshape(S, R, -1), method=LLaDABlock.output_and_mlp)
+        h = block.apply(lp, h, out.reshape(S, R, -1), method=Block.output_and_mlp)
         return h, k_cache, v_cache, scores
 
     carry = (h, cache.k, cache.v, None if spec.score_scale is None else jnp.zeros((S, spec.max_len), jnp.float32))
@@ -165,7 +165,7 @@ def cached_forward(
     h, k_cache, v_cache, scores = carry
     # [S, C, D] -> [S, C, V]: the LM head runs on candidate rows only
     h_candidates = jnp.take_along_axis(h, candidate_rows[:, :, None], axis=1)
-    logits = model.apply({"params": params}, h_candidates, method=LLaDAModel.logits)
+    logits = model.apply({"params": params}, h_candidates, method=Transformer.logits)
     if scores is not None:
         scores = scores * spec.score_scale
     return logits, scores, FlatCache(k=k_cache, v=v_cache)

@@ -38,7 +38,7 @@ from dllm_jax.tokenizer import tokens_within
 from dllm_jax.validate import check_bool, check_int
 from dllm_jax.flat_cache import cache_bytes
 from dllm_jax.kernel_backend import Kernels, resolve_kernels
-from dllm_jax.model import Params, unstack_layers
+from dllm_jax.models import Params, unstack_layers
 from dllm_jax.policies import make_policy
 
 # flash_cache: max_len as the reference computes it (reference-spec B.1); key lengths are
@@ -216,7 +216,7 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path: str, *, dtype: str | None = None, quantization: str | None = None, **kwargs) -> Engine:
-        """Loads a Hugging Face LLaDA folder, a converted checkpoint or a cached Hub id
+        """Loads a Hugging Face LLaDA or Dream folder, a converted checkpoint or a cached Hub id
         (dllm_jax.load_model; dtype None: float32 on the CPU, bfloat16 on accelerators;
         quantization: dllm_jax.quantization, None = as stored)."""
         from dllm_jax.loading import load_model

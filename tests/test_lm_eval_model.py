@@ -26,7 +26,7 @@ from dllm_jax.evaluation.lm_eval_model import DLLMJaxLM, GenerationKwargsError, 
 from dllm_jax.evaluation.mc_loglikelihood import MonteCarloLoglikelihood
 from dllm_jax.evaluation.model_args import ModelArgsError, parse_model_args
 from dllm_jax.evaluation.tiny_task_files import GEN_TASK, MC_TASK, write_tiny_tasks
-from dllm_jax.model import forward
+from dllm_jax.models import forward
 
 ROOT = Path(__file__).resolve().parent.parent
 PROBLEMS = 16
