@@ -131,6 +131,7 @@ def test_decode_loop_lowers_for_cuda_at_dream_7b_shapes(backend):
     from dllm_jax.engine import Engine
     from dllm_jax.kernel_backend import Kernels
     from dllm_jax.models import abstract_params, unstack_layers
+    from dllm_jax.slots import zero_params
 
     cfg = dream_7b_config()
     if backend == "gpu-auto":
@@ -141,9 +142,6 @@ def test_decode_loop_lowers_for_cuda_at_dream_7b_shapes(backend):
     decode = DecodeConfig(method="flash_cache", gen_length=256, batch_size=8, threshold=2.0, verify=True)
     loop = engine.decode_loop(decode, 256)
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-    state = jax.eval_shape(loop.init_state, i32(32, 256), i32(32), i32())
-    text = lower_for_cuda(
-        jax.jit(loop.run, donate_argnums=1), engine.params, state, jax.eval_shape(decode.knobs), i32(), i32(),
-        jax.ShapeDtypeStruct((), jnp.bool_),
-    )
+    state = jax.eval_shape(loop.init_state, i32(32, 256), i32(32), jax.eval_shape(lambda: zero_params((32,))), i32())
+    text = lower_for_cuda(jax.jit(loop.run, donate_argnums=1), engine.params, state, i32(), jax.ShapeDtypeStruct((), jnp.bool_))
     assert text.count("__gpu$xla.gpu.triton") == 5

@@ -79,13 +79,20 @@ def test_dream_7b_config_maps_to_exactly_its_parameter_count():
         ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope_scaling"),
         ({"use_sliding_window": True}, "use_sliding_window"),
         ({"num_key_value_heads": 5}, "not a multiple of n_kv_heads"),
-        ({"mask_token_id": 200000}, "mask_token_id=200000 is outside the vocabulary"),
+        ({"mask_token_id": 200000}, r"mask_token_id=200000: expected an integer token id in \[0, 152064\)"),
+        ({"num_key_value_heads": True}, "num_key_value_heads=true: expected a positive integer"),
+        ({"eos_token_id": [151643, "x"]}, "eos_token_id="),
+        ({"tie_word_embeddings": "no"}, "tie_word_embeddings=\"no\": expected true or false"),
+        ({"rope_theta": -1.0}, "rope_theta=-1.0: expected a finite positive number"),
         ({"head_dim": 64}, "head_dim=64"),
-        ({"model_type": "qwen2"}, "model_type='qwen2' is not supported"),
+        ({"model_type": "qwen2"}, 'model_type="qwen2" is not supported'),
     ],
 )
 def test_bad_dream_configs_name_the_key(change, message):
     with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_hf_config({**DREAM_7B_JSON, **change}, source="x/config.json")
+    # the message names the file first, then the key
+    with pytest.raises(ConfigError, match=r"^x/config.json: "):
         ModelConfig.from_hf_config({**DREAM_7B_JSON, **change}, source="x/config.json")
 
 
