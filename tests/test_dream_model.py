@@ -299,9 +299,27 @@ def test_predictions_shift_by_one_only_for_dream():
 
 
 def test_a_converted_dream_folder_loads_the_same_params(checkpoint, tmp_path):
-    from convert.hf_to_jax import convert_checkpoint
+    from convert.conversion import convert_checkpoint
 
     out = convert_checkpoint(checkpoint, tmp_path / "converted", dtype="float32")
     converted, direct = load_model(out, dtype="float32"), load_model(checkpoint, dtype="float32")
     assert converted.config == direct.config and converted.config.family == "dream"
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), converted.params, direct.params)
+
+
+def test_8bit_dream_weights_keep_the_biases(checkpoint, tmp_path):
+    """A quantized Dream folder: the projections become qkernel/scale, the q/k/v biases stay,
+    and the logits stay close to the float32 model's."""
+    from convert.conversion import convert_checkpoint
+
+    out = convert_checkpoint(checkpoint, tmp_path / "int8", dtype="float32", quantization="int8-weights")
+    quantized, direct = load_model(out, dtype="float32"), load_model(checkpoint, dtype="float32")
+    assert quantized.config.quantization == "int8-weights"
+    for name in ("q_proj", "k_proj", "v_proj"):
+        leaf = quantized.params["layers"][name]
+        assert set(leaf) == {"qkernel", "scale", "bias"}
+        np.testing.assert_array_equal(np.asarray(leaf["bias"]), np.asarray(direct.params["layers"][name]["bias"]))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, direct.config.vocab_size, (1, 12)), jnp.int32)
+    want = np.asarray(forward(direct.config, direct.params, tokens))
+    got = np.asarray(forward(quantized.config, quantized.params, tokens))
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.05
