@@ -41,6 +41,7 @@ _EXPORTS = {
     "SamplingParamsError": "dllm_jax.errors",
     "LoadedModel": "dllm_jax.loading",
     "ModelNotFoundError": "dllm_jax.loading",
+    "InsufficientMemoryError": "dllm_jax.memory_estimate",
     "default_dtype": "dllm_jax.loading",
     "load_model": "dllm_jax.loading",
     "SamplingParams": "dllm_jax.sampling_params",
@@ -72,6 +73,7 @@ if TYPE_CHECKING:
     from dllm_jax.engine import Engine, GenerationOutput, GenerationResult, GenerationStats
     from dllm_jax.errors import GenerationError, SamplingParamsError
     from dllm_jax.loading import LoadedModel, ModelNotFoundError, default_dtype, load_model
+    from dllm_jax.memory_estimate import InsufficientMemoryError
     from dllm_jax.sampling_params import SamplingParams
     from dllm_jax.session import GenerationSession, RequestUpdate, StepCommits
     from dllm_jax.tokenizer import Tokenizer, TokenizerError

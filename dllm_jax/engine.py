@@ -38,8 +38,10 @@ from dllm_jax.tokenizer import tokens_within
 from dllm_jax.validate import check_bool, check_int
 from dllm_jax.flat_cache import cache_bytes
 from dllm_jax.kernel_backend import Kernels, resolve_kernels
+from dllm_jax.memory_estimate import MemoryEstimate, check_decode_loop, estimate_decode_loop
 from dllm_jax.models import Params, unstack_layers
 from dllm_jax.policies import make_policy
+from dllm_jax.quantization import compiler_options as quantization_compiler_options
 
 # flash_cache: max_len as the reference computes it (reference-spec B.1); key lengths are
 # rounded to 128 within it. Block methods attend to exactly prompt + gen_length positions, so
@@ -123,6 +125,7 @@ class CompiledLoop:
     init(prompts int32 [queue_capacity, prompt_width], lengths int32 [queue_capacity],
     params SlotParams [queue_capacity], count) -> DecodeState; run(params, state,
     stop_iteration, host_has_more) -> DecodeState (state donated). See DecodeLoop.
+    memory: the bytes per device it was estimated to need (checked before compiling).
     """
 
     loop: DecodeLoop
@@ -131,6 +134,7 @@ class CompiledLoop:
     init: Any
     run: Any
     compile_seconds: float
+    memory: MemoryEstimate
 
     def initial_state(self, prompts: Sequence[Sequence[int]], decode: DecodeConfig) -> DecodeState:
         """The state with these prompts (at most queue_capacity) in the ring, with the
@@ -186,8 +190,12 @@ class Engine:
         full_pass_lanes: tuple[int, ...] | None = None,
         unroll_layers: bool = False,
         mesh: Mesh | None = None,
+        compiler_options: dict[str, Any] | None = None,
     ):
         check_bool("interpret", interpret, GenerationError)
+        if compiler_options is not None and not isinstance(compiler_options, dict):
+            raise GenerationError(f"compiler_options={compiler_options!r}: expected a dict of XLA options or None")
+        self.compiler_options = quantization_compiler_options(config.quantization) if compiler_options is None else compiler_options
         check_bool("unroll_layers", unroll_layers, GenerationError)
         check_int("chunk_iterations", chunk_iterations, GenerationError, low=1)
         check_int("queue_capacity", queue_capacity, GenerationError, low=1, optional=True)
@@ -372,12 +380,24 @@ class Engine:
 
     def compile(self, decode: DecodeConfig, longest_prompt: int, num_slots: int | None = None) -> CompiledLoop:
         """The compiled loop for this config, prompt-length bucket and slot count (None:
-        decode.batch_size); compiled once, then cached."""
+        decode.batch_size); compiled once, then cached.
+
+        Before compiling, the memory the loop needs (cache, state, the largest pass's
+        temporaries; the weights are already loaded) is checked against what the device has
+        free (dllm_jax.memory_estimate; $DLLM_MEMORY_AVAILABLE overrides the reading): raises
+        InsufficientMemoryError, a GenerationError saying what to lower, before anything of the
+        loop is allocated. An engine over abstract params (jax.ShapeDtypeStruct leaves, e.g.
+        scripts/memory_profile.py) only compiles, so its loops are estimated, not checked.
+        """
         loop = self.decode_loop(decode, longest_prompt, num_slots)
         capacity = self.queue_capacity or max(16, 4 * loop.num_slots)
         width = _next_power_of_two(longest_prompt, _MIN_PROMPT_BUCKET)
         key = (loop, capacity, width)
         if key not in self._executables:
+            if any(isinstance(w, jax.ShapeDtypeStruct) for w in jax.tree.leaves(self.params)):
+                memory = estimate_decode_loop(loop, queue_capacity=capacity, prompt_width=width)
+            else:
+                memory = check_decode_loop(loop, queue_capacity=capacity, prompt_width=width)
             start = time.perf_counter()
             prompts = jax.ShapeDtypeStruct((capacity, width), jnp.int32)
             lengths = jax.ShapeDtypeStruct((capacity,), jnp.int32)
@@ -387,9 +407,10 @@ class Engine:
             scalar = jax.ShapeDtypeStruct((), jnp.int32)
             flag = jax.ShapeDtypeStruct((), jnp.bool_)
             init_layout, run_layout = self._layouts(state)
-            init = jax.jit(loop.init_state, **init_layout).lower(prompts, lengths, params, count).compile()
-            run = jax.jit(loop.run, donate_argnums=1, **run_layout).lower(self.params, state, scalar, flag).compile()
-            self._executables[key] = CompiledLoop(loop, capacity, width, init, run, time.perf_counter() - start)
+            options = self.compiler_options or None
+            init = jax.jit(loop.init_state, **init_layout).lower(prompts, lengths, params, count).compile(options)
+            run = jax.jit(loop.run, donate_argnums=1, **run_layout).lower(self.params, state, scalar, flag).compile(options)
+            self._executables[key] = CompiledLoop(loop, capacity, width, init, run, time.perf_counter() - start, memory)
         return self._executables[key]
 
     def _layouts(self, state: DecodeState) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -19,12 +19,19 @@ The pass's activations are dead by the time the sampler's logits live, so the la
 two counts. Against XLA's own buffer assignment (``compiled.memory_analysis()`` temp bytes of
 the compiled loop on the CPU, tiny model, 8-64 slots, all three methods) the larger of the
 two was 3-11% above it. XLA's workspace and fragmentation are covered by a margin in the check.
+
+What the device has: ``memory_stats()`` on GPUs and TPUs, the host's available RAM on a CPU
+(which reports none). The environment variable DLLM_MEMORY_AVAILABLE (bytes, or a number with
+KiB/MiB/GiB/KB/MB/GB) replaces that reading: the free memory per device the check assumes,
+for a device whose statistics are missing or wrong, to leave room for another process, or
+for tests of the refusal.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from pathlib import Path
 
 import jax
@@ -32,6 +39,7 @@ import jax.numpy as jnp
 
 from dllm_jax.chunked_attention import default_block_k
 from dllm_jax.config import ModelConfig
+from dllm_jax.errors import GenerationError
 from dllm_jax.flat_cache import cache_bytes
 from dllm_jax.sharding import DATA, TENSOR, axis_size
 from dllm_jax.slots import zero_params
@@ -52,9 +60,12 @@ _SAMPLER_F32_COPIES = 5
 _SLOT_POSITION_BYTES = 20
 _SLOT_BYTES = 256
 _GIB = 2**30
+MEMORY_ENV = "DLLM_MEMORY_AVAILABLE"
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
-class InsufficientMemoryError(ValueError):
+class InsufficientMemoryError(GenerationError):
     """A configuration that does not fit the device; the message says what to lower."""
 
 
@@ -217,7 +228,11 @@ def device_memory(device: jax.Device | None = None, *, devices: int = 1) -> Devi
     GPU / TPU: ``memory_stats()`` bytes_limit - bytes_in_use. CPU (no memory_stats): the host's
     available RAM (MemAvailable in /proc/meminfo, else os.sysconf), or the cgroup's remaining
     limit when that is lower (a container's limit is what the OOM killer enforces).
+    $DLLM_MEMORY_AVAILABLE, when set, is the answer instead (per device).
     """
+    override = memory_override()
+    if override is not None:
+        return DeviceMemory(available=override, name=f"${MEMORY_ENV}")
     device = device or jax.devices()[0]
     try:
         stats = device.memory_stats()
@@ -227,6 +242,21 @@ def device_memory(device: jax.Device | None = None, *, devices: int = 1) -> Devi
         free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
         return DeviceMemory(available=max(free, 0), name=f"{device.platform}:{device.id}")
     return dataclasses.replace(host_memory(), shared_by=devices)
+
+
+def memory_override() -> int | None:
+    """$DLLM_MEMORY_AVAILABLE in bytes (None when unset); the command lines call it with their
+    option checks, so a bad value is an error before the model loads."""
+    text = os.environ.get(MEMORY_ENV)
+    return None if text is None else parse_bytes(text, MEMORY_ENV)
+
+
+def parse_bytes(text: str, where: str) -> int:
+    """'1073741824', '1.5GiB', '512 MB' -> bytes; raises GenerationError naming `where`."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([kmgt]i?b|b)?\s*", text, re.IGNORECASE)
+    if match is None:
+        raise GenerationError(f"{where}={text!r}: expected a number of bytes, e.g. 8GiB or 500000000")
+    return int(float(match.group(1)) * _UNITS[(match.group(2) or "").lower()])
 
 
 def host_memory(proc: Path = Path("/proc"), cgroup: Path = Path("/sys/fs/cgroup")) -> DeviceMemory:
@@ -309,10 +339,11 @@ def check_memory(
     data = shape.get("data", 1)
     fitting = _largest_fitting_batch(config, memory, num_slots, data, weights_resident, margin, shape)
     if fitting:
-        advice = f"lower the batch size to {fitting} or less, or the generation length"
+        advice = (f"lower the batch size to {fitting} or less, or the generation length or the longest prompt "
+                  "(the max model length)")
     else:
-        advice = ("even one slot does not fit: lower the generation length (or the prompt length), "
-                  "use bfloat16, or spread the model over more devices")
+        advice = ("even one slot does not fit: lower the generation length or the longest prompt (the max "
+                  "model length), use bfloat16 or 8-bit weights, or spread the model over more devices")
     needed = _needed(estimate, memory, weights_resident)
     raise InsufficientMemoryError(
         f"batch size {num_slots} with {shape['max_len']} positions per slot needs about {_gib(needed)} more "

@@ -12,15 +12,21 @@ attention and RoPE keep the model dtype. A quantized projection stores, instead 
 no transpose of the weights at run time. The matmuls:
 
   fp8            activations quantized per row at run time (x ~= xq * xs, xs = max|x| / 448),
-                 one float8 x float8 -> float32 dot_general, then * xs * scale.
-  int8-weights   activations stay in the model dtype; the int8 weights are converted inside
-                 the dot (XLA fuses the convert into the GEMM's operand read), then * scale.
+                 one float8 x float8 dot_general (float32 accumulation, the product rounded to
+                 the output dtype), then * xs * scale.
+  int8-weights   activations stay in the model dtype; the int8 weights are converted to it
+                 inside the GEMM, float32 accumulation, then * scale: XLA's dot on the
+                 converted weights (on the H200 slower than bf16: BENCHMARKS.md). The Pallas
+                 kernel pallas_kernels.int8_matmul (int8 tiles dequantized in registers, each
+                 weight byte read once) is opt-in (int8_gemm="pallas"): on the H200 it ran at
+                 1.45-2.0x the bf16 GEMM's time, slower than XLA's fusion (1.11-1.46x).
 
 On a CPU, XLA emulates the 8-bit dots by converting to float32 (same numbers, not faster).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -34,6 +40,14 @@ QUANTIZED_MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "attn_out", 
 _FP8 = jnp.float8_e4m3fn
 _FP8_MAX = float(jnp.finfo(_FP8).max)  # 448
 _INT8_MAX = 127.0
+
+# int8_gemm choices of quantized_matmul: "auto" = the Pallas kernel on an NVIDIA GPU for at most
+# INT8_KERNEL_MAX_ROWS rows and XLA otherwise; "xla"; "pallas"; "interpret" = the kernel in
+# interpret mode (CPU tests). INT8_KERNEL_MAX_ROWS is 0 (auto = XLA everywhere) because the
+# kernel's default tiling ran slower than XLA's int8 fusion at 128, 1024 and 4096 rows on the
+# H200 (scripts/bench_gemm.py, BENCHMARKS.md); raise it once a tiling from `--sweep` wins.
+INT8_GEMMS: tuple[str, ...] = ("auto", "xla", "pallas", "interpret")
+INT8_KERNEL_MAX_ROWS = 0
 
 
 def weight_dtype(mode: str) -> Any:
@@ -95,10 +109,11 @@ def quantize_params(params: Any, mode: str) -> Any:
     return {**params, "layers": layers}
 
 
-def quantized_matmul(x: jax.Array, qkernel: jax.Array, scale: jax.Array, out_dtype: Any) -> jax.Array:
+def quantized_matmul(x: jax.Array, qkernel: jax.Array, scale: jax.Array, out_dtype: Any, *, int8_gemm: str = "auto") -> jax.Array:
     """x [..., in] @ the quantized kernel -> [..., out] in out_dtype (accumulated in float32).
 
-    The mode follows from qkernel's dtype: float8_e4m3fn = W8A8, int8 = weight-only.
+    The mode follows from qkernel's dtype: float8_e4m3fn = W8A8, int8 = weight-only (int8_gemm
+    picks its GEMM: INT8_GEMMS).
     """
     contract = (((x.ndim - 1,), (1,)), ((), ()))
     if qkernel.dtype == _FP8:
@@ -106,10 +121,55 @@ def quantized_matmul(x: jax.Array, qkernel: jax.Array, scale: jax.Array, out_dty
         amax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
         x_scale = jnp.where(amax > 0, amax / _FP8_MAX, 1.0)
         xq = (x32 / x_scale).astype(_FP8)
-        y = jax.lax.dot_general(xq, qkernel, contract, preferred_element_type=jnp.float32)
-        return (y * (x_scale * scale)).astype(out_dtype)
+        # the GEMM writes out_dtype when that is narrower than float32 (its float32 accumulator
+        # rounded once; XLA can fuse the scaling into the consumer): half the product's bytes,
+        # which at 32 slots are 200 MB per [4096, 12288] float32 product
+        product = jnp.float32 if jnp.dtype(out_dtype).itemsize >= 4 else out_dtype
+        y = jax.lax.dot_general(xq, qkernel, contract, preferred_element_type=product)
+        return (y.astype(jnp.float32) * (x_scale * scale)).astype(out_dtype)
+    if _int8_kernel(int8_gemm, x, qkernel):
+        from pallas_kernels.int8_matmul import int8_weight_matmul
+
+        lead, (n, k) = x.shape[:-1], qkernel.shape
+        y = int8_weight_matmul(x.reshape(-1, k), qkernel, scale, out_dtype=jnp.dtype(out_dtype), interpret=int8_gemm == "interpret")
+        return y.reshape(*lead, n)
     y = jax.lax.dot_general(x, qkernel.astype(x.dtype), contract, preferred_element_type=jnp.float32)
     return (y * scale).astype(out_dtype)
+
+
+def _int8_kernel(int8_gemm: str, x: jax.Array, qkernel: jax.Array) -> bool:
+    """Whether an int8 weight GEMM runs as the Pallas kernel (see INT8_GEMMS)."""
+    if int8_gemm not in INT8_GEMMS:
+        raise ValueError(f"int8_gemm={int8_gemm!r}: expected one of {INT8_GEMMS}")
+    if int8_gemm == "xla":
+        return False
+    from pallas_kernels.int8_matmul import supports
+
+    rows = math.prod(x.shape[:-1])
+    fits = supports(rows, *qkernel.shape) and jnp.issubdtype(x.dtype, jnp.floating)
+    if int8_gemm != "auto":
+        if not fits:
+            raise ValueError(f"int8_gemm={int8_gemm!r}: the kernel does not take x {x.shape} @ qkernel {qkernel.shape}")
+        return True
+    from dllm_jax.kernel_backend import on_nvidia_gpu
+
+    return fits and rows <= INT8_KERNEL_MAX_ROWS and on_nvidia_gpu()
+
+
+def compiler_options(mode: str) -> dict[str, Any]:
+    """XLA options for compiling a model stored with this quantization (Engine's default).
+
+    On NVIDIA GPUs, XLA's Triton GEMM autotuner is turned off for fp8 models. Measured on the
+    H200 before (BENCHMARKS.md): an fp8 decode loop compiled for 37 s at 1 slot, 93 s at 8 and
+    past 180 s at 32, against 12-15 s in bf16, and its compiled GEMMs were cuBLASLt's FP8 GEMM
+    all the same. The suspected cause, to be confirmed by scripts/gpu_quant17.sh: the
+    autotuner tries many Triton tilings for each FP8 GEMM fusion (the activation convert fused
+    as its prologue) at every row count. Without it XLA emits the cuBLAS(Lt) GEMMs directly
+    (int8-weights keeps the defaults: without Triton its GEMM would be a convert + cuBLAS GEMM).
+    """
+    from dllm_jax.kernel_backend import on_nvidia_gpu
+
+    return {"xla_gpu_enable_triton_gemm": False} if mode == "fp8" and on_nvidia_gpu() else {}
 
 
 def weight_bytes(params: Any) -> int:

@@ -461,6 +461,9 @@ def parse_args(argv):
     p.add_argument("--iterations", type=int, default=8, help="iterations per step-time sample")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--ceiling-repeats", type=int, default=10)
+    p.add_argument("--compiler-options", type=json.loads, default=None,
+                   help='XLA options of the decode loops as JSON, e.g. \'{"xla_gpu_enable_triton_gemm": true}\' '
+                        "(default: the quantization's own, dllm_jax.quantization.compiler_options; {} = XLA's defaults)")
     p.add_argument("--budget-s", type=float, default=None, help="skip runs once this much time has passed")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
     opts = p.parse_args(argv)
@@ -553,7 +556,9 @@ def main(argv=None) -> int:
             q_config = dataclasses.replace(config, quantization=quantization)
             cost = costs[(model, quantization)] = Cost(q_config, params_bytes=weight_bytes(weights[quantization]))
             engine = Engine(q_config, weights[quantization], backend=backend, interpret=opts.tiny and backend == "pallas",
-                            full_pass_lanes=(), mesh=parse_mesh(opts.mesh) if opts.mesh else None)
+                            full_pass_lanes=(), mesh=parse_mesh(opts.mesh) if opts.mesh else None,
+                            compiler_options=opts.compiler_options)
+            report.setdefault("compiler_options", {})[quantization if not several else f"{model} {quantization}"] = engine.compiler_options
             # the model is part of the backend label, so tables and ratio checks keep the families apart
             backend = (f"{model} " if several else "") + engine.backend + (f" mesh {opts.mesh}" if opts.mesh else "")
             backend += f" {quantization}" if quantization != "none" else ""

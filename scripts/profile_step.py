@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import gzip
 import json
 import os
@@ -27,11 +28,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from bench import decode_config, initial_state, random_prompts, tiny_config  # noqa: E402
+from bench import decode_config, initial_state, quantize_on_device, random_prompts, tiny_config  # noqa: E402
 from dllm_jax.atomic_write import write_text_atomically  # noqa: E402
 from dllm_jax.config import llada_8b_config  # noqa: E402
 from dllm_jax.engine import Engine  # noqa: E402
 from dllm_jax.models import init_params, init_params_per_layer  # noqa: E402
+from dllm_jax.quantization import QUANTIZATIONS  # noqa: E402
 
 
 def device_events(trace_dir: Path) -> list[dict]:
@@ -70,7 +72,8 @@ def profile(engine: Engine, slots: int, gen_length: int, prompt_len: int, steps:
         "kernels_per_step": sum(n for _, n in per_kernel.values()) / steps,
         "top": [{"name": name, "ms_per_step": 1e3 * t, "calls_per_step": n / steps} for name, (t, n) in top[:40]],
     }
-    write_text_atomically(out / f"profile_{slots}.json", json.dumps(result, indent=1))
+    name = f"profile_{slots}" + ("" if engine.config.quantization == "none" else f"_{engine.config.quantization}")
+    write_text_atomically(out / f"{name}.json", json.dumps(result, indent=1))
     return result
 
 
@@ -81,6 +84,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--backend", default="auto")
     p.add_argument("--layers", choices=("stacked", "per_layer"), default="per_layer")
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default="none", help="8-bit projections (made from the random bf16 weights)")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
     opts = p.parse_args(argv)
     config = tiny_config() if opts.tiny else llada_8b_config()
@@ -88,11 +92,14 @@ def main(argv=None) -> int:
         params = jax.block_until_ready(init_params_per_layer(config, jax.random.key(0)))
     else:
         params = jax.block_until_ready(jax.jit(init_params, static_argnums=0)(config, jax.random.key(0)))
+    if opts.quantization != "none":
+        params = jax.block_until_ready(quantize_on_device(params, opts.quantization))
+        config = dataclasses.replace(config, quantization=opts.quantization)
     engine = Engine(config, params, backend=opts.backend, full_pass_lanes=())
     opts.out.mkdir(parents=True, exist_ok=True)
     for slots in opts.slots:
         r = profile(engine, slots, 32 if opts.tiny else 256, 16 if opts.tiny else 256, opts.steps, opts.out)
-        print(f"\n## {slots} slots, backend {engine.backend}: wall {r['wall_ms_per_step_profiled']:.2f} ms/step, "
+        print(f"\n## {slots} slots, backend {engine.backend}, quantization {opts.quantization}: wall {r['wall_ms_per_step_profiled']:.2f} ms/step, "
               f"device busy {r['device_busy_ms_per_step']:.2f} ms/step, {r['kernels_per_step']:.0f} kernels/step")
         print("| ms/step | calls/step | kernel |\n|---|---|---|")
         for k in r["top"][:25]:

@@ -12,14 +12,17 @@ import pytest
 from conftest import tiny_config
 from convert.conversion import convert_checkpoint
 from convert.jax_to_hf import save_hf_checkpoint
+import dllm_jax.kernel_backend
 from dllm_jax import DecodeConfig, Engine, tiny_tasks
 from dllm_jax.assets import tiny_model_path
 from dllm_jax.checkpoint.converted import METADATA_FILE
 from dllm_jax.checkpoint.errors import ConversionError
+from dllm_jax.errors import GenerationError
 from dllm_jax.loading import load_model
 from dllm_jax.models import abstract_params, forward, init_params, init_params_per_layer
 from dllm_jax.quantization import (
     QUANTIZED_MODULES,
+    compiler_options,
     dequantize_kernel,
     quantize_kernel,
     quantize_params,
@@ -84,6 +87,9 @@ def test_fp8_projection_is_one_float8_dot():
     text = jax.jit(lambda x, k, s: quantized_matmul(x, k, s, jnp.bfloat16)).lower(x, q["qkernel"], q["scale"]).as_text()
     dots = [line for line in text.splitlines() if "dot_general" in line]
     assert len(dots) == 1 and dots[0].count("f8E4M3FN") >= 2, dots
+    assert dots[0].rstrip().endswith("tensor<8x32xbf16>"), "a bf16 projection's GEMM writes bf16, not a float32 product"
+    as_f32 = jax.jit(lambda x, k, s: quantized_matmul(x, k, s, jnp.float32)).lower(x, q["qkernel"], q["scale"]).as_text()
+    assert [line for line in as_f32.splitlines() if "dot_general" in line][0].rstrip().endswith("tensor<8x32xf32>")
 
 
 def test_quantized_params_keep_the_head_and_norms_and_halve_the_projections():
@@ -216,3 +222,25 @@ def test_the_generate_command_line_loads_quantized_weights(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "dllm_jax.cli.generate", "--prompt", "x", "--quantization", "int4"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--quantization" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_fp8_models_compile_without_xla_triton_gemms_on_nvidia_gpus(monkeypatch):
+    assert compiler_options("fp8") == {}  # this CPU: XLA's defaults
+    monkeypatch.setattr(dllm_jax.kernel_backend, "on_nvidia_gpu", lambda: True)
+    options = compiler_options("fp8")
+    assert options == {"xla_gpu_enable_triton_gemm": False}
+    assert compiler_options("int8-weights") == {}  # without Triton its GEMM is a convert + cuBLAS
+    assert compiler_options("none") == {}
+    # XLA validates option names (an unknown one raises), and this CPU compiler takes the GPU ones
+    jax.jit(lambda x: x @ x).lower(jnp.ones((8, 8))).compile(options)
+    with pytest.raises(Exception, match="xla_gpu_no_such_option"):
+        jax.jit(lambda x: x @ x + 1).lower(jnp.ones((8, 8))).compile({"xla_gpu_no_such_option": False})
+    config = tiny_config(quantization="fp8")
+    engine = Engine(config, quantize_params(init_params(tiny_config(), jax.random.key(0)), "fp8"))
+    assert engine.compiler_options == options
+    monkeypatch.setattr(dllm_jax.kernel_backend, "on_nvidia_gpu", lambda: False)  # compile for this CPU
+    engine = Engine(config, engine.params, compiler_options={"xla_gpu_enable_triton_gemm": False})
+    out = engine.generate([[3, 4, 5]], DecodeConfig(gen_length=16, batch_size=1))
+    assert out.results[0].completion_tokens > 0
+    with pytest.raises(GenerationError, match="compiler_options"):
+        Engine(config, engine.params, compiler_options=["xla_gpu_enable_triton_gemm"])

@@ -215,7 +215,10 @@ def _main(argv: Sequence[str] | None) -> int:
     from dllm_jax import sharding
     from dllm_jax.engine import Engine
     from dllm_jax.loading import default_dtype, load_model, load_tokenizer, read_model_config, resolve_model_path
+    from dllm_jax.memory_estimate import memory_override
     from dllm_jax.session import resolve_params
+
+    memory_override()  # a bad $DLLM_MEMORY_AVAILABLE is an input error before the model loads
 
     mesh = sharding.parse_mesh(args.mesh) if args.mesh else None
     path = resolve_model_path(args.model) if args.model is not None else _default_model()

@@ -78,7 +78,10 @@ def assemble(engine: Engine, tokenizer: Any, options: ServeOptions) -> Server:
     for spec, decode in configs.items():
         log.info("compiling %s (%d slots, gen_length %d, prompts up to %d tokens)", spec, options.batch_size,
                  options.gen_length, max_prompt)
+        # Engine.compile checks the loop's memory against the device's before compiling it
         session = engine.session(decode, max_prompt_len=max_prompt, stream=True)
+        memory = session.compiled.memory
+        log.info("%s fits: about %.2f GiB per device (%s)", spec, memory.total / 2**30, memory.describe())
         warm_up(session, max_prompt)
         sessions[spec] = session
     warmup = time.perf_counter() - start

@@ -78,6 +78,9 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError("--gamma applies to Flash-Verify: add --method flash_cache+verify")
     if not 0 <= args.port < 65536:
         raise UsageError(f"--port={args.port}: expected 0-65535")
+    from dllm_jax.memory_estimate import memory_override
+
+    memory_override()  # a bad $DLLM_MEMORY_AVAILABLE, before the model loads
 
 
 def build(args: argparse.Namespace):
