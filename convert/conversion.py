@@ -1,4 +1,4 @@
-"""Convert a Hugging Face LLaDA checkpoint into a dllm_jax checkpoint folder (layout in
+"""Convert a Hugging Face LLaDA or Dream checkpoint into a dllm_jax checkpoint folder (layout in
 dllm_jax/checkpoint/converted.py), in this process.
 
 ``convert_checkpoint`` is the library entry point. The command line (convert/hf_to_jax.py)
@@ -23,7 +23,7 @@ from dllm_jax.checkpoint.converted import PARAMS_DIR, move_to_jax, root_cause, s
 from dllm_jax.checkpoint.dtypes import DTYPES, QUANTIZATIONS
 from dllm_jax.checkpoint.errors import ConversionError
 from dllm_jax.checkpoint.hf_reader import read_checkpoint, read_config
-from dllm_jax.checkpoint.llada_names import leaf_shape, rules_for
+from dllm_jax.checkpoint.tensor_names import leaf_shape, rules_for
 from dllm_jax.config import ModelConfig
 from dllm_jax.memory_estimate import host_memory
 from dllm_jax.quantization import quantize_params
@@ -39,7 +39,7 @@ def convert_checkpoint(
     """Converts ``hf_dir`` into the new folder ``out_dir`` and returns its absolute path.
 
     Args:
-      hf_dir: Hugging Face LLaDA folder (config.json, model.safetensors or shards + index,
+      hf_dir: Hugging Face LLaDA or Dream folder (config.json, model.safetensors or shards + index,
         optional tokenizer files).
       out_dir: folder to create (relative paths are fine); it must not exist or be an empty
         folder, in an existing writable folder. Checked before anything is read.

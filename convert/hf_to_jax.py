@@ -1,4 +1,4 @@
-"""Convert a Hugging Face LLaDA checkpoint into a dllm_jax checkpoint, once.
+"""Convert a Hugging Face LLaDA or Dream checkpoint into a dllm_jax checkpoint, once.
 
   python -m convert.hf_to_jax --hf-dir PATH --out PATH [--dtype bfloat16]
 
@@ -123,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The command line; returns the exit status (see the module docstring)."""
     parser = argparse.ArgumentParser(
         prog="python -m convert.hf_to_jax",
-        description="Convert a Hugging Face LLaDA checkpoint (safetensors) into a dllm_jax checkpoint (orbax).",
+        description="Convert a Hugging Face LLaDA or Dream checkpoint (safetensors) into a dllm_jax checkpoint (orbax).",
     )
     parser.add_argument("--hf-dir", required=True, help="Hugging Face checkpoint folder")
     parser.add_argument("--out", required=True, help="output folder (must not exist, or be empty)")

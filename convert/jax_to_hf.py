@@ -1,6 +1,6 @@
-"""Write dllm_jax parameters as a Hugging Face LLaDA checkpoint (config.json + safetensors).
+"""Write dllm_jax parameters as a Hugging Face LLaDA or Dream checkpoint (config.json + safetensors).
 
-Used to ship the embedded tiny model and by the tests, which build small LLaDA-format
+Used to ship the embedded tiny model and by the tests, which build small LLaDA- and Dream-format
 checkpoints to exercise the real loading path. The output folder appears complete or not at
 all: everything is written into a temporary sibling folder that is renamed at the end.
 """
@@ -17,9 +17,9 @@ import jax
 import numpy as np
 from safetensors.numpy import save_file
 
-from dllm_jax.checkpoint.llada_names import leaf_shape, tensor_entries
+from dllm_jax.checkpoint.tensor_names import leaf_shape, tensor_entries
 from dllm_jax.config import ModelConfig
-from dllm_jax.model import Params
+from dllm_jax.models import Params
 from dllm_jax.tokenizer import TOKENIZER_FILES
 
 
@@ -44,7 +44,7 @@ def hf_tensors(config: ModelConfig, params: Params):
         yield entry.hf_name, np.ascontiguousarray(value)
 
 
-def save_llada_checkpoint(
+def save_hf_checkpoint(
     out_dir: str | Path,
     config: ModelConfig,
     params: Params,
@@ -57,7 +57,7 @@ def save_llada_checkpoint(
 
     Args:
       out_dir: folder to create; it must not exist.
-      config: the architecture; written as a LLaDA config.json (plus ``extra_config`` keys).
+      config: the architecture; written as its family's config.json (plus ``extra_config`` keys).
       params: the params tree, in any float dtype (written as is).
       max_shard_bytes: split into ``model-0000i-of-0000n.safetensors`` shards of at most this
         many bytes (each tensor whole) with ``model.safetensors.index.json``; None = one file.

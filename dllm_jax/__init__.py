@@ -1,4 +1,4 @@
-"""dllm_jax: fast, portable inference for masked diffusion LMs (LLaDA) in JAX and Pallas.
+"""dllm_jax: fast, portable inference for masked diffusion LMs (LLaDA, Dream) in JAX and Pallas.
 
 Glossary:
   canvas      a request's positions: prompt [0, P), generation [P, P + G) (starts as [MASK]),
@@ -9,7 +9,8 @@ Glossary:
   full pass   every position of a slot is recomputed (a request's first step, block starts).
   sparse pass only the policy's query rows are recomputed over the flat K/V cache.
   slot        one row of the batch; continuous batching refills a finished slot.
-  logits      same-position alignment: the logit row of position i predicts token i (LLaDA).
+  logits      the output row of position i - logit_shift predicts token i: the same row for
+              LLaDA (shift 0), the row before for Dream (shift 1); dllm_jax.logit_alignment.
 
 Library use:
   from dllm_jax import DecodeConfig, Engine, SamplingParams
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING
 _EXPORTS = {
     "ConfigError": "dllm_jax.config",
     "ModelConfig": "dllm_jax.config",
+    "dream_7b_config": "dllm_jax.config",
     "llada_8b_config": "dllm_jax.config",
     "ConversionError": "dllm_jax.checkpoint.errors",
     "deterministic_xla_flags": "dllm_jax.batch_invariance",
@@ -68,7 +70,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from dllm_jax.batch_invariance import deterministic_xla_flags
     from dllm_jax.checkpoint.errors import ConversionError
-    from dllm_jax.config import ConfigError, ModelConfig, llada_8b_config
+    from dllm_jax.config import ConfigError, ModelConfig, dream_7b_config, llada_8b_config
     from dllm_jax.decode_config import DecodeConfig, DecodeConfigError
     from dllm_jax.engine import Engine, GenerationOutput, GenerationResult, GenerationStats
     from dllm_jax.errors import GenerationError, SamplingParamsError

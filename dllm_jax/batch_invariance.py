@@ -35,7 +35,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from dllm_jax.model import Linear, RMSNorm
+from dllm_jax.models.layers import Linear, RMSNorm
 from pallas_kernels.invariant_matmul import MatmulBlockSizes, invariant_matmul, invariant_matmul_reference
 from pallas_kernels.invariant_rms_norm import RMSNormBlockSizes, invariant_rms_norm, invariant_rms_norm_reference
 

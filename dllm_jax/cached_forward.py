@@ -24,7 +24,7 @@ from dllm_jax.chunked_attention import chunked_cache_attention
 from dllm_jax.config import ModelConfig
 from dllm_jax.flat_cache import FlatCache, flat_rows
 from dllm_jax.kernel_backend import Kernels
-from dllm_jax.model import LLaDABlock, LLaDAModel, Params
+from dllm_jax.models import Block, Params, Transformer
 
 # The published code accumulates tracking scores from the third layer up (block_idx > 1).
 SCORE_START_LAYER = 2
@@ -44,17 +44,17 @@ def mlp_chunk_groups(groups: int, rows: int) -> int:
     return max([g for g in range(1, groups + 1) if groups % g == 0 and g * rows <= MLP_CHUNK_ROWS], default=1)
 
 
-def output_and_mlp_in_chunks(block: LLaDABlock, lp: Params, h: jax.Array, attn: jax.Array) -> jax.Array:
-    """LLaDABlock.output_and_mlp of rows h [S, R, D] and attention outputs attn [S, R, H*Dh],
+def output_and_mlp_in_chunks(block: Block, lp: Params, h: jax.Array, attn: jax.Array) -> jax.Array:
+    """Block.output_and_mlp of rows h [S, R, D] and attention outputs attn [S, R, H*Dh],
     in chunks of mlp_chunk_groups(S, R) groups (a lax.map: a loop of known trip count, no
     host round trip). Every op of it is row-wise, so the result is the same."""
     S, R = h.shape[:2]
     per_chunk = mlp_chunk_groups(S, R)
     if per_chunk == S:
-        return block.apply(lp, h, attn, method=LLaDABlock.output_and_mlp)
+        return block.apply(lp, h, attn, method=Block.output_and_mlp)
     chunks = S // per_chunk
     out = jax.lax.map(
-        lambda xs: block.apply(lp, xs[0], xs[1], method=LLaDABlock.output_and_mlp),
+        lambda xs: block.apply(lp, xs[0], xs[1], method=Block.output_and_mlp),
         (h.reshape(chunks, per_chunk, *h.shape[1:]), attn.reshape(chunks, per_chunk, *attn.shape[1:])),
     )
     return out.reshape(h.shape)
@@ -151,9 +151,9 @@ def cached_forward(
     S, R = tokens.shape
     slots = jnp.arange(S, dtype=jnp.int32) if group_slot is None else group_slot
     rows = flat_rows(slots, positions, row_valid, spec.max_len)
-    block = LLaDABlock(config)
-    model = LLaDAModel(config)
-    h = h_embed = model.apply({"params": params}, tokens, method=LLaDAModel.embed)
+    block = Block(config)
+    model = Transformer(config)
+    h = h_embed = model.apply({"params": params}, tokens, method=Transformer.embed)
     layers = params["layers"]
     per_layer = isinstance(layers, (list, tuple))
     if spec.kernels.qkv or spec.kernels.attention or spec.kernels.scatter:
@@ -182,13 +182,13 @@ def cached_forward(
         h, k_cache, v_cache, scores = carry
         lp = {"params": lp}
         with ops(layer_taps):
-            x = block.apply(lp, h, method=LLaDABlock.attention_input)
+            x = block.apply(lp, h, method=Block.attention_input)
         extra_kv = None
         if spec.kernels.qkv and verify is None:
             q, k_cache, v_cache = pallas_qkv_to_cache(config, spec, layers, x, positions, rows, k_cache, v_cache, layer)
         else:
             with ops(layer_taps):
-                q, k, v = block.apply(lp, x, positions, method=LLaDABlock.project_qkv)
+                q, k, v = block.apply(lp, x, positions, method=Block.project_qkv)
             if verify is not None:
                 extra_kv = (k, v)
             elif spec.kernels.scatter:
@@ -210,7 +210,7 @@ def cached_forward(
             if layer_taps is None:
                 h = output_and_mlp_in_chunks(block, lp, h, out.reshape(S, R, -1))
             else:  # taps record inside the block's methods: no lax.map around them
-                h = block.apply(lp, h, out.reshape(S, R, -1), method=LLaDABlock.output_and_mlp)
+                h = block.apply(lp, h, out.reshape(S, R, -1), method=Block.output_and_mlp)
         if layer_taps is None:
             return (h, k_cache, v_cache, scores), {}
         for name, value in (("q", q), ("k", None if spec.kernels.qkv else k), ("v", None if spec.kernels.qkv else v),
@@ -236,7 +236,7 @@ def cached_forward(
     # [S, C, D] -> [S, C, V]: the LM head runs on candidate rows only
     h_candidates = jnp.take_along_axis(h, candidate_rows[:, :, None], axis=1)
     with ops():
-        logits = model.apply({"params": params}, h_candidates, method=LLaDAModel.logits)
+        logits = model.apply({"params": params}, h_candidates, method=Transformer.logits)
     if scores is not None:
         scores = scores * spec.score_scale
     if taps:

@@ -17,8 +17,9 @@ from typing import Literal
 
 from dllm_jax.validate import check_bool, check_choice, check_float, check_int
 
-Method = Literal["llada", "fast_dllm", "flash_cache"]
-METHODS: tuple[str, ...] = ("llada", "fast_dllm", "flash_cache")
+Method = Literal["llada", "fast_dllm", "flash_cache", "dream"]
+METHODS: tuple[str, ...] = ("llada", "fast_dllm", "flash_cache", "dream")
+DREAM_ALGORITHMS: tuple[str, ...] = ("origin", "maskgit_plus", "topk_margin", "entropy")
 CACHES: tuple[str, ...] = ("prefix", "dual")
 ACCEPT_RULES: tuple[str, ...] = ("cumprod", "paper")
 PIN_POLICIES: tuple[str, ...] = ("all_commits", "reference")
@@ -28,11 +29,13 @@ MAX_SEED = 2**31
 _DEFAULT_BLOCK = {"llada": 32, "fast_dllm": 32, "flash_cache": 16}
 # Which method each method-specific option belongs to.
 _ONLY_FOR = {
-    "steps": ("llada", "fast_dllm"),
+    "steps": ("llada", "fast_dllm", "dream"),
     "cache": ("fast_dllm",),
     "mask_num": ("flash_cache",),
     "track_num": ("flash_cache",),
     "cfg": ("llada",),
+    "alg": ("dream",),
+    "eps": ("dream",),
 }
 _VERIFY_ONLY = ("gamma", "accept", "pin")
 
@@ -51,14 +54,17 @@ class DecodeConfig:
 
     Attributes:
       method: "llada" (no cache, fixed tokens per step), "fast_dllm" (block cache refreshed at
-        block boundaries, confidence threshold) or "flash_cache" (flat cache, sliding window,
-        selective refresh by tracking score).
+        block boundaries, confidence threshold), "flash_cache" (flat cache, sliding window,
+        selective refresh by tracking score) or "dream" (Dream's own sampler, its
+        diffusion_generate: the whole generation is one block, every step a full pass).
       gen_length: the generation-length bucket G: the most positions a request may generate
         (SamplingParams.max_new_tokens <= G; shorter requests share the loop).
       block_length: llada/fast_dllm: semi-autoregressive block size; flash_cache: the
-        decoding window W. None = the method's default (32, 32, 16).
-      steps: llada and fast_dllm without threshold: denoising steps over the whole generation
-        (tokens per step = gen_length / steps). None = gen_length (one token per step).
+        decoding window W; dream: the whole generation (leave it None). None = the method's
+        default (32, 32, 16).
+      steps: llada, dream and fast_dllm without threshold: denoising steps over the whole
+        generation (tokens per step = gen_length / steps; dream: its timestep schedule).
+        None = gen_length (one token per step).
       threshold: default confidence threshold of requests (fast_dllm, flash_cache); a value
         above 1 commits exactly one token per step, 0 the whole window. None = 0.9 for
         flash_cache, and for fast_dllm 0.9 unless `steps` asks for a fixed schedule; llada
@@ -77,6 +83,12 @@ class DecodeConfig:
         accept (None = "cumprod") and pin (None = "all_commits") apply only with verify.
       cfg: compile the classifier-free-guidance variant (llada only: a second, unconditional
         full pass per step). The engine turns it on when a request sets cfg_scale > 0.
+      alg: dream only: which masked positions a step unmasks (dllm_jax.dream_sampling):
+        "origin" (each with probability 1 - s/t), "maskgit_plus" (top probability),
+        "topk_margin" (top-1 minus top-2) or "entropy" (negative entropy); None = "entropy".
+        Its alg_temp, like temperature, top_p and top_k, is per request (SamplingParams).
+      eps: dream only: the end of the timestep schedule linspace(1, eps, steps + 1), in
+        (0, 1); None = 1e-3.
     """
 
     method: Method = "flash_cache"
@@ -95,6 +107,8 @@ class DecodeConfig:
     accept: str | None = None
     pin: str | None = None
     cfg: bool = False
+    alg: str | None = None
+    eps: float | None = None
 
     def __post_init__(self):
         def put(name, value):
@@ -120,6 +134,17 @@ class DecodeConfig:
                     raise _fail(f"{name}={getattr(self, name)!r} applies only with verify=True")
         if self.method == "llada" and self.threshold is not None:
             raise _fail("threshold does not apply to method='llada' (it commits a fixed number of tokens per step: set steps)")
+        if self.method == "dream":
+            if self.threshold is not None:
+                raise _fail("threshold does not apply to method='dream' (it unmasks by its timestep schedule: set steps)")
+            if self.block_length not in (None, self.gen_length):
+                raise _fail(f"block_length={self.block_length} does not apply to method='dream' (the whole generation is one block)")
+            if self.total_steps > self.gen_length:
+                raise _fail(f"steps={self.steps}: expected at most gen_length={self.gen_length}")
+            put("alg", "entropy" if self.alg is None else check_choice("alg", self.alg, DREAM_ALGORITHMS, _fail))
+            put("eps", 1e-3 if self.eps is None else check_float("eps", self.eps, _fail, low=0.0, high=1.0, low_open=True))
+            if self.eps == 1.0:
+                raise _fail("eps=1.0: expected a number in (0, 1) (the schedule runs from 1 down to eps)")
 
         if self.method == "fast_dllm":
             put("cache", "dual" if self.cache is None else check_choice("cache", self.cache, CACHES, _fail))
@@ -153,8 +178,11 @@ class DecodeConfig:
 
     @property
     def window(self) -> int:
-        """W: the block (llada, fast_dllm) or decoding window (flash_cache) length."""
-        return self.block_length if self.block_length is not None else _DEFAULT_BLOCK[self.method]
+        """W: the block (llada, fast_dllm; dream: the whole generation) or decoding window
+        (flash_cache) length."""
+        if self.block_length is not None:
+            return self.block_length
+        return self.gen_length if self.method == "dream" else _DEFAULT_BLOCK[self.method]
 
     @property
     def uses_schedule(self) -> bool:

@@ -32,7 +32,8 @@ from dllm_jax.cached_forward import PassSpec, VerifyKeys, cached_forward
 from dllm_jax.config import ModelConfig
 from dllm_jax.flat_cache import FlatCache, allocate_cache
 from dllm_jax.kernel_backend import Kernels
-from dllm_jax.model import Params
+from dllm_jax.logit_alignment import predictor_positions, with_predictor_rows
+from dllm_jax.models import Params
 from dllm_jax.policies import DecodePolicy
 from dllm_jax.sharding import CACHE_ROWS, DATA, REPLICATED, SLOTS, axis_size, per_data_shard
 from dllm_jax.sampling import all_finite, filter_top_p_top_k, guided_logits
@@ -221,12 +222,14 @@ class DecodeLoop:
         positions = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (lanes, L))
         row_valid = lane_valid[:, None] & (positions < lane.key_len[:, None])
         candidates, candidate_valid = jax.vmap(self.policy.candidates)(lane)
+        # row index = position in a full pass: the candidates' predictor rows are positions
+        predictors, predictor_valid = predictor_positions(candidates, candidate_valid, self.model.logit_shift)
         score_rows = jax.vmap(lambda c, v: jnp.zeros((L,), bool).at[jnp.where(v, c, L)].set(True, mode="drop"))(
-            candidates, candidate_valid
+            predictors, predictor_valid
         )
         logits, scores, cache, *pass_taps = cached_forward(
             self.model, self._spec, params, cache, lane.tokens, positions, row_valid,
-            safe_slot, lane.key_len, candidates, score_rows, taps=taps,
+            safe_slot, lane.key_len, predictors, score_rows, taps=taps,
         )
         if self.cfg:
             # LLaDA's un_x: the prompt positions masked (prompt_index = the initial non-mask tokens)
@@ -250,9 +253,15 @@ class DecodeLoop:
         debug pass, also the cached_forward taps)."""
         B, L, C = run_sparse.shape[0], self.max_len, self.policy.num_candidates
         positions, row_valid = jax.vmap(self.policy.sparse_rows)(slots)
+        if self.model.logit_shift:
+            candidates, candidate_valid = jax.vmap(self.policy.candidates)(slots)
+            positions, row_valid = with_predictor_rows(
+                positions, row_valid, candidates, candidate_valid, self.model.logit_shift
+            )
         row_valid = row_valid & run_sparse[:, None]
         tokens = jnp.take_along_axis(slots.tokens, positions, axis=1)
         R = positions.shape[1]
+        # the first C query rows predict the candidates (the candidates or their predictor rows)
         candidate_rows = jnp.broadcast_to(jnp.arange(C, dtype=jnp.int32), (B, C))
         score_rows = row_valid & (jnp.arange(R) < C)[None, :]
         logits, scores, cache, *pass_taps = cached_forward(

@@ -40,7 +40,7 @@ from dllm_jax.validate import check_bool, check_int
 from dllm_jax.flat_cache import cache_bytes
 from dllm_jax.kernel_backend import Kernels, resolve_kernels
 from dllm_jax.memory_estimate import MemoryEstimate, check_decode_loop, estimate_decode_loop
-from dllm_jax.model import Params, unstack_layers
+from dllm_jax.models import Params, unstack_layers
 from dllm_jax.policies import make_policy
 from dllm_jax.quantization import compiler_options as quantization_compiler_options
 
@@ -236,7 +236,7 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path: str, *, dtype: str | None = None, quantization: str | None = None, **kwargs) -> Engine:
-        """Loads a Hugging Face LLaDA folder, a converted checkpoint or a cached Hub id
+        """Loads a Hugging Face LLaDA or Dream folder, a converted checkpoint or a cached Hub id
         (dllm_jax.load_model; dtype None: float32 on the CPU, bfloat16 on accelerators;
         quantization: dllm_jax.quantization, None = as stored)."""
         from dllm_jax.loading import load_model

@@ -118,10 +118,12 @@ def pallas_qkv_to_cache(config: ModelConfig, spec, stacked, x, positions, rows, 
 
     S, R, D = x.shape
     tensor = axis_size(spec.mesh, TENSOR)
+    # [NL, width] each (Dream's q/k/v biases), split by heads like the weights' columns
+    biases = tuple(stacked[name]["bias"] for name in ("q_proj", "k_proj", "v_proj")) if config.qkv_bias else None
 
-    def project(x, wq, wk, wv, positions, rows, k_cache, v_cache, layer):
+    def project(x, wq, wk, wv, positions, rows, k_cache, v_cache, layer, biases):
         return qkv_rope_cache(
-            x, wq, wk, wv, positions, rows, k_cache, v_cache, layer,
+            x, wq, wk, wv, positions, rows, k_cache, v_cache, layer, biases,
             n_heads=config.n_heads // tensor,
             n_kv_heads=config.n_kv_heads // tensor,
             rope_theta=config.rope_theta,
@@ -131,7 +133,8 @@ def pallas_qkv_to_cache(config: ModelConfig, spec, stacked, x, positions, rows, 
     project = per_tensor_shard(
         project,
         spec.mesh,
-        in_specs=(REPLICATED, HEADS, HEADS, HEADS, REPLICATED, REPLICATED, HEADS, HEADS, REPLICATED),
+        in_specs=(REPLICATED, HEADS, HEADS, HEADS, REPLICATED, REPLICATED, HEADS, HEADS, REPLICATED,
+                  None if biases is None else (FLAT_HEADS,) * 3),
         out_specs=(FLAT_HEADS, HEADS, HEADS),
     )
     q, k_cache, v_cache = project(
@@ -144,6 +147,7 @@ def pallas_qkv_to_cache(config: ModelConfig, spec, stacked, x, positions, rows, 
         k_cache,
         v_cache,
         jnp.int32(layer),
+        biases,
     )
     return q.reshape(S, R, config.n_heads, config.head_dim), k_cache, v_cache
 

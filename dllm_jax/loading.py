@@ -11,11 +11,12 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from dllm_jax.assets import model_folder
 from dllm_jax.checkpoint.converted import METADATA_FILE, is_converted, load_converted, move_to_jax, read_metadata
 from dllm_jax.checkpoint.errors import ConversionError
 from dllm_jax.checkpoint.hf_reader import CONFIG_FILE, read_checkpoint, read_config
 from dllm_jax.config import ConfigError, ModelConfig
-from dllm_jax.model import Params
+from dllm_jax.models import Params
 from dllm_jax.quantization import QUANTIZATIONS, quantize_params
 from dllm_jax.tokenizer import Tokenizer, has_tokenizer_files
 
@@ -29,7 +30,7 @@ class LoadedModel:
     """A model ready to run.
 
     config: the architecture; ``config.dtype`` is the dtype of ``params``.
-    params: the params tree of jax arrays (layout: dllm_jax.model).
+    params: the params tree of jax arrays (layout: dllm_jax.models).
     tokenizer: the folder's tokenizer, or None when it holds no tokenizer files.
     path: the local folder it came from (for a Hub id, its snapshot in the cache).
     """
@@ -66,8 +67,9 @@ def _looks_like_hub_id(name: str) -> bool:
 
 
 def resolve_model_path(name: str | Path) -> Path:
-    """The local folder of a model (absolute): ``name`` itself when it exists, else the snapshot of the Hub
-    id ``name`` (e.g. "GSAI-ML/LLaDA-8B-Instruct") in the Hugging Face cache.
+    """The local folder of a model (absolute): ``name`` itself when it exists, an embedded tiny
+    model ("tiny-llada", "tiny-dream"), else the snapshot of the Hub id ``name`` (e.g.
+    "GSAI-ML/LLaDA-8B-Instruct") in the Hugging Face cache.
 
     The cache is tried first; only when the model is not there and the Hub is not switched off
     (HF_HUB_OFFLINE) is it downloaded. The cache folder is huggingface_hub's (HF_HUB_CACHE, HF_HOME).
@@ -75,7 +77,7 @@ def resolve_model_path(name: str | Path) -> Path:
     Raises:
       ModelNotFoundError naming the model and where it was looked for.
     """
-    path = Path(name)
+    path = model_folder(name)
     if path.exists():
         return path.absolute()  # orbax restores absolute paths only
     name = str(name)
@@ -118,7 +120,7 @@ def read_model_config(path: str | Path, *, dtype: str | None = None) -> ModelCon
 def _not_a_model(path: Path) -> ConversionError:
     return ConversionError(
         f"{path}: neither a converted dllm_jax checkpoint (no {METADATA_FILE}) "
-        f"nor a Hugging Face LLaDA folder (no {CONFIG_FILE})"
+        f"nor a Hugging Face LLaDA or Dream folder (no {CONFIG_FILE})"
     )
 
 
@@ -128,7 +130,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer | None:
 
 
 def load_model(name: str | Path, *, dtype: str | None = None, quantization: str | None = None) -> LoadedModel:
-    """Loads a converted folder (has dllm_jax_metadata.json), a Hugging Face LLaDA folder, or a
+    """Loads a converted folder (has dllm_jax_metadata.json), a Hugging Face LLaDA or Dream folder, or a
     Hub id from the Hugging Face cache (``resolve_model_path``; a local folder wins).
 
     A Hugging Face folder is converted in memory by the same streaming reader as

@@ -97,8 +97,10 @@ def quantize_params(params: Any, mode: str) -> Any:
         raise ValueError(f"quantization={mode!r}: expected one of {QUANTIZATIONS}")
 
     def block(tree: dict[str, Any]) -> dict[str, Any]:
+        # a projection's other leaves (Dream's q/k/v biases) stay as they are
         return {
-            name: quantize_kernel(sub["kernel"], mode) if name in QUANTIZED_MODULES and "kernel" in sub else sub
+            name: {**{k: v for k, v in sub.items() if k != "kernel"}, **quantize_kernel(sub["kernel"], mode)}
+            if name in QUANTIZED_MODULES and "kernel" in sub else sub
             for name, sub in tree.items()
         }
 

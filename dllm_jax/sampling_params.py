@@ -44,6 +44,8 @@ class SamplingParams:
       threshold: confidence threshold for parallel commits (fast_dllm with threshold,
         flash_cache); None = the DecodeConfig's.
       gamma: Flash-Verify acceptance threshold in (0, 1]; None = the DecodeConfig's.
+      alg_temp: Dream's sampler (method "dream") only: 0 = unmask the most confident masked
+        positions; > 0 = draw them from softmax(confidence / alg_temp).
     """
 
     max_new_tokens: int | None = None
@@ -57,6 +59,7 @@ class SamplingParams:
     remasking: str = "low_confidence"
     threshold: float | None = None
     gamma: float | None = None
+    alg_temp: float = 0.0
 
     def __post_init__(self):
         def put(name: str, value: Any) -> None:
@@ -73,6 +76,7 @@ class SamplingParams:
         check_choice("remasking", self.remasking, REMASKING, _fail)
         put("threshold", check_float("threshold", self.threshold, _fail, low=0.0, optional=True))
         put("gamma", check_float("gamma", self.gamma, _fail, low=0.0, high=1.0, low_open=True, optional=True))
+        put("alg_temp", check_float("alg_temp", self.alg_temp, _fail, low=0.0))
         for name in ("max_new_tokens", "top_k", "seed"):
             value = getattr(self, name)
             if value is not None:

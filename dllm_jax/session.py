@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from dllm_jax.engine import CompiledLoop, Engine, GenerationResult
 
 # The host dtype of each SlotParams field (the ring's numpy mirror); the rest are int32.
-_FLOAT_PARAMS = ("temperature", "top_p", "threshold", "gamma", "cfg_scale")
+_FLOAT_PARAMS = ("temperature", "top_p", "threshold", "gamma", "cfg_scale", "alg_temp")
 _PARAM_DTYPES = {
     f.name: np.bool_ if f.name == "random_remasking" else np.float32 if f.name in _FLOAT_PARAMS else np.int32
     for f in dataclasses.fields(SlotParams)
@@ -111,6 +111,8 @@ def resolve_params(
                 f"unconditional full pass per step), not {decode.method!r}"
             )
         raise GenerationError(f"{where}: cfg_scale={params.cfg_scale} needs a loop compiled with DecodeConfig(cfg=True)")
+    if params.alg_temp > 0 and decode.method != "dream":
+        raise GenerationError(f"{where}: alg_temp={params.alg_temp} applies only to method='dream', not {decode.method!r}")
     threshold = params.threshold if params.threshold is not None else decode.threshold
     gamma = params.gamma if params.gamma is not None else decode.gamma
     return dict(
@@ -126,6 +128,7 @@ def resolve_params(
         gamma=1.0 if gamma is None else gamma,
         cfg_scale=params.cfg_scale,
         random_remasking=params.remasking == "random",
+        alg_temp=params.alg_temp,
     )
 
 

@@ -35,7 +35,7 @@ import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from dllm_jax.config import ModelConfig
-from dllm_jax.model import Params
+from dllm_jax.models import Params
 
 DATA = "data"
 TENSOR = "tensor"
@@ -113,13 +113,13 @@ def check_batch(mesh: Mesh, batch_size: int) -> None:
 
 
 def param_specs(params: Params) -> Params:
-    """A PartitionSpec per parameter: the tree of dllm_jax.model's docstring, its layers
+    """A PartitionSpec per parameter: the tree of dllm_jax.models' docstring, its layers
     stacked ([n_layers, in, out] kernels) or per layer (a tuple of [in, out] kernels)."""
 
     def spec(path, leaf) -> P:
         module = path[-2].key if path[0].key == "layers" else None
         name = path[-1].key
-        if name == "scale":  # [(NL,) out] of a quantized kernel: split with the output columns
+        if name in ("scale", "bias"):  # [(NL,) out] of a quantized kernel or a bias: split with the output columns
             return P(*(None,) * (leaf.ndim - 1), TENSOR) if module in _COLUMN_SPLIT else REPLICATED
         lead = (None,) * (leaf.ndim - 2)
         # kernel is [in, out]; a quantized qkernel is [out, in]

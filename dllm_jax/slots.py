@@ -30,7 +30,7 @@ class SlotParams:
     max_new_tokens int32 (the slot's gen_end = P + max_new_tokens); step_limit int32 (hard
     bound on its steps); temperature, top_p float32; top_k int32 (0: off); seed, stream int32
     (its random stream: key(seed) folded with stream, then the step); threshold, gamma,
-    cfg_scale float32; random_remasking bool.
+    cfg_scale, alg_temp float32; random_remasking bool.
     """
 
     max_new_tokens: jax.Array
@@ -44,6 +44,7 @@ class SlotParams:
     gamma: jax.Array
     cfg_scale: jax.Array
     random_remasking: jax.Array
+    alg_temp: jax.Array
 
 
 def zero_params(shape: tuple[int, ...]) -> SlotParams:
@@ -52,6 +53,7 @@ def zero_params(shape: tuple[int, ...]) -> SlotParams:
     return SlotParams(
         max_new_tokens=i32(), step_limit=i32(), temperature=f32(), top_p=f32(), top_k=i32(), seed=i32(),
         stream=i32(), threshold=f32(), gamma=f32(), cfg_scale=f32(), random_remasking=jnp.zeros(shape, bool),
+        alg_temp=f32(),
     )
 
 

@@ -1,4 +1,5 @@
-"""Character-level tokenizer of the embedded tiny model, with LLaDA's special tokens and chat template.
+"""Character-level tokenizers of the embedded tiny models, with each family's special tokens
+and chat template (tiny-llada: LLaDA's; tiny-dream: Qwen2's names and ChatML).
 
 Ids 0-94 are the printable ASCII characters (space to "~"), 95 is the newline, then come the
 special tokens. Any other character encodes as ``<|unk|>``. The model's embedding has
@@ -36,15 +37,48 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tiny_tokenizer(model_max_length: int = 128) -> PreTrainedTokenizerFast:
-    """The tokenizer, built in memory (no file access)."""
-    vocab = {token: i for i, token in enumerate(CHARACTERS + SPECIAL_TOKENS)}
+# Dream's (Qwen2's) special tokens: <|endoftext|> ends and pads a sequence, <|im_end|> ends a turn.
+DREAM_MASK = "<|mask|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+DREAM_SPECIAL_TOKENS = (EOS, IM_START, IM_END, DREAM_MASK, UNK)
+
+# ChatML, as Qwen2 / Dream use it (without Qwen's default system message, to keep prompts short).
+CHATML_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + (message['content'] | trim) + '<|im_end|>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"
+)
+
+# The token that ends an answer's turn, per family.
+END_OF_TURN = {"llada": EOT, "dream": IM_END}
+
+
+def _character_backend(special_tokens: tuple[str, ...]) -> Tokenizer:
+    vocab = {token: i for i, token in enumerate(CHARACTERS + special_tokens)}
     # BPE without merges is a character-level model; Fuse joins the pieces back without spaces.
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
     backend.decoder = decoders.Fuse()
-    backend.add_special_tokens(list(SPECIAL_TOKENS))
+    backend.add_special_tokens(list(special_tokens))
+    return backend
+
+
+def build_tiny_tokenizer(model_max_length: int = 128, family: str = "llada") -> PreTrainedTokenizerFast:
+    """The family's tokenizer, built in memory (no file access)."""
+    if family == "dream":
+        return PreTrainedTokenizerFast(
+            tokenizer_object=_character_backend(DREAM_SPECIAL_TOKENS),
+            eos_token=EOS,
+            pad_token=EOS,
+            mask_token=DREAM_MASK,
+            unk_token=UNK,
+            extra_special_tokens=[IM_START, IM_END],
+            chat_template=CHATML_TEMPLATE,
+            model_max_length=model_max_length,
+        )
     return PreTrainedTokenizerFast(
-        tokenizer_object=backend,
+        tokenizer_object=_character_backend(SPECIAL_TOKENS),
         bos_token=BOS,
         eos_token=EOS,
         pad_token=EOS,
@@ -56,8 +90,8 @@ def build_tiny_tokenizer(model_max_length: int = 128) -> PreTrainedTokenizerFast
     )
 
 
-def save_tiny_tokenizer(out_dir: str | Path, model_max_length: int = 128) -> Path:
+def save_tiny_tokenizer(out_dir: str | Path, model_max_length: int = 128, family: str = "llada") -> Path:
     """Writes tokenizer.json and tokenizer_config.json (chat template inside it) to out_dir."""
     out_dir = Path(out_dir)
-    build_tiny_tokenizer(model_max_length).save_pretrained(str(out_dir), save_jinja_files=False)
+    build_tiny_tokenizer(model_max_length, family).save_pretrained(str(out_dir), save_jinja_files=False)
     return out_dir

@@ -23,6 +23,12 @@ and masks from i on, never its own draft: its prediction is the conditional one-
 decoding in that order would see. The pass writes nothing to the cache; logits are computed
 for the M rows only.
 
+Shifted logits (Dream, logit_shift 1): the prediction for search position i is the output
+row at position i - 1, so the query adds S predictor rows P_i at those positions, each
+holding what that position holds in view i (the draft of a search position before i in
+verify order, [MASK] for one from i on, else the canvas token) and attending exactly as M_i
+does; nobody attends to them, and logits are computed for the P rows instead.
+
 Acceptance ("stage 2"), p_i = mask view's probability of draft i:
   cumprod (published code): accept the longest prefix with prod_{k<=i} p_k >= gamma. Each
     accepted block of m drafts is then within 1 - gamma (total variation) of sequential
@@ -59,22 +65,22 @@ class WindowDraft:
 class VerifyPlan:
     """One slot's verify query (2W rows) and its search set (S_max = W // 2 entries)."""
 
-    tokens: jax.Array  # int32 [2W]
-    positions: jax.Array  # int32 [2W]
-    row_valid: jax.Array  # bool [2W]
+    tokens: jax.Array  # int32 [N]: N = 2W (+ S_max predictor rows with shifted logits)
+    positions: jax.Array  # int32 [N]
+    row_valid: jax.Array  # bool [N]
     key_exclude: jax.Array  # bool [L]
-    extra_mask: jax.Array  # bool [2W, 2W]
-    mask_rows: jax.Array  # int32 [S_max]: the M rows, in verify order
+    extra_mask: jax.Array  # bool [N, N]
+    mask_rows: jax.Array  # int32 [S_max]: the rows predicting the search positions, in verify order
     search_positions: jax.Array  # int32 [S_max]
     search_drafts: jax.Array  # int32 [S_max]
     num_search: jax.Array  # int32: S
 
 
-def plan_verify(old: Slots, new: Slots, draft: WindowDraft, mask_id: int) -> VerifyPlan:
+def plan_verify(old: Slots, new: Slots, draft: WindowDraft, mask_id: int, logit_shift: int = 0) -> VerifyPlan:
     """Builds the verify query of one slot after its stage-1 commit.
 
     old: the slot before this step (its pinned tokens and scores rank the context);
-    new: after stage 1.
+    new: after stage 1; logit_shift: the model family's (see the module docstring).
     """
     W = draft.positions.shape[0]
     rows, s_max = 2 * W, W // 2
@@ -115,6 +121,11 @@ def plan_verify(old: Slots, new: Slots, draft: WindowDraft, mask_id: int) -> Ver
     excluded = jnp.where(row_valid, positions, L)
     key_exclude = jnp.zeros((L,), bool).at[excluded].set(True, mode="drop")
     mask_rows = jnp.minimum(num_context + num_search + jnp.arange(s_max), rows - 1).astype(jnp.int32)
+    if logit_shift:
+        tokens, positions, row_valid, extra_mask, mask_rows = _with_predictor_rows(
+            tokens, positions, row_valid, extra_mask, m_row, is_m, i, new.tokens, search_positions, search_drafts,
+            num_search, mask_id, logit_shift,
+        )
     return VerifyPlan(
         tokens=tokens.astype(jnp.int32),
         positions=positions,
@@ -125,6 +136,35 @@ def plan_verify(old: Slots, new: Slots, draft: WindowDraft, mask_id: int) -> Ver
         search_positions=search_positions.astype(jnp.int32),
         search_drafts=search_drafts.astype(jnp.int32),
         num_search=num_search,
+    )
+
+
+def _with_predictor_rows(
+    tokens, positions, row_valid, extra_mask, m_row, is_m, i, canvas, search_positions, search_drafts, num_search,
+    mask_id: int, shift: int,
+):
+    """Appends the S_max predictor rows P_i (position search_positions[i] - shift) to the 2W
+    rows; returns the query's tokens, positions, validity, [N, N] mask and the P rows."""
+    rows, s_max = tokens.shape[0], search_positions.shape[0]
+    k = jnp.arange(s_max)
+    p_positions = search_positions - shift
+    p_valid = (k < num_search) & (p_positions >= 0)
+    p_positions = jnp.maximum(p_positions, 0).astype(jnp.int32)
+    # [i, j]: P_i's position is search position j; in view i it holds draft j (j < i) or [MASK]
+    same = (p_positions[:, None] == search_positions[None, :]) & (k[None, :] < num_search)
+    j = jnp.argmax(same, axis=1)
+    p_tokens = jnp.where(jnp.any(same, axis=1), jnp.where(j < k, search_drafts[j], mask_id), canvas[p_positions])
+    # P_i attends as M_i does: M_i is the M row with verify-order index i
+    m_index = jnp.argmax(is_m[None, :] & (i[None, :] == k[:, None]), axis=1)
+    p_mask = m_row[m_index]  # [S_max, 2W]
+    n = rows + s_max
+    mask = jnp.zeros((n, n), bool).at[:rows, :rows].set(extra_mask).at[rows:, :rows].set(p_mask)
+    return (
+        jnp.concatenate([tokens, p_tokens.astype(tokens.dtype)]),
+        jnp.concatenate([positions, p_positions]),
+        jnp.concatenate([row_valid, p_valid]),
+        mask,
+        (rows + k).astype(jnp.int32),
     )
 
 

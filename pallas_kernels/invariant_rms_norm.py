@@ -7,7 +7,7 @@ alone vs among 7 others). Here every program normalizes block_m rows with a fixe
 over D in steps of block_d; the block sizes depend only on D, so a row's result is the same
 whatever else is in the batch.
 
-The math is dllm_jax.model.RMSNorm's: weight * cast(x * rsqrt(mean(x^2) + eps)), statistics
+The math is dllm_jax.models.layers.RMSNorm's: weight * cast(x * rsqrt(mean(x^2) + eps)), statistics
 in float32, the normalized rows cast to x.dtype before the weight (cast to x.dtype) multiplies.
 
 ``invariant_rms_norm`` is the Pallas (Triton) kernel; ``invariant_rms_norm_reference`` is the

@@ -99,7 +99,7 @@ def default_qkv_block_sizes(n_rows: int, d_model: int, head_dim: int, n_columns:
 
 
 def _qkv_kernel(
-    layer_ref, pos_ref, rows_ref, inv_freq_ref, x_ref, wq_ref, wk_ref, wv_ref, _k_in, _v_in,
+    layer_ref, pos_ref, rows_ref, inv_freq_ref, x_ref, wq_ref, wk_ref, wv_ref, bq_ref, bk_ref, bv_ref, _k_in, _v_in,
     q_ref, k_ref, v_ref, *, n_q_chunks: int, n_kv_chunks: int, head_dim: int, blocks: QKVBlockSizes,
 ):
     """One (row tile, column chunk) program; column chunks are [q heads | k heads | v heads]."""
@@ -111,8 +111,9 @@ def _qkv_kernel(
     layer = layer_ref[0]
     d_model = x_ref.shape[1]
 
-    def project(w_ref, col):
-        """x rows @ w[layer][:, col:col+BH] and [:, col+half:col+half+BH], float32 [BM, BH] each."""
+    def project(w_ref, b_ref, col):
+        """x rows @ w[layer][:, col:col+BH] (+ b[layer][col:col+BH]) and the same at col + half,
+        float32 [BM, BH] each."""
 
         def step(t, accs):
             acc1, acc2 = accs
@@ -124,7 +125,10 @@ def _qkv_kernel(
             return acc1, acc2
 
         zeros = jnp.zeros((bm, bh), jnp.float32)
-        return lax.fori_loop(0, d_model // bk, step, (zeros, zeros))
+        acc1, acc2 = lax.fori_loop(0, d_model // bk, step, (zeros, zeros))
+        b1 = b_ref[layer, pl.ds(col, bh)].astype(jnp.float32)
+        b2 = b_ref[layer, pl.ds(col + half, bh)].astype(jnp.float32)
+        return acc1 + b1[None, :], acc2 + b2[None, :]
 
     def rotate(acc1, acc2, pair0):
         """Rotate-half RoPE of pairs [pair0, pair0 + BH) on the float32 accumulators."""
@@ -148,19 +152,32 @@ def _qkv_kernel(
     @pl.when(chunk < n_q_chunks)
     def _q():
         col, pair0 = column(chunk)
-        out1, out2 = rotate(*project(wq_ref, col), pair0)
+        out1, out2 = rotate(*project(wq_ref, bq_ref, col), pair0)
         plgpu.store(q_ref.at[pl.ds(row0, bm), pl.ds(col, bh)], out1.astype(q_ref.dtype))
         plgpu.store(q_ref.at[pl.ds(row0, bm), pl.ds(col + half, bh)], out2.astype(q_ref.dtype))
 
     @pl.when((chunk >= n_q_chunks) & (chunk < n_q_chunks + n_kv_chunks))
     def _k():
         col, pair0 = column(chunk - n_q_chunks)
-        write_cache(k_ref, col, *rotate(*project(wk_ref, col), pair0))
+        write_cache(k_ref, col, *rotate(*project(wk_ref, bk_ref, col), pair0))
 
     @pl.when(chunk >= n_q_chunks + n_kv_chunks)
     def _v():
         col, _ = column(chunk - n_q_chunks - n_kv_chunks)
-        write_cache(v_ref, col, *project(wv_ref, col))
+        write_cache(v_ref, col, *project(wv_ref, bv_ref, col))
+
+
+def _biases(wq, wk, wv, biases):
+    """(bq, bk, bv) [NL, width] each, checked; zeros for a model without q/k/v biases."""
+    if biases is None:
+        return tuple(jnp.zeros((w.shape[0], w.shape[2]), w.dtype) for w in (wq, wk, wv))
+    if len(biases) != 3:
+        raise ValueError(f"biases: expected (bq, bk, bv), got {len(biases)} arrays")
+    for name, b, w in zip(("bq", "bk", "bv"), biases, (wq, wk, wv)):
+        check_shape(name, b, (w.shape[0], w.shape[2]))
+        if b.dtype != w.dtype:
+            raise ValueError(f"{name}.dtype={b.dtype}: expected the weights' dtype {w.dtype}")
+    return tuple(biases)
 
 
 def _check_args(x, wq, wk, wv, k_cache, v_cache, n_heads, n_kv_heads):
@@ -215,6 +232,7 @@ def qkv_rope_cache(
     k_cache: jax.Array,
     v_cache: jax.Array,
     layer: jax.Array | int,
+    biases: tuple[jax.Array, jax.Array, jax.Array] | None = None,
     *,
     n_heads: int,
     n_kv_heads: int,
@@ -233,6 +251,8 @@ def qkv_rope_cache(
         row M-1; rows outside [0, M) are sent there too.
       k_cache, v_cache: [NL, M, KVH*Dh] (donated; updated in place).
       layer: int32 scalar, the layer whose weights and cache rows are used (0 <= layer < NL).
+      biases: (bq [NL, H*Dh], bk, bv [NL, KVH*Dh]) added to the float32 products before RoPE
+        (Dream / Qwen2), in the weights' dtype; None = no biases.
       n_heads, n_kv_heads: H and KVH.
       rope_theta: RoPE base; angle of pair i = position * theta^(-2i/Dh) in float32.
       interpret: run the kernel in the Pallas interpreter (CPU tests).
@@ -243,6 +263,7 @@ def qkv_rope_cache(
       cache_rows are untouched.
     """
     d_model, head_dim = _check_args(x, wq, wk, wv, k_cache, v_cache, n_heads, n_kv_heads)
+    bq, bk, bv = _biases(wq, wk, wv, biases)
     n_rows = x.shape[0]
     positions = as_int32("positions", positions, (n_rows,))
     cache_rows = _safe_rows(as_int32("cache_rows", cache_rows, (n_rows,)), k_cache.shape[1])
@@ -274,11 +295,11 @@ def qkv_rope_cache(
             jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
             jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
         ),
-        input_output_aliases={8: 1, 9: 2},
+        input_output_aliases={11: 1, 12: 2},
         compiler_params=compiler_params(blocks.num_warps, blocks.num_stages),
         interpret=interpret,
         name="qkv_rope_cache",
-    )(layer, positions, cache_rows, rope_frequencies(head_dim, rope_theta), x, wq, wk, wv, k_cache, v_cache)
+    )(layer, positions, cache_rows, rope_frequencies(head_dim, rope_theta), x, wq, wk, wv, bq, bk, bv, k_cache, v_cache)
     return q[:n_rows], k_cache, v_cache
 
 
@@ -297,6 +318,7 @@ def qkv_rope_cache_reference(
     k_cache: jax.Array,
     v_cache: jax.Array,
     layer: jax.Array | int,
+    biases: tuple[jax.Array, jax.Array, jax.Array] | None = None,
     *,
     n_heads: int,
     n_kv_heads: int,
@@ -309,6 +331,7 @@ def qkv_rope_cache_reference(
     accepted for signature parity and ignored."""
     del interpret, block_sizes
     _, head_dim = _check_args(x, wq, wk, wv, k_cache, v_cache, n_heads, n_kv_heads)
+    bq, bk, bv = _biases(wq, wk, wv, biases)
     n_rows = x.shape[0]
     positions = as_int32("positions", positions, (n_rows,))
     cache_rows = _safe_rows(as_int32("cache_rows", cache_rows, (n_rows,)), k_cache.shape[1])
@@ -317,13 +340,14 @@ def qkv_rope_cache_reference(
     cos, sin = rope_cos_sin(positions, head_dim, rope_theta)
     cos, sin = cos[:, None, :], sin[:, None, :]
 
-    def project(w, heads):
+    def project(w, b, heads):
         # [N, heads, Dh] float32
-        return jnp.dot(x, w[layer], preferred_element_type=jnp.float32).reshape(n_rows, heads, head_dim)
+        y = jnp.dot(x, w[layer], preferred_element_type=jnp.float32) + b[layer].astype(jnp.float32)
+        return y.reshape(n_rows, heads, head_dim)
 
-    q = apply_rope(project(wq, n_heads), cos, sin).reshape(n_rows, -1)
-    k = apply_rope(project(wk, n_kv_heads), cos, sin).reshape(n_rows, -1)
-    v = project(wv, n_kv_heads).reshape(n_rows, -1)
+    q = apply_rope(project(wq, bq, n_heads), cos, sin).reshape(n_rows, -1)
+    k = apply_rope(project(wk, bk, n_kv_heads), cos, sin).reshape(n_rows, -1)
+    v = project(wv, bv, n_kv_heads).reshape(n_rows, -1)
     k_cache = k_cache.at[layer, cache_rows].set(k.astype(k_cache.dtype))
     v_cache = v_cache.at[layer, cache_rows].set(v.astype(v_cache.dtype))
     return q.astype(x.dtype), k_cache, v_cache

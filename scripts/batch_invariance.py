@@ -52,7 +52,7 @@ from dllm_jax.atomic_write import write_text_atomically  # noqa: E402
 from dllm_jax.batch_invariance import LAYER_TAP_ORDER  # noqa: E402
 from dllm_jax.decode_config import DecodeConfig  # noqa: E402
 from dllm_jax.engine import CompiledLoop, Engine  # noqa: E402
-from dllm_jax.model import init_params  # noqa: E402
+from dllm_jax.models import init_params  # noqa: E402
 
 METHODS = ("llada", "fast_dllm", "flash_cache", "flash_verify")
 

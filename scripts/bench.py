@@ -1,6 +1,7 @@
-"""Full-scale decode speed: every method at LLaDA-8B shapes, side by side, against the roofline.
+"""Full-scale decode speed: every method at LLaDA-8B (and Dream-7B) shapes, side by side, against the roofline.
 
     PYTHONPATH=. python scripts/bench.py                         # GPU: LLaDA-8B, random bf16 weights
+    PYTHONPATH=. python scripts/bench.py --model-shape llada-8b dream-7b   # both families in one run
     PYTHONPATH=. python scripts/bench.py --preset steps --slots 1 8 32
     PYTHONPATH=. python scripts/bench.py --tiny                  # CPU smoke test (tiny model)
 
@@ -44,10 +45,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from dllm_jax.atomic_write import write_text_atomically  # noqa: E402
-from dllm_jax.config import ModelConfig, llada_8b_config  # noqa: E402
+from dllm_jax.config import ModelConfig, dream_7b_config, llada_8b_config  # noqa: E402
 from dllm_jax.decode_config import DecodeConfig  # noqa: E402
 from dllm_jax.engine import Engine  # noqa: E402
-from dllm_jax.model import init_params, init_params_per_layer  # noqa: E402
+from dllm_jax.models import init_params, init_params_per_layer  # noqa: E402
 from dllm_jax.quantization import QUANTIZATIONS, QUANTIZED_MODULES as QUANTIZED, quantize_kernel, weight_bytes  # noqa: E402
 from dllm_jax.sharding import parse_mesh  # noqa: E402
 
@@ -59,11 +60,28 @@ METHODS = ("llada", "fast_dllm", "flash_cache", "flash_verify")
 SCHEDULES = ("one", "window")
 
 
-def tiny_config() -> ModelConfig:
-    return ModelConfig(
+def tiny_config(model: str = "llada-8b") -> ModelConfig:
+    """A tiny model of the family of `model` (Dream: q/k/v biases, 4 query heads per kv head)."""
+    base = ModelConfig(
         d_model=128, n_layers=2, n_heads=4, n_kv_heads=4, mlp_hidden_size=256, vocab_size=256,
         mask_token_id=255, eos_token_id=254, pad_token_id=254, max_sequence_length=1024, dtype="float32",
     )
+    if model == "dream-7b":
+        return dataclasses.replace(base, n_kv_heads=1, family="dream", qkv_bias=True)
+    return base
+
+
+def model_config(model: str, tiny: bool, dtype: str | None = None) -> ModelConfig:
+    """The random-weight model of a --model-shape name (with --tiny: a tiny one of its family)."""
+    config = tiny_config(model) if tiny else MODEL_SHAPES[model]()
+    return dataclasses.replace(config, dtype=dtype or config.dtype)
+
+
+def sparse_rows_per_slot(policy, config: ModelConfig, key_len: int) -> int:
+    """Query rows of a sparse step: the policy's, plus the candidates' predictor rows for a
+    model with shifted logits (dllm_jax.logit_alignment)."""
+    extra = policy.num_candidates if config.logit_shift else 0
+    return min(policy.num_sparse_rows, key_len) + extra
 
 
 def mid_size_config(d_model: int, n_layers: int, n_heads: int, mlp: int) -> ModelConfig:
@@ -78,6 +96,7 @@ def mid_size_config(d_model: int, n_layers: int, n_heads: int, mlp: int) -> Mode
 # --model-shape: random-weight models by name (--tiny is the CPU smoke test's own)
 MODEL_SHAPES = {
     "llada-8b": llada_8b_config,
+    "dream-7b": dream_7b_config,
     "1b": lambda: mid_size_config(2048, 16, 32, 8192),  # Llama-3.2-1B's widths: 1.59 B parameters (0.52 B embedding and head)
     "0.5b": lambda: mid_size_config(1024, 12, 16, 4096),  # 0.46 B parameters (0.26 B embedding and head)
 }
@@ -210,9 +229,9 @@ def work_per_request(loop, decode: DecodeConfig, prompt_len: int, steps: int) ->
     else:
         full, sparse = 1, steps - 1
     C = policy.num_candidates
-    pass_types = [(full, key_len, C), (sparse, min(policy.num_sparse_rows, key_len), C)]
+    pass_types = [(full, key_len, C), (sparse, sparse_rows_per_slot(policy, loop.model, key_len), C)]
     if decode.verify:
-        pass_types.append((steps, 2 * W, W // 2))
+        pass_types.append((steps, policy.verify_rows, W // 2))
     rows = sum(n * r for n, r, _ in pass_types)
     return {
         "key_len": key_len,
@@ -292,7 +311,7 @@ def steady_step_time(engine: Engine, decode: DecodeConfig, prompts, iterations: 
         "step_samples_s": samples,
         "active_slots_at_end": active,
         "compile_s": compiled.compile_seconds,
-        "rows_per_slot": min(compiled.loop.policy.num_sparse_rows, key_len(compiled, len(prompts[0]))),
+        "rows_per_slot": sparse_rows_per_slot(compiled.loop.policy, compiled.loop.model, key_len(compiled, len(prompts[0]))),
         "key_len": key_len(compiled, len(prompts[0])),
     }
 
@@ -360,6 +379,12 @@ def flop_ratio_checks(runs: list[dict]) -> list[dict]:
 # ----------------------------------------------------------------------------- report
 
 
+def _weight_bytes(report: dict, run: dict) -> float:
+    """The weights of a run's model (reports before --models hold one number)."""
+    weights = report["weight_bytes"]
+    return weights[run.get("model", "llada-8b")] if isinstance(weights, dict) else weights
+
+
 def markdown(report: dict) -> str:
     c = report["ceilings"]
     if c is None:
@@ -399,7 +424,7 @@ def markdown(report: dict) -> str:
                 f"| {r['method']} | {r['schedule']} | {r['backend']} | {r['slots']} | {r['gen_length']} | "
                 f"{r['tokens_per_s']:.1f} | {r['tokens_per_step']:.2f} | {r['ms_per_iteration']:.2f} | {r['rows_per_step']:.0f} | "
                 f"{r['flops_per_token'] / 1e9:.1f} | {r['time_over_floor']:.2f} | {peak} | "
-                f"{(report['weight_bytes'] + r['cache_bytes']) / 2**30:.1f} | {r['compile_s']:.1f} |"
+                f"{(_weight_bytes(report, r) + r['cache_bytes']) / 2**30:.1f} | {r['compile_s']:.1f} |"
             )
         lines += [
             "",
@@ -419,9 +444,9 @@ def markdown(report: dict) -> str:
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tiny", action="store_true", help="CPU smoke test on a tiny model")
-    p.add_argument("--model-shape", choices=tuple(MODEL_SHAPES), default="llada-8b",
-                   help="random-weight model to run without --tiny")
+    p.add_argument("--tiny", action="store_true", help="CPU smoke test on a tiny model (of each --model-shape's family)")
+    p.add_argument("--model-shape", nargs="+", choices=tuple(MODEL_SHAPES), default=["llada-8b"],
+                   help="random-weight model(s), benchmarked one after the other in this run (e.g. llada-8b dream-7b)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
                    help="weights and activations (default: the model's own; float32 suits CPUs)")
     p.add_argument("--reanalyse", type=Path, default=None,
@@ -461,14 +486,19 @@ def parse_args(argv):
 
 def reanalyse(path: Path) -> int:
     """Floors and tables of a recorded report, recomputed with this script's formulas."""
-    from dllm_jax.model import abstract_params
+    from dllm_jax.models import abstract_params
 
     report = json.loads(path.read_text())
-    config = tiny_config() if report["model"] == "tiny" else MODEL_SHAPES.get(report["model"], llada_8b_config)()
-    config = dataclasses.replace(config, dtype=report.get("dtype", config.dtype))
-    cost = Cost(config)
-    engine = Engine(config, abstract_params(config), backend="xla")
+    tiny = report["model"] == "tiny" or report.get("tiny", False)
+    # reports before several models per run name their one model at the top
+    legacy = "llada-8b" if report["model"] == "LLaDA-8B" else report["model"]
+    costs, engines = {}, {}
     for run in report["runs"]:
+        model = run.get("model", legacy)
+        if model not in costs:
+            config = model_config(model, tiny, report.get("dtype"))
+            costs[model], engines[model] = Cost(config), Engine(config, abstract_params(config), backend="xla")
+        cost, engine = costs[model], engines[model]
         if run["preset"] == "compare" and "work_per_request" not in run:
             decode = decode_config(run["method"], run["schedule"], run["gen_length"], run["slots"])
             loop = engine.decode_loop(decode, run["prompt_length"])
@@ -486,77 +516,84 @@ def main(argv=None) -> int:
     opts = parse_args(argv)
     if opts.reanalyse is not None:
         return reanalyse(opts.reanalyse)
-    config = tiny_config() if opts.tiny else MODEL_SHAPES[opts.model_shape]()
-    config = dataclasses.replace(config, dtype=opts.dtype or config.dtype)
     started = time.perf_counter()
-    shapes = Shapes(d_model=config.d_model, n_heads=config.n_heads, n_kv_heads=config.n_kv_heads, n_layers=1,
+    first = model_config(opts.model_shape[0], opts.tiny, opts.dtype)
+    shapes = Shapes(d_model=first.d_model, n_heads=first.n_heads, n_kv_heads=first.n_kv_heads, n_layers=1,
                     rows_per_slot=128, max_len=128, cache_slots=1, slot_counts=(), key_lengths=(), verify_rows=32,
                     matmul_size=256 if opts.tiny else 8192, copy_elements=2**16 if opts.tiny else 2**28, sweep_size=0)
-    init_start = time.perf_counter()
-    if opts.layers == "per_layer":
-        if "pallas" in opts.backends:
-            raise SystemExit("--backends pallas (fused projection kernel) needs --layers stacked")
-        params = jax.block_until_ready(init_params_per_layer(config, jax.random.key(0)))
-    else:
-        params = jax.block_until_ready(jax.jit(init_params, static_argnums=0)(config, jax.random.key(0)))
-    print(f"random weights on {jax.devices()[0]} in {time.perf_counter() - init_start:.1f} s", flush=True)
-    cost = Cost(config)
+    if opts.layers == "per_layer" and "pallas" in opts.backends:
+        raise SystemExit("--backends pallas (fused projection kernel) needs --layers stacked")
+    several = len(opts.model_shape) > 1
+    costs = {}  # (model, quantization) -> Cost
     report = {
-        "device": f"{jax.device_count()} x {jax.devices()[0].device_kind}", "jax": jax.__version__, "mesh": opts.mesh, "model": "tiny" if opts.tiny else "LLaDA-8B" if opts.model_shape == "llada-8b" else opts.model_shape,
+        "device": f"{jax.device_count()} x {jax.devices()[0].device_kind}", "jax": jax.__version__, "mesh": opts.mesh,
+        "model": "tiny" if opts.tiny and not several else ", ".join(opts.model_shape), "tiny": opts.tiny,
         "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "layers": opts.layers, "dtype": config.dtype, "ceilings": None,
-        "weight_bytes": cost.weight_bytes, "weight_bytes_by_quantization": {}, "runs": [], "errors": [],
-        "flop_ratio_checks": [],
+        "layers": opts.layers, "dtype": first.dtype, "ceilings": None,
+        "weight_bytes": {m: Cost(model_config(m, opts.tiny, opts.dtype)).weight_bytes for m in opts.model_shape},
+        "weight_bytes_by_quantization": {},
+        "runs": [], "errors": [], "flop_ratio_checks": [],
     }
     opts.out.mkdir(parents=True, exist_ok=True)
 
     def save():
         if report["ceilings"] is not None:
             for run in report["runs"]:
-                add_floors(run, report["ceilings"], costs[run.get("quantization", "none")])
+                add_floors(run, report["ceilings"], costs[(run["model"], run.get("quantization", "none"))])
             report["flop_ratio_checks"] = flop_ratio_checks([r for r in report["runs"] if r["preset"] == "compare"])
         write_text_atomically(opts.out / "bench.json", json.dumps(report, indent=1))
         write_text_atomically(opts.out / "bench.md", markdown(report) + "\n")
 
-    jobs = []
-    costs = {"none": cost}
-    weights = {"none": params}
-    for quantization in opts.quantizations:
-        if quantization not in weights:
-            weights[quantization] = jax.block_until_ready(quantize_on_device(params, quantization))
-        report["weight_bytes_by_quantization"][quantization] = weight_bytes(weights[quantization])
-    for quantization, backend in itertools.product(opts.quantizations, opts.backends):
-        q_config = dataclasses.replace(config, quantization=quantization)
-        cost = costs[quantization] = Cost(q_config, params_bytes=weight_bytes(weights[quantization]))
-        engine = Engine(q_config, weights[quantization], backend=backend, interpret=opts.tiny and backend == "pallas",
-                        full_pass_lanes=(), mesh=parse_mesh(opts.mesh) if opts.mesh else None,
-                        compiler_options=opts.compiler_options, batch_invariant=opts.batch_invariant)
-        report.setdefault("compiler_options", {})[quantization] = engine.compiler_options
-        backend = engine.backend + (f" mesh {opts.mesh}" if opts.mesh else "")
-        backend += f" {quantization}" if quantization != "none" else ""
-        if "steps" in opts.preset:
-            for slots in opts.slots:
-                jobs.append((f"steps {backend} slots={slots}", lambda e=engine, b=backend, s=slots, c=cost: steps_run(
-                    e, b, s, opts.gen_lengths[0], opts.prompt_length, c, opts)))
-        if "compare" in opts.preset:
-            for gen in opts.gen_lengths:
-                for slots in opts.compare_slots:
-                    for schedule in opts.schedules:
-                        for method in opts.methods:
-                            jobs.append((f"compare {method} {schedule} {backend} slots={slots} gen={gen}",
-                                         lambda e=engine, m=method, sc=schedule, b=backend, s=slots, g=gen, c=cost: compare_run(
-                                             e, m, sc, b, s, g, opts.prompt_length, c)))
-    for name, job in jobs:
-        if opts.budget_s is not None and time.perf_counter() - started > opts.budget_s:
-            report["errors"].append({"run": name, "error": "skipped: time budget spent"})
-            continue
-        t = time.perf_counter()
-        try:
-            report["runs"].append(job())
-        except Exception as e:  # a failed run is reported, the others still run
-            report["errors"].append({"run": name, "error": f"{type(e).__name__}: {e}"[:2000]})
-        print(f"{name}: {time.perf_counter() - t:.1f} s", flush=True)
-        save()
+    for model in opts.model_shape:
+        # one model's weights on the device at a time
+        config = model_config(model, opts.tiny, opts.dtype)
+        init_start = time.perf_counter()
+        if opts.layers == "per_layer":
+            params = jax.block_until_ready(init_params_per_layer(config, jax.random.key(0)))
+        else:
+            params = jax.block_until_ready(jax.jit(init_params, static_argnums=0)(config, jax.random.key(0)))
+        print(f"{model}: random weights on {jax.devices()[0]} in {time.perf_counter() - init_start:.1f} s", flush=True)
+        jobs = []
+        weights = {"none": params}
+        for quantization in opts.quantizations:
+            if quantization not in weights:
+                weights[quantization] = jax.block_until_ready(quantize_on_device(params, quantization))
+            label = quantization if not several else f"{model} {quantization}"
+            report["weight_bytes_by_quantization"][label] = weight_bytes(weights[quantization])
+        for quantization, backend in itertools.product(opts.quantizations, opts.backends):
+            q_config = dataclasses.replace(config, quantization=quantization)
+            cost = costs[(model, quantization)] = Cost(q_config, params_bytes=weight_bytes(weights[quantization]))
+            engine = Engine(q_config, weights[quantization], backend=backend, interpret=opts.tiny and backend == "pallas",
+                            full_pass_lanes=(), mesh=parse_mesh(opts.mesh) if opts.mesh else None,
+                            compiler_options=opts.compiler_options, batch_invariant=opts.batch_invariant)
+            report.setdefault("compiler_options", {})[quantization if not several else f"{model} {quantization}"] = engine.compiler_options
+            # the model is part of the backend label, so tables and ratio checks keep the families apart
+            backend = (f"{model} " if several else "") + engine.backend + (f" mesh {opts.mesh}" if opts.mesh else "")
+            backend += f" {quantization}" if quantization != "none" else ""
+            if "steps" in opts.preset:
+                for slots in opts.slots:
+                    jobs.append((f"steps {backend} slots={slots}", lambda e=engine, b=backend, s=slots, c=cost: steps_run(
+                        e, b, s, opts.gen_lengths[0], opts.prompt_length, c, opts)))
+            if "compare" in opts.preset:
+                for gen in opts.gen_lengths:
+                    for slots in opts.compare_slots:
+                        for schedule in opts.schedules:
+                            for method in opts.methods:
+                                jobs.append((f"compare {method} {schedule} {backend} slots={slots} gen={gen}",
+                                             lambda e=engine, m=method, sc=schedule, b=backend, s=slots, g=gen, c=cost: compare_run(
+                                                 e, m, sc, b, s, g, opts.prompt_length, c)))
+        for name, job in jobs:
+            if opts.budget_s is not None and time.perf_counter() - started > opts.budget_s:
+                report["errors"].append({"run": name, "error": "skipped: time budget spent"})
+                continue
+            t = time.perf_counter()
+            try:
+                report["runs"].append({"model": model, **job()})
+            except Exception as e:  # a failed run is reported, the others still run
+                report["errors"].append({"run": name, "error": f"{type(e).__name__}: {e}"[:2000]})
+            print(f"{name}: {time.perf_counter() - t:.1f} s", flush=True)
+            save()
+        del jobs, engine, params, weights
     # measured last, so that their buffers do not count in the runs' peak memory
     report["ceilings"] = measure_ceilings(shapes, repeats=3 if opts.tiny else opts.ceiling_repeats)
     if "fp8" in opts.quantizations:

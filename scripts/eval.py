@@ -2,6 +2,7 @@
 
     python scripts/eval.py                               # embedded tiny model, 256 problems
     python scripts/eval.py --model PATH --problems 64 --settings exact-one-per-step flash-track4-t0.9
+    python scripts/eval.py --model tiny-llada tiny-dream --problems 64    # both families side by side
 
 For each setting (a method with its options), decodes the held-out problems of
 dllm_jax.tiny_tasks (a seed and a hash split the training never sees) and reports exact-match
@@ -12,7 +13,10 @@ methods (keys up to the next multiple of 128, as the published Flash-dLLM code a
 model's training sequences have). LLaDA's own sampler (one token per step, blocks, keys =
 prompt + generation only) is reported beside it. Writes eval.json and eval.md to --out after
 every setting; --resume keeps the settings an interrupted run of the same command finished.
---model takes any LLaDA checkpoint; the problems stay the tiny tasks.
+--model takes any LLaDA or Dream checkpoint, or the embedded tiny-llada / tiny-dream; with
+several models each is evaluated on the same problems and settings into --out/<model name>/,
+and the tables are printed one after the other. The dream-* settings are Dream's own sampler
+(method "dream", one alg each), on either family; the problems stay the tiny tasks.
 """
 
 from __future__ import annotations
@@ -61,6 +65,9 @@ def settings(gen_length: int, batch_size: int) -> dict[str, DecodeConfig]:
         "verify-paper-reference-t0.9": DecodeConfig(threshold=0.9, accept="paper", pin="reference", **verify),
         "verify-paper-all_commits-t0.7": DecodeConfig(threshold=0.7, accept="paper", pin="all_commits", **verify),
     }
+    for alg in ("entropy", "maskgit_plus", "topk_margin", "origin"):
+        grid[f"dream-{alg}-steps{gen_length}"] = DecodeConfig(method="dream", alg=alg, steps=gen_length, **common)
+    grid[f"dream-entropy-steps{gen_length // 2}"] = DecodeConfig(method="dream", alg="entropy", steps=gen_length // 2, **common)
     return grid
 
 
@@ -91,7 +98,7 @@ def evaluate(engine, problems, decode: DecodeConfig, exact_texts: list[str] | No
 
 def markdown(report: dict) -> str:
     lines = [
-        f"model: {report['model']} | {report['problems']} held-out problems (seed {report['seed']}) | "
+        f"model: {report['model']} ({report.get('family', 'llada')}) | {report['problems']} held-out problems (seed {report['seed']}) | "
         f"gen_length {report['gen_length']} | batch {report['batch_size']} | backend {report['backend']} | "
         f"quantization {report.get('quantization', 'none')} | {report['device']}",
         "",
@@ -161,7 +168,8 @@ def parse_args(argv):
 
     grid_names = list(settings(64, 8))
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=str(tiny_model_path()), help="LLaDA checkpoint (default: the embedded tiny model)")
+    p.add_argument("--model", nargs="+", default=[str(tiny_model_path())],
+                   help="LLaDA or Dream checkpoint(s), or tiny-llada / tiny-dream (default: the embedded tiny-llada)")
     p.add_argument("--problems", type=int, default=256, help="held-out problems")
     p.add_argument("--seed", type=int, default=tiny_tasks.HELD_OUT_SEED, help="seed of the held-out stream")
     p.add_argument("--gen-length", type=int, default=64)
@@ -185,22 +193,39 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.baseline is not None and len(args.model) > 1:
+        print("error: --baseline compares one model's run; give one --model", file=sys.stderr)
+        return 2
+    tables = []
+    for model in args.model:
+        out = args.out if len(args.model) == 1 else args.out / Path(model).name
+        status, table = evaluate_model(args, model, out)
+        if status:
+            return status
+        tables.append(table)
+    print("\n\n".join(tables))
+    return 0
+
+
+def evaluate_model(args, model_name: str, out_dir: Path) -> tuple[int, str]:
+    """Evaluates one model (a folder or an embedded name) into out_dir; (exit status, markdown table)."""
     import jax
 
     from dllm_jax.engine import Engine
 
     dtype = args.dtype or ("float32" if jax.devices()[0].platform == "cpu" else "bfloat16")
     try:
-        engine = Engine.from_pretrained(args.model, dtype=dtype, backend=args.backend, quantization=args.quantization)
+        engine = Engine.from_pretrained(model_name, dtype=dtype, backend=args.backend, quantization=args.quantization)
         baseline = read_baseline(args.baseline, args.problems, args.seed) if args.baseline else None
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return 2, ""
+    args = argparse.Namespace(**{**vars(args), "model": model_name, "out": out_dir})
     problems = tiny_tasks.held_out_problems(args.problems, seed=args.seed)
     grid = settings(args.gen_length, args.batch_size)
     names = [EXACT] + [n for n in args.settings if n != EXACT]
     report = {
-        "model": args.model, "problems": args.problems, "seed": args.seed, "gen_length": args.gen_length,
+        "model": args.model, "family": engine.config.family, "problems": args.problems, "seed": args.seed, "gen_length": args.gen_length,
         "batch_size": args.batch_size, "backend": engine.backend, "dtype": dtype, "quantization": args.quantization,
         "baseline": None if baseline is None else str(args.baseline),
         "device": str(jax.devices()[0].device_kind), "date": time.strftime("%Y-%m-%d"),
@@ -212,7 +237,7 @@ def main(argv=None) -> int:
             report["results"] = finished_results(args.out / "eval.json", report)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
-            return 2
+            return 2, ""
     exact_texts = report["results"].get(EXACT, {}).get("texts")
     for name in tqdm(names, desc="settings"):
         if name in report["results"]:
@@ -228,8 +253,7 @@ def main(argv=None) -> int:
         report["results"][name] = result
         write_text_atomically(args.out / "eval.json", json.dumps(report, indent=1))
         write_text_atomically(args.out / "eval.md", markdown(report) + "\n")
-    print(markdown(report))
-    return 0
+    return 0, markdown(report)
 
 
 if __name__ == "__main__":

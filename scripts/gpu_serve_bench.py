@@ -34,7 +34,7 @@ import jax  # noqa: E402
 from dllm_jax.atomic_write import write_text_atomically  # noqa: E402
 from dllm_jax.config import ModelConfig, llada_8b_config  # noqa: E402
 from dllm_jax.engine import Engine  # noqa: E402
-from dllm_jax.model import init_params, init_params_per_layer  # noqa: E402
+from dllm_jax.models import init_params, init_params_per_layer  # noqa: E402
 from dllm_jax.serve.assemble import ServeOptions, assemble, decode_config  # noqa: E402
 
 

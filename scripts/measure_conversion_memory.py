@@ -49,19 +49,19 @@ _IMPORTS = "import jax, jax.numpy as jnp; import convert.hf_to_jax, dllm_jax.loa
 def make_checkpoint(hf_dir: Path) -> None:
     import jax
 
-    from convert.jax_to_hf import save_llada_checkpoint
+    from convert.jax_to_hf import save_hf_checkpoint
     from dllm_jax.config import ModelConfig
-    from dllm_jax.model import init_params
+    from dllm_jax.models import init_params
 
     config = ModelConfig(**CONFIG)
-    save_llada_checkpoint(hf_dir, config, init_params(config, jax.random.key(0)), max_shard_bytes=SHARD_BYTES)
+    save_hf_checkpoint(hf_dir, config, init_params(config, jax.random.key(0)), max_shard_bytes=SHARD_BYTES)
 
 
 def largest_leaf_bytes() -> int:
     import jax
 
     from dllm_jax.config import ModelConfig
-    from dllm_jax.model import abstract_params
+    from dllm_jax.models import abstract_params
 
     leaves = jax.tree.leaves(abstract_params(ModelConfig(**CONFIG)))
     return max(leaf.size * leaf.dtype.itemsize for leaf in leaves)

@@ -37,7 +37,7 @@ from dllm_jax.atomic_write import write_text_atomically  # noqa: E402
 from dllm_jax.config import ModelConfig  # noqa: E402
 from dllm_jax.engine import Engine  # noqa: E402
 from dllm_jax.flat_cache import cache_bytes  # noqa: E402
-from dllm_jax.model import abstract_params  # noqa: E402
+from dllm_jax.models import abstract_params  # noqa: E402
 
 METHODS = ("flash_cache", "flash_verify", "fast_dllm", "llada")
 GiB = 2**30

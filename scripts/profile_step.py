@@ -32,7 +32,7 @@ from bench import decode_config, initial_state, quantize_on_device, random_promp
 from dllm_jax.atomic_write import write_text_atomically  # noqa: E402
 from dllm_jax.config import llada_8b_config  # noqa: E402
 from dllm_jax.engine import Engine  # noqa: E402
-from dllm_jax.model import init_params, init_params_per_layer  # noqa: E402
+from dllm_jax.models import init_params, init_params_per_layer  # noqa: E402
 from dllm_jax.quantization import QUANTIZATIONS  # noqa: E402
 
 

@@ -28,7 +28,7 @@ from dllm_jax.assets import tiny_model_path  # noqa: E402
 from dllm_jax.atomic_write import write_text_atomically  # noqa: E402
 from dllm_jax.config import llada_8b_config  # noqa: E402
 from dllm_jax.loading import load_model  # noqa: E402
-from dllm_jax.model import LLaDABlock, LLaDAModel, init_params_per_layer, unstack_layers  # noqa: E402
+from dllm_jax.models import LLaDABlock, LLaDAModel, init_params_per_layer, unstack_layers  # noqa: E402
 from dllm_jax.quantization import QUANTIZED_MODULES, dequantize_kernel, quantize_params  # noqa: E402
 
 MODES = ("fp8", "int8-weights")

@@ -1,8 +1,10 @@
-"""Train the embedded tiny LLaDA on the synthetic tasks of dllm_jax.tiny_tasks.
+"""Train an embedded tiny model (tiny-llada, or with --family dream tiny-dream) on the
+synthetic tasks of dllm_jax.tiny_tasks.
 
-The objective is LLaDA's supervised fine-tuning loss. Every training sequence is SEQ_LEN
-tokens: the chat-formatted prompt, the answer, ``<|eot_id|>``, then ``<|endoftext|>`` up to
-the end. Per sequence a mask ratio t ~ U(0, 1) is drawn; every position after the prompt
+The objective is LLaDA's supervised fine-tuning loss (Dream trains with the same loss, its
+predictions read from the output row before each position). Every training sequence is
+SEQ_LEN tokens: the chat-formatted prompt, the answer, the turn end (``<|eot_id|>``; Dream:
+``<|im_end|>``), then ``<|endoftext|>`` up to the end. Per sequence a mask ratio t ~ U(0, 1) is drawn; every position after the prompt
 (answer and EOS padding alike) is replaced by ``<|mdm_mask|>`` with probability t; the loss is
 the cross-entropy on the masked positions weighted by 1/t, divided by the sequence's answer
 length, averaged over the batch. The prompt is never masked.
@@ -32,14 +34,14 @@ import orbax.checkpoint as ocp
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from convert.jax_to_hf import save_llada_checkpoint
+from convert.jax_to_hf import save_hf_checkpoint
 from dllm_jax import tiny_tasks
 from dllm_jax.atomic_write import write_text_atomically
 from dllm_jax.config import ConfigError, ModelConfig
 from dllm_jax.decode_config import DecodeConfig
 from dllm_jax.engine import Engine
-from dllm_jax.model import Params, count_params, forward, init_params
-from dllm_jax.tiny_tokenizer import EOT, TINY_VOCAB_SIZE, build_tiny_tokenizer, save_tiny_tokenizer
+from dllm_jax.models import Params, count_params, forward, init_params, predictions
+from dllm_jax.tiny_tokenizer import END_OF_TURN, TINY_VOCAB_SIZE, build_tiny_tokenizer, save_tiny_tokenizer
 from dllm_jax.tokenizer import Tokenizer
 
 # The engine lets every request attend to keys up to the next multiple of 128 (an EOS tail after
@@ -47,8 +49,8 @@ from dllm_jax.tokenizer import Tokenizer
 SEQ_LEN = 128
 MASK_EPS = 1e-3
 # Settings that must be the same when a run is resumed (the others may change).
-_RUN_KEYS = ("seed", "batch_size", "d_model", "n_layers", "n_heads", "mlp_hidden", "lr", "warmup",
-             "weight_decay", "mix")
+_RUN_KEYS = ("seed", "batch_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "mlp_hidden", "lr", "warmup",
+             "weight_decay", "mix", "family")
 
 
 # ----------------------------------------------------------------------------- data
@@ -56,7 +58,9 @@ _RUN_KEYS = ("seed", "batch_size", "d_model", "n_layers", "n_heads", "mlp_hidden
 
 def prompt_ids(tokenizer: PreTrainedTokenizerBase, question: str) -> list[int]:
     """The chat-formatted single user turn, ending with the open assistant header."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+    )
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -65,9 +69,9 @@ def encode_training_batch(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Problems -> (tokens int32 [B, seq_len], prompt_len int32 [B]).
 
-    Row b is prompt, answer, <|eot_id|>, then EOS up to seq_len (the LLaDA SFT layout).
+    Row b is prompt, answer, the turn end, then EOS up to seq_len (the LLaDA SFT layout).
     """
-    eot = tokenizer.convert_tokens_to_ids(EOT)
+    eot = _end_of_turn(tokenizer)
     tokens = np.full((len(problems), seq_len), tokenizer.eos_token_id, dtype=np.int32)
     prompt_len = np.zeros(len(problems), dtype=np.int32)
     for b, problem in enumerate(problems):
@@ -80,18 +84,37 @@ def encode_training_batch(
     return tokens, prompt_len
 
 
+def _end_of_turn(tokenizer: PreTrainedTokenizerBase) -> int:
+    """Id of the family's turn end (<|eot_id|> or <|im_end|>), whichever the tokenizer has."""
+    for token in END_OF_TURN.values():
+        if token in tokenizer.get_vocab():
+            return tokenizer.convert_tokens_to_ids(token)
+    raise ValueError(f"the tokenizer has none of the turn ends {sorted(END_OF_TURN.values())}")
+
+
 # ----------------------------------------------------------------------------- model and loss
 
 
 def tiny_model_config(
-    tokenizer: PreTrainedTokenizerBase, d_model: int, n_layers: int, n_heads: int, mlp_hidden: int
+    tokenizer: PreTrainedTokenizerBase,
+    d_model: int,
+    n_layers: int,
+    n_heads: int,
+    mlp_hidden: int,
+    family: str = "llada",
+    n_kv_heads: int | None = None,
 ) -> ModelConfig:
-    """The LLaDA architecture of the tiny model (float32 for training)."""
+    """The tiny model's architecture (float32 for training): LLaDA's, or Dream's (q/k/v biases,
+    grouped-query attention, shifted logits)."""
+    dream = family == "dream"
     return ModelConfig(
+        family=family,
+        qkv_bias=dream,
+        rms_norm_eps=1e-6 if dream else 1e-5,
         d_model=d_model,
         n_layers=n_layers,
         n_heads=n_heads,
-        n_kv_heads=n_heads,
+        n_kv_heads=n_kv_heads or n_heads,
         mlp_hidden_size=mlp_hidden,
         vocab_size=TINY_VOCAB_SIZE,
         rope_theta=10000.0,
@@ -132,7 +155,7 @@ def masked_diffusion_loss(config: ModelConfig, params: Params, tokens: jax.Array
       float32 scalar: sum over masked positions of CE / p_mask / answer_len, divided by B.
     """
     noisy, masked, p_mask = corrupt(tokens, prompt_len, config.mask_token_id, rng)
-    logits = forward(config, params, noisy).astype(jnp.float32)
+    logits = predictions(config, forward(config, params, noisy)).astype(jnp.float32)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens)
     answer_len = (tokens.shape[1] - prompt_len)[:, None]
     return jnp.sum(jnp.where(masked, ce / (p_mask * answer_len), 0.0)) / tokens.shape[0]
@@ -225,6 +248,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--d-model", type=_positive_int, default=128)
     parser.add_argument("--n-layers", type=_positive_int, default=4)
     parser.add_argument("--n-heads", type=_positive_int, default=4)
+    parser.add_argument("--n-kv-heads", type=_positive_int, default=None,
+                        help="key/value heads (default: --n-heads; fewer = grouped-query attention)")
+    parser.add_argument("--family", choices=("llada", "dream"), default="llada",
+                        help="architecture, tokenizer and chat template of the model")
     parser.add_argument("--mlp-hidden", type=_positive_int, default=384)
     parser.add_argument("--lr", type=_positive_float, default=2e-3)
     parser.add_argument("--warmup", type=_positive_int, default=200)
@@ -236,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--final-eval-problems", type=_positive_int, default=512)
     parser.add_argument("--ckpt-every", type=_positive_int, default=250)
     parser.add_argument("--export", type=Path, default=None,
-                        help="after training, write the Hugging Face LLaDA folder here (must not exist)")
+                        help="after training, write the Hugging Face LLaDA (or Dream) folder here (must not exist)")
     return parser
 
 
@@ -265,14 +292,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     ckpt_dir = (args.out / "checkpoints").absolute()
     _check_args(parser, args, ckpt_dir)
-    tokenizer = build_tiny_tokenizer(SEQ_LEN)
+    tokenizer = build_tiny_tokenizer(SEQ_LEN, args.family)
     try:
-        config = tiny_model_config(tokenizer, args.d_model, args.n_layers, args.n_heads, args.mlp_hidden)
+        config = tiny_model_config(tokenizer, args.d_model, args.n_layers, args.n_heads, args.mlp_hidden,
+                                   args.family, args.n_kv_heads)
     except ConfigError as e:
         parser.error(str(e))
 
     args.out.mkdir(parents=True, exist_ok=True)
-    tokenizer_dir = save_tiny_tokenizer(args.out / "tokenizer", SEQ_LEN)
+    tokenizer_dir = save_tiny_tokenizer(args.out / "tokenizer", SEQ_LEN, args.family)
     write_text_atomically(args.out / "run.json", json.dumps(_run_settings(args), indent=2))
 
     optimizer = make_optimizer(args.lr, args.warmup, args.steps, args.weight_decay)
@@ -283,8 +311,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
         state = manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(abstract))
     start = int(state["step"])
-    print(f"model: {count_params(state['params']):,} parameters ({config.d_model=}, {config.n_layers=}, "
-          f"{config.n_heads=}, {config.mlp_hidden_size=}); steps {start}..{args.steps}", flush=True)
+    print(f"model: {count_params(state['params']):,} parameters ({config.family=}, {config.d_model=}, "
+          f"{config.n_layers=}, {config.n_heads=}, {config.n_kv_heads=}, {config.mlp_hidden_size=}); "
+          f"steps {start}..{args.steps}", flush=True)
 
     train_step = make_train_step(config, optimizer)
     engine = Engine(config, state["params"], Tokenizer(tokenizer))
@@ -319,7 +348,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     write_text_atomically(args.out / "final_eval.json", json.dumps(report, indent=2))
     print(f"final held-out exact match ({len(final_problems)} problems): {acc}", flush=True)
     if args.export is not None:
-        save_llada_checkpoint(args.export, config, jax.device_get(state["params"]), tokenizer_dir=tokenizer_dir)
+        save_hf_checkpoint(args.export, config, jax.device_get(state["params"]), tokenizer_dir=tokenizer_dir)
         print(f"exported {args.export}", flush=True)
     return 0
 

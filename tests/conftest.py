@@ -13,7 +13,7 @@ import pytest
 jax.config.update("jax_num_cpu_devices", 4)
 
 from dllm_jax.config import ModelConfig
-from dllm_jax.model import init_params
+from dllm_jax.models import init_params
 
 
 def tiny_config(**overrides) -> ModelConfig:
@@ -33,6 +33,12 @@ def tiny_config(**overrides) -> ModelConfig:
         max_sequence_length=512,
         dtype="float32",
     )
+    return dataclasses.replace(base, **overrides)
+
+
+def tiny_dream_config(**overrides) -> ModelConfig:
+    """A 2-layer Dream-shaped config: q/k/v biases, 4 query heads over 1 kv head, shifted logits."""
+    base = dataclasses.replace(tiny_config(), n_kv_heads=1, rms_norm_eps=1e-6, family="dream", qkv_bias=True)
     return dataclasses.replace(base, **overrides)
 
 

@@ -4,6 +4,10 @@ It re-implements each method's step from the reference spec with host-side numpy
 explicit per-layer K/V arrays, calling only the model's own per-layer pieces (LLaDABlock
 methods, dense_attention). It shares no code with the engine's cached pass, policies, slot
 state or loop, so agreement token for token checks all of those.
+
+Shifted logits (Dream): the prediction for position p is the output row at p - shift, so a
+cached step also recomputes the row before every candidate (those rows come first and feed
+the tracking score) and the verify stage adds one predictor row per mask view.
 """
 
 from __future__ import annotations
@@ -15,12 +19,13 @@ import jax.numpy as jnp
 from pallas_kernels.reference.attention import dense_attention
 from dllm_jax.config import ModelConfig
 from dllm_jax.decode_config import DecodeConfig
-from dllm_jax.model import LLaDABlock, LLaDAModel, forward
+from dllm_jax.models import LLaDABlock, LLaDAModel, forward
 
 
 class ReferenceDecoder:
     def __init__(self, config: ModelConfig, params, decode: DecodeConfig, max_len: int):
         self.cfg, self.params, self.decode, self.L = config, params, decode, max_len
+        self.shift = config.logit_shift
         block, model = LLaDABlock(config), LLaDAModel(config)
         self.qkv = jax.jit(
             lambda lp, h, pos: block.apply(lp, block.apply(lp, h, method=LLaDABlock.attention_input), pos,
@@ -127,9 +132,10 @@ class ReferenceDecoder:
         while np.any(~decoded & (positions < bound)):
             undecoded = [p for p in range(key_len) if not decoded[p]]
             window = undecoded[:W]
+            predictors = [p - self.shift for p in window]
             if no_cache:
                 logits_all = self.full_forward(self.params, jnp.asarray(tokens[:key_len])[None])[0]
-                logits = np.asarray(logits_all, np.float32)[window]
+                logits = np.asarray(logits_all, np.float32)[predictors]
             else:
                 if steps == 0 or d.track_num < 0:
                     rows = window + [p for p in range(key_len) if p not in window]
@@ -140,6 +146,8 @@ class ReferenceDecoder:
                         key=lambda p: (0, 0.0, p) if pinned[p] else (1, -scores[p], p),
                     )
                     rows = window + lookahead + ranked[: d.track_num * W]
+                if self.shift:
+                    rows = predictors + rows
                 score_rows = np.arange(len(rows)) < len(window)
                 logits, scores = self.rows_forward(tokens, rows, K, V, key_len, score_rows)
                 logits = logits[: len(window)]
@@ -183,24 +191,37 @@ class ReferenceDecoder:
         n_c = len(context)
         rows_tok = [int(tokens[p]) for p in context] + drafts + [c.mask_token_id] * S
         rows_pos = context + search_pos + search_pos
-        n = n_c + 2 * S
         role = ["C"] * n_c + ["D"] * S + ["M"] * S
         idx = list(range(n_c)) + list(range(S)) + list(range(S))
+        if self.shift:  # P_i: the row before search position i, as view i holds it, attending as M_i
+            for i in range(S):
+                p = search_pos[i] - self.shift
+                if p in search_pos:
+                    j = search_pos.index(p)
+                    rows_tok.append(drafts[j] if j < i else c.mask_token_id)
+                else:
+                    rows_tok.append(int(tokens[p]))
+                rows_pos.append(p)
+            role += ["P"] * S
+            idx += list(range(S))
+        n = len(rows_tok)
         mask = np.zeros((n, n), bool)
         for r in range(n):
             for col in range(n):
-                if role[col] == "C":
+                if role[col] == "P":
+                    mask[r, col] = False
+                elif role[col] == "C":
                     mask[r, col] = True
                 elif role[r] == "C":
                     mask[r, col] = role[col] == "M"
                 elif role[r] == "D":
                     mask[r, col] = idx[col] <= idx[r] if role[col] == "D" else idx[col] > idx[r]
-                else:
+                else:  # M and P rows
                     mask[r, col] = idx[col] < idx[r] if role[col] == "D" else idx[col] >= idx[r]
         if S == 0:
             return []
         logits = self.verify_forward(rows_tok, rows_pos, K, V, key_len, set(context) | set(search_pos), mask)
-        m_logits = np.asarray(logits[n_c + S :], np.float64)
+        m_logits = np.asarray(logits[n_c + S : n_c + 2 * S] if not self.shift else logits[n_c + 2 * S :], np.float64)
         probs = np.exp(m_logits - m_logits.max(-1, keepdims=True))
         probs /= probs.sum(-1, keepdims=True)
         accepted, running = [], 1.0
@@ -233,15 +254,17 @@ class ReferenceDecoder:
             block = list(range(block_start, block_start + Wb))
             step_in_block = 0
             while not decoded[block].all():
+                predictors = [p - self.shift for p in block]
                 if cache == "none":
-                    logits = np.asarray(self.full_forward(self.params, jnp.asarray(tokens[:key_len])[None])[0], np.float32)[block]
+                    logits = np.asarray(self.full_forward(self.params, jnp.asarray(tokens[:key_len])[None])[0], np.float32)[predictors]
                 else:
                     if step_in_block == 0:
                         rows = list(range(key_len))
                     else:
                         rows = block if cache == "dual" else list(range(block_start, key_len))
+                        rows = (predictors if self.shift else []) + rows
                     logits, _ = self.rows_forward(tokens, rows, K, V, key_len, np.zeros(len(rows), bool))
-                    logits = logits[[rows.index(p) for p in block]]
+                    logits = logits[[rows.index(p) for p in predictors]]
                 cand, conf = self.confidence(logits)
                 eligible = ~decoded[block]
                 order = [i for i in np.argsort(-np.where(eligible, conf, -np.inf), kind="stable") if eligible[i]]

@@ -122,7 +122,7 @@ def test_invariant_decode_loop_lowers_for_cuda_at_llada_8b_widths():
     the CPU at LLaDA-8B widths (2 layers): every matmul and every norm is an invariant kernel."""
     from dllm_jax.config import llada_8b_config
     from dllm_jax.kernel_backend import Kernels
-    from dllm_jax.model import abstract_params, unstack_layers
+    from dllm_jax.models import abstract_params, unstack_layers
     from dllm_jax.slots import zero_params
     from tests.cuda_lowering import lower_for_cuda
 

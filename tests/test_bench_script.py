@@ -55,3 +55,25 @@ def test_bench_gemm_tiny_times_every_variant_and_the_int8_kernel_tilings(tmp_pat
         assert r["seconds"] > 0 and r["weight_gbps"] > 0 and r["rel_error_vs_f32"] < 0.05
         assert ("pallas int8_weight_matmul" in r["gemm"]) == (r["variant"] not in ("bf16", "fp8", "fp8 f32 product", "int8 xla"))
     assert "Fastest int8 variant" in (tmp_path / "bench_gemm.md").read_text()
+
+
+def test_bench_tiny_runs_both_families_in_one_report(tmp_path):
+    """--model-shape llada-8b dream-7b: each family's runs in one report, Dream's sparse steps
+    with a predictor row per candidate more (its shifted logits)."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench.py"), "--tiny", "--model-shape", "llada-8b", "dream-7b",
+         "--out", str(tmp_path), "--schedules", "one", "--methods", "flash_cache", "--slots", "1",
+         "--iterations", "2", "--repeats", "1", "--ceiling-repeats", "1"],
+        capture_output=True, text=True, stdin=subprocess.DEVNULL, cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert not report["errors"] and set(report["weight_bytes"]) == {"llada-8b", "dream-7b"}
+    steps = {r["model"]: r for r in report["runs"] if r["preset"] == "steps"}
+    assert steps["dream-7b"]["rows_per_slot"] == steps["llada-8b"]["rows_per_slot"] + 16  # W = 16 predictor rows
+    assert all(r["step_over_flop_floor"] > 0 for r in steps.values())
+    compare = [r for r in report["runs"] if r["preset"] == "compare"]
+    assert sorted(r["model"] for r in compare) == ["dream-7b", "llada-8b"]
+    assert all(r["tokens_per_step"] == 1.0 and r["time_over_floor"] > 0 for r in compare)
+    assert "dream-7b xla" in (tmp_path / "bench.md").read_text()

@@ -16,10 +16,10 @@ from dllm_jax.checkpoint.converted import METADATA_FILE, PARAMS_DIR
 from dllm_jax.checkpoint.errors import ConversionError
 from convert.conversion import convert_checkpoint
 from convert.hf_to_jax import main
-from convert.jax_to_hf import save_llada_checkpoint
+from convert.jax_to_hf import save_hf_checkpoint
 from conftest import tiny_config
 from dllm_jax.loading import load_model
-from dllm_jax.model import init_params
+from dllm_jax.models import init_params
 
 INDEX = "model.safetensors.index.json"
 
@@ -34,7 +34,7 @@ def params():
 def pristine_hf_dir(tmp_path_factory, params, tiny_tokenizer_dir):
     """The tiny model as a Hugging Face LLaDA folder in two safetensors shards, with a tokenizer."""
     total = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
-    folder = save_llada_checkpoint(
+    folder = save_hf_checkpoint(
         tmp_path_factory.mktemp("pristine") / "hf",
         tiny_config(),
         params,
@@ -120,7 +120,7 @@ def test_bfloat16_conversion_rounds_once(hf_dir, tmp_path, params):
 @pytest.mark.parametrize("source_dtype", [jnp.float16, jnp.bfloat16])
 def test_half_precision_checkpoints_are_cast_to_the_target(tmp_path, tiny_cfg, params, source_dtype):
     half = cast(params, source_dtype)
-    hf = save_llada_checkpoint(tmp_path / "hf", tiny_cfg, half)
+    hf = save_hf_checkpoint(tmp_path / "hf", tiny_cfg, half)
     assert_trees_equal(load_model(hf, dtype="float32").params, cast(half, jnp.float32))
 
 
@@ -137,7 +137,7 @@ def test_hf_folder_and_converted_folder_load_the_same_model(hf_dir, tmp_path):
 
 
 def test_folder_without_tokenizer_files_loads_without_tokenizer(tmp_path, tiny_cfg, params):
-    hf = save_llada_checkpoint(tmp_path / "hf", tiny_cfg, params)
+    hf = save_hf_checkpoint(tmp_path / "hf", tiny_cfg, params)
     assert load_model(hf, dtype="float32").tokenizer is None
 
 
@@ -217,7 +217,7 @@ def test_tensor_missing_from_its_shard(hf_dir, tmp_path):
 
 
 def test_tensor_missing_from_a_single_file_checkpoint(tmp_path, tiny_cfg, params):
-    hf = save_llada_checkpoint(tmp_path / "hf", tiny_cfg, params)
+    hf = save_hf_checkpoint(tmp_path / "hf", tiny_cfg, params)
     edit_shard(hf / "model.safetensors", lambda tensors: tensors.pop("model.transformer.wte.weight"))
     assert_conversion_fails(hf, tmp_path / "out", "missing tensor.*'model.transformer.wte.weight'")
 

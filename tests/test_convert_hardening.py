@@ -25,10 +25,10 @@ from dllm_jax.checkpoint.converted import METADATA_FILE, PARAMS_DIR
 from convert.conversion import convert_checkpoint
 from dllm_jax.checkpoint.errors import ConversionError
 from convert.hf_to_jax import main
-from convert.jax_to_hf import save_llada_checkpoint
+from convert.jax_to_hf import save_hf_checkpoint
 from dllm_jax.loading import load_model
 from dllm_jax.memory_estimate import DeviceMemory
-from dllm_jax.model import abstract_params
+from dllm_jax.models import abstract_params
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -42,7 +42,7 @@ def hf_dir(tmp_path_factory, tiny_tokenizer_dir):
     rng = np.random.default_rng(0)
     params = jax.tree.map(lambda leaf: (rng.standard_normal(leaf.shape) * 0.02).astype(np.float32),
                           abstract_params(cfg))
-    return save_llada_checkpoint(tmp_path_factory.mktemp("hf") / "hf", cfg, params, max_shard_bytes=3_000_000,
+    return save_hf_checkpoint(tmp_path_factory.mktemp("hf") / "hf", cfg, params, max_shard_bytes=3_000_000,
                                  tokenizer_dir=tiny_tokenizer_dir)
 
 

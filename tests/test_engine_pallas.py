@@ -7,7 +7,7 @@ import pytest
 from dllm_jax.decode_config import DecodeConfig
 from dllm_jax.engine import Engine
 from dllm_jax.kernel_backend import Kernels
-from dllm_jax.model import init_params
+from dllm_jax.models import init_params
 from dllm_jax.sharding import parse_mesh
 from dllm_jax.slots import zero_params
 from tests.conftest import tiny_config
@@ -72,7 +72,7 @@ def test_decode_loop_lowers_for_cuda_at_llada_8b_shapes(backend):
     import jax.numpy as jnp
 
     from dllm_jax.config import llada_8b_config
-    from dllm_jax.model import abstract_params, unstack_layers
+    from dllm_jax.models import abstract_params, unstack_layers
     from tests.cuda_lowering import lower_for_cuda
 
     cfg = llada_8b_config()

@@ -15,9 +15,9 @@ import jax
 import pytest
 
 import dllm_jax.loading
-from convert.jax_to_hf import save_llada_checkpoint
+from convert.jax_to_hf import save_hf_checkpoint
 from dllm_jax.cli.generate import build_parser, main
-from dllm_jax.model import init_params
+from dllm_jax.models import init_params
 from tests.conftest import tiny_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,7 +28,7 @@ def model_dir(tmp_path_factory, tiny_tokenizer_dir):
     # the tiny tokenizer: ids 0..5 are <|startoftext|>, <|endoftext|>, <|mdm_mask|>, headers, <|eot_id|>
     cfg = tiny_config(vocab_size=300, bos_token_id=0, eos_token_id=1, pad_token_id=1, mask_token_id=2)
     out = tmp_path_factory.mktemp("cli") / "tiny-llada"
-    return save_llada_checkpoint(out, cfg, init_params(cfg, jax.random.key(0)), tokenizer_dir=tiny_tokenizer_dir)
+    return save_hf_checkpoint(out, cfg, init_params(cfg, jax.random.key(0)), tokenizer_dir=tiny_tokenizer_dir)
 
 
 @pytest.fixture
@@ -188,7 +188,7 @@ def test_chat_without_a_template_is_an_error(tmp_path, capsys, tiny_tokenizer_di
     from tests.conftest import save_tiny_tokenizer
 
     cfg = tiny_config(vocab_size=300, bos_token_id=0, eos_token_id=1, pad_token_id=1, mask_token_id=2)
-    folder = save_llada_checkpoint(tmp_path / "m", cfg, init_params(cfg, jax.random.key(0)))
+    folder = save_hf_checkpoint(tmp_path / "m", cfg, init_params(cfg, jax.random.key(0)))
     save_tiny_tokenizer(folder, chat_template=None)
     code, _, err = run(["--model", folder, "--prompt", "hi", "--chat"], capsys)
     assert code == 2 and "--chat: the tokenizer of" in err and "has no chat template" in err

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 import dllm_jax.kernel_backend
-import dllm_jax.model
+import dllm_jax.models.layers
 from conftest import tiny_config
 from cuda_lowering import lower_for_cuda
-from dllm_jax.model import forward, init_params
+from dllm_jax.models import forward, init_params
 from dllm_jax.quantization import INT8_KERNEL_MAX_ROWS, quantize_kernel, quantize_params, quantized_matmul
 from pallas_kernels.int8_matmul import (
     Int8MatmulBlockSizes,
@@ -144,7 +144,7 @@ def test_engine_decodes_the_same_through_the_kernel(monkeypatch):
         traced.append(args[1].shape)
         return quantized_matmul(*args, **kwargs, int8_gemm="interpret")
 
-    monkeypatch.setattr(dllm_jax.model, "quantized_matmul", through_the_kernel)
+    monkeypatch.setattr(dllm_jax.models.layers, "quantized_matmul", through_the_kernel)
     got = [r.token_ids for r in Engine(config, params).generate(prompts, decode).results]
     assert len(traced) >= 7, "the decode loop was traced anew, through the kernel"
     assert got == expected

@@ -26,7 +26,7 @@ from dllm_jax.evaluation.lm_eval_model import DLLMJaxLM, GenerationKwargsError, 
 from dllm_jax.evaluation.mc_loglikelihood import MonteCarloLoglikelihood
 from dllm_jax.evaluation.model_args import ModelArgsError, parse_model_args
 from dllm_jax.evaluation.tiny_task_files import GEN_TASK, MC_TASK, write_tiny_tasks
-from dllm_jax.model import forward
+from dllm_jax.models import forward, predictions
 
 ROOT = Path(__file__).resolve().parent.parent
 PROBLEMS = 16
@@ -131,17 +131,22 @@ def test_lm_eval_command_line_scores_what_eval_script_scores(flash_script, task_
 
 
 def plain_estimate(config, params, prefix, target, masks, batch, cfg_scale=0.0) -> float:
-    """LLaDA's get_log_likelihood written out: one unpadded forward per noisy row, float64 softmax."""
+    """LLaDA's get_log_likelihood written out: one unpadded forward per noisy row, float64 softmax
+    (a Dream model's prediction of position i read from row i - 1, as Dream's own code does)."""
+
+    def run(tokens):
+        return np.asarray(predictions(config, forward(config, params, jnp.asarray([tokens]))), np.float64)[0]
+
     L, P = len(target), len(prefix)
     losses = []
     for start in range(0, len(masks), batch):
         total = 0.0
         for row in masks[start : start + batch]:
             noisy = prefix + [config.mask_token_id if m else t for m, t in zip(row, target)]
-            logits = np.asarray(forward(config, params, jnp.asarray([noisy])), np.float64)[0]
+            logits = run(noisy)
             if cfg_scale:
                 blind = [config.mask_token_id] * P + noisy[P:]
-                un = np.asarray(forward(config, params, jnp.asarray([blind])), np.float64)[0]
+                un = run(blind)
                 logits = un + (cfg_scale + 1) * (logits - un)
             logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
             share = sum(row) / L
@@ -187,6 +192,24 @@ def test_guided_estimate_equals_the_plain_computation(flash_lm):
     plain = plain_estimate(flash_lm.config, flash_lm.engine.params, prefix, target, estimate.masks.tolist(), 4, cfg_scale=0.5)
     assert estimate.value == pytest.approx(plain, rel=1e-4)
     assert guided.estimate(prefix, target).value == estimate.value  # same request, same masks
+
+
+def test_a_dream_folder_is_scored_like_a_llada_one():
+    """pretrained=tiny-dream (the embedded Dream model, by name): the estimator reads Dream's
+    shifted predictions, so it equals the plain computation and prefers the right answer."""
+    lm = DLLMJaxLM(pretrained="tiny-dream", backend="xla", gen_length=GEN_LENGTH, batch_size=4, mc_num=8,
+                   mc_batch_size=4, **SETTINGS["flash-track4-t0.9"])
+    assert lm.config.family == "dream"
+    context = lm.apply_chat_template([{"role": "user", "content": "sort: 3 1 2"}])
+    prefix, target = lm.encode_pair(context, "1 2 3\n#### 123")
+    estimate = lm.scorer.estimate(prefix, target)
+    plain = plain_estimate(lm.config, lm.engine.params, prefix, target, estimate.masks.tolist(), 4)
+    assert estimate.value == pytest.approx(plain, rel=1e-4)
+    wrong = lm.scorer.estimate(*lm.encode_pair(context, "1 3 2\n#### 132"))
+    assert estimate.value > wrong.value
+    (answer,) = lm.generate_until([request(context, until=[])])
+    ids = lm.engine.generate([lm.encode(context)], decode=lm.decode).results[0].token_ids
+    assert answer == lm.tokenizer.decode(ids, skip_special_tokens=True) and "####" in answer
 
 
 def request(context: str, **gen_kwargs) -> Instance:

@@ -92,7 +92,7 @@ def test_the_temporaries_bound_what_xla_assigns_to_the_compiled_loop():
     """The estimate of the loop's temporaries against XLA's buffer assignment: not below it,
     and not far above (a check that refused configurations that fit would be wrong too)."""
     from dllm_jax.engine import Engine
-    from dllm_jax.model import init_params
+    from dllm_jax.models import init_params
 
     cfg = tiny_config(vocab_size=1024, mask_token_id=1022, eos_token_id=1023, pad_token_id=1023, bos_token_id=1021)
     engine = Engine(cfg, init_params(cfg, jax.random.key(0)), backend="xla", full_pass_lanes=(8,))

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dllm_jax.config import ConfigError, ModelConfig, llada_8b_config
-from dllm_jax.model import abstract_params, count_params, forward, init_params
+from dllm_jax.models import abstract_params, count_params, forward, init_params
 
 
 def test_llada_8b_config_has_the_published_parameter_count():

@@ -18,10 +18,10 @@ from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import tiny_config
-from convert.jax_to_hf import save_llada_checkpoint
+from convert.jax_to_hf import save_hf_checkpoint
 from dllm_jax.config import ModelConfig
 from dllm_jax.loading import load_model
-from dllm_jax.model import LLaDABlock, LLaDAModel, abstract_params, forward
+from dllm_jax.models import LLaDABlock, LLaDAModel, abstract_params, forward
 
 # LLaDA tensor name -> transformers Llama tensor name.
 _LLAMA_NAMES = (
@@ -92,7 +92,7 @@ def random_params(cfg: ModelConfig, seed: int):
 def checkpoint(tmp_path_factory):
     """A 3-layer GQA model (4 query heads, 2 kv heads) as a float32 LLaDA-format folder."""
     cfg = tiny_config(n_layers=3)
-    return save_llada_checkpoint(tmp_path_factory.mktemp("parity") / "hf", cfg, random_params(cfg, seed=3))
+    return save_hf_checkpoint(tmp_path_factory.mktemp("parity") / "hf", cfg, random_params(cfg, seed=3))
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import tiny_config
 from convert.conversion import convert_checkpoint
-from convert.jax_to_hf import save_llada_checkpoint
+from convert.jax_to_hf import save_hf_checkpoint
 import dllm_jax.kernel_backend
 from dllm_jax import DecodeConfig, Engine, tiny_tasks
 from dllm_jax.assets import tiny_model_path
@@ -19,7 +19,7 @@ from dllm_jax.checkpoint.converted import METADATA_FILE
 from dllm_jax.checkpoint.errors import ConversionError
 from dllm_jax.errors import GenerationError
 from dllm_jax.loading import load_model
-from dllm_jax.model import abstract_params, forward, init_params, init_params_per_layer
+from dllm_jax.models import abstract_params, forward, init_params, init_params_per_layer
 from dllm_jax.quantization import (
     QUANTIZED_MODULES,
     compiler_options,
@@ -183,7 +183,7 @@ def test_quantized_weights_split_over_a_tensor_mesh_decode_the_same_tokens(livel
 def test_a_converted_quantized_checkpoint_is_half_the_projections_and_loads_as_stored(tmp_path, tiny_tokenizer_dir):
     config = tiny_config()
     params = init_params(config, jax.random.key(0))
-    hf = save_llada_checkpoint(tmp_path / "hf", config, params, tokenizer_dir=tiny_tokenizer_dir)
+    hf = save_hf_checkpoint(tmp_path / "hf", config, params, tokenizer_dir=tiny_tokenizer_dir)
     plain = convert_checkpoint(hf, tmp_path / "plain", dtype="float32")
     int8 = convert_checkpoint(hf, tmp_path / "int8", dtype="float32", quantization="int8-weights")
     assert json.loads((int8 / METADATA_FILE).read_text())["quantization"] == "int8-weights"

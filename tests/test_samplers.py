@@ -14,7 +14,7 @@ import pytest
 
 from dllm_jax import DecodeConfig, Engine, GenerationError, SamplingParams
 from dllm_jax.kernel_backend import Kernels
-from dllm_jax.model import forward
+from dllm_jax.models import forward
 from dllm_jax.sampling import filter_top_p_top_k, guided_logits, sample_tokens
 
 FLOAT32_MIN = np.finfo(np.float32).min

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from dllm_jax.decode_config import DecodeConfig
 from dllm_jax.engine import Engine
-from dllm_jax.model import init_params
+from dllm_jax.models import init_params
 from dllm_jax.sharding import MeshError, parse_mesh
 from tests.conftest import tiny_config
 

@@ -11,7 +11,7 @@ from dllm_jax.cached_forward import PassSpec, VerifyKeys, cached_forward
 from dllm_jax.decode_config import DecodeConfig
 from dllm_jax.engine import Engine
 from dllm_jax.flat_cache import allocate_cache
-from dllm_jax.model import forward, init_params
+from dllm_jax.models import forward, init_params
 from dllm_jax.slots import commit_tokens, empty_slots, install, zero_params
 from dllm_jax.verify import WindowDraft, accepted_count, plan_verify
 from tests.conftest import tiny_config

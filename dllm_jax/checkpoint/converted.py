@@ -2,7 +2,7 @@
 
 Layout::
 
-  params/                  orbax checkpoint of the params tree (layout: dllm_jax.model)
+  params/                  orbax checkpoint of the params tree (layout: dllm_jax.models)
   dllm_jax_metadata.json   {"format_version", "hf_config", "dtype", "tensor_count", "source"}
   tokenizer files          copied from the Hugging Face folder when present
 
@@ -27,7 +27,7 @@ import orbax.checkpoint as ocp
 from dllm_jax.checkpoint.dtypes import DTYPES
 from dllm_jax.checkpoint.errors import ConversionError
 from dllm_jax.config import ConfigError, ModelConfig
-from dllm_jax.model import Params, abstract_params
+from dllm_jax.models import Params, abstract_params
 from dllm_jax.quantization import QUANTIZATIONS, quantize_params
 from dllm_jax.quiet_logs import quiet_logs
 

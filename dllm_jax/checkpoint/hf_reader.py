@@ -1,8 +1,8 @@
-"""Stream a Hugging Face LLaDA checkpoint (config.json + safetensors) into a dllm_jax params tree.
+"""Stream a Hugging Face LLaDA or Dream checkpoint (config.json + safetensors) into a dllm_jax params tree.
 
 Each output leaf is allocated once, in the target dtype, and every tensor is copied into its
 slot in blocks of rows straight from the memory-mapped shard (cast and transposed on the way,
-as ``dllm_jax/checkpoint/llada_names.py`` says). Host memory therefore holds the output being built plus
+as the family's table in ``tensor_names.py`` beside this file says). Host memory therefore holds the output being built plus
 the pages of the one shard being read, never a second copy of the model.
 
 Everything about the input is checked against the table before or while it is read: the shard
@@ -22,7 +22,7 @@ from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from dllm_jax.checkpoint.errors import ConversionError
-from dllm_jax.checkpoint.llada_names import TensorEntry, leaf_shape, rules_for, tensor_entries
+from dllm_jax.checkpoint.tensor_names import TensorEntry, leaf_shape, rules_for, tensor_entries
 from dllm_jax.config import ConfigError, ModelConfig
 
 CONFIG_FILE = "config.json"
@@ -84,13 +84,13 @@ def shard_files(hf_dir: Path, config: ModelConfig) -> list[Path]:
 
 
 def read_checkpoint(hf_dir: str | Path, *, dtype: str = "bfloat16") -> tuple[HFCheckpointInfo, dict[str, Any]]:
-    """Reads a Hugging Face LLaDA folder into host memory.
+    """Reads a Hugging Face LLaDA or Dream folder into host memory.
 
     Args:
       hf_dir: folder with config.json and model.safetensors (or shards plus their index).
       dtype: "bfloat16", "float16" or "float32"; every tensor is cast to it.
     Returns:
-      (info, params): params is the nested dict of numpy arrays of dllm_jax.model's layout
+      (info, params): params is the nested dict of numpy arrays of dllm_jax.models' layout
       (e.g. ``params["layers"]["q_proj"]["kernel"]`` is [NL, D, H*Dh]) in ``dtype``.
     Raises:
       ConversionError naming the file / tensor for any missing, unexpected or malformed input.
@@ -168,7 +168,7 @@ def _read_shard(
                 entry = entries.get(name)
                 if entry is None:
                     raise ConversionError(
-                        f"{shard}: unexpected tensor {name!r} (not part of a LLaDA checkpoint of this config)"
+                        f"{shard}: unexpected tensor {name!r} (not part of a checkpoint of this config.json)"
                     )
                 if name in found:
                     raise ConversionError(f"{shard}: tensor {name!r} is also stored in {found[name].name}")

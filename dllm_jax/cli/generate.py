@@ -5,7 +5,7 @@
   dllm-generate --model GSAI-ML/LLaDA-8B-Instruct --prompt "Hi"  # a Hub id from the local cache
   dllm-generate --model PATH --prompt "Hi" --mesh data=2,tensor=4
 
---model: a Hugging Face LLaDA folder, a converted one (dllm-convert) or a Hub id in the
+--model: a Hugging Face LLaDA or Dream folder, a converted one (dllm-convert) or a Hub id in the
 Hugging Face cache. --prompts-file: JSONL, one object per line with a "prompt" string; the
 output line of a request keeps all its fields (e.g. "id") and adds the answer and its counts.
 Answers go to stdout, diagnostics to stderr. Everything given is checked before the model
@@ -29,7 +29,7 @@ from dllm_jax.checkpoint.dtypes import QUANTIZATIONS
 from dllm_jax.cli import arguments, running
 from dllm_jax.cli.output import check_output_path
 from dllm_jax.cli.prompts import PromptRecord, encode_all, from_flags, read_jsonl
-from dllm_jax.decode_config import ACCEPT_RULES, CACHES, METHODS, PIN_POLICIES, DecodeConfig
+from dllm_jax.decode_config import ACCEPT_RULES, CACHES, DREAM_ALGORITHMS, METHODS, PIN_POLICIES, DecodeConfig
 from dllm_jax.sampling_params import REMASKING, SamplingParams
 
 log = logging.getLogger("dllm_jax.cli.generate")
@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dllm-generate", description=__doc__.split("\n\n", 1)[1].rstrip(), formatter_class=arguments.HelpFormatter
     )
-    p.add_argument("--model", help="model folder, converted folder or Hugging Face Hub id (default: the embedded tiny model)")
+    p.add_argument("--model", help="model folder, converted folder, Hugging Face Hub id, or an embedded tiny model "
+                   "(tiny-llada, tiny-dream; default: tiny-llada)")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
     source.add_argument("--prompts-file", type=Path, help='JSONL file, one {"prompt": ...} object per line')
@@ -72,9 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     method.add_argument("--block-length", type=arguments.int_in(1),
                         help="block (llada, fast_dllm) or window (flash_cache) length; default: "
-                        + ", ".join(f"{_default('window', method=m)} ({m})" for m in METHODS))
+                        + ", ".join(f"{_default('window', method=m)} ({m})" for m in METHODS if m != "dream")
+                        + " (dream: the whole generation is one block)")
     method.add_argument("--steps", type=arguments.int_in(1),
-                        help="llada / fast_dllm fixed schedule: total denoising steps; default: one token per step")
+                        help="llada / fast_dllm fixed schedule, dream's timestep schedule: total denoising steps; "
+                        "default: one token per step")
     method.add_argument("--cache", choices=CACHES, help=f"fast_dllm cache; default: {_default('cache', method='fast_dllm')}")
     method.add_argument("--mask-num", type=arguments.int_in(1),
                         help=f"flash_cache: masked blocks recomputed per step; default: {_default('mask_num')}")
@@ -85,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"verify acceptance rule; default: {_default('accept', verify=True)}")
     method.add_argument("--pin", choices=PIN_POLICIES,
                         help=f"verify: which commits are refreshed next step; default: {_default('pin', verify=True)}")
+    method.add_argument("--alg", choices=DREAM_ALGORITHMS,
+                        help=f"dream: which masked positions a step unmasks; default: {_default('alg', method='dream')}")
+    method.add_argument("--eps", type=arguments.float_in(0.0, 1.0, low_open=True),
+                        help=f"dream: end of the timestep schedule, in (0, 1); default: {_default('eps', method='dream')}")
     method.add_argument("--batch-size", type=arguments.int_in(1), default=_default("batch_size"),
                         help="slots decoded together (at most the number of prompts)")
 
@@ -109,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="which predictions commit first: the most confident, or random ones (LLaDA's options)")
     sampling.add_argument("--cfg-scale", type=arguments.float_in(0.0), default=SamplingParams.cfg_scale,
                           help="llada: classifier-free guidance scale (a second, unconditional pass per step; 0: off)")
+    sampling.add_argument("--alg-temp", type=arguments.float_in(0.0), default=SamplingParams.alg_temp,
+                          help="dream: 0 unmasks the most confident positions, > 0 draws them from "
+                          "softmax(confidence / alg_temp)")
     sampling.add_argument("--seed", type=arguments.seed, default=_default("seed"),
                           help=f"random seed, in [0, {arguments.SEED_MAX}]; each request draws its own stream from it")
 
@@ -138,7 +148,7 @@ def decode_options(args: argparse.Namespace) -> dict[str, Any]:
         "method": args.method, "gen_length": args.gen_length, "block_length": args.block_length, "steps": args.steps,
         "threshold": args.threshold, "cache": args.cache, "mask_num": args.mask_num, "track_num": args.track_num,
         "batch_size": args.batch_size, "seed": args.seed, "verify": args.verify or None, "gamma": args.gamma,
-        "accept": args.accept, "pin": args.pin,
+        "accept": args.accept, "pin": args.pin, "alg": args.alg, "eps": args.eps,
         # the llada loop with the unconditional pass; other methods are told by resolve_params
         "cfg": (args.cfg_scale > 0 and args.method == "llada") or None,
     }
@@ -149,7 +159,7 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
     """The per-request parameters, the same for every prompt of the run."""
     return SamplingParams(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        stop=tuple(args.stop), cfg_scale=args.cfg_scale, remasking=args.remasking,
+        stop=tuple(args.stop), cfg_scale=args.cfg_scale, remasking=args.remasking, alg_temp=args.alg_temp,
     )
 
 
@@ -169,6 +179,8 @@ def generation_bucket(args: argparse.Namespace, max_sequence_length: int, longes
     if args.gen_length is not None:
         return args.gen_length
     if args.max_new_tokens is not None:
+        if args.method == "dream":  # one block of exactly the generation
+            return args.max_new_tokens
         block = args.block_length or _default("window", method=args.method)
         return -(-args.max_new_tokens // block) * block
     return default_gen_length(max_sequence_length, longest_prompt)

@@ -129,7 +129,7 @@ class DLLMJaxLM(LM):
         except ValueError as e:
             raise ModelArgsError(f"model_args: pretrained={a.pretrained}: {e}") from None
         self.config = loaded.config
-        self.tokenizer = _load_hf_tokenizer(a.pretrained)
+        self.tokenizer = _load_hf_tokenizer(str(loaded.path))  # the folder found (an embedded name, a Hub id)
         self.engine = Engine(loaded.config, loaded.params, loaded.tokenizer, backend=a.backend)
         self.scorer = MonteCarloLoglikelihood(
             loaded.config, loaded.params, mc_num=a.mc_num,

@@ -1,4 +1,5 @@
-"""LLaDA's Monte-Carlo estimate of log p(continuation | context), over the full (no cache) forward.
+"""LLaDA's Monte-Carlo estimate of log p(continuation | context), over the full (no cache) forward
+(for a Dream model too: its predictions read from the rows before their positions).
 
 For a context of P tokens and a continuation of L tokens, each sample masks some of the
 continuation and scores the masked tokens; LLaDA's estimator (its eval_llada.py
@@ -27,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dllm_jax.config import ModelConfig
-from dllm_jax.model import LLaDAModel, Params
+from dllm_jax.models import Params, Transformer, model_class
 
 _MIN_BUCKET = 16
 
@@ -74,7 +75,7 @@ class MonteCarloLoglikelihood:
     """Scores continuations with LLaDA's estimator; one compiled forward per shape bucket.
 
     Args:
-      config, params: the model (layer-stacked params, as dllm_jax.model.init_params makes).
+      config, params: the model (layer-stacked params, as dllm_jax.models.init_params makes).
       mc_num: samples per request; mc_batch_size: samples per forward pass (divides mc_num).
       cfg_scale: classifier-free guidance scale, 0 = off.
       seed: base of the per-request mask generators.
@@ -151,26 +152,27 @@ class MonteCarloLoglikelihood:
         return bool(np.array_equal(tokens[0, P : P + L], np.asarray(target)))
 
 
-def _hidden_rows(module: LLaDAModel, tokens, length, start, rows: int):
-    """Final hidden rows [B, rows, D] of positions start.. of a full bidirectional pass over
-    tokens [B, T], keys beyond `length` masked out."""
+def _hidden_rows(module: Transformer, tokens, length, start, rows: int):
+    """Final hidden rows [B, rows, D] predicting positions start.. (the rows logit_shift before
+    them: Dream's row i - 1 predicts token i) of a full bidirectional pass over tokens [B, T],
+    keys beyond `length` masked out."""
     B, T = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     key_valid = positions < length
     h = module.embed(tokens)
     h, _ = module.layers(h, positions, key_valid[:, None, :])
-    index = jnp.minimum(start + jnp.arange(rows), T - 1)
+    index = jnp.clip(start - module.config.logit_shift + jnp.arange(rows), 0, T - 1)
     return h[:, index]
 
 
 def _target_logprobs(config: ModelConfig, params: Params, tokens, labels, start, length, cfg_scale, *, guided: bool):
     """log p(labels) at rows start.. : float32 [B, len(labels)] (LLaDA's guidance when guided)."""
-    model = LLaDAModel(config)
+    model = model_class(config)(config)
     rows = labels.shape[0]
 
     def logits_of(batch):
         h = model.apply({"params": params}, batch, length, start, rows, method=_hidden_rows)
-        return model.apply({"params": params}, h, method=LLaDAModel.logits).astype(jnp.float32)
+        return model.apply({"params": params}, h, method=Transformer.logits).astype(jnp.float32)
 
     logits = logits_of(tokens)
     if guided:
@@ -184,9 +186,9 @@ def _target_logprobs(config: ModelConfig, params: Params, tokens, labels, start,
 
 def _target_argmax(config: ModelConfig, params: Params, tokens, start, length, rows: int):
     """Argmax token and its softmax probability at rows start.. : int32 [rows], float32 [rows]."""
-    model = LLaDAModel(config)
+    model = model_class(config)(config)
     h = model.apply({"params": params}, tokens, length, start, rows, method=_hidden_rows)
-    logits = model.apply({"params": params}, h, method=LLaDAModel.logits).astype(jnp.float32)[0]
+    logits = model.apply({"params": params}, h, method=Transformer.logits).astype(jnp.float32)[0]
     probs = jax.nn.softmax(logits, axis=-1)
     best = jnp.argmax(logits, axis=-1)
     return best.astype(jnp.int32), jnp.take_along_axis(probs, best[:, None], axis=-1)[:, 0]

@@ -34,7 +34,7 @@ class AdapterArgs:
     """Options of the lm-eval adapter (everything in model_args that is not a DecodeConfig field).
 
     Attributes:
-      pretrained: a Hugging Face LLaDA folder or a converted dllm_jax checkpoint.
+      pretrained: a Hugging Face LLaDA or Dream folder or a converted dllm_jax checkpoint.
       dtype: weights and activations; None = float32 on CPU, bfloat16 elsewhere.
       backend: "auto", "xla" or "pallas" (Engine backend).
       mc_num: Monte-Carlo samples per loglikelihood request (LLaDA's mc_num).
@@ -146,7 +146,7 @@ def parse_model_args(args: dict[str, Any], *, harness_batch_size: Any = None) ->
             raise ModelArgsError(f"batch_size={size!r}: dllm_jax needs an integer number of decode slots")
         decode["batch_size"] = size
     if adapter.get("pretrained") is None:
-        raise ModelArgsError("model_args: pretrained=PATH is required (a Hugging Face LLaDA folder or a converted checkpoint)")
+        raise ModelArgsError("model_args: pretrained=PATH is required (a Hugging Face LLaDA or Dream folder or a converted checkpoint)")
     try:
         decode_config = DecodeConfig(**decode)
     except DecodeConfigError as e:

@@ -1,4 +1,5 @@
-"""Decode policies: llada and fast_dllm (block decoding), flash_cache (sliding window)."""
+"""Decode policies: llada and fast_dllm (block decoding), flash_cache (sliding window), dream
+(Dream's own sampler)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from dllm_jax.config import ModelConfig
 from dllm_jax.decode_config import DecodeConfig
 from dllm_jax.policies.base import DecodePolicy
 from dllm_jax.policies.block import BlockPolicy
+from dllm_jax.policies.dream_sampler import DreamSamplerPolicy
 from dllm_jax.policies.flash_cache import FlashCachePolicy
 
 
@@ -24,6 +26,18 @@ def make_policy(decode: DecodeConfig, model: ModelConfig, max_len: int) -> Decod
             verify=decode.verify,
             accept=decode.accept,
             pin=decode.pin,
+            logit_shift=model.logit_shift,
+        )
+    if decode.method == "dream":
+        return DreamSamplerPolicy(
+            block=decode.gen_length,
+            gen_length=decode.gen_length,
+            cache="none",
+            steps_per_block=decode.total_steps,
+            eos_id=model.eos_token_id,
+            alg=decode.alg,
+            eps=decode.eps,
+            steps=decode.total_steps,
         )
     blocks = decode.gen_length // W
     return BlockPolicy(
@@ -35,4 +49,4 @@ def make_policy(decode: DecodeConfig, model: ModelConfig, max_len: int) -> Decod
     )
 
 
-__all__ = ["BlockPolicy", "DecodePolicy", "FlashCachePolicy", "make_policy"]
+__all__ = ["BlockPolicy", "DecodePolicy", "DreamSamplerPolicy", "FlashCachePolicy", "make_policy"]

@@ -48,6 +48,7 @@ class FlashCachePolicy:
     verify: bool = False
     accept: str = "cumprod"
     pin: str = "all_commits"
+    logit_shift: int = 0  # the model family's (dllm_jax.logit_alignment)
 
     @property
     def num_candidates(self) -> int:
@@ -125,10 +126,11 @@ class FlashCachePolicy:
 
     @property
     def verify_rows(self) -> int:
-        return 2 * self.window
+        """C + D + M rows (2W), plus the mask views' predictor rows (W // 2) for a shifted model."""
+        return 2 * self.window + (self.window // 2 if self.logit_shift else 0)
 
     def plan_verify(self, old: Slots, new: Slots, draft: WindowDraft) -> VerifyPlan:
-        return plan_verify(old, new, draft, self.mask_id)
+        return plan_verify(old, new, draft, self.mask_id, self.logit_shift)
 
     def verify_commit(self, slot: Slots, plan: VerifyPlan, logits: jax.Array, draft: WindowDraft) -> Slots:
         stage1 = jnp.zeros((self.max_len,), bool).at[jnp.where(draft.committed, draft.positions, self.max_len)].set(

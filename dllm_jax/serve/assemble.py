@@ -20,7 +20,7 @@ from dllm_jax.serve.worker import EngineWorker
 log = logging.getLogger("dllm_jax.serve")
 
 # what --method accepts: a DecodeConfig method, "+verify" for Flash-Verify
-METHOD_SPECS = ("flash_cache", "flash_cache+verify", "fast_dllm", "llada")
+METHOD_SPECS = ("flash_cache", "flash_cache+verify", "fast_dllm", "llada", "dream")
 
 
 @dataclasses.dataclass(frozen=True)

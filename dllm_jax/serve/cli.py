@@ -25,7 +25,7 @@ from dllm_jax.checkpoint.dtypes import QUANTIZATIONS
 log = logging.getLogger("dllm_jax.serve")
 
 # dllm_jax.serve.assemble.METHOD_SPECS (not imported here: --help stays fast)
-METHOD_SPECS = ("flash_cache", "flash_cache+verify", "fast_dllm", "llada")
+METHOD_SPECS = ("flash_cache", "flash_cache+verify", "fast_dllm", "llada", "dream")
 
 
 class UsageError(ValueError):
@@ -34,7 +34,8 @@ class UsageError(ValueError):
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="dllm-serve", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", help="Hugging Face LLaDA folder or converted checkpoint (default: the embedded tiny model)")
+    p.add_argument("--model", help="Hugging Face LLaDA or Dream folder, converted checkpoint, or an embedded tiny model "
+                   "(tiny-llada, tiny-dream; default: tiny-llada)")
     p.add_argument("--served-model-name", help="the name clients send as 'model' (default: the folder's name)")
     p.add_argument("--method", action="append", choices=METHOD_SPECS,
                    help="decoding method; repeat to serve several (clients pick one with dllm.method; "
@@ -92,12 +93,12 @@ def build(args: argparse.Namespace):
         os.environ["XLA_FLAGS"] = deterministic_xla_flags()  # before JAX starts its backend
     import jax
 
-    from dllm_jax.assets import tiny_model_path
+    from dllm_jax.assets import model_folder, tiny_model_path
     from dllm_jax.decode_config import DecodeConfigError
     from dllm_jax.engine import Engine
     from dllm_jax.serve.assemble import ServeOptions, assemble
 
-    path = Path(args.model) if args.model else tiny_model_path()
+    path = model_folder(args.model) if args.model else tiny_model_path()
     if not path.is_dir():
         raise UsageError(f"--model {path}: not a folder")
     dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")

@@ -1,18 +1,23 @@
-"""LLaDA as Flax linen modules.
+"""The bidirectional transformer both families share, as Flax linen modules.
 
-One block = RMSNorm -> q/k/v -> rotate-half RoPE (float32) -> bidirectional attention ->
-attn_out -> RMSNorm -> SwiGLU MLP, with residuals. Blocks are stacked with ``nn.scan``
-(parameters carry a leading [n_layers] axis), so 32 layers compile to one loop body.
+One block = RMSNorm -> q/k/v (+ biases when config.qkv_bias) -> rotate-half RoPE (float32)
+-> bidirectional attention (grouped-query when n_kv_heads < n_heads) -> attn_out -> RMSNorm
+-> SwiGLU MLP, with residuals. Blocks are stacked with ``nn.scan`` (parameters carry a
+leading [n_layers] axis), so 32 layers compile to one loop body. The family files
+(llada.py, dream.py) name the family's classes; what differs between families is the config
+(biases, GQA, tied head) and the logit alignment (config.logit_shift), which this module's
+output does not apply: row i of the logits is the output at position i.
 
 The block's methods are the per-layer pieces the cached decode engine reuses:
 ``attention_input`` (norm), ``project_qkv`` (projection + RoPE), ``output_and_mlp``;
 the engine supplies its own attention (over a flat K/V cache) in between.
 
-Parameter tree (``params`` collection)::
+Parameter tree (``params`` collection), the same names for every family::
 
   wte/embedding               [V, D]
   layers/attn_norm/weight     [NL, D]
   layers/{q,k,v}_proj/kernel  [NL, D, H*Dh] (k, v: [NL, D, KVH*Dh])
+  layers/{q,k,v}_proj/bias    [NL, H*Dh] (k, v: [NL, KVH*Dh])   (only with qkv_bias)
   layers/attn_out/kernel      [NL, H*Dh, D]
   layers/ff_norm/weight       [NL, D]
   layers/{ff_proj,up_proj}/kernel [NL, D, F]   (ff_proj is the SiLU-gated branch)
@@ -21,7 +26,7 @@ Parameter tree (``params`` collection)::
   lm_head/kernel              [D, V]  (absent when weight_tying)
 
 With config.quantization set, each of the seven block projections holds ``qkernel`` [NL, out, in]
-(8-bit) and ``scale`` [NL, out] instead of ``kernel`` (dllm_jax.quantization).
+(8-bit) and ``scale`` [NL, out] instead of ``kernel`` (dllm_jax.quantization); biases stay.
 """
 
 from __future__ import annotations
@@ -34,55 +39,15 @@ import jax
 import jax.numpy as jnp
 
 from dllm_jax.config import ModelConfig
-from dllm_jax.quantization import quantize_params, quantized_matmul, weight_dtype
+from dllm_jax.models.layers import INIT, Linear, RMSNorm, swiglu
+from dllm_jax.quantization import quantize_params
 from pallas_kernels.reference.attention import dense_attention
 from pallas_kernels.reference.rope import apply_rope, rope_cos_sin
 
 Params = Any  # a nested dict of arrays, the "params" collection
 
-_INIT = nn.initializers.normal(stddev=0.02)
 
-
-class Linear(nn.Module):
-    """y = x @ kernel, accumulated in float32, returned in out_dtype (default: the weights' dtype).
-
-    bf16 x bf16 -> bf16 dots accumulate in float32 on GPU (cuBLAS) and CPU; asking for a
-    float32 result only where it is used (q and k before RoPE) keeps the large MLP
-    activations in bf16 in device memory. With quantization (dllm_jax.quantization) the
-    params are ``qkernel`` [out, in] (8-bit) and ``scale`` [out] instead of ``kernel``.
-    """
-
-    features: int
-    dtype: Any
-    quantization: str = "none"
-
-    @nn.compact
-    def __call__(self, x: jax.Array, out_dtype: Any = None) -> jax.Array:
-        out_dtype = self.dtype if out_dtype is None else out_dtype
-        if self.quantization != "none":
-            shape = (self.features, x.shape[-1])
-            qkernel = self.param("qkernel", nn.initializers.zeros, shape, weight_dtype(self.quantization))
-            scale = self.param("scale", nn.initializers.ones, (self.features,), jnp.float32)
-            return quantized_matmul(x.astype(self.dtype), qkernel, scale, out_dtype)
-        kernel = self.param("kernel", _INIT, (x.shape[-1], self.features), self.dtype)
-        return jnp.dot(x.astype(self.dtype), kernel, preferred_element_type=out_dtype)
-
-
-class RMSNorm(nn.Module):
-    """weight * cast(x * rsqrt(mean(x^2) + eps)): statistics in float32, weight applied in x's dtype."""
-
-    eps: float
-    dtype: Any
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return normed.astype(x.dtype) * weight.astype(x.dtype)
-
-
-class LLaDABlock(nn.Module):
+class Block(nn.Module):
     """One transformer block. Inputs are [..., T, D] residual rows in config.dtype."""
 
     config: ModelConfig
@@ -92,9 +57,9 @@ class LLaDABlock(nn.Module):
         dt = c.jnp_dtype
         self.attn_norm = RMSNorm(c.rms_norm_eps, dt)
         q = c.quantization
-        self.q_proj = Linear(c.n_heads * c.head_dim, dt, q)
-        self.k_proj = Linear(c.kv_dim, dt, q)
-        self.v_proj = Linear(c.kv_dim, dt, q)
+        self.q_proj = Linear(c.n_heads * c.head_dim, dt, q, use_bias=c.qkv_bias)
+        self.k_proj = Linear(c.kv_dim, dt, q, use_bias=c.qkv_bias)
+        self.v_proj = Linear(c.kv_dim, dt, q, use_bias=c.qkv_bias)
         self.attn_out = Linear(c.d_model, dt, q)
         self.ff_norm = RMSNorm(c.rms_norm_eps, dt)
         self.ff_proj = Linear(c.mlp_hidden_size, dt, q)
@@ -108,15 +73,15 @@ class LLaDABlock(nn.Module):
     def project_qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Normed rows -> RoPE'd q [..., T, H, Dh], k and v [..., T, KVH, Dh], in config.dtype.
 
-        RoPE is applied to the float32 accumulators and the result rounded once, as the fused
-        kernel does. positions: int [..., T] absolute positions.
+        RoPE is applied to the float32 accumulators (biases added before it) and the result
+        rounded once, as the fused kernel does. positions: int [..., T] absolute positions.
         """
         c = self.config
         dt = c.jnp_dtype
         lead = x.shape[:-1]
         q = self.q_proj(x, jnp.float32).reshape(*lead, c.n_heads, c.head_dim)
         k = self.k_proj(x, jnp.float32).reshape(*lead, c.n_kv_heads, c.head_dim)
-        v = self.v_proj(x).reshape(*lead, c.n_kv_heads, c.head_dim)
+        v = self.v_proj(x, jnp.float32).reshape(*lead, c.n_kv_heads, c.head_dim)
         cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)
         # [..., T, 1, Dh/2]: one angle per row, shared by all heads
         cos, sin = cos[..., None, :], sin[..., None, :]
@@ -129,7 +94,7 @@ class LLaDABlock(nn.Module):
         x = self.ff_norm(h)
         gate = self.ff_proj(x).astype(dt)
         up = self.up_proj(x).astype(dt)
-        return h + self.ff_out(nn.silu(gate) * up).astype(dt)
+        return h + self.ff_out(swiglu(gate, up)).astype(dt)
 
     def __call__(self, h: jax.Array, positions: jax.Array, mask: jax.Array) -> tuple[jax.Array, None]:
         """Full bidirectional block over [B, T, D]; mask broadcastable to [B, T, T]."""
@@ -137,17 +102,17 @@ class LLaDABlock(nn.Module):
         return self.output_and_mlp(h, dense_attention(q, k, v, mask)), None
 
 
-class LLaDAModel(nn.Module):
-    """The whole mask predictor: tokens -> logits for every position (no causal mask)."""
+class Transformer(nn.Module):
+    """The whole mask predictor: tokens -> output logits of every position (no causal mask)."""
 
     config: ModelConfig
 
     def setup(self):
         c = self.config
         dt = c.jnp_dtype
-        self.wte = nn.Embed(c.vocab_size, c.d_model, dtype=dt, param_dtype=dt, embedding_init=_INIT)
+        self.wte = nn.Embed(c.vocab_size, c.d_model, dtype=dt, param_dtype=dt, embedding_init=INIT)
         self.layers = nn.scan(
-            LLaDABlock,
+            Block,
             variable_axes={"params": 0},
             split_rngs={"params": True},
             in_axes=(nn.broadcast, nn.broadcast),
@@ -174,7 +139,8 @@ class LLaDAModel(nn.Module):
         positions: jax.Array | None = None,
         key_valid: jax.Array | None = None,
     ) -> jax.Array:
-        """Logits of every position.
+        """Output logits of every position (row i: the output at position i; for a family with
+        logit_shift 1 it predicts token i + 1, see dllm_jax.models.predictions).
 
         Args:
           tokens: int [B, T].
@@ -194,11 +160,11 @@ class LLaDAModel(nn.Module):
 
 
 def init_params(config: ModelConfig, rng: jax.Array) -> Params:
-    """Random parameters (normal(0.02) matrices, unit norms) in config.dtype, then quantized
-    as config.quantization says."""
+    """Random parameters (normal(0.02) matrices, unit norms, zero biases) in config.dtype,
+    then quantized as config.quantization says."""
     tokens = jnp.zeros((1, 2), dtype=jnp.int32)
     plain = dataclasses.replace(config, quantization="none")
-    return quantize_params(LLaDAModel(plain).init(rng, tokens)["params"], config.quantization)
+    return quantize_params(Transformer(plain).init(rng, tokens)["params"], config.quantization)
 
 
 def init_params_per_layer(config: ModelConfig, rng: jax.Array) -> Params:
@@ -208,7 +174,7 @@ def init_params_per_layer(config: ModelConfig, rng: jax.Array) -> Params:
     top = jax.jit(init_params, static_argnums=0)(dataclasses.replace(config, n_layers=1), top_rng)
     h = jnp.zeros((1, 2, config.d_model), config.jnp_dtype)
     positions = jnp.zeros((1, 2), jnp.int32)
-    plain_block = LLaDABlock(dataclasses.replace(config, quantization="none"))
+    plain_block = Block(dataclasses.replace(config, quantization="none"))
 
     def init_block(rng):
         params = plain_block.init(rng, h, positions, jnp.ones((1, 1, 2), bool))["params"]
@@ -241,5 +207,18 @@ def count_params(params: Params) -> int:
 
 
 def forward(config: ModelConfig, params: Params, tokens: jax.Array, positions=None, key_valid=None) -> jax.Array:
-    """Functional full forward: LLaDAModel(config).apply on the params tree."""
-    return LLaDAModel(config).apply({"params": params}, tokens, positions, key_valid)
+    """Functional full forward: Transformer(config).apply on the params tree; [B, T, V] output
+    logits (not aligned: see predictions)."""
+    return Transformer(config).apply({"params": params}, tokens, positions, key_valid)
+
+
+def predictions(config: ModelConfig, logits: jax.Array) -> jax.Array:
+    """Output logits [B, T, V] -> the prediction of every position's token [B, T, V].
+
+    With logit_shift s, position i is predicted by output row i - s; the first s positions
+    (never generated: a prompt holds at least one token) repeat row 0, as Dream does.
+    """
+    s = config.logit_shift
+    if s == 0:
+        return logits
+    return jnp.concatenate([logits[:, :s], logits[:, :-s]], axis=1)

@@ -1,0 +1,70 @@
+"""Building blocks shared by the model families: a float32-accumulating Linear, RMSNorm, SwiGLU.
+
+Attention lives in pallas_kernels.reference.attention (dense, masked) and
+dllm_jax.cached_forward (over the flat cache); RoPE in pallas_kernels.reference.rope.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from dllm_jax.quantization import quantized_matmul, weight_dtype
+
+INIT = nn.initializers.normal(stddev=0.02)
+
+
+class Linear(nn.Module):
+    """y = x @ kernel (+ bias), accumulated in float32, returned in out_dtype (default: the
+    weights' dtype).
+
+    bf16 x bf16 -> bf16 dots accumulate in float32 on GPU (cuBLAS) and CPU; asking for a
+    float32 result only where it is used (q and k before RoPE) keeps the large MLP
+    activations in bf16 in device memory. The bias is added to the float32 product when
+    out_dtype is float32 (before rounding), else in the output dtype. With quantization
+    (dllm_jax.quantization) the params are ``qkernel`` [out, in] (8-bit) and ``scale`` [out]
+    instead of ``kernel``; the bias stays in the model dtype.
+    """
+
+    features: int
+    dtype: Any
+    quantization: str = "none"
+    use_bias: bool = False
+
+    @nn.compact
+    def __call__(self, x: jax.Array, out_dtype: Any = None) -> jax.Array:
+        out_dtype = self.dtype if out_dtype is None else out_dtype
+        if self.quantization != "none":
+            shape = (self.features, x.shape[-1])
+            qkernel = self.param("qkernel", nn.initializers.zeros, shape, weight_dtype(self.quantization))
+            scale = self.param("scale", nn.initializers.ones, (self.features,), jnp.float32)
+            y = quantized_matmul(x.astype(self.dtype), qkernel, scale, out_dtype)
+        else:
+            kernel = self.param("kernel", INIT, (x.shape[-1], self.features), self.dtype)
+            y = jnp.dot(x.astype(self.dtype), kernel, preferred_element_type=out_dtype)
+        if self.use_bias:
+            bias = self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
+            y = y + bias.astype(y.dtype)
+        return y
+
+
+class RMSNorm(nn.Module):
+    """weight * cast(x * rsqrt(mean(x^2) + eps)): statistics in float32, weight applied in x's dtype."""
+
+    eps: float
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return normed.astype(x.dtype) * weight.astype(x.dtype)
+
+
+def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """SiLU(gate) * up, in the inputs' dtype."""
+    return nn.silu(gate) * up

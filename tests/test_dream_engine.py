@@ -1,0 +1,178 @@
+"""Every decoding method on a Dream-shaped model (q/k/v biases, GQA, logits shifted by one),
+against the plain-Python reference decoder and against no-cache decoding.
+
+The reference takes each prediction from the output row before its position; the exactness
+tests compare with a full forward pass per step (dllm_jax.models.forward, read at p - 1), so an
+engine that read the candidates' own rows, or reused a stale predictor row, fails them.
+"""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import tiny_dream_config
+from dllm_jax.decode_config import DecodeConfig
+from dllm_jax.engine import Engine
+from dllm_jax.models import init_params
+from tests.reference_decoder import ReferenceDecoder
+
+PROMPT_LENGTHS = (12, 7, 15, 9, 3)
+
+
+def lively_dream(**overrides):
+    """A random tiny Dream whose predictions vary by position and are often confident (as
+    conftest's lively LLaDA): scaled-up layers and head, EOS takes over a frequent token."""
+    cfg = tiny_dream_config(**overrides)
+    params = init_params(cfg, jax.random.key(1))
+    params["layers"] = jax.tree_util.tree_map(lambda w: w * 8 if w.ndim == 3 else w * 3, params["layers"])
+    head = params["lm_head"]["kernel"] * 20
+    params["lm_head"]["kernel"] = head.at[:, cfg.eos_token_id].set(head[:, 125] * 1.02)
+    return cfg, params
+
+
+@pytest.fixture(scope="module")
+def engine():
+    cfg, params = lively_dream()
+    return Engine(cfg, params, backend="xla")
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.RandomState(0)
+    return [list(rng.randint(0, 100, n)) for n in PROMPT_LENGTHS]
+
+
+def _reference(engine, decode, prompts):
+    loop = engine.decode_loop(decode, max(map(len, prompts)))
+    return ReferenceDecoder(engine.config, engine.params, decode, loop.max_len)
+
+
+def _answer(tokens, eos):
+    tokens = [int(t) for t in tokens]
+    return tokens[: tokens.index(eos)] if eos in tokens else tokens
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        dict(mask_num=2, track_num=1, threshold=0.3),
+        dict(mask_num=1, track_num=2, threshold=0.2),
+        dict(mask_num=2, track_num=1, threshold=0.7, verify=True, gamma=0.3),
+        dict(mask_num=2, track_num=1, threshold=0.7, verify=True, gamma=0.5, accept="paper", pin="reference"),
+    ],
+    ids=["flash", "flash-track2", "flash-verify", "flash-verify-paper"],
+)
+def test_flash_cache_matches_the_python_reference(engine, prompts, setting):
+    decode = DecodeConfig(method="flash_cache", gen_length=32, batch_size=2, **setting)
+    out = engine.generate(prompts, decode)
+    ref = _reference(engine, decode, prompts)
+    eos = engine.config.eos_token_id
+    for prompt, result in zip(prompts, out.results):
+        tokens, steps, committed = ref.flash_cache(prompt)
+        assert result.token_ids == _answer(tokens, eos)
+        assert (result.steps, result.reference_num_tokens) == (steps, committed)
+        if decode.verify:
+            assert result.accepted_drafts == ref.accepted
+    assert out.stats.tokens_per_step > 1.1, "the setting should exercise parallel commits"
+    if decode.verify:
+        assert sum(r.accepted_drafts for r in out.results) > 0
+
+
+@pytest.mark.parametrize("method", ["flash_full_refresh", "flash_sparse_everything"])
+def test_exact_refresh_reproduces_the_no_cache_model(engine, prompts, method):
+    if method == "flash_sparse_everything":
+        decode = DecodeConfig(method="flash_cache", gen_length=32, batch_size=2, threshold=0.5, mask_num=20, track_num=20)
+    else:
+        decode = DecodeConfig(method="flash_cache", gen_length=32, batch_size=2, threshold=0.5, track_num=-1)
+    out = engine.generate(prompts, decode)
+    ref = _reference(engine, decode, prompts)
+    for prompt, result in zip(prompts, out.results):
+        tokens, steps, _ = ref.flash_cache(prompt, no_cache=True)
+        assert result.token_ids == _answer(tokens, engine.config.eos_token_id)
+        assert result.steps == steps
+
+
+def test_the_shift_is_what_the_exactness_test_checks(engine, prompts):
+    """Reading the candidates' own rows (LLaDA's alignment) decodes something else."""
+    decode = DecodeConfig(method="flash_cache", gen_length=32, batch_size=2, threshold=0.5, track_num=-1)
+    unshifted = dataclasses.replace(engine.config, family="llada")
+    ref = ReferenceDecoder(unshifted, engine.params, decode, engine.decode_loop(decode, 15).max_len)
+    out = engine.generate(prompts, decode)
+    differs = [r.token_ids != _answer(ref.flash_cache(p, no_cache=True)[0], unshifted.eos_token_id)
+               for p, r in zip(prompts, out.results)]
+    assert any(differs)
+
+
+@pytest.mark.parametrize(
+    "decode",
+    [
+        DecodeConfig(method="llada", gen_length=32, block_length=16, steps=16, batch_size=2),
+        DecodeConfig(method="fast_dllm", gen_length=32, block_length=16, cache="prefix", threshold=0.5, batch_size=2),
+        DecodeConfig(method="fast_dllm", gen_length=32, block_length=16, cache="dual", threshold=0.5, batch_size=2),
+    ],
+    ids=["llada", "fast-prefix", "fast-dual"],
+)
+def test_block_methods_match_the_python_reference(engine, prompts, decode):
+    out = engine.generate(prompts, decode)
+    ref = _reference(engine, decode, prompts)
+    cache = "none" if decode.method == "llada" else decode.cache
+    for prompt, result in zip(prompts, out.results):
+        tokens, steps = ref.block_decode(prompt, cache)
+        assert result.token_ids == _answer(tokens, engine.config.eos_token_id)
+        assert result.steps == steps
+
+
+@pytest.mark.parametrize(
+    "decode",
+    [
+        DecodeConfig(method="flash_cache", gen_length=32, batch_size=3, threshold=0.5, mask_num=2, track_num=1),
+        DecodeConfig(method="flash_cache", gen_length=32, batch_size=3, threshold=0.7, verify=True, gamma=0.5),
+        DecodeConfig(method="fast_dllm", gen_length=32, block_length=16, threshold=0.5, batch_size=3),
+    ],
+    ids=["flash", "flash-verify", "fast_dllm"],
+)
+def test_continuous_batching_and_batch_invariance(engine, decode):
+    """More requests than slots, mixed lengths: the same tokens however the requests are batched."""
+    rng = np.random.RandomState(1)
+    many = [list(rng.randint(0, 100, n)) for n in (5, 14, 8, 11, 3, 16, 9)]
+    together = engine.generate(many, decode)
+    assert together.stats.iterations < sum(r.steps for r in together.results), "slots ran concurrently"
+    fewer_slots = engine.generate(many, dataclasses.replace(decode, batch_size=2))
+    assert [r.token_ids for r in fewer_slots.results] == [r.token_ids for r in together.results]
+    for i in (0, 4):
+        alone = engine.generate([many[i]], decode).results[0]
+        assert together.results[i].token_ids == alone.token_ids
+
+
+@pytest.mark.parametrize(
+    "decode",
+    [
+        DecodeConfig(method="flash_cache", gen_length=32, batch_size=2, threshold=0.7, mask_num=2, track_num=1,
+                     verify=True, gamma=0.3),
+        DecodeConfig(method="fast_dllm", gen_length=32, block_length=16, threshold=0.5, batch_size=2),
+    ],
+    ids=["flash_verify", "fast_dllm_dual"],
+)
+def test_pallas_kernels_decode_like_xla(decode):
+    """The fused projection (with biases) and the GQA cache attention, in interpret mode."""
+    cfg, params = lively_dream(d_model=128, mlp_hidden_size=128)
+    rng = np.random.RandomState(0)
+    prompts = [list(rng.randint(0, 100, n)) for n in (12, 7, 3)]
+    xla = Engine(cfg, params, backend="xla").generate(prompts, decode)
+    pallas = Engine(cfg, params, backend="pallas", interpret=True).generate(prompts, decode)
+    assert [r.token_ids for r in pallas.results] == [r.token_ids for r in xla.results]
+    assert [r.steps for r in pallas.results] == [r.steps for r in xla.results]
+
+
+def test_a_tensor_split_decodes_the_single_device_tokens(engine, prompts):
+    """Biases split by heads like their projections' columns (sharding.param_specs)."""
+    from dllm_jax.sharding import parse_mesh
+
+    decode = DecodeConfig(method="flash_cache", gen_length=32, batch_size=2, threshold=0.5, mask_num=2, track_num=1)
+    mesh = parse_mesh("data=2,tensor=2", jax.devices()[:4])
+    cfg, params = lively_dream(n_kv_heads=2)
+    single = Engine(cfg, params, backend="xla").generate(prompts, decode)
+    split = Engine(cfg, params, backend="xla", mesh=mesh).generate(prompts, decode)
+    assert [r.token_ids for r in split.results] == [r.token_ids for r in single.results]
