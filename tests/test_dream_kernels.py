@@ -136,7 +136,7 @@ def test_decode_loop_lowers_for_cuda_at_dream_7b_shapes(backend):
     cfg = dream_7b_config()
     if backend == "gpu-auto":
         engine = Engine(cfg, jax.eval_shape(unstack_layers, abstract_params(cfg)),
-                        backend=Kernels(attention=True, scatter=True), full_pass_lanes=())
+                        backend=Kernels(attention=True, scatter=True, top_p_top_k=True), full_pass_lanes=())
     else:
         engine = Engine(cfg, abstract_params(cfg), backend=backend, full_pass_lanes=())
     decode = DecodeConfig(method="flash_cache", gen_length=256, batch_size=8, threshold=2.0, verify=True)
@@ -144,4 +144,4 @@ def test_decode_loop_lowers_for_cuda_at_dream_7b_shapes(backend):
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
     state = jax.eval_shape(loop.init_state, i32(32, 256), i32(32), jax.eval_shape(lambda: zero_params((32,))), i32())
     text = lower_for_cuda(jax.jit(loop.run, donate_argnums=1), engine.params, state, i32(), jax.ShapeDtypeStruct((), jnp.bool_))
-    assert text.count("__gpu$xla.gpu.triton") == 5
+    assert text.count("__gpu$xla.gpu.triton") == 6  # 5 of the passes + the top-p/top-k cutoff
