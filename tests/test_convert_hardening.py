@@ -280,6 +280,16 @@ SIGNAL_CASES = [
 ]
 
 
+# The converter keeps a signal its parent ignores (as under nohup, or in a background job), so
+# the signal tests start it with the default dispositions whatever runs the suite.
+_WITH_DEFAULT_SIGNALS = (
+    "import runpy, signal\n"
+    "for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):\n"
+    "    signal.signal(s, signal.SIG_DFL)\n"
+    "runpy.run_module('convert.hf_to_jax', run_name='__main__', alter_sys=True)\n"
+)
+
+
 @pytest.mark.parametrize("signum,phase,delay", SIGNAL_CASES,
                          ids=[f"{s.name}-{p}{'+1s' if d else ''}" for s, p, d in SIGNAL_CASES])
 def test_a_signal_at_any_phase_leaves_the_parent_as_before(hf_dir, tmp_path, signum, phase, delay):
@@ -289,7 +299,7 @@ def test_a_signal_at_any_phase_leaves_the_parent_as_before(hf_dir, tmp_path, sig
     before = listing(parent)
     # its own session, so the signal goes to its process group as a terminal's Ctrl-C or hang-up does
     process = subprocess.Popen(
-        [sys.executable, "-m", "convert.hf_to_jax", "--hf-dir", str(hf_dir), "--out", str(parent / "out"),
+        [sys.executable, "-c", _WITH_DEFAULT_SIGNALS, "--hf-dir", str(hf_dir), "--out", str(parent / "out"),
          "--dtype", "float32"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
         start_new_session=True,
