@@ -36,6 +36,17 @@ def check_power_of_two(name: str, value: Any, minimum: int) -> None:
         raise ValueError(f"{name}={value!r}: expected a power of two >= {minimum}")
 
 
+def dividing_block(name: str, size: int, most: int, kernel: str) -> int:
+    """The largest power of two <= most that divides size (at least 16); ValueError naming
+    `kernel` when there is none."""
+    block = most
+    while block >= 16 and size % block:
+        block //= 2
+    if block < 16:
+        raise ValueError(f"{name}={size}: {kernel} needs a multiple of 16")
+    return block
+
+
 def check_launch(num_warps: Any, num_stages: Any) -> None:
     """Raises ValueError for Triton launch parameters the compiler would reject."""
     if num_warps not in (1, 2, 4, 8, 16):

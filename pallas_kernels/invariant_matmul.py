@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import cdiv, check_float, check_launch, check_power_of_two, compiler_params
+from pallas_kernels._common import cdiv, check_float, check_launch, check_power_of_two, compiler_params, dividing_block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,16 +45,6 @@ class MatmulBlockSizes:
         check_power_of_two("block_n", self.block_n, 16)
         check_power_of_two("block_k", self.block_k, 16)
         check_launch(self.num_warps, self.num_stages)
-
-
-def _dividing_block(name: str, size: int, most: int) -> int:
-    """The largest power of two <= most that divides size (at least 16)."""
-    block = most
-    while block >= 16 and size % block:
-        block //= 2
-    if block < 16:
-        raise ValueError(f"{name}={size}: the batch-invariant matmul needs a multiple of 16")
-    return block
 
 
 def _check(x: jax.Array, w: jax.Array) -> None:
@@ -102,8 +92,8 @@ def invariant_matmul(
     out_dtype = x.dtype if out_dtype is None else jnp.dtype(out_dtype)
     m, k = x.shape
     n = w.shape[1]
-    bn = _dividing_block("N", n, blocks.block_n)
-    bk = _dividing_block("K", k, blocks.block_k)
+    bn = dividing_block("N", n, blocks.block_n, "the batch-invariant matmul")
+    bk = dividing_block("K", k, blocks.block_k, "the batch-invariant matmul")
     xp = _pad_rows(x, blocks.block_m)
     kernel = functools.partial(_matmul_kernel, bm=blocks.block_m, bn=bn, bk=bk, n_k=k // bk)
     out = pl.pallas_call(

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import cdiv, check_float, check_launch, check_power_of_two, compiler_params
+from pallas_kernels._common import cdiv, check_float, check_launch, check_power_of_two, compiler_params, dividing_block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,15 +44,6 @@ class RMSNormBlockSizes:
         check_power_of_two("block_m", self.block_m, 1)
         check_power_of_two("block_d", self.block_d, 16)
         check_launch(self.num_warps, self.num_stages)
-
-
-def _dividing_block(d: int, most: int) -> int:
-    block = most
-    while block >= 16 and d % block:
-        block //= 2
-    if block < 16:
-        raise ValueError(f"D={d}: the batch-invariant RMSNorm needs a multiple of 16")
-    return block
 
 
 def _check(x: jax.Array, weight: jax.Array) -> None:
@@ -103,7 +94,7 @@ def invariant_rms_norm(
     _check(x, weight)
     blocks = block_sizes or RMSNormBlockSizes()
     m, d = x.shape
-    bd = _dividing_block(d, blocks.block_d)
+    bd = dividing_block("D", d, blocks.block_d, "the batch-invariant RMSNorm")
     xp = _pad_rows(x, blocks.block_m)
     kernel = functools.partial(_rms_norm_kernel, bm=blocks.block_m, bd=bd, n_d=d // bd, d=d, eps=float(eps))
     out = pl.pallas_call(
