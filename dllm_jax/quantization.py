@@ -68,8 +68,10 @@ def quantize_kernel(kernel: Any, mode: str) -> dict[str, Any]:
     w = xp.swapaxes(xp.asarray(kernel, dtype=np.float32), -1, -2)  # [..., out, in]
     amax = xp.max(xp.abs(w), axis=-1)
     limit = _FP8_MAX if mode == "fp8" else _INT8_MAX
-    scale = xp.where(amax > 0, amax / limit, 1.0).astype(np.float32)
-    scaled = w / scale[..., None]
+    # Written as multiplications by float32 reciprocals, the form XLA rewrites a division by a
+    # broadcast into, so that numpy (the converter) and jax (load-time) store the same numbers.
+    scale = xp.where(amax > 0, amax * np.float32(1.0 / limit), np.float32(1.0)).astype(np.float32)
+    scaled = w * (np.float32(1.0) / scale)[..., None]
     if mode == "fp8":
         q = scaled.astype(_FP8)
     elif mode == "int8-weights":
