@@ -37,8 +37,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels._common import MASKED_LOGIT, cdiv
+from pallas_kernels._common import cdiv
 from pallas_kernels.cache_attention import Extra, _check_args
+from pallas_kernels.reference.attention import MASKED_LOGIT
 
 ROW_PADDING = 16  # bf16 packs 16 rows per (8, 128) tile
 MAX_BLOCK_Q = 512
