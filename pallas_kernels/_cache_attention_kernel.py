@@ -19,6 +19,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels._common import dot_t
 from pallas_kernels.online_softmax import initial_state, online_softmax_weights
 from pallas_kernels.reference.attention import MASKED_LOGIT
 
@@ -66,11 +67,6 @@ def _softmax_step(carry, logits, v):
     m, l, acc = carry
     m, l, alpha, p = online_softmax_weights(m, l, logits)
     return m, l, acc * alpha[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-
-
-def _dot_t(a, b):
-    """a [M, K] . b[N, K]^T -> float32 [M, N]."""
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
 def attention_kernel(*refs, lay: KernelLayout):
@@ -131,7 +127,7 @@ def attention_kernel(*refs, lay: KernelLayout):
             part = jnp.sum(k.astype(jnp.float32) * q_sum[None, :], axis=1)
             score_row = kv_head * lay.q_tiles + q_tile
             plgpu.store(score_ref.at[g_idx, score_row, pl.ds(first, bk)], part, mask=in_range)
-        logits = jnp.where(visible[None, :], _dot_t(q, k) * scale, MASKED_LOGIT)
+        logits = jnp.where(visible[None, :], dot_t(q, k) * scale, MASKED_LOGIT)
         return _softmax_step(carry, logits, v)
 
     carry = lax.fori_loop(0, n_steps, key_step, initial_state((bq,), dh))
@@ -144,7 +140,7 @@ def attention_kernel(*refs, lay: KernelLayout):
             k = k_extra_ref[g_idx, pl.ds(0, width), kv_cols]
             v = v_extra_ref[g_idx, pl.ds(0, width), kv_cols]
             seen = extra_mask_ref[g_idx, rows[:, None], jnp.arange(width, dtype=jnp.int32)[None, :]]
-            logits = jnp.where(seen, _dot_t(q, k) * scale, MASKED_LOGIT)
+            logits = jnp.where(seen, dot_t(q, k) * scale, MASKED_LOGIT)
             return _softmax_step(carry, logits, v)
 
         carry = lax.cond(split == 0, with_extra, lambda c: c, carry)

@@ -1,4 +1,4 @@
-"""Small helpers shared by the Pallas Triton kernels: argument checks and launch parameters."""
+"""Small helpers shared by the Pallas kernels: argument checks, launch parameters, tile arithmetic."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental.pallas import triton as plgpu
 
 # Streaming multiprocessors of the target GPU (H200 / H100 SXM). Only the default block-size
@@ -41,6 +42,11 @@ def dividing_block(name: str, size: int, most: int, kernel: str) -> int:
     if block < 16:
         raise ValueError(f"{name}={size}: {kernel} needs a multiple of 16")
     return block
+
+
+def dot_t(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a [M, K] . b [N, K]^T -> float32 [M, N] (q . k^T of a tile, without a transpose)."""
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
 def check_launch(num_warps: Any, num_stages: Any) -> None:

@@ -37,7 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels._common import cdiv
+from pallas_kernels._common import cdiv, dot_t
 from pallas_kernels.cache_attention import Extra, _check_args
 from pallas_kernels.reference.attention import MASKED_LOGIT
 
@@ -130,9 +130,6 @@ def _kernel(*refs, lay: _Layout):
         l_ref[...] = l_ref[...] * alpha + jnp.sum(p, axis=1, keepdims=True)
         acc_ref[...] = acc_ref[...] * alpha + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
         m_ref[...] = m_new
-
-    def dot_t(a, b):
-        return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
     first = kb * bk
     # the key block's visibility as a row [1, BK] (logit columns) and a column [BK, 1] (V rows)
