@@ -49,6 +49,12 @@ def dot_t(a: jax.Array, b: jax.Array) -> jax.Array:
     return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
+def pad_rows(x: jax.Array, multiple: int) -> jax.Array:
+    """x [M, N] with zero rows appended up to a multiple of `multiple` rows (x itself when none)."""
+    pad = cdiv(x.shape[0], multiple) * multiple - x.shape[0]
+    return jnp.pad(x, ((0, pad), (0, 0))) if pad else x
+
+
 def check_launch(num_warps: Any, num_stages: Any) -> None:
     """Raises ValueError for Triton launch parameters the compiler would reject."""
     if num_warps not in (1, 2, 4, 8, 16):
