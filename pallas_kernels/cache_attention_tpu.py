@@ -38,7 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels._common import cdiv, dot_t
-from pallas_kernels.cache_attention import Extra, _check_args
+from pallas_kernels.cache_attention import _STATIC, Extra, _check_args
 from pallas_kernels.reference.attention import MASKED_LOGIT
 
 ROW_PADDING = 16  # bf16 packs 16 rows per (8, 128) tile
@@ -160,9 +160,6 @@ def _kernel(*refs, lay: _Layout):
             softmax_step(logits, v_extra_ref[...])
         l = l_ref[...]
         out_ref[...] = (acc_ref[...] / jnp.where(l > 0, l, 1.0)).astype(out_ref.dtype)
-
-
-_STATIC = ("n_heads", "n_kv_heads", "max_len", "interpret", "block_sizes")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
