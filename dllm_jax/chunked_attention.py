@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.online_softmax import initial_state, online_softmax_weights
 from pallas_kernels.reference.attention import MASKED_LOGIT
 
 Extra = tuple[jax.Array, jax.Array, jax.Array]
@@ -49,12 +50,9 @@ def _softmax_update(carry, logits, v):
     """Online-softmax step. logits f32 [S, KVH, G, R, K] (hidden keys at MASKED_LOGIT);
     v [S, K, KVH, Dh] (hidden keys zeroed). P is rounded to v's dtype before P.V."""
     m, l, acc = carry
-    m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
-    alpha = jnp.exp(m - m_new)
-    p = jnp.exp(logits - m_new[..., None])
-    l = l * alpha + jnp.sum(p, axis=-1)
+    m, l, alpha, p = online_softmax_weights(m, l, logits)
     pv = jnp.einsum("skgrj,sjkd->skgrd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return m_new, l, acc * alpha[..., None] + pv
+    return m, l, acc * alpha[..., None] + pv
 
 
 def chunked_cache_attention(
@@ -145,12 +143,7 @@ def chunked_cache_attention(
             scores = lax.dynamic_update_slice_in_dim(scores, part, first, axis=1)
         return softmax, scores
 
-    stats = (n_groups, n_kv_heads, group, n_rows)
-    softmax = (
-        jnp.full(stats, MASKED_LOGIT, jnp.float32),
-        jnp.zeros(stats, jnp.float32),
-        jnp.zeros(stats + (head_dim,), jnp.float32),
-    )
+    softmax = initial_state((n_groups, n_kv_heads, group, n_rows), head_dim)
     scores = jnp.zeros((n_groups, n_chunks * block_k if with_scores else 0), jnp.float32)
     # only the chunks the longest group needs
     steps = (jnp.max(key_len) + block_k - 1) // block_k

@@ -19,7 +19,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import MASKED_LOGIT
+from pallas_kernels._common import dot_t
+from pallas_kernels.online_softmax import initial_state, online_softmax_weights
+from pallas_kernels.reference.attention import MASKED_LOGIT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,17 +65,8 @@ def active_splits(key_len: jax.Array, n_splits: int, block_k: int) -> jax.Array:
 def _softmax_step(carry, logits, v):
     """Online-softmax update with a [BQ, BK] float32 logit tile and its [BK, Dh] values."""
     m, l, acc = carry
-    m_new = jnp.maximum(m, jnp.max(logits, axis=1))
-    alpha = jnp.exp(m - m_new)
-    p = jnp.exp(logits - m_new[:, None])
-    l = l * alpha + jnp.sum(p, axis=1)
-    acc = acc * alpha[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return m_new, l, acc
-
-
-def _dot_t(a, b):
-    """a [M, K] . b[N, K]^T -> float32 [M, N]."""
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    m, l, alpha, p = online_softmax_weights(m, l, logits)
+    return m, l, acc * alpha[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
 
 
 def attention_kernel(*refs, lay: KernelLayout):
@@ -134,15 +127,10 @@ def attention_kernel(*refs, lay: KernelLayout):
             part = jnp.sum(k.astype(jnp.float32) * q_sum[None, :], axis=1)
             score_row = kv_head * lay.q_tiles + q_tile
             plgpu.store(score_ref.at[g_idx, score_row, pl.ds(first, bk)], part, mask=in_range)
-        logits = jnp.where(visible[None, :], _dot_t(q, k) * scale, MASKED_LOGIT)
+        logits = jnp.where(visible[None, :], dot_t(q, k) * scale, MASKED_LOGIT)
         return _softmax_step(carry, logits, v)
 
-    carry = (
-        jnp.full((bq,), MASKED_LOGIT, jnp.float32),
-        jnp.zeros((bq,), jnp.float32),
-        jnp.zeros((bq, dh), jnp.float32),
-    )
-    carry = lax.fori_loop(0, n_steps, key_step, carry)
+    carry = lax.fori_loop(0, n_steps, key_step, initial_state((bq,), dh))
 
     if lay.extra_width:
         k_extra_ref, v_extra_ref, extra_mask_ref = extra_refs
@@ -152,7 +140,7 @@ def attention_kernel(*refs, lay: KernelLayout):
             k = k_extra_ref[g_idx, pl.ds(0, width), kv_cols]
             v = v_extra_ref[g_idx, pl.ds(0, width), kv_cols]
             seen = extra_mask_ref[g_idx, rows[:, None], jnp.arange(width, dtype=jnp.int32)[None, :]]
-            logits = jnp.where(seen, _dot_t(q, k) * scale, MASKED_LOGIT)
+            logits = jnp.where(seen, dot_t(q, k) * scale, MASKED_LOGIT)
             return _softmax_step(carry, logits, v)
 
         carry = lax.cond(split == 0, with_extra, lambda c: c, carry)

@@ -1,4 +1,4 @@
-"""Small helpers shared by the Pallas Triton kernels: argument checks and launch parameters."""
+"""Small helpers shared by the Pallas kernels: argument checks, launch parameters, tile arithmetic."""
 
 from __future__ import annotations
 
@@ -6,11 +6,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental.pallas import triton as plgpu
-
-# Finite stand-in for -inf in the online softmax: a row with no visible key stays finite
-# (exp(MASKED - MASKED) = 1 over zeroed values gives 0), never NaN.
-MASKED_LOGIT = -1e30
 
 # Streaming multiprocessors of the target GPU (H200 / H100 SXM). Only the default block-size
 # heuristics read it, to decide when a grid is too small to fill the chip.
@@ -45,6 +42,17 @@ def dividing_block(name: str, size: int, most: int, kernel: str) -> int:
     if block < 16:
         raise ValueError(f"{name}={size}: {kernel} needs a multiple of 16")
     return block
+
+
+def dot_t(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a [M, K] . b [N, K]^T -> float32 [M, N] (q . k^T of a tile, without a transpose)."""
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def pad_rows(x: jax.Array, multiple: int) -> jax.Array:
+    """x [M, N] with zero rows appended up to a multiple of `multiple` rows (x itself when none)."""
+    pad = cdiv(x.shape[0], multiple) * multiple - x.shape[0]
+    return jnp.pad(x, ((0, pad), (0, 0))) if pad else x
 
 
 def check_launch(num_warps: Any, num_stages: Any) -> None:

@@ -37,8 +37,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels._common import MASKED_LOGIT, cdiv
-from pallas_kernels.cache_attention import Extra, _check_args
+from pallas_kernels._common import cdiv, dot_t
+from pallas_kernels.cache_attention import _STATIC, Extra, _check_args
+from pallas_kernels.reference.attention import MASKED_LOGIT
 
 ROW_PADDING = 16  # bf16 packs 16 rows per (8, 128) tile
 MAX_BLOCK_Q = 512
@@ -130,9 +131,6 @@ def _kernel(*refs, lay: _Layout):
         acc_ref[...] = acc_ref[...] * alpha + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
         m_ref[...] = m_new
 
-    def dot_t(a, b):
-        return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-
     first = kb * bk
     # the key block's visibility as a row [1, BK] (logit columns) and a column [BK, 1] (V rows)
     visible_row = first + lax.broadcasted_iota(jnp.int32, (1, bk), 1) < key_len
@@ -162,9 +160,6 @@ def _kernel(*refs, lay: _Layout):
             softmax_step(logits, v_extra_ref[...])
         l = l_ref[...]
         out_ref[...] = (acc_ref[...] / jnp.where(l > 0, l, 1.0)).astype(out_ref.dtype)
-
-
-_STATIC = ("n_heads", "n_kv_heads", "max_len", "interpret", "block_sizes")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)

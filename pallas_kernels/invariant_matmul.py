@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import cdiv, check_float, check_launch, check_power_of_two, compiler_params, dividing_block
+from pallas_kernels._common import check_float, check_launch, check_power_of_two, compiler_params, dividing_block, pad_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,11 +54,6 @@ def _check(x: jax.Array, w: jax.Array) -> None:
         raise ValueError(f"x {x.shape} @ w {w.shape}: expected x [M, K] and w [K, N]")
     if x.dtype != w.dtype:
         raise ValueError(f"x.dtype={x.dtype}, w.dtype={w.dtype}: expected equal dtypes")
-
-
-def _pad_rows(x: jax.Array, multiple: int) -> jax.Array:
-    pad = cdiv(x.shape[0], multiple) * multiple - x.shape[0]
-    return jnp.pad(x, ((0, pad), (0, 0))) if pad else x
 
 
 def _matmul_kernel(x_ref, w_ref, o_ref, *, bm, bn, bk, n_k):
@@ -94,7 +89,7 @@ def invariant_matmul(
     n = w.shape[1]
     bn = dividing_block("N", n, blocks.block_n, "the batch-invariant matmul")
     bk = dividing_block("K", k, blocks.block_k, "the batch-invariant matmul")
-    xp = _pad_rows(x, blocks.block_m)
+    xp = pad_rows(x, blocks.block_m)
     kernel = functools.partial(_matmul_kernel, bm=blocks.block_m, bn=bn, bk=bk, n_k=k // bk)
     out = pl.pallas_call(
         kernel,
@@ -123,6 +118,6 @@ def invariant_matmul_reference(
     bm = (block_sizes or MatmulBlockSizes()).block_m
     out_dtype = x.dtype if out_dtype is None else jnp.dtype(out_dtype)
     m, k = x.shape
-    tiles = _pad_rows(x, bm).reshape(-1, bm, k)
+    tiles = pad_rows(x, bm).reshape(-1, bm, k)
     out = lax.map(lambda tile: jnp.dot(tile, w, preferred_element_type=out_dtype), tiles)
     return out.reshape(-1, w.shape[1])[:m]

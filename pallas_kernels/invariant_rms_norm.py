@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import cdiv, check_float, check_launch, check_power_of_two, compiler_params, dividing_block
+from pallas_kernels._common import check_float, check_launch, check_power_of_two, compiler_params, dividing_block, pad_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,11 +51,6 @@ def _check(x: jax.Array, weight: jax.Array) -> None:
     check_float("weight", weight)
     if x.ndim != 2 or weight.shape != (x.shape[1],):
         raise ValueError(f"x {x.shape}, weight {weight.shape}: expected x [M, D] and weight [D]")
-
-
-def _pad_rows(x: jax.Array, multiple: int) -> jax.Array:
-    pad = cdiv(x.shape[0], multiple) * multiple - x.shape[0]
-    return jnp.pad(x, ((0, pad), (0, 0))) if pad else x
 
 
 def _rms_norm_kernel(x_ref, w_ref, o_ref, *, bm, bd, n_d, d, eps):
@@ -95,7 +90,7 @@ def invariant_rms_norm(
     blocks = block_sizes or RMSNormBlockSizes()
     m, d = x.shape
     bd = dividing_block("D", d, blocks.block_d, "the batch-invariant RMSNorm")
-    xp = _pad_rows(x, blocks.block_m)
+    xp = pad_rows(x, blocks.block_m)
     kernel = functools.partial(_rms_norm_kernel, bm=blocks.block_m, bd=bd, n_d=d // bd, d=d, eps=float(eps))
     out = pl.pallas_call(
         kernel,
@@ -129,6 +124,6 @@ def invariant_rms_norm_reference(
     _check(x, weight)
     bm = (block_sizes or RMSNormBlockSizes()).block_m
     m, d = x.shape
-    tiles = _pad_rows(x, bm).reshape(-1, bm, d)
+    tiles = pad_rows(x, bm).reshape(-1, bm, d)
     out = lax.map(lambda tile: _rms_norm_rows(tile, weight, eps), tiles)
     return out.reshape(-1, d)[:m]
