@@ -15,7 +15,10 @@ import jax.numpy as jnp
 
 from dllm_jax.config import ModelConfig
 from dllm_jax.decode_config import DecodeConfig
+from dllm_jax.engine import Engine
 from dllm_jax.kernel_backend import Kernels
+from dllm_jax.models import abstract_params, unstack_layers
+from dllm_jax.slots import zero_params
 
 # what backend="auto" picks on an NVIDIA GPU
 GPU_AUTO = Kernels(attention=True, scatter=True, top_p_top_k=True)
@@ -36,13 +39,9 @@ def lower_for_cuda(jitted_fn, *args, **kwargs) -> str:
 
 
 def lower_decode_loop_for_cuda(config: ModelConfig, backend: str) -> str:
-    """StableHLO text of the engine's jitted decode loop (flash_cache + verify, 32 slots of 256
-    tokens) at config's shapes over abstract params, lowered for CUDA. backend is an Engine
-    backend name or "gpu-auto" (GPU_AUTO, over per-layer params as on a GPU)."""
-    from dllm_jax.engine import Engine
-    from dllm_jax.models import abstract_params, unstack_layers
-    from dllm_jax.slots import zero_params
-
+    """StableHLO text of the engine's jitted decode loop (flash_cache + verify, 8 slots,
+    gen_length 256) at config's shapes over abstract params, lowered for CUDA. backend is an
+    Engine backend name or "gpu-auto" (GPU_AUTO, over per-layer params as on a GPU)."""
     if backend == "gpu-auto":
         engine = Engine(config, jax.eval_shape(unstack_layers, abstract_params(config)), backend=GPU_AUTO,
                         full_pass_lanes=())
