@@ -4,33 +4,16 @@ scores), and the TPU lowering at LLaDA-8B shapes."""
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
 
-from pallas_kernels.cache_attention import cache_attention_reference
+from attention_inputs import MAIN, assert_matches_reference, lowering_args, make_case, ragged_main_case, verify_case
+from dllm_jax.config import llada_8b_config
 from pallas_kernels.cache_attention_tpu import TpuBlockSizes, cache_attention_tpu
-from test_cache_attention import MAIN, make_case
-from tolerances import assert_close
 from tpu_lowering import lower_for_tpu
 
 
 def check(case, blocks):
-    out, scores = cache_attention_tpu(*case.args, **case.kwargs, interpret=True, block_sizes=blocks)
-    out_ref, scores_ref = cache_attention_reference(*case.args, **case.kwargs)
-    assert out.shape == case.q.shape and out.dtype == case.q.dtype
-    assert scores.shape == case.visible.shape and scores.dtype == jnp.float32
-    out, out_ref = np.asarray(out, np.float32), np.asarray(out_ref, np.float32)
-    assert np.isfinite(out).all(), "an output row is not finite"
-    assert case.row_sees_a_key.any()
-    assert_close(out[case.row_sees_a_key], out_ref[case.row_sees_a_key], case.q.dtype, "out")
-    scores, scores_ref = np.asarray(scores), np.asarray(scores_ref)
-    assert np.isfinite(scores).all() and (scores[~case.visible] == 0).all(), "a hidden key has a nonzero score"
-    if case.score_rows is None:
-        assert (scores == 0).all()
-    else:
-        assert_close(scores, scores_ref, jnp.float32, "scores")
+    assert_matches_reference(cache_attention_tpu, case, interpret=True, block_sizes=blocks)
 
 
 @pytest.mark.parametrize(
@@ -41,16 +24,12 @@ def check(case, blocks):
     ],
 )
 def test_main_pass_ragged_keys_several_slots(dtype, blocks):
-    case = make_case(20, dtype=dtype, **MAIN, group_slot=[2, 0, 1], key_len=[80, 37, 1])
-    check(case, blocks)
+    check(ragged_main_case(20, dtype), blocks)
 
 
 @pytest.mark.parametrize("dtype, n_kv_heads, scores", [("float32", 1, True), ("bfloat16", 4, False)])
 def test_verify_pass_excluded_keys_and_extra_keys(dtype, n_kv_heads, scores):
-    """The third group has no cached key and sees only its extra keys."""
-    case = make_case(21, dtype=dtype, n_heads=4, n_kv_heads=n_kv_heads, head_dim=64, n_rows=8, max_len=64,
-                     n_slots=3, group_slot=[1, 0, 2], key_len=[64, 20, 0], scores=scores, exclude=True, n_extra=6)
-    check(case, TpuBlockSizes(block_k=32))
+    check(verify_case(21, dtype, n_kv_heads, scores), TpuBlockSizes(block_k=32))
 
 
 def test_bad_tiling_is_named():
@@ -63,22 +42,9 @@ def test_bad_tiling_is_named():
 
 @pytest.mark.parametrize("n_groups, n_rows, verify", [(1, 128, False), (32, 128, False), (8, 32, True), (2, 640, False)])
 def test_tpu_lowering_at_llada_8b_shapes(n_groups, n_rows, verify):
-    n_layers, heads, head_dim, max_len = 32, 32, 128, 640
-    bf16, i32 = jnp.bfloat16, jnp.int32
-    spec = jax.ShapeDtypeStruct
-    cache = spec((n_layers, 32 * max_len, heads * head_dim), bf16)
-    kwargs = dict(n_heads=heads, n_kv_heads=heads, max_len=max_len)
-    score_rows = spec((n_groups, n_rows), jnp.bool_)
-    if verify:
-        extra = spec((n_groups, 32, heads * head_dim), bf16)
-        kwargs.update(key_exclude=spec((n_groups, max_len), jnp.bool_),
-                      extra=(extra, extra, spec((n_groups, n_rows, 32), jnp.bool_)))
-        score_rows = None
-    text = lower_for_tpu(
-        cache_attention_tpu,
-        spec((n_groups, n_rows, heads * head_dim), bf16), cache, cache, spec((), i32),
-        spec((n_groups,), i32), spec((n_groups,), i32), score_rows, **kwargs,
-    )
+    args, kwargs = lowering_args(llada_8b_config(), n_groups=n_groups, n_rows=n_rows, verify=verify, max_len=640,
+                                 n_cache_rows=32 * 640)
+    text = lower_for_tpu(cache_attention_tpu, *args, **kwargs)
     assert text.count("tpu_custom_call") == 1
     assert "cache_attention_tpu" in text
 

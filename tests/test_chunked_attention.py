@@ -8,28 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from attention_inputs import MAIN, assert_matches_reference, make_case, ragged_main_case, verify_case
 from dllm_jax.chunked_attention import chunked_cache_attention, default_block_k
-from pallas_kernels.cache_attention import cache_attention_reference
-from test_cache_attention import MAIN, make_case
-from tolerances import assert_close
 
 
 def check(case, block_k):
     fn = jax.jit(chunked_cache_attention, static_argnames=("n_heads", "n_kv_heads", "max_len", "block_sizes"))
-    out, scores = fn(*case.args, **case.kwargs, block_sizes=block_k)
-    out_ref, scores_ref = cache_attention_reference(*case.args, **case.kwargs)
-    assert out.shape == case.q.shape and out.dtype == case.q.dtype
-    assert scores.shape == case.visible.shape and scores.dtype == jnp.float32
-    out, out_ref = np.asarray(out, np.float32), np.asarray(out_ref, np.float32)
-    assert np.isfinite(out).all(), "an output row is not finite"
-    assert case.row_sees_a_key.any()
-    assert_close(out[case.row_sees_a_key], out_ref[case.row_sees_a_key], case.q.dtype, "out")
-    scores, scores_ref = np.asarray(scores), np.asarray(scores_ref)
-    assert (scores[~case.visible] == 0).all(), "a hidden key has a nonzero score"
-    if case.score_rows is None:
-        assert (scores == 0).all()
-    else:
-        assert_close(scores, scores_ref, jnp.float32, "scores")
+    assert_matches_reference(fn, case, block_sizes=block_k)
 
 
 @pytest.mark.parametrize(
@@ -38,8 +23,7 @@ def check(case, block_k):
 )
 def test_main_pass_ragged_keys_several_slots(dtype, block_k, seed):
     """Key lengths 80, 37 and 1 over 16-key chunks: full, partial and nearly empty chunks."""
-    case = make_case(seed, dtype=dtype, **MAIN, group_slot=[2, 0, 1], key_len=[80, 37, 1])
-    check(case, block_k)
+    check(ragged_main_case(seed, dtype), block_k)
 
 
 def test_groups_sharing_a_slot_and_an_out_of_range_slot():
@@ -54,11 +38,7 @@ def test_groups_sharing_a_slot_and_an_out_of_range_slot():
 
 @pytest.mark.parametrize("dtype, n_kv_heads, scores", [("float32", 1, True), ("bfloat16", 4, False), ("float32", 2, True)])
 def test_verify_pass_excluded_keys_and_extra_keys(dtype, n_kv_heads, scores):
-    """key_exclude hides cached keys; extra keys live only in the query; the third group has
-    no cached key at all and sees only its extra keys."""
-    case = make_case(14, dtype=dtype, n_heads=4, n_kv_heads=n_kv_heads, head_dim=64, n_rows=8, max_len=64,
-                     n_slots=3, group_slot=[1, 0, 2], key_len=[64, 20, 0], scores=scores, exclude=True, n_extra=6)
-    check(case, 16)
+    check(verify_case(14, dtype, n_kv_heads, scores), 16)
 
 
 def test_default_block_keeps_the_chunk_logits_under_the_budget():

@@ -9,16 +9,22 @@ engine that read the candidates' own rows, or reused a stale predictor row, fail
 import dataclasses
 
 import jax
-import numpy as np
 import pytest
 
 from conftest import tiny_dream_config
 from dllm_jax.decode_config import DecodeConfig
 from dllm_jax.engine import Engine
 from dllm_jax.models import init_params
+from tests.engine_checks import (
+    EXACT_REFRESH,
+    answer,
+    assert_batching_invariance,
+    assert_block_method_matches_reference,
+    assert_decodes_like_the_no_cache_model,
+    assert_flash_cache_matches_reference,
+    random_prompts,
+)
 from tests.reference_decoder import ReferenceDecoder
-
-PROMPT_LENGTHS = (12, 7, 15, 9, 3)
 
 
 def lively_dream(**overrides):
@@ -40,18 +46,7 @@ def engine():
 
 @pytest.fixture(scope="module")
 def prompts():
-    rng = np.random.RandomState(0)
-    return [list(rng.randint(0, 100, n)) for n in PROMPT_LENGTHS]
-
-
-def _reference(engine, decode, prompts):
-    loop = engine.decode_loop(decode, max(map(len, prompts)))
-    return ReferenceDecoder(engine.config, engine.params, decode, loop.max_len)
-
-
-def _answer(tokens, eos):
-    tokens = [int(t) for t in tokens]
-    return tokens[: tokens.index(eos)] if eos in tokens else tokens
+    return random_prompts()
 
 
 @pytest.mark.parametrize(
@@ -66,32 +61,12 @@ def _answer(tokens, eos):
 )
 def test_flash_cache_matches_the_python_reference(engine, prompts, setting):
     decode = DecodeConfig(method="flash_cache", gen_length=32, batch_size=2, **setting)
-    out = engine.generate(prompts, decode)
-    ref = _reference(engine, decode, prompts)
-    eos = engine.config.eos_token_id
-    for prompt, result in zip(prompts, out.results):
-        tokens, steps, committed = ref.flash_cache(prompt)
-        assert result.token_ids == _answer(tokens, eos)
-        assert (result.steps, result.reference_num_tokens) == (steps, committed)
-        if decode.verify:
-            assert result.accepted_drafts == ref.accepted
-    assert out.stats.tokens_per_step > 1.1, "the setting should exercise parallel commits"
-    if decode.verify:
-        assert sum(r.accepted_drafts for r in out.results) > 0
+    assert_flash_cache_matches_reference(engine, prompts, decode)
 
 
-@pytest.mark.parametrize("method", ["flash_full_refresh", "flash_sparse_everything"])
+@pytest.mark.parametrize("method", list(EXACT_REFRESH))
 def test_exact_refresh_reproduces_the_no_cache_model(engine, prompts, method):
-    if method == "flash_sparse_everything":
-        decode = DecodeConfig(method="flash_cache", gen_length=32, batch_size=2, threshold=0.5, mask_num=20, track_num=20)
-    else:
-        decode = DecodeConfig(method="flash_cache", gen_length=32, batch_size=2, threshold=0.5, track_num=-1)
-    out = engine.generate(prompts, decode)
-    ref = _reference(engine, decode, prompts)
-    for prompt, result in zip(prompts, out.results):
-        tokens, steps, _ = ref.flash_cache(prompt, no_cache=True)
-        assert result.token_ids == _answer(tokens, engine.config.eos_token_id)
-        assert result.steps == steps
+    assert_decodes_like_the_no_cache_model(engine, prompts, EXACT_REFRESH[method])
 
 
 def test_the_shift_is_what_the_exactness_test_checks(engine, prompts):
@@ -100,7 +75,7 @@ def test_the_shift_is_what_the_exactness_test_checks(engine, prompts):
     unshifted = dataclasses.replace(engine.config, family="llada")
     ref = ReferenceDecoder(unshifted, engine.params, decode, engine.decode_loop(decode, 15).max_len)
     out = engine.generate(prompts, decode)
-    differs = [r.token_ids != _answer(ref.flash_cache(p, no_cache=True)[0], unshifted.eos_token_id)
+    differs = [r.token_ids != answer(ref.flash_cache(p, no_cache=True)[0], unshifted.eos_token_id)
                for p, r in zip(prompts, out.results)]
     assert any(differs)
 
@@ -115,13 +90,7 @@ def test_the_shift_is_what_the_exactness_test_checks(engine, prompts):
     ids=["llada", "fast-prefix", "fast-dual"],
 )
 def test_block_methods_match_the_python_reference(engine, prompts, decode):
-    out = engine.generate(prompts, decode)
-    ref = _reference(engine, decode, prompts)
-    cache = "none" if decode.method == "llada" else decode.cache
-    for prompt, result in zip(prompts, out.results):
-        tokens, steps = ref.block_decode(prompt, cache)
-        assert result.token_ids == _answer(tokens, engine.config.eos_token_id)
-        assert result.steps == steps
+    assert_block_method_matches_reference(engine, prompts, decode)
 
 
 @pytest.mark.parametrize(
@@ -135,15 +104,7 @@ def test_block_methods_match_the_python_reference(engine, prompts, decode):
 )
 def test_continuous_batching_and_batch_invariance(engine, decode):
     """More requests than slots, mixed lengths: the same tokens however the requests are batched."""
-    rng = np.random.RandomState(1)
-    many = [list(rng.randint(0, 100, n)) for n in (5, 14, 8, 11, 3, 16, 9)]
-    together = engine.generate(many, decode)
-    assert together.stats.iterations < sum(r.steps for r in together.results), "slots ran concurrently"
-    fewer_slots = engine.generate(many, dataclasses.replace(decode, batch_size=2))
-    assert [r.token_ids for r in fewer_slots.results] == [r.token_ids for r in together.results]
-    for i in (0, 4):
-        alone = engine.generate([many[i]], decode).results[0]
-        assert together.results[i].token_ids == alone.token_ids
+    assert_batching_invariance(engine, decode, alone=(0, 4))
 
 
 @pytest.mark.parametrize(
@@ -158,8 +119,7 @@ def test_continuous_batching_and_batch_invariance(engine, decode):
 def test_pallas_kernels_decode_like_xla(decode):
     """The fused projection (with biases) and the GQA cache attention, in interpret mode."""
     cfg, params = lively_dream(d_model=128, mlp_hidden_size=128)
-    rng = np.random.RandomState(0)
-    prompts = [list(rng.randint(0, 100, n)) for n in (12, 7, 3)]
+    prompts = random_prompts((12, 7, 3))
     xla = Engine(cfg, params, backend="xla").generate(prompts, decode)
     pallas = Engine(cfg, params, backend="pallas", interpret=True).generate(prompts, decode)
     assert [r.token_ids for r in pallas.results] == [r.token_ids for r in xla.results]

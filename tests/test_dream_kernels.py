@@ -11,9 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import test_cache_attention as attention_tests
 import test_qkv_rope_cache as qkv_tests
-from cuda_lowering import lower_for_cuda
+from attention_inputs import assert_matches_reference, lowering_args, make_case
+from cuda_lowering import lower_decode_loop_for_cuda, lower_for_cuda
+from dllm_jax.config import dream_7b_config
 from pallas_kernels.cache_attention import AttentionBlockSizes, cache_attention
 from pallas_kernels.qkv_rope_cache import QKVBlockSizes, qkv_rope_cache, qkv_rope_cache_reference
 from tolerances import assert_close
@@ -66,19 +67,20 @@ def test_fused_projection_rejects_biases_of_the_wrong_shape():
     ],
 )
 def test_cache_attention_with_seven_query_heads_per_kv_head(dtype, blocks):
-    case = attention_tests.make_case(
+    case = make_case(
         8, dtype=dtype, n_heads=14, n_kv_heads=2, head_dim=32, n_rows=5, max_len=48, n_slots=3,
         group_slot=[2, 0], key_len=[48, 19],
     )
-    attention_tests.check_against_reference(case, blocks)
+    assert_matches_reference(cache_attention, case, interpret=True, block_sizes=blocks)
 
 
 def test_verify_pass_with_seven_query_heads_per_kv_head():
-    case = attention_tests.make_case(
+    case = make_case(
         9, dtype="float32", n_heads=7, n_kv_heads=1, head_dim=32, n_rows=6, max_len=40, n_slots=2,
         group_slot=[1, 0], key_len=[40, 23], scores=False, exclude=True, n_extra=6,
     )
-    attention_tests.check_against_reference(case, AttentionBlockSizes(16, 16, num_splits=1, num_warps=4, num_stages=2))
+    blocks = AttentionBlockSizes(16, 16, num_splits=1, num_warps=4, num_stages=2)
+    assert_matches_reference(cache_attention, case, interpret=True, block_sizes=blocks)
 
 
 @pytest.mark.parametrize("n_rows", [144, 4608])
@@ -103,22 +105,9 @@ def test_fused_projection_lowers_for_cuda_at_dream_7b_shapes(n_rows):
 
 @pytest.mark.parametrize("n_groups, n_rows, verify", [(1, 144, False), (32, 144, False), (8, 40, True)])
 def test_cache_attention_lowers_for_cuda_at_dream_7b_shapes(n_groups, n_rows, verify):
-    n_layers, heads, kv_heads, head_dim, max_len = 28, 28, 4, 128, 2048
-    bf16, i32 = jnp.bfloat16, jnp.int32
-    spec = jax.ShapeDtypeStruct
-    cache = spec((n_layers, 32 * max_len + 1, kv_heads * head_dim), bf16)
-    kwargs = dict(n_heads=heads, n_kv_heads=kv_heads, max_len=max_len)
-    score_rows = spec((n_groups, n_rows), jnp.bool_)
-    if verify:
-        extra = spec((n_groups, n_rows, kv_heads * head_dim), bf16)
-        kwargs.update(key_exclude=spec((n_groups, max_len), jnp.bool_),
-                      extra=(extra, extra, spec((n_groups, n_rows, n_rows), jnp.bool_)))
-        score_rows = None
-    text = lower_for_cuda(
-        cache_attention,
-        spec((n_groups, n_rows, heads * head_dim), bf16), cache, cache, spec((), i32),
-        spec((n_groups,), i32), spec((n_groups,), i32), score_rows, **kwargs,
-    )
+    args, kwargs = lowering_args(dream_7b_config(), n_groups=n_groups, n_rows=n_rows, verify=verify, max_len=2048,
+                                 n_cache_rows=32 * 2048 + 1, n_extra=n_rows)
+    text = lower_for_cuda(cache_attention, *args, **kwargs)
     assert text.count("__gpu$xla.gpu.triton") == 1
 
 
@@ -126,22 +115,5 @@ def test_cache_attention_lowers_for_cuda_at_dream_7b_shapes(n_groups, n_rows, ve
 def test_decode_loop_lowers_for_cuda_at_dream_7b_shapes(backend):
     """The whole jitted loop (flash_cache + verify, predictor rows, biases) at Dream-7B shapes,
     lowered for CUDA on the CPU."""
-    from dllm_jax.config import dream_7b_config
-    from dllm_jax.decode_config import DecodeConfig
-    from dllm_jax.engine import Engine
-    from dllm_jax.kernel_backend import Kernels
-    from dllm_jax.models import abstract_params, unstack_layers
-    from dllm_jax.slots import zero_params
-
-    cfg = dream_7b_config()
-    if backend == "gpu-auto":
-        engine = Engine(cfg, jax.eval_shape(unstack_layers, abstract_params(cfg)),
-                        backend=Kernels(attention=True, scatter=True, top_p_top_k=True), full_pass_lanes=())
-    else:
-        engine = Engine(cfg, abstract_params(cfg), backend=backend, full_pass_lanes=())
-    decode = DecodeConfig(method="flash_cache", gen_length=256, batch_size=8, threshold=2.0, verify=True)
-    loop = engine.decode_loop(decode, 256)
-    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-    state = jax.eval_shape(loop.init_state, i32(32, 256), i32(32), jax.eval_shape(lambda: zero_params((32,))), i32())
-    text = lower_for_cuda(jax.jit(loop.run, donate_argnums=1), engine.params, state, i32(), jax.ShapeDtypeStruct((), jnp.bool_))
+    text = lower_decode_loop_for_cuda(dream_7b_config(), backend)
     assert text.count("__gpu$xla.gpu.triton") == 6  # 5 of the passes + the top-p/top-k cutoff

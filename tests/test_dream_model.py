@@ -14,7 +14,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 from safetensors.numpy import load_file, save_file
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -25,7 +24,15 @@ from convert.jax_to_hf import save_hf_checkpoint
 from dllm_jax.checkpoint.tensor_names import tensor_entries
 from dllm_jax.config import ConfigError, ModelConfig, dream_7b_config
 from dllm_jax.loading import load_model
-from dllm_jax.models import DreamBlock, DreamModel, abstract_params, count_params, forward, predictions
+from dllm_jax.models import abstract_params, count_params, forward, predictions
+from transformers_parity import (
+    assert_the_loaded_model_matches,
+    hf_decoder_fields,
+    padded_inputs,
+    random_params,
+    relative_error,
+    transformers_run,
+)
 
 # Dream-v0-Instruct-7B's published config.json (auto_map points at its own modeling code).
 DREAM_7B_JSON = {
@@ -56,8 +63,6 @@ DREAM_7B_JSON = {
     "use_sliding_window": False,
     "vocab_size": 152064,
 }
-
-_TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
 
 
 # ----- config --------------------------------------------------------------------------------
@@ -113,26 +118,6 @@ def test_to_hf_config_round_trips_and_writes_no_remote_code():
 # ----- conversion ----------------------------------------------------------------------------
 
 
-def random_params(cfg: ModelConfig, seed: int):
-    """Params whose activations and logits are O(1): unit embeddings, 1/sqrt(fan_in) kernels,
-    norm gains scattered around 1, biases of size ~0.3 (so a dropped or misplaced bias shows)."""
-    paths_and_leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract_params(cfg))
-    keys = jax.random.split(jax.random.key(seed), len(paths_and_leaves))
-    leaves = []
-    for (path, leaf), key in zip(paths_and_leaves, keys):
-        noise = jax.random.normal(key, leaf.shape, jnp.float32)
-        kind = path[-1].key
-        if kind == "weight":
-            leaves.append(1.0 + 0.2 * noise)
-        elif kind == "embedding":
-            leaves.append(noise)
-        elif kind == "bias":
-            leaves.append(0.3 * noise)
-        else:
-            leaves.append(noise / np.sqrt(leaf.shape[-2]))
-    return jax.tree_util.tree_unflatten(treedef, leaves)
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """A 3-layer Dream-layout float32 folder (4 query heads over 2 kv heads, q/k/v biases)."""
@@ -166,26 +151,32 @@ def test_reading_back_gives_the_written_params(checkpoint):
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params, expected)
 
 
+def folder_with_tensors(checkpoint, folder, tensors):
+    """The checkpoint's config.json beside other tensors, in folder."""
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text((checkpoint / "config.json").read_text())
+    save_file(tensors, str(folder / "model.safetensors"))
+    return folder
+
+
 def test_a_wrong_bias_shape_and_a_missing_bias_are_named(checkpoint, tmp_path):
     tensors = load_file(str(checkpoint / "model.safetensors"))
-    bad = tmp_path / "bad"
-    bad.mkdir()
-    (bad / "config.json").write_text((checkpoint / "config.json").read_text())
-    save_file({**tensors, "model.layers.1.self_attn.k_proj.bias": np.zeros((3,), np.float32)}, str(bad / "model.safetensors"))
+    bad = folder_with_tensors(
+        checkpoint, tmp_path / "bad", {**tensors, "model.layers.1.self_attn.k_proj.bias": np.zeros((3,), np.float32)}
+    )
     with pytest.raises(ConversionError, match=r"'model.layers.1.self_attn.k_proj.bias' has shape \(3,\), expected \(32,\)"):
         read_checkpoint(bad, dtype="float32")
     del tensors["model.layers.2.self_attn.q_proj.bias"]
-    save_file(tensors, str(bad / "model.safetensors"))
+    folder_with_tensors(checkpoint, bad, tensors)
     with pytest.raises(ConversionError, match="missing tensor.*model.layers.2.self_attn.q_proj.bias"):
         read_checkpoint(bad, dtype="float32")
 
 
 def test_an_o_proj_bias_is_an_unexpected_tensor(checkpoint, tmp_path):
     tensors = load_file(str(checkpoint / "model.safetensors"))
-    bad = tmp_path / "bad"
-    bad.mkdir()
-    (bad / "config.json").write_text((checkpoint / "config.json").read_text())
-    save_file({**tensors, "model.layers.0.self_attn.o_proj.bias": np.zeros((64,), np.float32)}, str(bad / "model.safetensors"))
+    bad = folder_with_tensors(
+        checkpoint, tmp_path / "bad", {**tensors, "model.layers.0.self_attn.o_proj.bias": np.zeros((64,), np.float32)}
+    )
     with pytest.raises(ConversionError, match="unexpected tensor 'model.layers.0.self_attn.o_proj.bias'"):
         read_checkpoint(bad, dtype="float32")
 
@@ -194,31 +185,12 @@ def test_an_o_proj_bias_is_an_unexpected_tensor(checkpoint, tmp_path):
 
 
 def qwen2_config(cfg: ModelConfig) -> Qwen2Config:
-    return Qwen2Config(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.d_model,
-        intermediate_size=cfg.mlp_hidden_size,
-        num_hidden_layers=cfg.n_layers,
-        num_attention_heads=cfg.n_heads,
-        num_key_value_heads=cfg.n_kv_heads,
-        hidden_act="silu",
-        rms_norm_eps=cfg.rms_norm_eps,
-        rope_theta=cfg.rope_theta,
-        max_position_embeddings=cfg.max_sequence_length,
-        tie_word_embeddings=False,
-        use_sliding_window=False,
-        # sdpa honours a boolean mask (eager would add it to the logits as +1/+0)
-        attn_implementation="sdpa",
-    )
+    return Qwen2Config(**hf_decoder_fields(cfg), use_sliding_window=False)
 
 
 @pytest.fixture(scope="module")
 def inputs():
-    """Tokens [2, 16]; the second row's last 5 keys are padding."""
-    tokens = np.random.default_rng(1).integers(0, tiny_dream_config().vocab_size, size=(2, 16))
-    key_valid = np.ones((2, 16), dtype=bool)
-    key_valid[1, -5:] = False
-    return tokens, key_valid
+    return padded_inputs(tiny_dream_config().vocab_size, seed=1)
 
 
 def shifted(logits: np.ndarray) -> np.ndarray:
@@ -227,54 +199,16 @@ def shifted(logits: np.ndarray) -> np.ndarray:
 
 
 def torch_run(checkpoint, cfg: ModelConfig, tokens, key_valid):
-    """transformers' hidden states (embedding, each layer, the last after the final norm) and
-    its logits shifted by one as Dream does."""
-    model = Qwen2ForCausalLM(qwen2_config(cfg))
-    state = {name: torch.from_numpy(t) for name, t in load_file(str(checkpoint / "model.safetensors")).items()}
-    model.load_state_dict(state, strict=True)
-    model = model.to(getattr(torch, cfg.dtype)).eval()
-    B, T = tokens.shape
-    mask = torch.from_numpy(key_valid)[:, None, None, :].expand(B, 1, T, T)
-    with torch.no_grad():
-        out = model(input_ids=torch.from_numpy(tokens), attention_mask=mask, output_hidden_states=True)
-    as_numpy = lambda t: t.float().numpy()
-    return [as_numpy(h) for h in out.hidden_states], shifted(as_numpy(out.logits))
-
-
-def jax_run(cfg: ModelConfig, params, tokens, key_valid):
-    tokens, key_valid = jnp.asarray(tokens), jnp.asarray(key_valid)
-    model = DreamModel(cfg)
-    h = model.apply({"params": params}, tokens, method=DreamModel.embed)
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    states = [h]
-    for layer in range(cfg.n_layers):
-        layer_params = jax.tree.map(lambda leaf: leaf[layer], params["layers"])
-        h, _ = DreamBlock(cfg).apply({"params": layer_params}, h, positions, key_valid[:, None, :])
-        states.append(h)
-    states[-1] = model.apply({"params": params}, h, method=lambda m, x: m.ln_f(x))
-    logits = predictions(cfg, forward(cfg, params, tokens, key_valid=key_valid))
-    as_numpy = lambda x: np.asarray(x.astype(jnp.float32))
-    return [as_numpy(s) for s in states], as_numpy(logits)
-
-
-def relative_error(actual: np.ndarray, expected: np.ndarray) -> float:
-    return float(np.linalg.norm(actual.astype(np.float64) - expected) / np.linalg.norm(expected.astype(np.float64)))
+    """transformers' Qwen2 on the Dream-layout checkpoint (the same names), its logits shifted
+    by one as Dream does."""
+    states, logits = transformers_run(Qwen2ForCausalLM(qwen2_config(cfg)), checkpoint, cfg.dtype, tokens, key_valid)
+    return states, shifted(logits)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_every_layer_and_the_shifted_logits_match_transformers_qwen2(checkpoint, inputs, dtype):
-    loaded = load_model(checkpoint, dtype=dtype)
+    loaded = assert_the_loaded_model_matches(checkpoint, dtype, inputs, torch_run, padding_queries=False)
     assert loaded.config.family == "dream"
-    tokens, key_valid = inputs
-    torch_states, torch_logits = torch_run(checkpoint, loaded.config, tokens, key_valid)
-    jax_states, jax_logits = jax_run(loaded.config, loaded.params, tokens, key_valid)
-    assert len(jax_states) == len(torch_states) == loaded.config.n_layers + 1
-    for index, (actual, expected) in enumerate(zip(jax_states, torch_states)):
-        assert relative_error(actual, expected) < _TOLERANCE[dtype], f"hidden state {index}"
-    valid = key_valid  # logits of padding queries are not compared
-    assert relative_error(jax_logits[valid], torch_logits[valid]) < _TOLERANCE[dtype]
-    if dtype == "float32":
-        np.testing.assert_array_equal(jax_logits.argmax(-1)[valid], torch_logits.argmax(-1)[valid])
 
 
 def test_the_biases_matter(checkpoint, inputs):

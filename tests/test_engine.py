@@ -8,9 +8,14 @@ import pytest
 from dllm_jax.decode_config import DecodeConfig, DecodeConfigError
 from dllm_jax.engine import Engine, GenerationError
 from dllm_jax.sampling_params import SamplingParams
-from tests.reference_decoder import ReferenceDecoder
-
-PROMPT_LENGTHS = (12, 7, 15, 9, 3)
+from tests.engine_checks import (
+    EXACT_REFRESH,
+    assert_batching_invariance,
+    assert_block_method_matches_reference,
+    assert_decodes_like_the_no_cache_model,
+    assert_flash_cache_matches_reference,
+    random_prompts,
+)
 
 
 @pytest.fixture(scope="module")
@@ -21,18 +26,7 @@ def engine(lively):
 
 @pytest.fixture(scope="module")
 def prompts():
-    rng = np.random.RandomState(0)
-    return [list(rng.randint(0, 100, n)) for n in PROMPT_LENGTHS]
-
-
-def _reference(engine, decode, prompts):
-    loop = engine.decode_loop(decode, max(map(len, prompts)))
-    return ReferenceDecoder(engine.config, engine.params, decode, loop.max_len)
-
-
-def _answer(tokens, eos):
-    tokens = [int(t) for t in tokens]
-    return tokens[: tokens.index(eos)] if eos in tokens else tokens
+    return random_prompts()
 
 
 FLASH_SETTINGS = [
@@ -46,17 +40,7 @@ FLASH_SETTINGS = [
 @pytest.mark.parametrize("setting", FLASH_SETTINGS, ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items()))
 def test_flash_cache_matches_the_python_reference(engine, prompts, setting):
     decode = DecodeConfig(method="flash_cache", gen_length=32, batch_size=2, **setting)
-    out = engine.generate(prompts, decode)
-    ref = _reference(engine, decode, prompts)
-    eos = engine.config.eos_token_id
-    for prompt, result in zip(prompts, out.results):
-        tokens, steps, committed = ref.flash_cache(prompt)
-        assert result.token_ids == _answer(tokens, eos)
-        assert (result.steps, result.reference_num_tokens) == (steps, committed)
-    if setting["threshold"] > 1:  # the at-least-one rule alone: one token per step
-        assert all(r.steps == r.reference_num_tokens for r in out.results)
-    else:
-        assert out.stats.tokens_per_step > 1.1, "the setting should exercise parallel commits"
+    assert_flash_cache_matches_reference(engine, prompts, decode)
 
 
 def test_answers_end_at_the_first_committed_eos(engine, prompts):
@@ -70,18 +54,9 @@ def test_answers_end_at_the_first_committed_eos(engine, prompts):
         assert engine.config.mask_token_id not in r.token_ids
 
 
-@pytest.mark.parametrize("method", ["flash_full_refresh", "flash_sparse_everything"])
+@pytest.mark.parametrize("method", list(EXACT_REFRESH))
 def test_exact_refresh_reproduces_the_no_cache_model(engine, prompts, method):
-    if method == "flash_full_refresh":
-        decode = DecodeConfig(method="flash_cache", gen_length=32, batch_size=2, threshold=0.5, track_num=-1)
-    else:  # the sparse path with budgets large enough to recompute every row every step
-        decode = DecodeConfig(method="flash_cache", gen_length=32, batch_size=2, threshold=0.5, mask_num=20, track_num=20)
-    out = engine.generate(prompts, decode)
-    ref = _reference(engine, decode, prompts)
-    for prompt, result in zip(prompts, out.results):
-        tokens, steps, _ = ref.flash_cache(prompt, no_cache=True)
-        assert result.token_ids == _answer(tokens, engine.config.eos_token_id)
-        assert result.steps == steps
+    assert_decodes_like_the_no_cache_model(engine, prompts, EXACT_REFRESH[method])
 
 
 @pytest.mark.parametrize(
@@ -96,15 +71,7 @@ def test_exact_refresh_reproduces_the_no_cache_model(engine, prompts, method):
     ids=["llada-2perstep", "llada-uneven", "fast-prefix", "fast-dual", "fast-dual-schedule"],
 )
 def test_block_methods_match_the_python_reference(engine, prompts, decode):
-    out = engine.generate(prompts, decode)
-    ref = _reference(engine, decode, prompts)
-    cache = "none" if decode.method == "llada" else decode.cache
-    for prompt, result in zip(prompts, out.results):
-        tokens, steps = ref.block_decode(prompt, cache)
-        assert result.token_ids == _answer(tokens, engine.config.eos_token_id)
-        assert result.steps == steps
-    if decode.method == "llada":
-        assert all(r.steps == decode.total_steps for r in out.results)
+    assert_block_method_matches_reference(engine, prompts, decode)
 
 
 @pytest.mark.parametrize(
@@ -121,19 +88,7 @@ def test_continuous_batching_and_batch_invariance(engine, decode):
 
     A request's random stream depends on (seed, its index in the call, step), never on its slot.
     """
-    rng = np.random.RandomState(1)
-    many = [list(rng.randint(0, 100, n)) for n in (5, 14, 8, 11, 3, 16, 9)]
-    together = engine.generate(many, decode)
-    assert [r.index for r in together.results] == list(range(len(many)))
-    assert together.stats.num_requests == len(many)
-    assert together.stats.iterations < sum(r.steps for r in together.results), "slots ran concurrently"
-    fewer_slots = engine.generate(many, dataclasses.replace(decode, batch_size=2))
-    assert [r.token_ids for r in fewer_slots.results] == [r.token_ids for r in together.results]
-    if decode.temperature == 0:
-        for i, prompt in enumerate(many):
-            alone = engine.generate([prompt], decode).results[0]
-            assert together.results[i].token_ids == alone.token_ids
-            assert together.results[i].steps == alone.steps
+    assert_batching_invariance(engine, decode)
 
 
 def test_a_request_ring_smaller_than_the_stream_never_stalls(lively):
@@ -141,8 +96,7 @@ def test_a_request_ring_smaller_than_the_stream_never_stalls(lively):
     slots keep stepping (a free slot must not stop the loop for a push the host cannot make)."""
     cfg, params = lively
     decode = DecodeConfig(method="flash_cache", gen_length=32, batch_size=2, threshold=0.5, mask_num=2, track_num=1)
-    rng = np.random.RandomState(4)
-    many = [list(rng.randint(0, 100, n)) for n in (5, 14, 8, 11, 3, 16, 9, 7, 12, 4)]
+    many = random_prompts((5, 14, 8, 11, 3, 16, 9, 7, 12, 4), seed=4)
     wide = Engine(cfg, params, backend="xla").generate(many, decode)
     steps = [r.steps for r in wide.results]
     assert any(steps[g] > steps[g + 1] for g in range(len(many) - 1)), "some request must outlast the next one"

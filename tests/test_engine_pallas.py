@@ -6,19 +6,16 @@ import pytest
 
 from dllm_jax.decode_config import DecodeConfig
 from dllm_jax.engine import Engine
-from dllm_jax.kernel_backend import Kernels
 from dllm_jax.models import init_params
 from dllm_jax.sharding import parse_mesh
-from dllm_jax.slots import zero_params
 from tests.conftest import tiny_config
+from tests.cuda_lowering import GPU_AUTO, lower_decode_loop_for_cuda
 
 
 FLASH_VERIFY = DecodeConfig(
     method="flash_cache", gen_length=32, batch_size=2, threshold=0.7, mask_num=2, track_num=1, verify=True, gamma=0.3
 )
 FAST_DLLM = DecodeConfig(method="fast_dllm", gen_length=32, block_length=16, threshold=0.5, batch_size=2)
-# what "auto" picks on an NVIDIA GPU
-GPU_AUTO = Kernels(attention=True, scatter=True, top_p_top_k=True)
 
 
 def _kernel_sized_model():
@@ -69,25 +66,9 @@ def test_kernels_run_on_each_devices_slots_and_heads(spec, backend, decode):
 def test_decode_loop_lowers_for_cuda_at_llada_8b_shapes(backend):
     """The whole jitted loop (flash_cache + verify) at the real shapes, lowered for CUDA on the CPU:
     a kernel or shape the Triton backend rejects inside the engine fails here."""
-    import jax.numpy as jnp
-
     from dllm_jax.config import llada_8b_config
-    from dllm_jax.models import abstract_params, unstack_layers
-    from tests.cuda_lowering import lower_for_cuda
 
-    cfg = llada_8b_config()
-    if backend == "gpu-auto":
-        engine = Engine(cfg, jax.eval_shape(unstack_layers, abstract_params(cfg)),
-                        backend=GPU_AUTO, full_pass_lanes=())
-    else:
-        engine = Engine(cfg, abstract_params(cfg), backend=backend, full_pass_lanes=())
-    decode = DecodeConfig(method="flash_cache", gen_length=256, batch_size=8, threshold=2.0, verify=True)
-    loop = engine.decode_loop(decode, 256)
-    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-    state = jax.eval_shape(loop.init_state, i32(32, 256), i32(32), jax.eval_shape(lambda: zero_params((32,))), i32())
-    text = lower_for_cuda(
-        jax.jit(loop.run, donate_argnums=1), engine.params, state, i32(), jax.ShapeDtypeStruct((), jnp.bool_)
-    )
+    text = lower_decode_loop_for_cuda(llada_8b_config(), backend)
     triton_calls = text.count("__gpu$xla.gpu.triton")
     # distinct kernel instances (each jitted kernel is one function however often it is called):
     # full and sparse pass, projection (pallas) or scatter (gpu-auto) + attention each; verify
