@@ -16,7 +16,7 @@ from dllm_jax.slots import commit_tokens, empty_slots, install, zero_params
 from dllm_jax.verify import WindowDraft, accepted_count, plan_verify
 from tests.conftest import tiny_config
 from tests.reference_decoder import ReferenceDecoder
-from tests.test_engine import PROMPT_LENGTHS, _answer
+from tests.engine_checks import PROMPT_LENGTHS, answer
 
 
 def test_acceptance_rules_on_the_explainers_toy():
@@ -115,7 +115,7 @@ def test_verify_matches_the_python_reference(lively_engine, accept, pin):
     ref = ReferenceDecoder(engine.config, engine.params, decode, engine.decode_loop(decode, 15).max_len)
     for prompt, result in zip(prompts, out.results):
         tokens, steps, committed = ref.flash_cache(prompt)
-        assert result.token_ids == _answer(tokens, engine.config.eos_token_id)
+        assert result.token_ids == answer(tokens, engine.config.eos_token_id)
         assert (result.steps, result.reference_num_tokens, result.accepted_drafts) == (steps, committed, ref.accepted)
         assert result.reference_num_tokens >= result.steps, "at least one token per step"
         assert result.verify_passes == result.steps
