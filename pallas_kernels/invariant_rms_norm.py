@@ -27,6 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import check_float, check_launch, check_power_of_two, compiler_params, dividing_block, pad_rows
+from pallas_kernels.reference.rms_norm import rms_norm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,12 +104,6 @@ def invariant_rms_norm(
     return out[:m]
 
 
-def _rms_norm_rows(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    x32 = x.astype(jnp.float32)
-    normed = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return normed.astype(x.dtype) * weight.astype(x.dtype)
-
-
 @functools.partial(jax.jit, static_argnames=("eps", "interpret", "block_sizes"))
 def invariant_rms_norm_reference(
     x: jax.Array,
@@ -125,5 +120,5 @@ def invariant_rms_norm_reference(
     bm = (block_sizes or RMSNormBlockSizes()).block_m
     m, d = x.shape
     tiles = pad_rows(x, bm).reshape(-1, bm, d)
-    out = lax.map(lambda tile: _rms_norm_rows(tile, weight, eps), tiles)
+    out = lax.map(lambda tile: rms_norm(tile, weight, eps), tiles)
     return out.reshape(-1, d)[:m]

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from dllm_jax.quantization import quantized_matmul, weight_dtype
+from pallas_kernels.reference.rms_norm import rms_norm
 
 INIT = nn.initializers.normal(stddev=0.02)
 
@@ -60,9 +61,7 @@ class RMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return normed.astype(x.dtype) * weight.astype(x.dtype)
+        return rms_norm(x, weight, self.eps)
 
 
 def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
