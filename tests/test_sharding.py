@@ -14,6 +14,7 @@ from dllm_jax.engine import Engine
 from dllm_jax.models import init_params
 from dllm_jax.sharding import MeshError, parse_mesh
 from tests.conftest import tiny_config
+from tests.engine_checks import random_prompts
 
 MESHES = ("data=2", "tensor=2", "data=2,tensor=2")
 DECODES = {
@@ -24,8 +25,6 @@ DECODES = {
     ),
     "fast_dllm": DecodeConfig(method="fast_dllm", gen_length=32, block_length=16, threshold=0.5, batch_size=4),
 }
-# five requests for four slots: refills cross the data shards
-PROMPT_LENGTHS = (12, 7, 15, 9, 3)
 
 
 def mesh_of(spec: str):
@@ -35,8 +34,7 @@ def mesh_of(spec: str):
 
 @pytest.fixture(scope="module")
 def prompts():
-    rng = np.random.RandomState(0)
-    return [list(rng.randint(0, 100, n)) for n in PROMPT_LENGTHS]
+    return random_prompts()  # five requests for four slots: refills cross the data shards
 
 
 @pytest.fixture(scope="module")

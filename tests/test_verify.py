@@ -16,7 +16,7 @@ from dllm_jax.slots import commit_tokens, empty_slots, install, zero_params
 from dllm_jax.verify import WindowDraft, accepted_count, plan_verify
 from tests.conftest import tiny_config
 from tests.reference_decoder import ReferenceDecoder
-from tests.engine_checks import PROMPT_LENGTHS, answer
+from tests.engine_checks import answer, random_prompts
 
 
 def test_acceptance_rules_on_the_explainers_toy():
@@ -105,8 +105,7 @@ def lively_engine():
 )
 def test_verify_matches_the_python_reference(lively_engine, accept, pin):
     engine = lively_engine
-    rng = np.random.RandomState(0)
-    prompts = [list(rng.randint(0, 100, n)) for n in PROMPT_LENGTHS]
+    prompts = random_prompts()
     decode = DecodeConfig(
         method="flash_cache", gen_length=32, batch_size=2, threshold=0.7, mask_num=2, track_num=1,
         verify=True, gamma=0.3, accept=accept, pin=pin,
