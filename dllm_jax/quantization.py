@@ -161,17 +161,22 @@ def _int8_kernel(int8_gemm: str, x: jax.Array, qkernel: jax.Array) -> bool:
 def compiler_options(mode: str) -> dict[str, Any]:
     """XLA options for compiling a model stored with this quantization (Engine's default).
 
-    On NVIDIA GPUs, XLA's Triton GEMM autotuner is turned off for fp8 models. Measured on the
-    H200 before (BENCHMARKS.md): an fp8 decode loop compiled for 37 s at 1 slot, 93 s at 8 and
-    past 180 s at 32, against 12-15 s in bf16, and its compiled GEMMs were cuBLASLt's FP8 GEMM
-    all the same. The suspected cause, to be confirmed by scripts/gpu_quant17.sh: the
-    autotuner tries many Triton tilings for each FP8 GEMM fusion (the activation convert fused
-    as its prologue) at every row count. Without it XLA emits the cuBLAS(Lt) GEMMs directly
-    (int8-weights keeps the defaults: without Triton its GEMM would be a convert + cuBLAS GEMM).
+    On NVIDIA GPUs, for fp8 models (measured on the H200, BENCHMARKS.md):
+    - XLA's Triton GEMM autotuner is off. With it, an fp8 decode loop compiled for 37 s at
+      1 slot, 93 s at 8 and past 180 s at 32 (bf16: 12-15 s), and XLA chose cuBLASLt's FP8
+      GEMMs all the same; without it 18-20 s.
+    - XLA's DotMerger is off (threshold 0 MB). It merges dots that share an input when one of
+      them is under 32 MB, concatenating their weights: 8-bit weights fall under that where
+      bf16 ones do not, and without a Triton GEMM to fuse the concatenation into, the
+      concatenated weights were copied on every call (2.7 of 7.3 ms of device time per 1-slot
+      step).
+    int8-weights keeps the defaults (without Triton its GEMM would be a convert + cuBLAS GEMM).
     """
     from dllm_jax.kernel_backend import on_nvidia_gpu
 
-    return {"xla_gpu_enable_triton_gemm": False} if mode == "fp8" and on_nvidia_gpu() else {}
+    if mode == "fp8" and on_nvidia_gpu():
+        return {"xla_gpu_enable_triton_gemm": False, "xla_gpu_dot_merger_threshold_mb": 0}
+    return {}
 
 
 def weight_bytes(params: Any) -> int:

@@ -208,7 +208,7 @@ def add_floors(run: dict, ceilings: dict, cost: Cost) -> None:
         run["step_over_flop_floor"] = run["step_s"] / run["flop_floor_s"]
         run["step_over_weight_floor"] = run["step_s"] / run["weight_floor_s"]
     else:
-        run["floor_s"] = pass_floors(cost, run["work_per_request"], run["slots"], ceilings)
+        run["floor_s"] = pass_floors(cost, run["work_per_request"], run["slots"], ceilings, run.get("quantization") == "fp8")
         run["time_over_floor"] = run["wall_s"] / run["floor_s"]
 
 
@@ -244,14 +244,20 @@ def work_per_request(loop, decode: DecodeConfig, prompt_len: int, steps: int) ->
     }
 
 
-def pass_floors(cost: Cost, work: dict, slots: int, ceilings: dict) -> float:
-    """Sum over the passes of a lockstep batch of max(FLOP floor, byte floor) of each pass."""
+def pass_floors(cost: Cost, work: dict, slots: int, ceilings: dict, fp8: bool = False) -> float:
+    """Sum over the passes of a lockstep batch of max(FLOP floor, byte floor) of each pass;
+    fp8: the block projections at the FP8 matmul rate (attention and the LM head at bf16's)."""
     key_len = work["key_len"]
+    fp8_rate = ceilings.get("fp8_matmul_flops") if fp8 else None
     total = 0.0
     for passes, rows, logit_rows in work["pass_types"]:
         flops = cost.pass_flops(slots * rows, key_len, slots * logit_rows)
+        flop_time = flops / ceilings["matmul_flops"]
+        if fp8_rate:
+            projection = slots * rows * cost.matmul_flops_per_row
+            flop_time = projection / fp8_rate + (flops - projection) / ceilings["matmul_flops"]
         bytes_moved = cost.weight_bytes + cost.cache_read_bytes(slots, key_len)
-        total += passes * max(flops / ceilings["matmul_flops"], bytes_moved / ceilings["bandwidth_bytes"])
+        total += passes * max(flop_time, bytes_moved / ceilings["bandwidth_bytes"])
     return total
 
 

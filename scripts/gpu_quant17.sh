@@ -16,6 +16,13 @@
 #              the engine's previous float32 product) vs the bare FP8 GEMM ("fp8 dot")
 #   fp8_triton fp8 at 1 slot compiled with XLA's defaults (Triton GEMM autotuner on), for the
 #              compile time against the fp8 step's
+#   fp8_32     bf16 and fp8 at 32 slots in one process (fp8 with the Triton GEMM autotuner off)
+#   fp8_1_8    bf16 and fp8 at 1 and 8 slots in one process
+#   q_steps    bf16 and fp8 at 1, 8 and 32 slots in one process (fp8 with the Engine's default options)
+#   int8_nomerge bf16 and int8-weights at 1 and 8 slots with XLA's DotMerger off (both)
+#   profile32  per-kernel device time of one fp8 step at 32 slots and at 1 slot
+#   compare    end to end at 8 slots: flash_cache and flash_cache + verify, schedules one and window,
+#              one process per quantization (none, fp8, int8-weights)
 #   fp8_level1 (only when named in STEPS: if call 1's fp8 step did not reach 32 slots) fp8 at
 #              32 slots with the Triton GEMM autotuner off and xla_gpu_autotune_level=1
 # Results: $R/<step>/ (bench.json/.md, bench_gemm.json/.md, profile_*.json) and $R/<step>.log,
@@ -42,12 +49,24 @@ step() {
     pack
 }
 STEP_ARGS="--preset steps --backends auto --slots 1 8 32 --gen-lengths 256 --iterations 4 --repeats 2 --ceiling-repeats 2"
-ROWS="128 1024 4096"; SWEEP_ROWS="128"; GEMM=""; PROFILE=""; ONE="--slots 1"; LAST="--slots 32"
+COMPARE_ARGS="--preset compare --backends auto --compare-slots 8 --methods flash_cache flash_verify --schedules one window --gen-lengths 256 --ceiling-repeats 1"
+ROWS="128 1024 4096"; SWEEP_ROWS="128"; GEMM=""; PROFILE=""; ONE="--slots 1"; FIRST="--slots 1 8"; LAST="--slots 32"
 if [[ -n "${SMOKE:-}" ]]; then
-    STEP_ARGS="--tiny --preset steps --backends auto --slots 1 2 --iterations 2 --repeats 1"; ROWS="8 32"; SWEEP_ROWS="8"; GEMM="--tiny"; PROFILE="--tiny"; LAST="--slots 2"
+    COMPARE_ARGS="--tiny --preset compare --backends auto --compare-slots 2 --methods flash_cache flash_verify --schedules one window --ceiling-repeats 1"
+    STEP_ARGS="--tiny --preset steps --backends auto --slots 1 2 --iterations 2 --repeats 1"; ROWS="8 32"; SWEEP_ROWS="8"; GEMM="--tiny"; PROFILE="--tiny"; LAST="--slots 2"; FIRST="--slots 1"
 fi
 step gemm 180 python3 scripts/bench_gemm.py $GEMM --variants bf16 "int8 xla" "int8 pallas" --rows $ROWS --repeats 3 --out $R/gemm
 step steps 200 python3 scripts/bench.py $STEP_ARGS --quantizations none int8-weights --out $R/steps
+step fp8_32 260 python3 scripts/bench.py $STEP_ARGS $LAST --quantizations none fp8 --out $R/fp8_32
+step fp8_1_8 200 python3 scripts/bench.py $STEP_ARGS $FIRST --quantizations none fp8 --out $R/fp8_1_8
+step q_steps 250 python3 scripts/bench.py $STEP_ARGS --quantizations none fp8 --out $R/q_steps
+step int8_nomerge 130 python3 scripts/bench.py $STEP_ARGS $FIRST --quantizations none int8-weights \
+    --compiler-options '{"xla_gpu_dot_merger_threshold_mb": 0}' --out $R/int8_nomerge
+step profile32 150 bash -c "python3 scripts/profile_step.py $PROFILE $LAST --quantization fp8 --out $R/profile && python3 scripts/profile_step.py $PROFILE --slots 1 --quantization fp8 --out $R/profile"
+[[ " $STEPS " == *" compare "* ]] && STEPS="$STEPS compare_none compare_fp8 compare_int8-weights"
+for q in none fp8 int8-weights; do
+    step compare_$q 175 python3 scripts/bench.py $COMPARE_ARGS --quantizations $q --out $R/compare_$q
+done
 step fp8 150 python3 scripts/bench.py $STEP_ARGS --quantizations fp8 --out $R/fp8
 step profile 150 bash -c "python3 scripts/profile_step.py $PROFILE --slots 1 --quantization fp8 --out $R/profile && python3 scripts/profile_step.py $PROFILE --slots 1 --quantization int8-weights --out $R/profile"
 step sweep 180 python3 scripts/bench_gemm.py $GEMM --sweep --variants bf16 --rows $SWEEP_ROWS --repeats 3 --out $R/sweep
@@ -61,7 +80,7 @@ from pathlib import Path
 r = Path(sys.argv[1])
 print("\n=== SUMMARY (issue 17; targets: 8-bit at 1 slot <= 0.65x bf16 step, fp8 at 32 slots <= 0.6x)")
 runs = []
-for name in ("steps", "fp8", "fp8_triton", "fp8_level1"):
+for name in ("steps", "fp8", "fp8_32", "fp8_1_8", "q_steps", "int8_nomerge", "fp8_triton", "fp8_level1"):
     f = r / name / "bench.json"
     if f.exists():
         report = json.loads(f.read_text())
@@ -70,8 +89,11 @@ for name in ("steps", "fp8", "fp8_triton", "fp8_level1"):
             print(f"  {name} ERROR {e['run']}: {e['error'][:200]}")
         print(f"  {name}: compiler options {report.get('compiler_options')}")
         for x in report["runs"]:
-            x["quantization"] += {"fp8_triton": " (XLA defaults)", "fp8_level1": " (autotune level 1)"}.get(name, "")
-bf16 = {x["slots"]: x["step_s"] for x in runs if x["quantization"] == "none"}
+            x["quantization"] += {"fp8_triton": " (XLA defaults)", "fp8_level1": " (autotune level 1)", "int8_nomerge": " (dot merger off)"}.get(name, "")
+bf16 = {}  # the first bf16 run at each slot count (fp8_32/fp8_1_8 run theirs beside fp8)
+for x in runs:
+    if x["quantization"] == "none":
+        bf16.setdefault(x["slots"], x["step_s"])
 print("decode step (flash_cache, 128 rows/slot): quantization slots step_ms x_bf16 compile_s")
 for x in runs:
     ratio = x["step_s"] / bf16[x["slots"]] if x["slots"] in bf16 else float("nan")
@@ -87,6 +109,21 @@ def verdict(what, quantization, slots, target):
 verdict("int8-weights at 1 slot", "int8-weights", 1, 0.65)
 verdict("fp8 at 1 slot", "fp8", 1, 0.65)
 verdict("fp8 at 32 slots", "fp8", 32, 0.6)
+compare = []
+for q in ("none", "fp8", "int8-weights"):
+    f = r / f"compare_{q}" / "bench.json"
+    if f.exists():
+        report = json.loads(f.read_text())
+        compare += report["runs"]
+        for e in report["errors"]:
+            print(f"  compare_{q} ERROR {e['run']}: {e['error'][:200]}")
+if compare:
+    base = {(x["method"], x["schedule"]): x["tokens_per_s"] for x in compare if x["quantization"] == "none"}
+    print("end to end (compare, 8 slots): method schedule quantization tokens/s x_bf16 tokens/step compile_s")
+    for x in compare:
+        b = base.get((x["method"], x["schedule"]))
+        print(f"  {x['method']:12s} {x['schedule']:6s} {x['quantization']:12s} {x['tokens_per_s']:8.1f} "
+              f"{x['tokens_per_s'] / b if b else float('nan'):5.2f} {x.get('tokens_per_step', float('nan')):6.2f} {x['compile_s']:6.1f}")
 for name in ("gemm", "sweep", "fp8gemm"):
     f = r / name / "bench_gemm.json"
     if not f.exists():

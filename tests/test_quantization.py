@@ -228,7 +228,7 @@ def test_fp8_models_compile_without_xla_triton_gemms_on_nvidia_gpus(monkeypatch)
     assert compiler_options("fp8") == {}  # this CPU: XLA's defaults
     monkeypatch.setattr(dllm_jax.kernel_backend, "on_nvidia_gpu", lambda: True)
     options = compiler_options("fp8")
-    assert options == {"xla_gpu_enable_triton_gemm": False}
+    assert options == {"xla_gpu_enable_triton_gemm": False, "xla_gpu_dot_merger_threshold_mb": 0}
     assert compiler_options("int8-weights") == {}  # without Triton its GEMM is a convert + cuBLAS
     assert compiler_options("none") == {}
     # XLA validates option names (an unknown one raises), and this CPU compiler takes the GPU ones
