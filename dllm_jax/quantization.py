@@ -166,8 +166,8 @@ def compiler_options(mode: str) -> dict[str, Any]:
       1 slot, 93 s at 8 and past 180 s at 32 (bf16: 12-15 s), and XLA chose cuBLASLt's FP8
       GEMMs all the same; without it 18-20 s.
     - XLA's DotMerger is off (threshold 0 MB). It merges dots that share an input when one of
-      them is under 32 MB, concatenating their weights: 8-bit weights fall under that where
-      bf16 ones do not, and without a Triton GEMM to fuse the concatenation into, the
+      them is under 32 MB, concatenating their weights: 8-bit q/k/v weights fall under that
+      where bf16 ones do not, and without a Triton GEMM to fuse the concatenation into, the
       concatenated weights were copied on every call (2.7 of 7.3 ms of device time per 1-slot
       step).
     int8-weights keeps the defaults (without Triton its GEMM would be a convert + cuBLAS GEMM).
