@@ -29,6 +29,40 @@ from dllm_jax.models import Block, Params, Transformer
 # The published code accumulates tracking scores from the third layer up (block_idx > 1).
 SCORE_START_LAYER = 2
 
+# With XLA's attention (the xla backend, the portable path), a pass over more than twice this
+# many rows runs its attention output and MLP in chunks of whole groups of at most this many
+# rows, one chunk at a time: unchunked, the full pass over 32 slots (20480 rows at LLaDA-8B)
+# held its gate, up and SwiGLU activations, [rows, 12288] each, at once (2.17 GiB of
+# temporaries over weights + cache on the H200; 1.70 GiB in chunks). Sparse steps (128 rows
+# per slot) and 8-slot full passes stay in one piece; chunks of 2560+ rows keep the GEMMs
+# large. With the Pallas attention (auto on a GPU or TPU) the pass stays in one piece: there
+# the temporaries are within 2 GiB anyway, and the 32-slot full pass measured 541 ms in one
+# piece against 688 ms in chunks (BENCHMARKS.md).
+MLP_CHUNK_ROWS = 4096
+
+
+def mlp_chunk_groups(groups: int, rows: int) -> int:
+    """Groups per chunk of output_and_mlp_in_chunks for S groups of R rows (S: one chunk)."""
+    if groups * rows <= 2 * MLP_CHUNK_ROWS:
+        return groups
+    return max([g for g in range(1, groups + 1) if groups % g == 0 and g * rows <= MLP_CHUNK_ROWS], default=1)
+
+
+def output_and_mlp_in_chunks(block: Block, lp: Params, h: jax.Array, attn: jax.Array) -> jax.Array:
+    """Block.output_and_mlp of rows h [S, R, D] and attention outputs attn [S, R, H*Dh],
+    in chunks of mlp_chunk_groups(S, R) groups. The chunks are unrolled slices, not a loop:
+    with a lax.map around them the xla backend's compiled temporaries at 32 slots measured
+    6.53 GiB on the H200 (2.17 GiB unchunked, 1.70 GiB unrolled). Every op of it is row-wise,
+    so the result is the same."""
+    S, R = h.shape[:2]
+    per_chunk = mlp_chunk_groups(S, R)
+    if per_chunk == S:
+        return block.apply(lp, h, attn, method=Block.output_and_mlp)
+    return jnp.concatenate([
+        block.apply(lp, h[g : g + per_chunk], attn[g : g + per_chunk], method=Block.output_and_mlp)
+        for g in range(0, S, per_chunk)
+    ])
+
 
 @dataclasses.dataclass(frozen=True)
 class PassSpec:
@@ -177,7 +211,10 @@ def cached_forward(
         if scores is not None and not (per_layer and layer < SCORE_START_LAYER):
             scores = scores + jnp.where(layer >= SCORE_START_LAYER, layer_scores, 0.0)
         with ops(layer_taps):
-            h = block.apply(lp, h, out.reshape(S, R, -1), method=Block.output_and_mlp)
+            if layer_taps is None and not spec.kernels.attention:
+                h = output_and_mlp_in_chunks(block, lp, h, out.reshape(S, R, -1))
+            else:  # taps record inside the block's methods: one piece, one record per name
+                h = block.apply(lp, h, out.reshape(S, R, -1), method=Block.output_and_mlp)
         if layer_taps is None:
             return (h, k_cache, v_cache, scores), {}
         for name, value in (("q", q), ("k", None if spec.kernels.qkv else k), ("v", None if spec.kernels.qkv else v),

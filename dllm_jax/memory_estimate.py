@@ -9,8 +9,9 @@ sequence, each counted as the decode loop materialises it:
   cache        the flat K/V cache (dllm_jax.flat_cache.cache_bytes; split over data and tensor);
   activations  one layer of the largest full pass (layers run one at a time: inference keeps no
                layer's activations for later): ``lanes`` slots x max_len rows of the hidden
-               state, q/k/v and the SwiGLU widths, plus XLA attention's float32 logits and
-               probabilities [lanes, heads, max_len, max_len] (the Pallas kernel keeps none);
+               state and q/k/v, the SwiGLU widths (with XLA's attention: of one MLP chunk of
+               slots, dllm_jax.cached_forward.mlp_chunk_groups), plus XLA attention's float32
+               logits and probabilities [lanes, heads, max_len, max_len] (the Pallas kernel keeps none);
   logits       the candidate rows of every slot x the vocabulary: the model-dtype copies the loop
                selects between and the float32 copies the sampler makes (noise, softmax);
   state        the rest of the decode state: per-slot arrays (tokens, drafts, flags, scores
@@ -37,6 +38,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from dllm_jax.cached_forward import mlp_chunk_groups
 from dllm_jax.chunked_attention import default_block_k
 from dllm_jax.config import ModelConfig
 from dllm_jax.errors import GenerationError
@@ -148,8 +150,11 @@ def estimate_memory(
     rows = lanes * max_len
     heads = -(-config.n_heads // tensor)
     projected = (config.n_heads * config.head_dim + 2 * config.kv_dim) // tensor
-    activations = rows * (
-        _HIDDEN_COPIES * config.d_model + projected + _MLP_COPIES * -(-config.mlp_hidden_size // tensor)
+    # with XLA's attention, the attention output and MLP of a large pass run in chunks of whole slots
+    mlp_rows = (mlp_chunk_groups(lanes, max_len) if dense_attention else lanes) * max_len
+    activations = (
+        rows * (_HIDDEN_COPIES * config.d_model + projected)
+        + mlp_rows * _MLP_COPIES * -(-config.mlp_hidden_size // tensor)
     ) * itemsize
     if dense_attention:
         # one chunk's float32 logits and the probabilities rounded to the model dtype (the

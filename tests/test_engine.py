@@ -356,3 +356,23 @@ def test_chat_stop_strings_and_counts_on_the_embedded_model():
     with pytest.raises(GenerationError, match="conversations: expected a non-empty list"):
         engine.chat("hi", decode=decode)
 
+
+@pytest.mark.parametrize("method", ["flash_cache", "llada"])
+def test_full_passes_with_the_mlp_in_chunks_decode_the_same(lively, engine, prompts, monkeypatch, method):
+    """Large passes run the attention output and MLP in chunks of whole groups (the xla
+    backend's memory peak at 32 slots): with a chunk bound this small every full pass of
+    these 4 slots is chunked, one group at a time, and decodes the same tokens."""
+    import dllm_jax.cached_forward as cached_forward
+
+    cfg, params = lively
+    per_method = dict(block_length=8, steps=16) if method == "llada" else dict(threshold=0.5)
+    decode = DecodeConfig(method=method, gen_length=32, batch_size=4, **per_method)
+    want = engine.generate(prompts, decode=decode)
+    chunked = []
+    real_groups = cached_forward.mlp_chunk_groups
+    monkeypatch.setattr(cached_forward, "MLP_CHUNK_ROWS", 8)
+    monkeypatch.setattr(cached_forward, "mlp_chunk_groups", lambda s, r: chunked.append((s, real_groups(s, r))) or chunked[-1][1])
+    got = Engine(cfg, params, backend="xla").generate(prompts, decode=decode)
+    assert (4, 1) in chunked, chunked  # the full passes: 4 chunks of one group
+    assert [r.token_ids for r in got.results] == [r.token_ids for r in want.results]
+    assert [r.steps for r in got.results] == [r.steps for r in want.results]
