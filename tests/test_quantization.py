@@ -188,12 +188,21 @@ def tiny_model():
     return load_model(tiny_model_path(), dtype="float32")
 
 
+@pytest.fixture(scope="module")
+def tiny_dream():
+    return load_model(tiny_model_path("tiny-dream"), dtype="float32")
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
 @pytest.mark.parametrize("mode, logit_bound, agreement", [("fp8", 0.12, 0.9), ("int8-weights", 0.02, 0.98)])
-def test_quantized_tiny_model_stays_close_to_the_original(tiny_model, mode, logit_bound, agreement):
-    tokens = jax.random.randint(jax.random.key(3), (2, 96), 0, tiny_model.config.vocab_size)
-    ref = forward(tiny_model.config, tiny_model.params, tokens)
-    config = dataclasses.replace(tiny_model.config, quantization=mode)
-    out = forward(config, quantize_params(tiny_model.params, mode), tokens)
+def test_quantized_tiny_model_stays_close_to_the_original(request, family, mode, logit_bound, agreement):
+    model = request.getfixturevalue("tiny_model" if family == "llada" else "tiny_dream")
+    tokens = jax.random.randint(jax.random.key(3), (2, 96), 0, model.config.vocab_size)
+    ref = forward(model.config, model.params, tokens)
+    config = dataclasses.replace(model.config, quantization=mode)
+    q = quantize_params(model.params, mode)
+    assert q["wte"]["qembedding"].dtype == jnp.int8
+    out = forward(config, q, tokens)
     assert rel(out, ref) < logit_bound
     assert float(jnp.mean(out.argmax(-1) == ref.argmax(-1))) >= agreement
 
@@ -214,6 +223,15 @@ def test_every_method_decodes_on_int8_weights_like_the_original(tiny_model, deco
     quantized = Engine(config, quantize_params(tiny_model.params, "int8-weights"), tiny_model.tokenizer)
     expected = [r.text for r in plain.generate(PROMPTS, DECODES[decode], chat=True).results]
     got = [r.text for r in quantized.generate(PROMPTS, DECODES[decode], chat=True).results]
+    assert sum(a == b for a, b in zip(got, expected)) >= 3, (got, expected)
+
+
+def test_the_tiny_dream_decodes_on_int8_weights_like_the_original(tiny_dream):
+    plain = Engine(tiny_dream.config, tiny_dream.params, tiny_dream.tokenizer)
+    config = dataclasses.replace(tiny_dream.config, quantization="int8-weights")
+    quantized = Engine(config, quantize_params(tiny_dream.params, "int8-weights"), tiny_dream.tokenizer)
+    expected = [r.text for r in plain.generate(PROMPTS, DECODES["flash_verify"], chat=True).results]
+    got = [r.text for r in quantized.generate(PROMPTS, DECODES["flash_verify"], chat=True).results]
     assert sum(a == b for a, b in zip(got, expected)) >= 3, (got, expected)
 
 
@@ -251,6 +269,8 @@ def test_quantized_weights_split_over_a_tensor_mesh_decode_the_same_tokens(livel
     assert [r.token_ids for r in sharded.results] == [r.token_ids for r in single.results]
     qkernel = sharded_engine.params["layers"]["q_proj"]["qkernel"]  # [NL, out, in]: split by output rows
     assert qkernel.addressable_shards[0].data.shape[1] == qkernel.shape[1] // 2
+    for leaf in ("qembedding", "scale"):  # the int8 table and its row scales: replicated, as the bf16 table is
+        assert sharded_engine.params["wte"][leaf].sharding.is_fully_replicated
 
 
 def test_a_converted_quantized_checkpoint_is_half_the_projections_and_loads_as_stored(tmp_path, tiny_tokenizer_dir):
