@@ -124,7 +124,9 @@ def quantize_on_device(params, quantization: str):
     one = jax.jit(quantize_kernel, static_argnums=1)
     layers = params["layers"]
     per_layer = layers if isinstance(layers, (list, tuple)) else [layers]
-    done = [{name: one(sub["kernel"], quantization) if "kernel" in sub and name in QUANTIZED else sub
+    # a projection's other leaves (Dream's q/k/v biases) stay, as in quantize_params
+    done = [{name: {**{k: v for k, v in sub.items() if k != "kernel"}, **one(sub["kernel"], quantization)}
+             if "kernel" in sub and name in QUANTIZED else sub
              for name, sub in lp.items()} for lp in per_layer]
     quantized = {**params, "layers": tuple(done) if isinstance(layers, (list, tuple)) else done[0]}
     if quantizes_embedding(quantization, weight_tying="lm_head" not in params):

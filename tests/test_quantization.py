@@ -3,7 +3,10 @@ plain references, the model and every decode method on quantized weights, the we
 LLaDA-8B's shape, conversion and loading, sharding."""
 
 import dataclasses
+import importlib.util
 import json
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +25,7 @@ from dllm_jax.checkpoint.errors import ConversionError
 from dllm_jax.errors import GenerationError
 from dllm_jax.loading import load_model
 from dllm_jax.memory_estimate import estimate_memory
-from dllm_jax.models import Transformer, abstract_params, forward, init_params, init_params_per_layer
+from dllm_jax.models import Transformer, abstract_params, forward, init_params, init_params_per_layer, unstack_layers
 from dllm_jax.quantization import (
     QUANTIZED_MODULES,
     compiler_options,
@@ -183,6 +186,22 @@ def test_8_bit_weights_of_the_full_size_models_fit_their_target_computed_without
     assert estimate_memory(config, num_slots=1, **shape).weights == total
 
 
+@pytest.mark.parametrize("make_config", [tiny_config, tiny_dream_config])
+def test_the_bench_quantizes_on_the_device_into_the_tree_quantize_params_builds(make_config, monkeypatch):
+    spec = importlib.util.spec_from_file_location("bench_script", Path(__file__).resolve().parent.parent / "scripts" / "bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)  # its dataclasses look their module up there
+    spec.loader.exec_module(bench)
+    params = init_params(make_config(dtype="bfloat16"), jax.random.key(0))
+    for layout in (params, unstack_layers(params)):
+        for mode in MODES:
+            got, expected = bench.quantize_on_device(layout, mode), quantize_params(layout, mode)
+            assert jax.tree.structure(got) == jax.tree.structure(expected)  # Dream's biases, the int8 embedding
+            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+                assert a.dtype == b.dtype
+                np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 @pytest.fixture(scope="module")
 def tiny_model():
     return load_model(tiny_model_path(), dtype="float32")
@@ -313,7 +332,6 @@ def test_a_converted_quantized_checkpoint_is_half_the_projections_and_loads_as_s
 
 def test_the_generate_command_line_loads_quantized_weights(tmp_path):
     import subprocess
-    import sys
 
     out = tmp_path / "answers.jsonl"
     run = subprocess.run(
