@@ -121,8 +121,9 @@ class ModelConfig:
       qkv_bias: the q/k/v projections add a bias (Dream).
       dtype: dtype of the weights and activations ("bfloat16" for serving, "float32" in tests);
         matmuls and attention accumulate in float32 either way.
-      quantization: "none", "fp8" or "int8-weights": 8-bit block projections
-        (dllm_jax.quantization); a load-time choice, not part of config.json.
+      quantization: "none", "fp8" or "int8-weights": 8-bit block projections and (unless
+        weight_tying) an int8 embedding (dllm_jax.quantization); a load-time choice, not part
+        of config.json.
     """
 
     d_model: int
