@@ -45,7 +45,8 @@ def convert_checkpoint(
         folder, in an existing writable folder. Checked before anything is read.
       dtype: dtype of the stored params; every tensor (F16, BF16 or F32) is cast to it.
       quantization: "none", or store the block projections as 8-bit weights with per-channel
-        scales ("fp8", "int8-weights"; dllm_jax.quantization): about half the size.
+        scales and the embedding as int8 with per-row scales ("fp8", "int8-weights";
+        dllm_jax.quantization): about half the size.
     Raises:
       ConversionError naming the file / tensor for any bad input, or ``out_dir`` for a write
       failure; nothing is left on disk (on KeyboardInterrupt too, as far as orbax's writer

@@ -129,7 +129,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="output folder (must not exist, or be empty)")
     parser.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="dtype of the stored params")
     parser.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
-                        help="store the block projections as 8-bit weights with per-channel scales (about half the size)")
+                        help="store the block projections as 8-bit weights with per-channel scales and the embedding "
+                             "as int8 with per-row scales (about half the size)")
     args = parser.parse_args(argv)
     tmp, published = None, False
     with _signals_raise():

@@ -18,7 +18,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from dllm_jax.quantization import QUANTIZATIONS
+from dllm_jax.quantization import QUANTIZATIONS, quantizes_embedding
 
 # Keys of a LLaDA config.json whose value must be exactly this for the model to be computed
 # the way dllm_jax computes it. Anything else is an option we do not implement.
@@ -121,8 +121,9 @@ class ModelConfig:
       qkv_bias: the q/k/v projections add a bias (Dream).
       dtype: dtype of the weights and activations ("bfloat16" for serving, "float32" in tests);
         matmuls and attention accumulate in float32 either way.
-      quantization: "none", "fp8" or "int8-weights": 8-bit block projections
-        (dllm_jax.quantization); a load-time choice, not part of config.json.
+      quantization: "none", "fp8" or "int8-weights": 8-bit block projections and (unless
+        weight_tying) an int8 embedding (dllm_jax.quantization); a load-time choice, not part
+        of config.json.
     """
 
     d_model: int
@@ -202,6 +203,25 @@ class ModelConfig:
         per_layer = attention + 3 * D * F + 2 * D
         head = 0 if self.weight_tying else V * D
         return self.n_layers * per_layer + V * D + D + head
+
+    def weight_bytes(self) -> int:
+        """Bytes of the params tree (dllm_jax.models), computed from the shapes (no allocation).
+
+        Every leaf is in the model dtype, except with quantization: each block projection's
+        weights take 1 byte plus a float32 scale per output channel, and an untied embedding
+        1 byte per entry plus a float32 scale per row (dllm_jax.quantization).
+        """
+        itemsize = self.jnp_dtype.itemsize
+        if self.quantization == "none":
+            return self.num_params() * itemsize
+        D, F, V, q = self.d_model, self.mlp_hidden_size, self.vocab_size, self.n_heads * self.head_dim
+        projections = [(D, q), (D, self.kv_dim), (D, self.kv_dim), (q, D), (D, F), (D, F), (F, D)]  # [in, out]
+        quantized = self.n_layers * sum(i * o for i, o in projections)
+        stored = self.n_layers * sum(i * o + 4 * o for i, o in projections)
+        if quantizes_embedding(self.quantization, self.weight_tying):
+            quantized += V * D
+            stored += V * D + 4 * V
+        return (self.num_params() - quantized) * itemsize + stored
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any], *, dtype: str = "bfloat16", source: str = "config.json") -> ModelConfig:

@@ -5,7 +5,8 @@ lower instead of an out-of-memory kill (exit 137, no message, possibly other pro
 
 The estimate is per device and deliberately simple: the terms that grow with the batch and the
 sequence, each counted as the decode loop materialises it:
-  weights      every parameter in the model dtype (split over the tensor axis);
+  weights      the params' bytes (ModelConfig.weight_bytes: 8-bit where quantized; split over
+               the tensor axis);
   cache        the flat K/V cache (dllm_jax.flat_cache.cache_bytes; split over data and tensor);
   activations  one layer of the largest full pass (layers run one at a time: inference keeps no
                layer's activations for later): ``lanes`` slots x max_len rows of the hidden
@@ -163,7 +164,7 @@ def estimate_memory(
         activations += lanes * heads * max_len * block_k * (4 + itemsize)
     logit_rows = shard_slots * num_candidates
     return MemoryEstimate(
-        weights=config.num_params() * itemsize // tensor,
+        weights=config.weight_bytes() // tensor,
         cache=cache_bytes(config, num_slots, max_len) // (data * tensor),
         activations=activations,
         logits=logit_rows * config.vocab_size * (_LOGITS_COPIES * itemsize + _SAMPLER_F32_COPIES * 4),

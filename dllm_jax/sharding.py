@@ -19,7 +19,8 @@ FLOPs at LLaDA-8B shapes, 7% of a dual-cache step, whose every recomputed row is
 candidate), while a vocabulary split would add an all-reduce of the embedded rows to every
 pass and a distributed softmax and argmax over the candidates' logits to every commit; the
 price is two vocab_size x d_model matrices on every device (about 1 GiB each at LLaDA-8B,
-bf16).
+bf16; with 8-bit weights the embedding is int8 with a scale per row, half that, and
+replicated the same way).
 
 What couples the slots (the request ring, the results ring, the loop condition, which
 full-pass variant runs) is small and replicated; GSPMD gathers the few per-slot values it

@@ -49,7 +49,9 @@ from dllm_jax.config import ModelConfig, dream_7b_config, llada_8b_config  # noq
 from dllm_jax.decode_config import DecodeConfig  # noqa: E402
 from dllm_jax.engine import Engine  # noqa: E402
 from dllm_jax.models import init_params, init_params_per_layer  # noqa: E402
-from dllm_jax.quantization import QUANTIZATIONS, QUANTIZED_MODULES as QUANTIZED, quantize_kernel, weight_bytes  # noqa: E402
+from dllm_jax.quantization import (  # noqa: E402
+    QUANTIZATIONS, QUANTIZED_MODULES as QUANTIZED, quantize_embedding, quantize_kernel, quantizes_embedding, weight_bytes,
+)
 from dllm_jax.sharding import parse_mesh  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -117,14 +119,19 @@ def decode_config(method: str, schedule: str, gen_length: int, slots: int) -> De
 
 
 def quantize_on_device(params, quantization: str):
-    """quantize_params one projection at a time on the device (a whole-tree float32 copy of
-    LLaDA-8B would not fit beside the bf16 weights)."""
+    """quantize_params one projection (and then the embedding) at a time on the device (a
+    whole-tree float32 copy of LLaDA-8B would not fit beside the bf16 weights)."""
     one = jax.jit(quantize_kernel, static_argnums=1)
     layers = params["layers"]
     per_layer = layers if isinstance(layers, (list, tuple)) else [layers]
-    done = [{name: one(sub["kernel"], quantization) if "kernel" in sub and name in QUANTIZED else sub
+    # a projection's other leaves (Dream's q/k/v biases) stay, as in quantize_params
+    done = [{name: {**{k: v for k, v in sub.items() if k != "kernel"}, **one(sub["kernel"], quantization)}
+             if "kernel" in sub and name in QUANTIZED else sub
              for name, sub in lp.items()} for lp in per_layer]
-    return {**params, "layers": tuple(done) if isinstance(layers, (list, tuple)) else done[0]}
+    quantized = {**params, "layers": tuple(done) if isinstance(layers, (list, tuple)) else done[0]}
+    if quantizes_embedding(quantization, weight_tying="lm_head" not in params):
+        quantized["wte"] = jax.jit(quantize_embedding)(params["wte"]["embedding"])
+    return quantized
 
 
 def measure_fp8_matmul(n: int, repeats: int) -> float:

@@ -178,7 +178,7 @@ def parse_args(argv):
     p.add_argument("--backend", choices=("auto", "xla", "pallas"), default="auto")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="default: float32 on CPU")
     p.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
-                   help="8-bit block projections (dllm_jax.quantization); compare with --baseline")
+                   help="8-bit block projections and int8 embedding (dllm_jax.quantization); compare with --baseline")
     p.add_argument("--baseline", type=Path, default=None,
                    help="an eval.json of the same problems (e.g. unquantized): adds each setting's accuracy change "
                         "and same-answer rate against it")

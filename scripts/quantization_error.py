@@ -1,5 +1,5 @@
-"""How far 8-bit weights move the model: per-layer weight error, per-layer output error and
-logit error against the unquantized model, for each quantization.
+"""How far 8-bit weights move the model: per-layer weight error, the embedding's error, per-layer
+output error and logit error against the unquantized model, for each quantization.
 
   python scripts/quantization_error.py                       # the embedded tiny model (CPU)
   python scripts/quantization_error.py --shape llada-8b      # random bf16 weights of LLaDA-8B's shape (GPU)
@@ -29,7 +29,7 @@ from dllm_jax.atomic_write import write_text_atomically  # noqa: E402
 from dllm_jax.config import llada_8b_config  # noqa: E402
 from dllm_jax.loading import load_model  # noqa: E402
 from dllm_jax.models import LLaDABlock, LLaDAModel, init_params_per_layer, unstack_layers  # noqa: E402
-from dllm_jax.quantization import QUANTIZED_MODULES, dequantize_kernel, quantize_params  # noqa: E402
+from dllm_jax.quantization import QUANTIZED_MODULES, dequantize_embedding, dequantize_kernel, quantize_params  # noqa: E402
 
 MODES = ("fp8", "int8-weights")
 
@@ -64,9 +64,20 @@ def measure(config, params, tokens) -> dict:
             {name: rel(dequantize_kernel(qlp[name]), lp[name]["kernel"]) for name in QUANTIZED_MODULES}
             for lp, qlp in zip(params["layers"], q_params["layers"])
         ]
+        # per row, as the lookup reads it: the table's relative error and the worst row's (None: a
+        # tied table, which stays unquantized)
+        table = params["wte"]["embedding"]
+        if "qembedding" in q_params["wte"]:
+            back = dequantize_embedding(q_params["wte"])
+            row_error = jnp.linalg.norm(back - table, axis=-1) / jnp.maximum(jnp.linalg.norm(table, axis=-1), 1e-30)
+            embedding_error = {"table": rel(back, table), "max_row": float(jnp.max(row_error))}
+            del back
+        else:
+            embedding_error = None
         outs, logits = layer_outputs(dataclasses.replace(config, quantization=mode), q_params, tokens)
         report[mode] = {
             "weight_rel_error": weight_error,
+            "embedding_rel_error": embedding_error,
             "layer_output_rel_error": [rel(o, r) for o, r in zip(outs, ref_outs)],
             "logits_rel_error": rel(logits, ref_logits),
             "argmax_agreement": float(jnp.mean(jnp.argmax(logits, -1) == jnp.argmax(ref_logits, -1))),
@@ -76,13 +87,17 @@ def measure(config, params, tokens) -> dict:
 
 
 def markdown(report: dict) -> str:
-    lines = ["| quantization | weight error (mean / max over projections) | layer output error: first / middle / last | logits error | argmax agreement |",
-             "|---|---|---|---|---|"]
+    lines = ["| quantization | weight error (mean / max over projections) | embedding error (table / worst row) | "
+             "layer output error: first / middle / last | logits error | argmax agreement |",
+             "|---|---|---|---|---|---|"]
     for mode in MODES:
         r = report[mode]
         w = [v for layer in r["weight_rel_error"] for v in layer.values()]
         out = r["layer_output_rel_error"]
-        lines.append(f"| {mode} | {np.mean(w):.2e} / {np.max(w):.2e} | {out[0]:.2e} / {out[len(out) // 2]:.2e} / {out[-1]:.2e} | "
+        e = r["embedding_rel_error"]
+        embedding = "tied: not quantized" if e is None else f"{e['table']:.2e} / {e['max_row']:.2e}"
+        lines.append(f"| {mode} | {np.mean(w):.2e} / {np.max(w):.2e} | {embedding} | "
+                     f"{out[0]:.2e} / {out[len(out) // 2]:.2e} / {out[-1]:.2e} | "
                      f"{r['logits_rel_error']:.2e} | {r['argmax_agreement']:.4f} |")
     return "\n".join(lines)
 

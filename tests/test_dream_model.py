@@ -242,8 +242,8 @@ def test_a_converted_dream_folder_loads_the_same_params(checkpoint, tmp_path):
 
 
 def test_8bit_dream_weights_keep_the_biases(checkpoint, tmp_path):
-    """A quantized Dream folder: the projections become qkernel/scale, the q/k/v biases stay,
-    and the logits stay close to the float32 model's."""
+    """A quantized Dream folder: the projections become qkernel/scale, the q/k/v biases stay, the
+    embedding is int8, and the logits stay close to the float32 model's."""
     from convert.conversion import convert_checkpoint
 
     out = convert_checkpoint(checkpoint, tmp_path / "int8", dtype="float32", quantization="int8-weights")
@@ -253,6 +253,7 @@ def test_8bit_dream_weights_keep_the_biases(checkpoint, tmp_path):
         leaf = quantized.params["layers"][name]
         assert set(leaf) == {"qkernel", "scale", "bias"}
         np.testing.assert_array_equal(np.asarray(leaf["bias"]), np.asarray(direct.params["layers"][name]["bias"]))
+    assert set(quantized.params["wte"]) == {"qembedding", "scale"} and quantized.params["wte"]["qembedding"].dtype == jnp.int8
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, direct.config.vocab_size, (1, 12)), jnp.int32)
     want = np.asarray(forward(direct.config, direct.params, tokens))
     got = np.asarray(forward(quantized.config, quantized.params, tokens))

@@ -163,7 +163,32 @@ def _restore_params(path: Path, config: ModelConfig, *, stored_dtype: str) -> Pa
                 path.absolute(), args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args)
             )
     except Exception as e:  # orbax / tensorstore report damaged files with many exception types
+        difference = _tree_difference(path, abstract)
+        if difference:
+            raise ConversionError(
+                f"{path}: the stored params are not the tree this dllm_jax builds for quantization="
+                f"{config.quantization!r} ({difference}): convert the original checkpoint again"
+            ) from None
         raise ConversionError(f"{path}: cannot restore the params ({root_cause(e)})") from None
+
+
+def _tree_difference(path: Path, expected: Params) -> str | None:
+    """'missing wte/qembedding; not expected wte/embedding' when the leaf names of the checkpoint
+    at ``path`` differ from ``expected``'s (e.g. an 8-bit checkpoint written before the
+    embedding was stored in int8); None when they match or the stored names cannot be read."""
+    try:
+        with quiet_logs(), ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
+            stored = checkpointer.metadata(path.absolute()).item_metadata.tree
+    except Exception:  # noqa: BLE001 - only an explanation of an error already being raised
+        return None
+
+    def names(tree) -> set[str]:
+        return {"/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in keys)
+                for keys, _ in jax.tree_util.tree_leaves_with_path(tree)}
+
+    missing, extra = sorted(names(expected) - names(stored)), sorted(names(stored) - names(expected))
+    parts = [f"missing {', '.join(missing)}"] * bool(missing) + [f"not expected {', '.join(extra)}"] * bool(extra)
+    return "; ".join(parts) or None
 
 
 def root_cause(error: BaseException, limit: int = 300) -> str:

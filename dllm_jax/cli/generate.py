@@ -130,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--dtype", choices=("bfloat16", "float32"),
                      help="params dtype; default: float32 on the CPU, bfloat16 on accelerators")
     run.add_argument("--quantization", choices=QUANTIZATIONS,
-                     help="8-bit block projections (fp8: W8A8, int8-weights: weight-only); default: as the "
+                     help="8-bit block projections and an int8 embedding (fp8: W8A8, int8-weights: weight-only); default: as the "
                           "checkpoint stores them (none for a Hugging Face folder)")
     run.add_argument("--batch-invariant", action="store_true",
                      help="answers independent of the batch (and, with XLA's deterministic ops, of the run); slower")

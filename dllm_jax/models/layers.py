@@ -1,4 +1,5 @@
-"""Building blocks shared by the model families: a float32-accumulating Linear, RMSNorm, SwiGLU.
+"""Building blocks shared by the model families: the token embedding, a float32-accumulating
+Linear, RMSNorm, SwiGLU.
 
 Attention lives in pallas_kernels.reference.attention (dense, masked) and
 dllm_jax.cached_forward (over the flat cache); RoPE in pallas_kernels.reference.rope.
@@ -12,10 +13,42 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from dllm_jax.quantization import quantized_matmul, weight_dtype
+from dllm_jax.quantization import embedding_rows, quantized_matmul, weight_dtype
 from pallas_kernels.reference.rms_norm import rms_norm
 
 INIT = nn.initializers.normal(stddev=0.02)
+
+
+class Embedding(nn.Module):
+    """The token embedding table [V, D]: int tokens [...] -> rows [..., D] in dtype.
+
+    Plain: ``embedding`` [V, D] in dtype (flax's nn.Embed: the same param, the same numbers).
+    Quantized (dllm_jax.quantization): ``qembedding`` int8 [V, D] and ``scale`` float32 [V],
+    and only the gathered rows are dequantized.
+    """
+
+    num_embeddings: int
+    features: int
+    dtype: Any
+    quantized: bool = False
+
+    def setup(self):
+        shape = (self.num_embeddings, self.features)
+        if self.quantized:
+            self.qembedding = self.param("qembedding", nn.initializers.zeros, shape, jnp.int8)
+            self.scale = self.param("scale", nn.initializers.ones, shape[:1], jnp.float32)
+        else:
+            self.embedding = self.param("embedding", INIT, shape, self.dtype)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        if self.quantized:
+            return embedding_rows(self.qembedding, self.scale, tokens, self.dtype)
+        return jnp.take(self.embedding, tokens, axis=0)
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        """x [..., D] @ the table's transpose -> [..., V] in dtype: a tied LM head (whose table
+        is never quantized)."""
+        return jnp.dot(x.astype(self.dtype), self.embedding.T)
 
 
 class Linear(nn.Module):

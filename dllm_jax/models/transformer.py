@@ -26,7 +26,9 @@ Parameter tree (``params`` collection), the same names for every family::
   lm_head/kernel              [D, V]  (absent when weight_tying)
 
 With config.quantization set, each of the seven block projections holds ``qkernel`` [NL, out, in]
-(8-bit) and ``scale`` [NL, out] instead of ``kernel`` (dllm_jax.quantization); biases stay.
+(8-bit) and ``scale`` [NL, out] instead of ``kernel``, and (unless weight_tying) wte holds
+``qembedding`` [V, D] (int8) and ``scale`` [V] instead of ``embedding`` (dllm_jax.quantization);
+biases stay.
 """
 
 from __future__ import annotations
@@ -39,8 +41,8 @@ import jax
 import jax.numpy as jnp
 
 from dllm_jax.config import ModelConfig
-from dllm_jax.models.layers import INIT, Linear, RMSNorm, swiglu
-from dllm_jax.quantization import quantize_params
+from dllm_jax.models.layers import Embedding, Linear, RMSNorm, swiglu
+from dllm_jax.quantization import quantize_params, quantizes_embedding
 from pallas_kernels.reference.attention import dense_attention
 from pallas_kernels.reference.rope import apply_rope, rope_cos_sin
 
@@ -110,7 +112,7 @@ class Transformer(nn.Module):
     def setup(self):
         c = self.config
         dt = c.jnp_dtype
-        self.wte = nn.Embed(c.vocab_size, c.d_model, dtype=dt, param_dtype=dt, embedding_init=INIT)
+        self.wte = Embedding(c.vocab_size, c.d_model, dt, quantized=quantizes_embedding(c.quantization, c.weight_tying))
         self.layers = nn.scan(
             Block,
             variable_axes={"params": 0},

@@ -60,7 +60,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="seconds running requests may finish after SIGTERM (default 30)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), help="default: float32 on the CPU, else bfloat16")
     p.add_argument("--quantization", choices=QUANTIZATIONS,
-                   help="8-bit block projections (fp8: W8A8, int8-weights: weight-only); default: as the checkpoint stores them")
+                   help="8-bit block projections and an int8 embedding (fp8: W8A8, int8-weights: weight-only); "
+                        "default: as the checkpoint stores them")
     p.add_argument("--backend", choices=("auto", "xla", "pallas"), default="auto", help="kernels (default auto)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="answers independent of the load (and, with XLA's deterministic ops, of the run); slower")
