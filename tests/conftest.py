@@ -22,9 +22,18 @@ jax.config.update("jax_num_cpu_devices", 4)
 # loops as before; programs compiled in under a second (jax's default threshold) are not stored.
 # Set before the first compilation (JAX decides once whether the cache is used). Subprocesses
 # do not inherit it, so a server's count of compilations after its warm-up stays a real one.
-_COMPILATION_CACHE = tempfile.mkdtemp(prefix="dllm-tests-xla-cache-")
-atexit.register(shutil.rmtree, _COMPILATION_CACHE, ignore_errors=True)
-jax.config.update("jax_compilation_cache_dir", _COMPILATION_CACHE)
+# Once per process: this module runs a second time as tests.conftest when a test imports it.
+if jax.config.jax_compilation_cache_dir is None:
+    _cache = tempfile.mkdtemp(prefix="dllm-tests-xla-cache-")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    jax.config.update("jax_compilation_cache_dir", _cache)
+
+
+def compilation_cache_env() -> dict[str, str]:
+    """The environment that gives a script's subprocess this process's compilation cache: for
+    scripts whose checks do not count or time compilations (a bench's compile_s stays > 0).
+    The test waits for the script, so the two never write the cache at the same time."""
+    return {"JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir}
 
 from dllm_jax.config import ModelConfig
 from dllm_jax.models import init_params
