@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.conftest import compilation_cache_env
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -13,7 +15,7 @@ def test_bench_tiny_reports_steps_and_comparisons(tmp_path):
         [sys.executable, str(ROOT / "scripts" / "bench.py"), "--tiny", "--out", str(tmp_path), "--schedules", "one",
          "--slots", "1", "2", "--iterations", "2", "--repeats", "2"],
         capture_output=True, text=True, stdin=subprocess.DEVNULL, cwd=ROOT,
-        env={"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
+        env={"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", **compilation_cache_env()},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((tmp_path / "bench.json").read_text())
@@ -44,7 +46,7 @@ def test_bench_gemm_tiny_times_every_variant_and_the_int8_kernel_tilings(tmp_pat
         [sys.executable, str(ROOT / "scripts" / "bench_gemm.py"), "--tiny", "--rows", "24", "--sweep",
          "--variants", "fp8", "fp8 f32 product", "int8 xla", "int8 pallas", "--out", str(tmp_path)],
         capture_output=True, text=True, stdin=subprocess.DEVNULL, cwd=ROOT,
-        env={"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
+        env={"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", **compilation_cache_env()},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads((tmp_path / "bench_gemm.json").read_text())["results"]
@@ -65,7 +67,7 @@ def test_bench_tiny_runs_both_families_in_one_report(tmp_path):
          "--out", str(tmp_path), "--schedules", "one", "--methods", "flash_cache", "--slots", "1",
          "--iterations", "2", "--repeats", "1", "--ceiling-repeats", "1"],
         capture_output=True, text=True, stdin=subprocess.DEVNULL, cwd=ROOT,
-        env={"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
+        env={"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", **compilation_cache_env()},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((tmp_path / "bench.json").read_text())

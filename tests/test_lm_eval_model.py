@@ -27,6 +27,7 @@ from dllm_jax.evaluation.mc_loglikelihood import MonteCarloLoglikelihood
 from dllm_jax.evaluation.model_args import ModelArgsError, parse_model_args
 from dllm_jax.evaluation.tiny_task_files import GEN_TASK, MC_TASK, write_tiny_tasks
 from dllm_jax.models import forward, predictions
+from tests.conftest import compilation_cache_env
 
 ROOT = Path(__file__).resolve().parent.parent
 PROBLEMS = 16
@@ -120,6 +121,7 @@ def test_lm_eval_command_line_scores_what_eval_script_scores(flash_script, task_
          "--tasks", GEN_TASK, "--include_path", str(task_dir), "--apply_chat_template",
          "--output_path", str(tmp_path / "out")],
         capture_output=True, text=True, stdin=subprocess.DEVNULL, cwd=ROOT, timeout=600,
+        env={**os.environ, **compilation_cache_env()},  # the loop flash_lm compiled is read back
     )
     assert result.returncode == 0, result.stderr[-3000:]
     (path,) = (tmp_path / "out").rglob("results*.json")

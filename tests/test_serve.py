@@ -90,6 +90,11 @@ def wait_until_idle(server, timeout: float = 30.0) -> dict[str, float]:
         time.sleep(0.1)
 
 
+def answered_total(m: dict[str, float]) -> float:
+    """Requests answered, summed over finish reasons."""
+    return sum(v for k, v in m.items() if k.startswith("dllm_requests_total{"))
+
+
 def test_openai_client_chat_stream_equals_answer_equals_engine(server, client, engine):
     """Sampled (temperature 0.8, seed 3) and cut at a stop string: the stream, the answer and
     Engine.generate agree on the text and the counts."""
@@ -202,6 +207,7 @@ def test_64_requests_from_16_clients_each_answered_once_as_alone(server, engine)
                     text += (c["delta"].get("content") or "") if a["chat"] else c["text"]
         return text
 
+    answered_before = answered_total(wait_until_idle(server))
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         answers = list(pool.map(ask, asks))
 
@@ -218,6 +224,7 @@ def test_64_requests_from_16_clients_each_answered_once_as_alone(server, engine)
     assert not mismatches, mismatches[:3]
     m = wait_until_idle(server)
     assert m["dllm_requests_running"] == 0 and m["dllm_slots_busy"] == 0
+    assert answered_total(m) - answered_before == len(asks)
 
 
 def chat_body(content: str, **extra) -> dict:
@@ -263,13 +270,15 @@ def test_full_queue_answers_429_and_serves_the_rest(server):
             body = {"model": MODEL, "prompt": "sort: 4 2", "max_tokens": 8, "dllm": SLOW}
             return await asyncio.gather(*[http.post(f"{server.url}/v1/completions", json=body) for _ in range(30)])
 
+    full = 'dllm_errors_total{kind="queue_full"}'
+    before = server.metrics(KEY).get(full, 0.0)
     responses = asyncio.run(flood())
     codes = [r.status_code for r in responses]
     assert set(codes) == {200, 429}, codes
     assert codes.count(200) >= MAX_WAITING
     rejected = next(r for r in responses if r.status_code == 429).json()["error"]
     assert rejected["type"] == "rate_limit_error" and str(MAX_WAITING) in rejected["message"]
-    wait_until_idle(server)
+    assert wait_until_idle(server)[full] - before == codes.count(429)
 
 
 @pytest.mark.parametrize(
@@ -317,14 +326,25 @@ def test_api_key_is_required_everywhere_but_health(server):
     assert [m.id for m in models.data] == [MODEL]
 
 
-def test_metrics_report_the_work_done_and_no_compilation_while_serving(server):
-    m = server.metrics(KEY)
-    answered = sum(v for k, v in m.items() if k.startswith("dllm_requests_total{"))
-    assert answered >= 64 + 8, m
-    assert m["dllm_tokens_generated_total"] > 0 and m["dllm_steps_total"] > 0
-    assert m["dllm_warmup_seconds"] > 0 and m["dllm_slots_total"] == SLOTS
-    assert m["dllm_compilations_after_warmup"] == 0, server.log()[-3000:]
-    assert m['dllm_errors_total{kind="queue_full"}'] >= 1
+def test_metrics_count_the_work_of_each_request_and_no_compilation_while_serving(server, client):
+    """Counted from this test's own requests (a difference of two scrapes): it holds in any order."""
+    before = wait_until_idle(server)
+    answers = [client.completions.create(model=MODEL, prompt="sort: 3 1 2"),
+               client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "sort: 9 8"}])]
+    after = wait_until_idle(server)
+
+    def added(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert answered_total(after) - answered_total(before) == len(answers), (before, after)
+    for reason in {a.choices[0].finish_reason for a in answers}:
+        expected = sum(a.choices[0].finish_reason == reason for a in answers)
+        assert added(f'dllm_requests_total{{finish_reason="{reason}"}}') == expected, reason
+    assert added("dllm_tokens_generated_total") == sum(a.usage.completion_tokens for a in answers) > 0
+    assert added("dllm_prompt_tokens_total") == sum(a.usage.prompt_tokens for a in answers) > 0
+    assert added("dllm_steps_total") == sum(a.model_extra["dllm"]["steps"] for a in answers) > 0
+    assert after["dllm_warmup_seconds"] > 0 and after["dllm_slots_total"] == SLOTS
+    assert after["dllm_compilations_after_warmup"] == 0, server.log()[-3000:]
 
 
 def test_sigterm_lets_a_running_stream_finish_then_exits(server):
