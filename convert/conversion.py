@@ -19,15 +19,15 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from convert.output_folder import check_output_folder, make_temporary, publish, remove
-from dllm_jax.checkpoint.converted import PARAMS_DIR, move_to_jax, root_cause, save_params, write_metadata
-from dllm_jax.checkpoint.dtypes import DTYPES, QUANTIZATIONS
-from dllm_jax.checkpoint.errors import ConversionError
-from dllm_jax.checkpoint.hf_reader import read_checkpoint, read_config
-from dllm_jax.checkpoint.tensor_names import leaf_shape, rules_for
-from dllm_jax.config import ModelConfig
-from dllm_jax.memory_estimate import host_memory
-from dllm_jax.quantization import quantize_params
-from dllm_jax.tokenizer import TOKENIZER_FILES
+from dllm_jax.models.checkpoint.converted import PARAMS_DIR, move_to_jax, root_cause, save_params, write_metadata
+from dllm_jax.models.checkpoint.dtypes import DTYPES, QUANTIZATIONS
+from dllm_jax.models.checkpoint.errors import ConversionError
+from dllm_jax.models.checkpoint.hf_reader import read_checkpoint, read_config
+from dllm_jax.models.checkpoint.tensor_names import leaf_shape, rules_for
+from dllm_jax.models.config import ModelConfig
+from dllm_jax.runtime.memory_estimate import host_memory
+from dllm_jax.models.quantization import quantize_params
+from dllm_jax.text.tokenizer import TOKENIZER_FILES
 
 # Room for the metadata and tokenizer files beside the params.
 _SLACK_BYTES = 64 * 2**20
@@ -46,7 +46,7 @@ def convert_checkpoint(
       dtype: dtype of the stored params; every tensor (F16, BF16 or F32) is cast to it.
       quantization: "none", or store the block projections as 8-bit weights with per-channel
         scales and the embedding as int8 with per-row scales ("fp8", "int8-weights";
-        dllm_jax.quantization): about half the size.
+        dllm_jax.models.quantization): about half the size.
     Raises:
       ConversionError naming the file / tensor for any bad input, or ``out_dir`` for a write
       failure; nothing is left on disk (on KeyboardInterrupt too, as far as orbax's writer

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import convert
 from convert.output_folder import check_output_folder, make_temporary, publish, remove
-from dllm_jax.checkpoint.dtypes import DTYPES, QUANTIZATIONS
-from dllm_jax.checkpoint.errors import ConversionError
+from dllm_jax.models.checkpoint.dtypes import DTYPES, QUANTIZATIONS
+from dllm_jax.models.checkpoint.errors import ConversionError
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 

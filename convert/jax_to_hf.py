@@ -17,10 +17,10 @@ import jax
 import numpy as np
 from safetensors.numpy import save_file
 
-from dllm_jax.checkpoint.tensor_names import leaf_shape, tensor_entries
-from dllm_jax.config import ModelConfig
-from dllm_jax.models import Params
-from dllm_jax.tokenizer import TOKENIZER_FILES
+from dllm_jax.models.checkpoint.tensor_names import leaf_shape, tensor_entries
+from dllm_jax.models.config import ModelConfig
+from dllm_jax.models.transformer import Params
+from dllm_jax.text.tokenizer import TOKENIZER_FILES
 
 
 def _leaf(params: Params, path: tuple[str, ...]) -> jax.Array:

@@ -12,7 +12,7 @@ import secrets
 import shutil
 from pathlib import Path
 
-from dllm_jax.checkpoint.errors import ConversionError
+from dllm_jax.models.checkpoint.errors import ConversionError
 
 
 def check_output_folder(out: str | Path) -> Path:

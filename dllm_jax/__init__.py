@@ -10,7 +10,7 @@ Glossary:
   sparse pass only the policy's query rows are recomputed over the flat K/V cache.
   slot        one row of the batch; continuous batching refills a finished slot.
   logits      the output row of position i - logit_shift predicts token i: the same row for
-              LLaDA (shift 0), the row before for Dream (shift 1); dllm_jax.logit_alignment.
+              LLaDA (shift 0), the row before for Dream (shift 1); dllm_jax.models.logit_alignment.
 
 Library use:
   from dllm_jax import DecodeConfig, Engine, SamplingParams
@@ -24,33 +24,33 @@ import importlib
 from typing import TYPE_CHECKING
 
 # Exports are imported on first use, so that importing a light submodule (the converter's
-# command line reads dllm_jax.checkpoint.dtypes and .errors) does not import jax.
+# command line reads dllm_jax.models.checkpoint.dtypes and .errors) does not import jax.
 _EXPORTS = {
-    "ConfigError": "dllm_jax.config",
-    "ModelConfig": "dllm_jax.config",
-    "dream_7b_config": "dllm_jax.config",
-    "llada_8b_config": "dllm_jax.config",
-    "ConversionError": "dllm_jax.checkpoint.errors",
-    "deterministic_xla_flags": "dllm_jax.batch_invariance",
-    "DecodeConfig": "dllm_jax.decode_config",
-    "DecodeConfigError": "dllm_jax.decode_config",
-    "Engine": "dllm_jax.engine",
-    "GenerationOutput": "dllm_jax.engine",
-    "GenerationResult": "dllm_jax.engine",
-    "GenerationStats": "dllm_jax.engine",
-    "GenerationError": "dllm_jax.errors",
-    "SamplingParamsError": "dllm_jax.errors",
-    "LoadedModel": "dllm_jax.loading",
-    "ModelNotFoundError": "dllm_jax.loading",
-    "InsufficientMemoryError": "dllm_jax.memory_estimate",
-    "default_dtype": "dllm_jax.loading",
-    "load_model": "dllm_jax.loading",
-    "SamplingParams": "dllm_jax.sampling_params",
-    "GenerationSession": "dllm_jax.session",
-    "RequestUpdate": "dllm_jax.session",
-    "StepCommits": "dllm_jax.session",
-    "Tokenizer": "dllm_jax.tokenizer",
-    "TokenizerError": "dllm_jax.tokenizer",
+    "ConfigError": "dllm_jax.models.config",
+    "ModelConfig": "dllm_jax.models.config",
+    "dream_7b_config": "dllm_jax.models.config",
+    "llada_8b_config": "dllm_jax.models.config",
+    "ConversionError": "dllm_jax.models.checkpoint.errors",
+    "deterministic_xla_flags": "dllm_jax.runtime.batch_invariance",
+    "DecodeConfig": "dllm_jax.runtime.decode_config",
+    "DecodeConfigError": "dllm_jax.runtime.decode_config",
+    "Engine": "dllm_jax.engine.engine",
+    "GenerationOutput": "dllm_jax.engine.engine",
+    "GenerationResult": "dllm_jax.engine.engine",
+    "GenerationStats": "dllm_jax.engine.engine",
+    "GenerationError": "dllm_jax.common.errors",
+    "SamplingParamsError": "dllm_jax.common.errors",
+    "LoadedModel": "dllm_jax.models.loading",
+    "ModelNotFoundError": "dllm_jax.models.loading",
+    "InsufficientMemoryError": "dllm_jax.runtime.memory_estimate",
+    "default_dtype": "dllm_jax.models.loading",
+    "load_model": "dllm_jax.models.loading",
+    "SamplingParams": "dllm_jax.sampling.params",
+    "GenerationSession": "dllm_jax.engine.session",
+    "RequestUpdate": "dllm_jax.engine.session",
+    "StepCommits": "dllm_jax.engine.session",
+    "Tokenizer": "dllm_jax.text.tokenizer",
+    "TokenizerError": "dllm_jax.text.tokenizer",
 }
 __all__ = sorted(_EXPORTS)
 
@@ -68,14 +68,14 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from dllm_jax.batch_invariance import deterministic_xla_flags
-    from dllm_jax.checkpoint.errors import ConversionError
-    from dllm_jax.config import ConfigError, ModelConfig, dream_7b_config, llada_8b_config
-    from dllm_jax.decode_config import DecodeConfig, DecodeConfigError
-    from dllm_jax.engine import Engine, GenerationOutput, GenerationResult, GenerationStats
-    from dllm_jax.errors import GenerationError, SamplingParamsError
-    from dllm_jax.loading import LoadedModel, ModelNotFoundError, default_dtype, load_model
-    from dllm_jax.memory_estimate import InsufficientMemoryError
-    from dllm_jax.sampling_params import SamplingParams
-    from dllm_jax.session import GenerationSession, RequestUpdate, StepCommits
-    from dllm_jax.tokenizer import Tokenizer, TokenizerError
+    from dllm_jax.runtime.batch_invariance import deterministic_xla_flags
+    from dllm_jax.models.checkpoint.errors import ConversionError
+    from dllm_jax.models.config import ConfigError, ModelConfig, dream_7b_config, llada_8b_config
+    from dllm_jax.runtime.decode_config import DecodeConfig, DecodeConfigError
+    from dllm_jax.engine.engine import Engine, GenerationOutput, GenerationResult, GenerationStats
+    from dllm_jax.common.errors import GenerationError, SamplingParamsError
+    from dllm_jax.models.loading import LoadedModel, ModelNotFoundError, default_dtype, load_model
+    from dllm_jax.runtime.memory_estimate import InsufficientMemoryError
+    from dllm_jax.sampling.params import SamplingParams
+    from dllm_jax.engine.session import GenerationSession, RequestUpdate, StepCommits
+    from dllm_jax.text.tokenizer import Tokenizer, TokenizerError

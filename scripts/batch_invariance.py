@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 # XLA reads its flags once, when the backend starts: the deterministic ones go in first.
 if "--batch-invariant" in sys.argv:
-    from dllm_jax.batch_invariance import deterministic_xla_flags  # noqa: E402 (imports no JAX backend)
+    from dllm_jax.runtime.batch_invariance import deterministic_xla_flags  # noqa: E402 (imports no JAX backend)
 
     os.environ["XLA_FLAGS"] = deterministic_xla_flags()
 
@@ -47,12 +47,12 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from dllm_jax import tiny_tasks  # noqa: E402
-from dllm_jax.atomic_write import write_text_atomically  # noqa: E402
-from dllm_jax.batch_invariance import LAYER_TAP_ORDER  # noqa: E402
-from dllm_jax.decode_config import DecodeConfig  # noqa: E402
-from dllm_jax.engine import CompiledLoop, Engine  # noqa: E402
-from dllm_jax.models import init_params  # noqa: E402
+from dllm_jax.evaluation import tiny_tasks  # noqa: E402
+from dllm_jax.common.atomic_write import write_text_atomically  # noqa: E402
+from dllm_jax.runtime.batch_invariance import LAYER_TAP_ORDER  # noqa: E402
+from dllm_jax.runtime.decode_config import DecodeConfig  # noqa: E402
+from dllm_jax.engine.engine import CompiledLoop, Engine  # noqa: E402
+from dllm_jax.models.transformer import init_params  # noqa: E402
 
 METHODS = ("llada", "fast_dllm", "flash_cache", "flash_verify")
 
@@ -321,7 +321,7 @@ def markdown(report: dict) -> str:
 def build_leak_engine(args) -> tuple[Engine, str]:
     kwargs = dict(backend=args.backend, batch_invariant=args.batch_invariant)
     if args.model_shape == "tiny":
-        from dllm_jax.assets import tiny_model_path
+        from dllm_jax.models.embedded import tiny_model_path
 
         return Engine.from_pretrained(str(tiny_model_path()), dtype=args.dtype, **kwargs), "the embedded tiny model"
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -392,7 +392,7 @@ def main(argv=None) -> int:
             args.methods = args.methods_all
             del engine
         if "problems" in args.what:
-            from dllm_jax.assets import tiny_model_path
+            from dllm_jax.models.embedded import tiny_model_path
 
             engine = Engine.from_pretrained(str(tiny_model_path()), dtype=args.dtype, backend=args.backend,
                                             batch_invariant=args.batch_invariant)

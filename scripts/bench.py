@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 # --batch-invariant: XLA reads its (deterministic) flags once, when the backend starts
 if "--batch-invariant" in sys.argv:
-    from dllm_jax.batch_invariance import deterministic_xla_flags  # noqa: E402
+    from dllm_jax.runtime.batch_invariance import deterministic_xla_flags  # noqa: E402
 
     os.environ["XLA_FLAGS"] = deterministic_xla_flags()
 
@@ -44,15 +44,15 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from dllm_jax.atomic_write import write_text_atomically  # noqa: E402
-from dllm_jax.config import ModelConfig, dream_7b_config, llada_8b_config  # noqa: E402
-from dllm_jax.decode_config import DecodeConfig  # noqa: E402
-from dllm_jax.engine import Engine  # noqa: E402
-from dllm_jax.models import init_params, init_params_per_layer  # noqa: E402
-from dllm_jax.quantization import (  # noqa: E402
+from dllm_jax.common.atomic_write import write_text_atomically  # noqa: E402
+from dllm_jax.models.config import ModelConfig, dream_7b_config, llada_8b_config  # noqa: E402
+from dllm_jax.runtime.decode_config import DecodeConfig  # noqa: E402
+from dllm_jax.engine.engine import Engine  # noqa: E402
+from dllm_jax.models.transformer import init_params, init_params_per_layer  # noqa: E402
+from dllm_jax.models.quantization import (  # noqa: E402
     QUANTIZATIONS, QUANTIZED_MODULES as QUANTIZED, quantize_embedding, quantize_kernel, quantizes_embedding, weight_bytes,
 )
-from dllm_jax.sharding import parse_mesh  # noqa: E402
+from dllm_jax.runtime.sharding import parse_mesh  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import Shapes, measure_ceilings, time_chain  # noqa: E402
@@ -81,7 +81,7 @@ def model_config(model: str, tiny: bool, dtype: str | None = None) -> ModelConfi
 
 def sparse_rows_per_slot(policy, config: ModelConfig, key_len: int) -> int:
     """Query rows of a sparse step: the policy's, plus the candidates' predictor rows for a
-    model with shifted logits (dllm_jax.logit_alignment)."""
+    model with shifted logits (dllm_jax.models.logit_alignment)."""
     extra = policy.num_candidates if config.logit_shift else 0
     return min(policy.num_sparse_rows, key_len) + extra
 
@@ -136,7 +136,7 @@ def quantize_on_device(params, quantization: str):
 
 def measure_fp8_matmul(n: int, repeats: int) -> float:
     """FP8 (e4m3 x e4m3 -> f32) matmul rate in FLOP/s at n x n x n, as the quantized projections
-    call it (dllm_jax.quantization.quantized_matmul without the scales)."""
+    call it (dllm_jax.models.quantization.quantized_matmul without the scales)."""
     a, b = jax.random.normal(jax.random.key(1), (2, n, n), jnp.float32)
     a, b = a.astype(jnp.float8_e4m3fn), (b / n**0.5).astype(jnp.float8_e4m3fn)
     contract = (((1,), (1,)), ((), ()))
@@ -468,7 +468,7 @@ def parse_args(argv):
     p.add_argument("--backends", nargs="+", choices=("auto", "xla", "pallas"), default=None)
     p.add_argument("--mesh", default=None, help='decode over several devices, e.g. "data=2" or "tensor=2"')
     p.add_argument("--quantizations", nargs="+", choices=QUANTIZATIONS, default=["none"],
-                   help="weight formats to run (dllm_jax.quantization); 8-bit ones are made from the bf16 weights")
+                   help="weight formats to run (dllm_jax.models.quantization); 8-bit ones are made from the bf16 weights")
     p.add_argument("--layers", choices=("stacked", "per_layer"), default="per_layer",
                    help="weights stacked (layer loop scanned) or one array per layer (loop unrolled)")
     p.add_argument("--slots", nargs="+", type=int, default=None)
@@ -482,9 +482,9 @@ def parse_args(argv):
     p.add_argument("--ceiling-repeats", type=int, default=10)
     p.add_argument("--compiler-options", type=json.loads, default=None,
                    help='XLA options of the decode loops as JSON, e.g. \'{"xla_gpu_enable_triton_gemm": true}\' '
-                        "(default: the quantization's own, dllm_jax.quantization.compiler_options; {} = XLA's defaults)")
+                        "(default: the quantization's own, dllm_jax.models.quantization.compiler_options; {} = XLA's defaults)")
     p.add_argument("--batch-invariant", action="store_true",
-                   help="the engine's batch-invariant mode (dllm_jax.batch_invariance; sets XLA's deterministic flags)")
+                   help="the engine's batch-invariant mode (dllm_jax.runtime.batch_invariance; sets XLA's deterministic flags)")
     p.add_argument("--budget-s", type=float, default=None, help="skip runs once this much time has passed")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
     opts = p.parse_args(argv)
@@ -499,7 +499,7 @@ def parse_args(argv):
 
 def reanalyse(path: Path) -> int:
     """Floors and tables of a recorded report, recomputed with this script's formulas."""
-    from dllm_jax.models import abstract_params
+    from dllm_jax.models.transformer import abstract_params
 
     report = json.loads(path.read_text())
     tiny = report["model"] == "tiny" or report.get("tiny", False)

@@ -3,14 +3,14 @@
 For each projection shape of LLaDA-8B ([in, out] = q/k/v/o 4096 x 4096, gate/up 4096 x 12288,
 down 12288 x 4096) and each row count (1, 8 and 32 slots x 128 rows), times against the bf16
 ``jnp.dot``:
-  fp8          dllm_jax.quantization.quantized_matmul (the engine's W8A8: per-row activation
+  fp8          dllm_jax.models.quantization.quantized_matmul (the engine's W8A8: per-row activation
                abs-max and convert, one FP8 GEMM, the scales on the product);
   fp8 f32 product  the same with a float32 GEMM product, scaled and rounded after (the
                engine's path before the GEMM wrote bf16 itself);
   fp8 dot      the FP8 GEMM on activations already in e4m3 (no abs-max), so the difference to
                "fp8" is what the activation quantization costs per projection;
   int8 xla     quantized_matmul's XLA path (int8 weights converted inside XLA's GEMM);
-  int8 pallas  the Pallas kernel pallas_kernels.int8_matmul at its default tiling (what
+  int8 pallas  the Pallas kernel pallas_kernels.matmul.int8_matmul at its default tiling (what
                quantized_matmul's "auto" runs on NVIDIA GPUs up to INT8_KERNEL_MAX_ROWS rows,
                0 since it measured slower than "int8 xla");
   with --sweep, the kernel at each tiling of SWEEP that fits.
@@ -38,11 +38,11 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from dllm_jax.atomic_write import write_text_atomically  # noqa: E402
-from dllm_jax.kernel_backend import on_nvidia_gpu  # noqa: E402
-from dllm_jax.quantization import quantize_kernel, quantized_matmul  # noqa: E402
-from pallas_kernels._common import next_power_of_two  # noqa: E402
-from pallas_kernels.int8_matmul import Int8MatmulBlockSizes, int8_weight_matmul, supports  # noqa: E402
+from dllm_jax.common.atomic_write import write_text_atomically  # noqa: E402
+from dllm_jax.common.platform import on_nvidia_gpu  # noqa: E402
+from dllm_jax.models.quantization import quantize_kernel, quantized_matmul  # noqa: E402
+from pallas_kernels.common import next_power_of_two  # noqa: E402
+from pallas_kernels.matmul.int8_matmul import Int8MatmulBlockSizes, int8_weight_matmul, supports  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import rel_l2, time_chain  # noqa: E402

@@ -6,7 +6,7 @@
 For each projection shape of one LLaDA-8B layer (q/k/v/out: 4096 x 4096, gate/up: 4096 x
 12288, down: 12288 x 4096) at M = 128 rows per slot x 1/8/32 slots, and the LM head (4096 x
 126464) at 16 rows per slot, it times XLA's dot (cuBLAS or XLA's GEMM fusion), the Pallas
-kernel (pallas_kernels.invariant_matmul; default and alternative tilings) and the jnp
+kernel (pallas_kernels.matmul.invariant_matmul; default and alternative tilings) and the jnp
 reference (XLA's dot on 128-row tiles in sequence), and checks whether the first rows of the
 M-row product are bit-identical to the product of those rows alone (1 slot's rows): the
 batch leak of a GEMM. Writes invariant_matmul.json/.md to --out.
@@ -28,9 +28,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from dllm_jax.atomic_write import write_text_atomically  # noqa: E402
-from dllm_jax.batch_invariance import REFERENCE_BLOCKS  # noqa: E402
-from pallas_kernels.invariant_matmul import MatmulBlockSizes, invariant_matmul, invariant_matmul_reference  # noqa: E402
+from dllm_jax.common.atomic_write import write_text_atomically  # noqa: E402
+from dllm_jax.runtime.batch_invariance import REFERENCE_BLOCKS  # noqa: E402
+from pallas_kernels.matmul.invariant_matmul import MatmulBlockSizes, invariant_matmul, invariant_matmul_reference  # noqa: E402
 
 SHAPES = {"qkvo 4096x4096": (4096, 4096, 128), "gate/up 4096x12288": (4096, 12288, 128),
           "down 12288x4096": (12288, 4096, 128), "lm_head 4096x126464": (4096, 126464, 16)}

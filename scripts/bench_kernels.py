@@ -31,14 +31,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dllm_jax.atomic_write import write_text_atomically
-from pallas_kernels.cache_attention import (
+from dllm_jax.common.atomic_write import write_text_atomically
+from pallas_kernels.attention.cache_attention import (
     AttentionBlockSizes,
     cache_attention,
     cache_attention_reference,
     default_attention_block_sizes,
 )
-from pallas_kernels.qkv_rope_cache import (
+from pallas_kernels.projection.qkv_rope_cache import (
     QKVBlockSizes,
     default_qkv_block_sizes,
     qkv_rope_cache,

@@ -5,7 +5,7 @@
     python scripts/eval.py --model tiny-llada tiny-dream --problems 64    # both families side by side
 
 For each setting (a method with its options), decodes the held-out problems of
-dllm_jax.tiny_tasks (a seed and a hash split the training never sees) and reports exact-match
+dllm_jax.evaluation.tiny_tasks (a seed and a hash split the training never sees) and reports exact-match
 accuracy, tokens per step, forward passes, tokens/s and agreement with the exact decode (same
 answer text). The exact decode commits one token per step (the most confident of the window)
 and recomputes every position every step (no cache), over the same canvas as the cached
@@ -32,10 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tqdm.auto import tqdm  # noqa: E402
 
-from dllm_jax import tiny_tasks  # noqa: E402
-from dllm_jax.atomic_write import write_text_atomically  # noqa: E402
-from dllm_jax.decode_config import DecodeConfig  # noqa: E402
-from dllm_jax.quantization import QUANTIZATIONS  # noqa: E402
+from dllm_jax.evaluation import tiny_tasks  # noqa: E402
+from dllm_jax.common.atomic_write import write_text_atomically  # noqa: E402
+from dllm_jax.runtime.decode_config import DecodeConfig  # noqa: E402
+from dllm_jax.models.quantization import QUANTIZATIONS  # noqa: E402
 
 EXACT = "exact-one-per-step"
 
@@ -164,7 +164,7 @@ def read_baseline(path: Path, problems: int, seed: int) -> dict:
 
 
 def parse_args(argv):
-    from dllm_jax.assets import tiny_model_path
+    from dllm_jax.models.embedded import tiny_model_path
 
     grid_names = list(settings(64, 8))
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -178,7 +178,7 @@ def parse_args(argv):
     p.add_argument("--backend", choices=("auto", "xla", "pallas"), default="auto")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="default: float32 on CPU")
     p.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
-                   help="8-bit block projections and int8 embedding (dllm_jax.quantization); compare with --baseline")
+                   help="8-bit block projections and int8 embedding (dllm_jax.models.quantization); compare with --baseline")
     p.add_argument("--baseline", type=Path, default=None,
                    help="an eval.json of the same problems (e.g. unquantized): adds each setting's accuracy change "
                         "and same-answer rate against it")
@@ -211,7 +211,7 @@ def evaluate_model(args, model_name: str, out_dir: Path) -> tuple[int, str]:
     """Evaluates one model (a folder or an embedded name) into out_dir; (exit status, markdown table)."""
     import jax
 
-    from dllm_jax.engine import Engine
+    from dllm_jax.engine.engine import Engine
 
     dtype = args.dtype or ("float32" if jax.devices()[0].platform == "cpu" else "bfloat16")
     try:

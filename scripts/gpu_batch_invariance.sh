@@ -7,7 +7,7 @@
 #   bash scripts/gpu_batch_invariance.sh leak bench   # only some parts (flags gemm leak rerun problems bench)
 #
 # Parts (each capped by `timeout`; a part that runs out still leaves what it wrote):
-#   flags  XLA accepts the deterministic flags (dllm_jax.batch_invariance.DETERMINISTIC_XLA_FLAGS)
+#   flags  XLA accepts the deterministic flags (dllm_jax.runtime.batch_invariance.DETERMINISTIC_XLA_FLAGS)
 #   gemm   XLA's dot vs the invariant matmul at LLaDA-8B GEMM shapes: time, and whether one slot's
 #          rows come out bit-identical inside a 1/8/32-slot GEMM (scripts/bench_invariant_matmul.py)
 #   leak   per mode (default, batch-invariant): a request alone vs among 7 and 31 others at
@@ -43,7 +43,7 @@ wants() { [[ " $PARTS " == *" $1 "* ]]; }
 
 log "parts: $PARTS; $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1); git $(git rev-parse --short HEAD 2>/dev/null)"
 if wants flags; then
-    part flags 15 env XLA_FLAGS="$($PY -c 'from dllm_jax.batch_invariance import deterministic_xla_flags as f; print(f({}))')" \
+    part flags 15 env XLA_FLAGS="$($PY -c 'from dllm_jax.runtime.batch_invariance import deterministic_xla_flags as f; print(f({}))')" \
         $PY -c 'import jax, jax.numpy as jnp, os; print(os.environ["XLA_FLAGS"], "->", float(jnp.arange(8.0).sum()), jax.devices())'
 fi
 if wants gemm; then

@@ -80,7 +80,7 @@ def time_cutoff_kernel(vocab: int, smoke: bool) -> list[dict] | None:
     """Milliseconds per call of the top-p/top-k cutoff kernel (None: this tree has none) over
     1 and 32 slots' candidate rows, with no row and with every row asking."""
     try:
-        from pallas_kernels.top_p_top_k import top_p_top_k_cutoff
+        from pallas_kernels.sampling.top_p_top_k import top_p_top_k_cutoff
     except ImportError:
         return None
     import jax

@@ -31,10 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import httpx  # noqa: E402
 import jax  # noqa: E402
 
-from dllm_jax.atomic_write import write_text_atomically  # noqa: E402
-from dllm_jax.config import ModelConfig, llada_8b_config  # noqa: E402
-from dllm_jax.engine import Engine  # noqa: E402
-from dllm_jax.models import init_params, init_params_per_layer  # noqa: E402
+from dllm_jax.common.atomic_write import write_text_atomically  # noqa: E402
+from dllm_jax.models.config import ModelConfig, llada_8b_config  # noqa: E402
+from dllm_jax.engine.engine import Engine  # noqa: E402
+from dllm_jax.models.transformer import init_params, init_params_per_layer  # noqa: E402
 from dllm_jax.serve.assemble import ServeOptions, assemble, decode_config  # noqa: E402
 
 

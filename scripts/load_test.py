@@ -65,7 +65,7 @@ def load_prompts(opts) -> list:
         lines = [line for line in opts.prompts_file.read_text().splitlines() if line.strip()]
         prompts = [json.loads(line)["prompt"] for line in lines]
     else:
-        from dllm_jax.tiny_tasks import held_out_problems
+        from dllm_jax.evaluation.tiny_tasks import held_out_problems
 
         prompts = [p.prompt for p in held_out_problems(opts.requests, seed=opts.seed)]
     if not prompts:
@@ -181,7 +181,7 @@ def main(argv=None) -> int:
     report = {"url": opts.url, "model": model, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
               "command": " ".join(sys.argv), "runs": runs}
     if opts.output is not None:
-        from dllm_jax.atomic_write import write_text_atomically
+        from dllm_jax.common.atomic_write import write_text_atomically
 
         write_text_atomically(opts.output, json.dumps(report, indent=1))
     return 0 if all(not r["errors"] for r in runs) else 1

@@ -43,15 +43,15 @@ CONFIG = dict(
 )
 SHARD_BYTES = 300 * 10**6
 
-_IMPORTS = "import jax, jax.numpy as jnp; import convert.hf_to_jax, dllm_jax.loading; jnp.zeros(1).block_until_ready()"
+_IMPORTS = "import jax, jax.numpy as jnp; import convert.hf_to_jax, dllm_jax.models.loading; jnp.zeros(1).block_until_ready()"
 
 
 def make_checkpoint(hf_dir: Path) -> None:
     import jax
 
     from convert.jax_to_hf import save_hf_checkpoint
-    from dllm_jax.config import ModelConfig
-    from dllm_jax.models import init_params
+    from dllm_jax.models.config import ModelConfig
+    from dllm_jax.models.transformer import init_params
 
     config = ModelConfig(**CONFIG)
     save_hf_checkpoint(hf_dir, config, init_params(config, jax.random.key(0)), max_shard_bytes=SHARD_BYTES)
@@ -60,8 +60,8 @@ def make_checkpoint(hf_dir: Path) -> None:
 def largest_leaf_bytes() -> int:
     import jax
 
-    from dllm_jax.config import ModelConfig
-    from dllm_jax.models import abstract_params
+    from dllm_jax.models.config import ModelConfig
+    from dllm_jax.models.transformer import abstract_params
 
     leaves = jax.tree.leaves(abstract_params(ModelConfig(**CONFIG)))
     return max(leaf.size * leaf.dtype.itemsize for leaf in leaves)
@@ -141,10 +141,10 @@ def main() -> None:
             python, "-m", "convert.hf_to_jax", "--hf-dir", str(hf_dir), "--out", str(out_dir),
         ],
         "load_model(converted folder)": [
-            python, "-c", f"from dllm_jax.loading import load_model; load_model({str(out_dir)!r})",
+            python, "-c", f"from dllm_jax.models.loading import load_model; load_model({str(out_dir)!r})",
         ],
         "load_model(HF folder)": [
-            python, "-c", f"from dllm_jax.loading import load_model; load_model({str(hf_dir)!r})",
+            python, "-c", f"from dllm_jax.models.loading import load_model; load_model({str(hf_dir)!r})",
         ],
     }
     print(f"checkpoint: {sum(shard_sizes) / 1e9:.3f} GB in {len(shard_sizes)} shards, "

@@ -33,11 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jax  # noqa: E402
 
 from bench import MODEL_SHAPES, decode_config, tiny_config  # noqa: E402
-from dllm_jax.atomic_write import write_text_atomically  # noqa: E402
-from dllm_jax.config import ModelConfig  # noqa: E402
-from dllm_jax.engine import Engine  # noqa: E402
-from dllm_jax.flat_cache import cache_bytes  # noqa: E402
-from dllm_jax.models import abstract_params  # noqa: E402
+from dllm_jax.common.atomic_write import write_text_atomically  # noqa: E402
+from dllm_jax.models.config import ModelConfig  # noqa: E402
+from dllm_jax.engine.engine import Engine  # noqa: E402
+from dllm_jax.runtime.flat_cache import cache_bytes  # noqa: E402
+from dllm_jax.models.transformer import abstract_params  # noqa: E402
 
 METHODS = ("flash_cache", "flash_verify", "fast_dllm", "llada")
 GiB = 2**30

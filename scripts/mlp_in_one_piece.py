@@ -2,7 +2,7 @@
 import runpy
 import sys
 
-import dllm_jax.cached_forward as c
+import dllm_jax.runtime.cached_forward as c
 
 c.MLP_CHUNK_ROWS = 10**9
 sys.argv = sys.argv[1:]

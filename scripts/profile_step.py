@@ -29,11 +29,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from bench import decode_config, initial_state, quantize_on_device, random_prompts, tiny_config  # noqa: E402
-from dllm_jax.atomic_write import write_text_atomically  # noqa: E402
-from dllm_jax.config import llada_8b_config  # noqa: E402
-from dllm_jax.engine import Engine  # noqa: E402
-from dllm_jax.models import init_params, init_params_per_layer  # noqa: E402
-from dllm_jax.quantization import QUANTIZATIONS  # noqa: E402
+from dllm_jax.common.atomic_write import write_text_atomically  # noqa: E402
+from dllm_jax.models.config import llada_8b_config  # noqa: E402
+from dllm_jax.engine.engine import Engine  # noqa: E402
+from dllm_jax.models.transformer import init_params, init_params_per_layer  # noqa: E402
+from dllm_jax.models.quantization import QUANTIZATIONS  # noqa: E402
 
 
 def device_events(trace_dir: Path) -> list[dict]:

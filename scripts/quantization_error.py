@@ -24,12 +24,13 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from dllm_jax.assets import tiny_model_path  # noqa: E402
-from dllm_jax.atomic_write import write_text_atomically  # noqa: E402
-from dllm_jax.config import llada_8b_config  # noqa: E402
-from dllm_jax.loading import load_model  # noqa: E402
-from dllm_jax.models import LLaDABlock, LLaDAModel, init_params_per_layer, unstack_layers  # noqa: E402
-from dllm_jax.quantization import QUANTIZED_MODULES, dequantize_embedding, dequantize_kernel, quantize_params  # noqa: E402
+from dllm_jax.models.embedded import tiny_model_path  # noqa: E402
+from dllm_jax.common.atomic_write import write_text_atomically  # noqa: E402
+from dllm_jax.models.config import llada_8b_config  # noqa: E402
+from dllm_jax.models.loading import load_model  # noqa: E402
+from dllm_jax.models.llada import LLaDABlock, LLaDAModel
+from dllm_jax.models.transformer import init_params_per_layer, unstack_layers  # noqa: E402
+from dllm_jax.models.quantization import QUANTIZED_MODULES, dequantize_embedding, dequantize_kernel, quantize_params  # noqa: E402
 
 MODES = ("fp8", "int8-weights")
 

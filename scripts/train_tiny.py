@@ -1,5 +1,5 @@
 """Train an embedded tiny model (tiny-llada, or with --family dream tiny-dream) on the
-synthetic tasks of dllm_jax.tiny_tasks.
+synthetic tasks of dllm_jax.evaluation.tiny_tasks.
 
 The objective is LLaDA's supervised fine-tuning loss (Dream trains with the same loss, its
 predictions read from the output row before each position). Every training sequence is
@@ -35,14 +35,14 @@ from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from convert.jax_to_hf import save_hf_checkpoint
-from dllm_jax import tiny_tasks
-from dllm_jax.atomic_write import write_text_atomically
-from dllm_jax.config import ConfigError, ModelConfig
-from dllm_jax.decode_config import DecodeConfig
-from dllm_jax.engine import Engine
-from dllm_jax.models import Params, count_params, forward, init_params, predictions
-from dllm_jax.tiny_tokenizer import END_OF_TURN, TINY_VOCAB_SIZE, build_tiny_tokenizer, save_tiny_tokenizer
-from dllm_jax.tokenizer import Tokenizer
+from dllm_jax.evaluation import tiny_tasks
+from dllm_jax.common.atomic_write import write_text_atomically
+from dllm_jax.models.config import ConfigError, ModelConfig
+from dllm_jax.runtime.decode_config import DecodeConfig
+from dllm_jax.engine.engine import Engine
+from dllm_jax.models.transformer import Params, count_params, forward, init_params, predictions
+from dllm_jax.text.tiny_tokenizer import END_OF_TURN, TINY_VOCAB_SIZE, build_tiny_tokenizer, save_tiny_tokenizer
+from dllm_jax.text.tokenizer import Tokenizer
 
 # The engine lets every request attend to keys up to the next multiple of 128 (an EOS tail after
 # the canvas), so every position below 128 must be one the model was trained on.

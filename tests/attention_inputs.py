@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dllm_jax.config import ModelConfig
-from pallas_kernels.cache_attention import cache_attention_reference
+from dllm_jax.models.config import ModelConfig
+from pallas_kernels.attention.cache_attention import cache_attention_reference
 from tolerances import assert_close
 
 LAYER = 1

@@ -35,8 +35,8 @@ def compilation_cache_env() -> dict[str, str]:
     The test waits for the script, so the two never write the cache at the same time."""
     return {"JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir}
 
-from dllm_jax.config import ModelConfig
-from dllm_jax.models import init_params
+from dllm_jax.models.config import ModelConfig
+from dllm_jax.models.transformer import init_params
 
 
 def tiny_config(**overrides) -> ModelConfig:

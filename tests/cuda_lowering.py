@@ -13,12 +13,12 @@ import contextlib
 import jax
 import jax.numpy as jnp
 
-from dllm_jax.config import ModelConfig
-from dllm_jax.decode_config import DecodeConfig
-from dllm_jax.engine import Engine
-from dllm_jax.kernel_backend import Kernels
-from dllm_jax.models import abstract_params, unstack_layers
-from dllm_jax.slots import zero_params
+from dllm_jax.models.config import ModelConfig
+from dllm_jax.runtime.decode_config import DecodeConfig
+from dllm_jax.engine.engine import Engine
+from dllm_jax.runtime.kernel_routing import Kernels
+from dllm_jax.models.transformer import abstract_params, unstack_layers
+from dllm_jax.runtime.slots import zero_params
 
 # what backend="auto" picks on an NVIDIA GPU
 GPU_AUTO = Kernels(attention=True, scatter=True, top_p_top_k=True)

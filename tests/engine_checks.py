@@ -12,8 +12,8 @@ from typing import Sequence
 
 import numpy as np
 
-from dllm_jax.decode_config import DecodeConfig
-from dllm_jax.engine import Engine
+from dllm_jax.runtime.decode_config import DecodeConfig
+from dllm_jax.engine.engine import Engine
 from tests.reference_decoder import ReferenceDecoder
 
 PROMPT_LENGTHS = (12, 7, 15, 9, 3)

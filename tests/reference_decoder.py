@@ -16,10 +16,11 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.reference.attention import dense_attention
-from dllm_jax.config import ModelConfig
-from dllm_jax.decode_config import DecodeConfig
-from dllm_jax.models import LLaDABlock, LLaDAModel, forward
+from pallas_kernels.attention.reference import dense_attention
+from dllm_jax.models.config import ModelConfig
+from dllm_jax.runtime.decode_config import DecodeConfig
+from dllm_jax.models.llada import LLaDABlock, LLaDAModel
+from dllm_jax.models.transformer import forward
 
 
 class ReferenceDecoder:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from dllm_jax.atomic_write import write_text_atomically
+from dllm_jax.common.atomic_write import write_text_atomically
 
 
 def test_writes_and_replaces_without_leftovers(tmp_path):

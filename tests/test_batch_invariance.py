@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dllm_jax.decode_config import DecodeConfig
-from dllm_jax.engine import Engine, GenerationError
-from dllm_jax.kernel_backend import Kernels, resolve_kernels
+from dllm_jax.runtime.decode_config import DecodeConfig
+from dllm_jax.engine.engine import Engine, GenerationError
+from dllm_jax.runtime.kernel_routing import Kernels, resolve_kernels
 
 _SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "batch_invariance.py"
 _spec = importlib.util.spec_from_file_location("batch_invariance_script", _SCRIPT)
@@ -120,10 +120,10 @@ def test_leak_report_compares_every_tap_bit_for_bit(lively_bf16):
 def test_invariant_decode_loop_lowers_for_cuda_at_llada_8b_widths():
     """The whole loop (flash_cache + verify) of the GPU's invariant kernels, lowered for CUDA on
     the CPU at LLaDA-8B widths (2 layers): every matmul and every norm is an invariant kernel."""
-    from dllm_jax.config import llada_8b_config
-    from dllm_jax.kernel_backend import Kernels
-    from dllm_jax.models import abstract_params, unstack_layers
-    from dllm_jax.slots import zero_params
+    from dllm_jax.models.config import llada_8b_config
+    from dllm_jax.runtime.kernel_routing import Kernels
+    from dllm_jax.models.transformer import abstract_params, unstack_layers
+    from dllm_jax.runtime.slots import zero_params
     from tests.cuda_lowering import lower_for_cuda
 
     cfg = dataclasses.replace(llada_8b_config(), n_layers=2)

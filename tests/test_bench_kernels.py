@@ -8,8 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pallas_kernels.cache_attention import AttentionBlockSizes
-from pallas_kernels.qkv_rope_cache import QKVBlockSizes
+from pallas_kernels.attention.cache_attention import AttentionBlockSizes
+from pallas_kernels.projection.qkv_rope_cache import QKVBlockSizes
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,8 +9,8 @@ import pytest
 
 from attention_inputs import MAIN, assert_matches_reference, lowering_args, make_case, ragged_main_case, verify_case
 from cuda_lowering import lower_for_cuda
-from dllm_jax.config import llada_8b_config
-from pallas_kernels.cache_attention import AttentionBlockSizes, cache_attention, default_attention_block_sizes
+from dllm_jax.models.config import llada_8b_config
+from pallas_kernels.attention.cache_attention import AttentionBlockSizes, cache_attention, default_attention_block_sizes
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from attention_inputs import MAIN, assert_matches_reference, lowering_args, make_case, ragged_main_case, verify_case
-from dllm_jax.config import llada_8b_config
-from pallas_kernels.cache_attention_tpu import TpuBlockSizes, cache_attention_tpu
+from dllm_jax.models.config import llada_8b_config
+from pallas_kernels.attention.cache_attention_tpu import TpuBlockSizes, cache_attention_tpu
 from tpu_lowering import lower_for_tpu
 
 
@@ -50,10 +50,11 @@ def test_tpu_lowering_at_llada_8b_shapes(n_groups, n_rows, verify):
 
 
 def test_auto_picks_the_tpu_kernel_on_a_tpu_and_xla_on_a_cpu(monkeypatch):
-    from dllm_jax import kernel_backend
+    from dllm_jax.common import platform
+    from dllm_jax.runtime import kernel_routing as kernel_backend
 
     assert kernel_backend.resolve_kernels("auto") == kernel_backend.Kernels()
-    monkeypatch.setattr(kernel_backend, "on_tpu", lambda: True)
+    monkeypatch.setattr(platform, "on_tpu", lambda: True)
     tpu = kernel_backend.resolve_kernels("auto")
     assert tpu.attention and tpu.mosaic and not tpu.qkv and not tpu.scatter
     assert tpu.name == "xla+pallas-attention-tpu"
@@ -62,9 +63,9 @@ def test_auto_picks_the_tpu_kernel_on_a_tpu_and_xla_on_a_cpu(monkeypatch):
 def test_engine_with_the_tpu_kernel_decodes_the_xla_tokens(lively):
     """Flash-Cache with Flash-Verify (sparse, full and verify passes) through the interpreted
     Mosaic kernel gives the xla backend's tokens."""
-    from dllm_jax.decode_config import DecodeConfig
-    from dllm_jax.engine import Engine
-    from dllm_jax.kernel_backend import Kernels
+    from dllm_jax.runtime.decode_config import DecodeConfig
+    from dllm_jax.engine.engine import Engine
+    from dllm_jax.runtime.kernel_routing import Kernels
 
     cfg, params = lively
     prompts = [[5, 9, 17, 3], [40, 2, 8, 8, 11, 60, 7]]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from attention_inputs import MAIN, assert_matches_reference, make_case, ragged_main_case, verify_case
-from dllm_jax.chunked_attention import chunked_cache_attention, default_block_k
+from dllm_jax.runtime.chunked_attention import chunked_cache_attention, default_block_k
 
 
 def check(case, block_k):

@@ -14,7 +14,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dllm_jax.sampling import count_commit, descending_rank, threshold_commit
+from dllm_jax.policies.commit_rules import count_commit, descending_rank, threshold_commit
 
 # A few repeated finite values make ties likely; the rest are the non-finite and signed-zero cases.
 SPECIAL = [math.nan, math.inf, -math.inf, 0.0, -0.0, 1.0, 0.5, 0.9, 1e-30, -1e30]

@@ -16,10 +16,10 @@ import pytest
 
 import convert.hf_to_jax
 from conftest import tiny_config
-from dllm_jax.checkpoint.converted import METADATA_FILE
-from dllm_jax.checkpoint.errors import ConversionError
-from dllm_jax.config import ConfigError, ModelConfig
-from dllm_jax.loading import load_model
+from dllm_jax.models.checkpoint.converted import METADATA_FILE
+from dllm_jax.models.checkpoint.errors import ConversionError
+from dllm_jax.models.config import ConfigError, ModelConfig
+from dllm_jax.models.loading import load_model
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZE = "expected a positive integer below 2**31"

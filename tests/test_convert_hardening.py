@@ -18,17 +18,17 @@ import numpy as np
 import pytest
 
 import convert.conversion
-import dllm_jax.checkpoint.hf_reader
+import dllm_jax.models.checkpoint.hf_reader
 import convert.hf_to_jax
 from conftest import tiny_config
-from dllm_jax.checkpoint.converted import METADATA_FILE, PARAMS_DIR
+from dllm_jax.models.checkpoint.converted import METADATA_FILE, PARAMS_DIR
 from convert.conversion import convert_checkpoint
-from dllm_jax.checkpoint.errors import ConversionError
+from dllm_jax.models.checkpoint.errors import ConversionError
 from convert.hf_to_jax import main
 from convert.jax_to_hf import save_hf_checkpoint
-from dllm_jax.loading import load_model
-from dllm_jax.memory_estimate import DeviceMemory
-from dllm_jax.models import abstract_params
+from dllm_jax.models.loading import load_model
+from dllm_jax.runtime.memory_estimate import DeviceMemory
+from dllm_jax.models.transformer import abstract_params
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -156,7 +156,7 @@ def test_the_library_checks_out_before_any_shard_is_read(hf_dir, tmp_path, monke
     out, words = make(base)
     before = listing(base)
     opened = []
-    monkeypatch.setattr(dllm_jax.checkpoint.hf_reader, "safe_open", lambda *a, **k: opened.append(a))
+    monkeypatch.setattr(dllm_jax.models.checkpoint.hf_reader, "safe_open", lambda *a, **k: opened.append(a))
     with pytest.raises(ConversionError, match=words):
         convert_checkpoint(hf_dir, out, dtype="float32")
     assert not opened
@@ -195,7 +195,7 @@ def test_too_little_free_space_is_found_before_reading(hf_dir, tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(convert.conversion.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9, 10**6))
     opened = []
-    monkeypatch.setattr(dllm_jax.checkpoint.hf_reader, "safe_open", lambda *a, **k: opened.append(a))
+    monkeypatch.setattr(dllm_jax.models.checkpoint.hf_reader, "safe_open", lambda *a, **k: opened.append(a))
     with pytest.raises(ConversionError, match=r"^out: the converted params need 0.0\d GB, its file system has 0.00 GB free"):
         convert_checkpoint(hf_dir, "out", dtype="float32")
     assert not opened and list(tmp_path.iterdir()) == []
@@ -204,7 +204,7 @@ def test_too_little_free_space_is_found_before_reading(hf_dir, tmp_path, monkeyp
 def test_too_little_host_memory_is_found_before_reading(hf_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(convert.conversion, "host_memory", lambda: DeviceMemory(available=10**6, name="host RAM"))
     opened = []
-    monkeypatch.setattr(dllm_jax.checkpoint.hf_reader, "safe_open", lambda *a, **k: opened.append(a))
+    monkeypatch.setattr(dllm_jax.models.checkpoint.hf_reader, "safe_open", lambda *a, **k: opened.append(a))
     with pytest.raises(ConversionError, match=rf"^{hf_dir}: converting to float32 needs about 0.0\d GB of memory, "
                                               r"host RAM has 0.00 GB available$"):
         convert_checkpoint(hf_dir, tmp_path / "out", dtype="float32")

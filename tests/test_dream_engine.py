@@ -12,9 +12,9 @@ import jax
 import pytest
 
 from conftest import tiny_dream_config
-from dllm_jax.decode_config import DecodeConfig
-from dllm_jax.engine import Engine
-from dllm_jax.models import init_params
+from dllm_jax.runtime.decode_config import DecodeConfig
+from dllm_jax.engine.engine import Engine
+from dllm_jax.models.transformer import init_params
 from tests.engine_checks import (
     EXACT_REFRESH,
     answer,
@@ -128,7 +128,7 @@ def test_pallas_kernels_decode_like_xla(decode):
 
 def test_a_tensor_split_decodes_the_single_device_tokens(engine, prompts):
     """Biases split by heads like their projections' columns (sharding.param_specs)."""
-    from dllm_jax.sharding import parse_mesh
+    from dllm_jax.runtime.sharding import parse_mesh
 
     decode = DecodeConfig(method="flash_cache", gen_length=32, batch_size=2, threshold=0.5, mask_num=2, track_num=1)
     mesh = parse_mesh("data=2,tensor=2", jax.devices()[:4])

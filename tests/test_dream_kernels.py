@@ -14,9 +14,9 @@ import pytest
 import test_qkv_rope_cache as qkv_tests
 from attention_inputs import assert_matches_reference, lowering_args, make_case
 from cuda_lowering import lower_decode_loop_for_cuda, lower_for_cuda
-from dllm_jax.config import dream_7b_config
-from pallas_kernels.cache_attention import AttentionBlockSizes, cache_attention
-from pallas_kernels.qkv_rope_cache import QKVBlockSizes, qkv_rope_cache, qkv_rope_cache_reference
+from dllm_jax.models.config import dream_7b_config
+from pallas_kernels.attention.cache_attention import AttentionBlockSizes, cache_attention
+from pallas_kernels.projection.qkv_rope_cache import QKVBlockSizes, qkv_rope_cache, qkv_rope_cache_reference
 from tolerances import assert_close
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")

@@ -18,13 +18,13 @@ from safetensors.numpy import load_file, save_file
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from conftest import tiny_dream_config
-from dllm_jax.checkpoint.errors import ConversionError
-from dllm_jax.checkpoint.hf_reader import read_checkpoint
+from dllm_jax.models.checkpoint.errors import ConversionError
+from dllm_jax.models.checkpoint.hf_reader import read_checkpoint
 from convert.jax_to_hf import save_hf_checkpoint
-from dllm_jax.checkpoint.tensor_names import tensor_entries
-from dllm_jax.config import ConfigError, ModelConfig, dream_7b_config
-from dllm_jax.loading import load_model
-from dllm_jax.models import abstract_params, count_params, forward, predictions
+from dllm_jax.models.checkpoint.tensor_names import tensor_entries
+from dllm_jax.models.config import ConfigError, ModelConfig, dream_7b_config
+from dllm_jax.models.loading import load_model
+from dllm_jax.models.transformer import abstract_params, count_params, forward, predictions
 from transformers_parity import (
     assert_the_loaded_model_matches,
     hf_decoder_fields,

@@ -8,13 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dllm_jax.decode_config import DecodeConfig, DecodeConfigError
-from dllm_jax.dream_sampling import sample_and_confidence, timestep_ratio, transfer_mask
-from dllm_jax.engine import Engine
-from dllm_jax.errors import GenerationError, SamplingParamsError
-from dllm_jax.models import forward, predictions
-from dllm_jax.sampling import filter_top_p_top_k
-from dllm_jax.sampling_params import SamplingParams
+from dllm_jax.runtime.decode_config import DecodeConfig, DecodeConfigError
+from dllm_jax.policies.dream_unmasking import sample_and_confidence, timestep_ratio, transfer_mask
+from dllm_jax.engine.engine import Engine
+from dllm_jax.common.errors import GenerationError, SamplingParamsError
+from dllm_jax.models.transformer import forward, predictions
+from dllm_jax.sampling.samplers import filter_top_p_top_k
+from dllm_jax.sampling.params import SamplingParams
 from test_dream_engine import lively_dream
 
 # ----- the rules, one at a time ------------------------------------------------------------------
@@ -66,7 +66,7 @@ def reference_count(num_masked, step, steps, eps):
 
 
 def filtered(logits, temperature, top_p, top_k):
-    """The decode loop's filter (dllm_jax.sampling), as it runs before the Dream policy."""
+    """The decode loop's filter (dllm_jax.sampling.samplers), as it runs before the Dream policy."""
     return filter_top_p_top_k(jnp.asarray(logits), jnp.float32(temperature), jnp.float32(top_p), jnp.int32(top_k))
 
 

@@ -5,9 +5,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from dllm_jax.decode_config import DecodeConfig, DecodeConfigError
-from dllm_jax.engine import Engine, GenerationError
-from dllm_jax.sampling_params import SamplingParams
+from dllm_jax.runtime.decode_config import DecodeConfig, DecodeConfigError
+from dllm_jax.engine.engine import Engine, GenerationError
+from dllm_jax.sampling.params import SamplingParams
 from tests.engine_checks import (
     EXACT_REFRESH,
     assert_batching_invariance,
@@ -322,7 +322,7 @@ def test_slots_never_exceed_the_requests(lively):
 
 
 def test_chat_stop_strings_and_counts_on_the_embedded_model():
-    from dllm_jax.assets import tiny_model_path
+    from dllm_jax.models.embedded import tiny_model_path
 
     engine = Engine.from_pretrained(str(tiny_model_path()), dtype="float32", backend="xla")
     decode = DecodeConfig(gen_length=64, batch_size=2)
@@ -362,7 +362,7 @@ def test_full_passes_with_the_mlp_in_chunks_decode_the_same(lively, engine, prom
     """Large passes run the attention output and MLP in chunks of whole groups (the xla
     backend's memory peak at 32 slots): with a chunk bound this small every full pass of
     these 4 slots is chunked, one group at a time, and decodes the same tokens."""
-    import dllm_jax.cached_forward as cached_forward
+    import dllm_jax.runtime.cached_forward as cached_forward
 
     cfg, params = lively
     per_method = dict(block_length=8, steps=16) if method == "llada" else dict(threshold=0.5)

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import dllm_jax.session as session_module
+import dllm_jax.engine.session as session_module
 from dllm_jax import DecodeConfig, Engine, GenerationError, SamplingParams
 
 POISON = 50  # the token whose embedding the poisoned model holds as non-finite

@@ -4,10 +4,10 @@ import jax
 import numpy as np
 import pytest
 
-from dllm_jax.decode_config import DecodeConfig
-from dllm_jax.engine import Engine
-from dllm_jax.models import init_params
-from dllm_jax.sharding import parse_mesh
+from dllm_jax.runtime.decode_config import DecodeConfig
+from dllm_jax.engine.engine import Engine
+from dllm_jax.models.transformer import init_params
+from dllm_jax.runtime.sharding import parse_mesh
 from tests.conftest import tiny_config
 from tests.cuda_lowering import GPU_AUTO, lower_decode_loop_for_cuda
 
@@ -66,7 +66,7 @@ def test_kernels_run_on_each_devices_slots_and_heads(spec, backend, decode):
 def test_decode_loop_lowers_for_cuda_at_llada_8b_shapes(backend):
     """The whole jitted loop (flash_cache + verify) at the real shapes, lowered for CUDA on the CPU:
     a kernel or shape the Triton backend rejects inside the engine fails here."""
-    from dllm_jax.config import llada_8b_config
+    from dllm_jax.models.config import llada_8b_config
 
     text = lower_decode_loop_for_cuda(llada_8b_config(), backend)
     triton_calls = text.count("__gpu$xla.gpu.triton")

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from dllm_jax import DecodeConfig, Engine, tiny_tasks
-from dllm_jax.assets import tiny_model_path
+from dllm_jax import DecodeConfig, Engine
+from dllm_jax.evaluation import tiny_tasks
+from dllm_jax.models.embedded import tiny_model_path
 
 ROOT = Path(__file__).resolve().parent.parent
 

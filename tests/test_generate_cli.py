@@ -14,10 +14,10 @@ from pathlib import Path
 import jax
 import pytest
 
-import dllm_jax.loading
+import dllm_jax.models.loading
 from convert.jax_to_hf import save_hf_checkpoint
 from dllm_jax.cli.generate import build_parser, main
-from dllm_jax.models import init_params
+from dllm_jax.models.transformer import init_params
 from tests.conftest import tiny_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,7 +38,7 @@ def no_model_load(monkeypatch):
     def load_model(*args, **kwargs):
         raise AssertionError("the model was loaded before the input was checked")
 
-    monkeypatch.setattr(dllm_jax.loading, "load_model", load_model)
+    monkeypatch.setattr(dllm_jax.models.loading, "load_model", load_model)
 
 
 def run(args, capsys):

@@ -9,13 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import dllm_jax.kernel_backend
+import dllm_jax.common.platform
 import dllm_jax.models.layers
 from conftest import tiny_config
 from cuda_lowering import lower_for_cuda
-from dllm_jax.models import forward, init_params
-from dllm_jax.quantization import INT8_KERNEL_MAX_ROWS, quantize_kernel, quantize_params, quantized_matmul
-from pallas_kernels.int8_matmul import (
+from dllm_jax.models.transformer import forward, init_params
+from dllm_jax.models.quantization import INT8_KERNEL_MAX_ROWS, quantize_kernel, quantize_params, quantized_matmul
+from pallas_kernels.matmul.int8_matmul import (
     Int8MatmulBlockSizes,
     default_int8_block_sizes,
     int8_weight_matmul,
@@ -104,22 +104,22 @@ def test_auto_routes_to_the_kernel_only_below_its_row_limit(monkeypatch):
     def matmul(x, q, s):
         return quantized_matmul(x, q, s, jnp.bfloat16)
 
-    monkeypatch.setattr(dllm_jax.kernel_backend, "on_nvidia_gpu", lambda: True)
+    monkeypatch.setattr(dllm_jax.common.platform, "on_nvidia_gpu", lambda: True)
     # the measured default: the kernel lost to XLA's int8 fusion at every row count on the H200
     assert INT8_KERNEL_MAX_ROWS == 0 and TRITON not in _lowered(matmul, 128, 4096, 4096)
     assert TRITON in _lowered(lambda x, q, s: quantized_matmul(x, q, s, jnp.bfloat16, int8_gemm="pallas"), 128, 4096, 4096)
-    monkeypatch.setattr(dllm_jax.quantization, "INT8_KERNEL_MAX_ROWS", 1024)
+    monkeypatch.setattr(dllm_jax.models.quantization, "INT8_KERNEL_MAX_ROWS", 1024)
     assert TRITON in _lowered(matmul, 128, 4096, 4096)
     assert TRITON in _lowered(matmul, 1024, 4096, 12288)
     assert TRITON not in _lowered(matmul, 4096, 4096, 4096)  # past the limit: XLA's GEMM
     assert TRITON not in _lowered(matmul, 128, 4096, 4104)  # a width the kernel does not tile
-    monkeypatch.setattr(dllm_jax.kernel_backend, "on_nvidia_gpu", lambda: False)
+    monkeypatch.setattr(dllm_jax.common.platform, "on_nvidia_gpu", lambda: False)
     assert TRITON not in _lowered(matmul, 128, 4096, 4096)  # not an NVIDIA GPU: XLA
 
 
 def test_int8_model_lowers_for_cuda_with_the_kernel(monkeypatch):
-    monkeypatch.setattr(dllm_jax.kernel_backend, "on_nvidia_gpu", lambda: True)
-    monkeypatch.setattr(dllm_jax.quantization, "INT8_KERNEL_MAX_ROWS", 1024)
+    monkeypatch.setattr(dllm_jax.common.platform, "on_nvidia_gpu", lambda: True)
+    monkeypatch.setattr(dllm_jax.models.quantization, "INT8_KERNEL_MAX_ROWS", 1024)
     config = tiny_config(dtype="bfloat16", quantization="int8-weights")
     plain = dataclasses.replace(config, quantization="none")
     params = quantize_params(init_params(plain, jax.random.key(0)), "int8-weights")

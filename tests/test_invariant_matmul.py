@@ -8,7 +8,7 @@ import pytest
 from jax.experimental import pallas as pl
 
 from cuda_lowering import lower_for_cuda
-from pallas_kernels.invariant_matmul import MatmulBlockSizes, invariant_matmul, invariant_matmul_reference
+from pallas_kernels.matmul.invariant_matmul import MatmulBlockSizes, invariant_matmul, invariant_matmul_reference
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 

@@ -8,7 +8,7 @@ import pytest
 
 from cuda_lowering import lower_for_cuda
 from dllm_jax.models.layers import RMSNorm
-from pallas_kernels.invariant_rms_norm import RMSNormBlockSizes, invariant_rms_norm, invariant_rms_norm_reference
+from pallas_kernels.norm.invariant_rms_norm import RMSNormBlockSizes, invariant_rms_norm, invariant_rms_norm_reference
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 

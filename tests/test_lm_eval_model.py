@@ -20,13 +20,13 @@ from lm_eval import simple_evaluate
 from lm_eval.api.instance import Instance
 from lm_eval.tasks import TaskManager
 
-from dllm_jax import tiny_tasks
-from dllm_jax.assets import tiny_model_path
+from dllm_jax.evaluation import tiny_tasks
+from dllm_jax.models.embedded import tiny_model_path
 from dllm_jax.evaluation.lm_eval_model import DLLMJaxLM, GenerationKwargsError, LoglikelihoodRollingError
 from dllm_jax.evaluation.mc_loglikelihood import MonteCarloLoglikelihood
 from dllm_jax.evaluation.model_args import ModelArgsError, parse_model_args
 from dllm_jax.evaluation.tiny_task_files import GEN_TASK, MC_TASK, write_tiny_tasks
-from dllm_jax.models import forward, predictions
+from dllm_jax.models.transformer import forward, predictions
 from tests.conftest import compilation_cache_env
 
 ROOT = Path(__file__).resolve().parent.parent

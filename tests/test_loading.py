@@ -1,4 +1,4 @@
-"""dllm_jax.loading: the dtype default, Hub ids resolved through a Hugging Face cache laid out by
+"""dllm_jax.models.loading: the dtype default, Hub ids resolved through a Hugging Face cache laid out by
 the test (models--ORG--NAME/refs/main + snapshots/HASH/, as huggingface_hub writes it), local
 folders winning over Hub ids, and the embedded model's converted copy run with default options."""
 
@@ -12,8 +12,8 @@ import huggingface_hub.constants
 import pytest
 
 from dllm_jax import ConversionError, ModelNotFoundError, default_dtype, load_model
-from dllm_jax.assets import tiny_model_path
-from dllm_jax.loading import read_model_config, resolve_model_path
+from dllm_jax.models.embedded import tiny_model_path
+from dllm_jax.models.loading import read_model_config, resolve_model_path
 
 REPO_ID = "tiny-org/tiny-llada-jax"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

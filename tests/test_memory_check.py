@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from dllm_jax import DecodeConfig, Engine
-from dllm_jax.assets import tiny_model_path
-from dllm_jax.errors import GenerationError
+from dllm_jax.models.embedded import tiny_model_path
+from dllm_jax.common.errors import GenerationError
 from dllm_jax import InsufficientMemoryError
-from dllm_jax.memory_estimate import MEMORY_ENV, device_memory, parse_bytes
+from dllm_jax.runtime.memory_estimate import MEMORY_ENV, device_memory, parse_bytes
 
 ENOUGH_FOR_4_NOT_16 = "20MiB"  # the tiny model's loop needs ~5 MiB a slot beyond the weights (x1.1 margin)
 HUGE_BATCH = 2**20  # ~4.5 TiB of cache and activations for the tiny model

@@ -6,12 +6,12 @@ import jax
 import pytest
 
 from conftest import tiny_config
-from dllm_jax.config import llada_8b_config
-from dllm_jax.decode_config import DecodeConfig
-from dllm_jax.decode_loop import DecodeLoop
-from dllm_jax.flat_cache import cache_bytes
-from dllm_jax.kernel_backend import Kernels
-from dllm_jax.memory_estimate import (
+from dllm_jax.models.config import llada_8b_config
+from dllm_jax.runtime.decode_config import DecodeConfig
+from dllm_jax.runtime.decode_loop import DecodeLoop
+from dllm_jax.runtime.flat_cache import cache_bytes
+from dllm_jax.runtime.kernel_routing import Kernels
+from dllm_jax.runtime.memory_estimate import (
     DeviceMemory,
     InsufficientMemoryError,
     check_decode_loop,
@@ -22,7 +22,7 @@ from dllm_jax.memory_estimate import (
     fits,
     host_memory,
 )
-from dllm_jax.policies import make_policy
+from dllm_jax.policies.factory import make_policy
 
 GIB = 2**30
 SHAPE = dict(max_len=256, num_candidates=16, gen_length=64, queue_capacity=64, prompt_width=16)
@@ -91,8 +91,8 @@ def test_the_state_terms_match_the_decode_loop_state(method):
 def test_the_temporaries_bound_what_xla_assigns_to_the_compiled_loop():
     """The estimate of the loop's temporaries against XLA's buffer assignment: not below it,
     and not far above (a check that refused configurations that fit would be wrong too)."""
-    from dllm_jax.engine import Engine
-    from dllm_jax.models import init_params
+    from dllm_jax.engine.engine import Engine
+    from dllm_jax.models.transformer import init_params
 
     cfg = tiny_config(vocab_size=1024, mask_token_id=1022, eos_token_id=1023, pad_token_id=1023, bos_token_id=1021)
     engine = Engine(cfg, init_params(cfg, jax.random.key(0)), backend="xla", full_pass_lanes=(8,))

@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dllm_jax.config import ConfigError, ModelConfig, llada_8b_config
-from dllm_jax.models import abstract_params, count_params, forward, init_params
+from dllm_jax.models.config import ConfigError, ModelConfig, llada_8b_config
+from dllm_jax.models.transformer import abstract_params, count_params, forward, init_params
 
 
 def test_llada_8b_config_has_the_published_parameter_count():

@@ -15,8 +15,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import tiny_config
 from convert.jax_to_hf import save_hf_checkpoint
-from dllm_jax.config import ModelConfig
-from dllm_jax.loading import load_model
+from dllm_jax.models.config import ModelConfig
+from dllm_jax.models.loading import load_model
 from transformers_parity import (
     assert_the_loaded_model_matches,
     hf_decoder_fields,

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from cuda_lowering import lower_for_cuda
-from pallas_kernels.qkv_rope_cache import (
+from pallas_kernels.projection.qkv_rope_cache import (
     QKVBlockSizes,
     default_qkv_block_sizes,
     qkv_rope_cache,

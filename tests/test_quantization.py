@@ -1,4 +1,4 @@
-"""8-bit weights (dllm_jax.quantization): the format, the matmuls and the embedding lookup against
+"""8-bit weights (dllm_jax.models.quantization): the format, the matmuls and the embedding lookup against
 plain references, the model and every decode method on quantized weights, the weight bytes at
 LLaDA-8B's shape, conversion and loading, sharding."""
 
@@ -16,17 +16,18 @@ import pytest
 from conftest import tiny_config, tiny_dream_config
 from convert.conversion import convert_checkpoint
 from convert.jax_to_hf import save_hf_checkpoint
-import dllm_jax.kernel_backend
-from dllm_jax import DecodeConfig, Engine, tiny_tasks
-from dllm_jax.assets import tiny_model_path
-from dllm_jax.config import dream_7b_config, llada_8b_config
-from dllm_jax.checkpoint.converted import METADATA_FILE
-from dllm_jax.checkpoint.errors import ConversionError
-from dllm_jax.errors import GenerationError
-from dllm_jax.loading import load_model
-from dllm_jax.memory_estimate import estimate_memory
-from dllm_jax.models import Transformer, abstract_params, forward, init_params, init_params_per_layer, unstack_layers
-from dllm_jax.quantization import (
+import dllm_jax.common.platform
+from dllm_jax import DecodeConfig, Engine
+from dllm_jax.evaluation import tiny_tasks
+from dllm_jax.models.embedded import tiny_model_path
+from dllm_jax.models.config import dream_7b_config, llada_8b_config
+from dllm_jax.models.checkpoint.converted import METADATA_FILE
+from dllm_jax.models.checkpoint.errors import ConversionError
+from dllm_jax.common.errors import GenerationError
+from dllm_jax.models.loading import load_model
+from dllm_jax.runtime.memory_estimate import estimate_memory
+from dllm_jax.models.transformer import Transformer, abstract_params, forward, init_params, init_params_per_layer, unstack_layers
+from dllm_jax.models.quantization import (
     QUANTIZED_MODULES,
     compiler_options,
     dequantize_embedding,
@@ -38,7 +39,7 @@ from dllm_jax.quantization import (
     quantized_matmul,
     weight_bytes,
 )
-from dllm_jax.sharding import parse_mesh
+from dllm_jax.runtime.sharding import parse_mesh
 
 MODES = ("fp8", "int8-weights")
 
@@ -348,7 +349,7 @@ def test_the_generate_command_line_loads_quantized_weights(tmp_path):
 
 def test_fp8_models_compile_without_xla_triton_gemms_on_nvidia_gpus(monkeypatch):
     assert compiler_options("fp8") == {}  # this CPU: XLA's defaults
-    monkeypatch.setattr(dllm_jax.kernel_backend, "on_nvidia_gpu", lambda: True)
+    monkeypatch.setattr(dllm_jax.common.platform, "on_nvidia_gpu", lambda: True)
     options = compiler_options("fp8")
     assert options == {"xla_gpu_enable_triton_gemm": False, "xla_gpu_dot_merger_threshold_mb": 0}
     assert compiler_options("int8-weights") == {}  # without Triton its GEMM is a convert + cuBLAS
@@ -360,7 +361,7 @@ def test_fp8_models_compile_without_xla_triton_gemms_on_nvidia_gpus(monkeypatch)
     config = tiny_config(quantization="fp8")
     engine = Engine(config, quantize_params(init_params(tiny_config(), jax.random.key(0)), "fp8"))
     assert engine.compiler_options == options
-    monkeypatch.setattr(dllm_jax.kernel_backend, "on_nvidia_gpu", lambda: False)  # compile for this CPU
+    monkeypatch.setattr(dllm_jax.common.platform, "on_nvidia_gpu", lambda: False)  # compile for this CPU
     engine = Engine(config, engine.params, compiler_options={"xla_gpu_enable_triton_gemm": False})
     out = engine.generate([[3, 4, 5]], DecodeConfig(gen_length=16, batch_size=1))
     assert out.results[0].completion_tokens > 0

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from dllm_jax.assets import tiny_model_path
+from dllm_jax.models.embedded import tiny_model_path
 
 ROOT = Path(__file__).resolve().parent.parent
 PLACEHOLDERS = {

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from dllm_jax import DecodeConfig, Engine, GenerationError, SamplingParams
-from dllm_jax.kernel_backend import Kernels
-from dllm_jax.models import forward
-from dllm_jax.sampling import filter_top_p_top_k, guided_logits, sample_tokens
+from dllm_jax.runtime.kernel_routing import Kernels
+from dllm_jax.models.transformer import forward
+from dllm_jax.sampling.samplers import filter_top_p_top_k, guided_logits, sample_tokens
 
 FLOAT32_MIN = np.finfo(np.float32).min
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cuda_lowering import lower_for_cuda
-from pallas_kernels.scatter_rows import ScatterBlockSizes, scatter_kv_rows, scatter_kv_rows_reference
+from pallas_kernels.projection.scatter_rows import ScatterBlockSizes, scatter_kv_rows, scatter_kv_rows_reference
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 

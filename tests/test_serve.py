@@ -16,9 +16,9 @@ import openai
 import pytest
 
 from dllm_jax import DecodeConfig, Engine
-from dllm_jax.sampling_params import SamplingParams
-from dllm_jax.assets import tiny_model_path
-from dllm_jax.tiny_tasks import held_out_problems
+from dllm_jax.sampling.params import SamplingParams
+from dllm_jax.models.embedded import tiny_model_path
+from dllm_jax.evaluation.tiny_tasks import held_out_problems
 from tests.server_process import ServerProcess
 
 KEY = "test-key-0123456789"

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from dllm_jax.decode_config import DecodeConfig
-from dllm_jax.engine import Engine
-from dllm_jax.models import init_params
-from dllm_jax.sharding import MeshError, parse_mesh
+from dllm_jax.runtime.decode_config import DecodeConfig
+from dllm_jax.engine.engine import Engine
+from dllm_jax.models.transformer import init_params
+from dllm_jax.runtime.sharding import MeshError, parse_mesh
 from tests.conftest import tiny_config
 from tests.engine_checks import random_prompts
 

@@ -3,8 +3,8 @@ import random
 
 import pytest
 
-from dllm_jax import tiny_tasks
-from dllm_jax.tiny_tasks import Problem, extract_final, held_out_problems, is_correct, is_held_out, problems
+from dllm_jax.evaluation import tiny_tasks
+from dllm_jax.evaluation.tiny_tasks import Problem, extract_final, held_out_problems, is_correct, is_held_out, problems
 
 
 def take(stream, n):

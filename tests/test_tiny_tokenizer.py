@@ -1,6 +1,6 @@
 from transformers import AutoTokenizer
 
-from dllm_jax import tiny_tokenizer as tt
+from dllm_jax.text import tiny_tokenizer as tt
 
 
 def test_text_round_trips_character_by_character():

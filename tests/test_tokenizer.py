@@ -5,7 +5,7 @@ import pytest
 import tokenizers
 
 from conftest import save_tiny_tokenizer
-from dllm_jax.tokenizer import Tokenizer, TokenizerError, has_tokenizer_files
+from dllm_jax.text.tokenizer import Tokenizer, TokenizerError, has_tokenizer_files
 
 
 @pytest.fixture(scope="module")

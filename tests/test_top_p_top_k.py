@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from cuda_lowering import lower_for_cuda
-from pallas_kernels.top_p_top_k import (
+from pallas_kernels.sampling.top_p_top_k import (
     REMOVED,
     CutoffBlockSizes,
     apply_cutoff,

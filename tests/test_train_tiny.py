@@ -6,12 +6,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dllm_jax import tiny_tasks
-from dllm_jax.assets import tiny_model_path
-from dllm_jax.decode_config import DecodeConfig
-from dllm_jax.models import init_params
-from dllm_jax.tiny_tasks import Problem
-from dllm_jax.tiny_tokenizer import EOT, build_tiny_tokenizer
+from dllm_jax.evaluation import tiny_tasks
+from dllm_jax.models.embedded import tiny_model_path
+from dllm_jax.runtime.decode_config import DecodeConfig
+from dllm_jax.models.transformer import init_params
+from dllm_jax.evaluation.tiny_tasks import Problem
+from dllm_jax.text.tiny_tokenizer import EOT, build_tiny_tokenizer
 from scripts import train_tiny as tr
 
 
@@ -73,9 +73,9 @@ def test_masking_spares_the_prompt_and_follows_the_ratio(tok):
 def test_the_held_out_metric_is_the_engine_on_swapped_weights():
     """The trainer scores with the engine (the trainer's own tokenizer, weights swapped in
     between evaluations without recompiling), as scripts/eval.py scores."""
-    from dllm_jax.engine import Engine, GenerationError
-    from dllm_jax.loading import load_model
-    from dllm_jax.tokenizer import Tokenizer
+    from dllm_jax.engine.engine import Engine, GenerationError
+    from dllm_jax.models.loading import load_model
+    from dllm_jax.text.tokenizer import Tokenizer
 
     tiny = load_model(tiny_model_path(), dtype="float32")
     tok = build_tiny_tokenizer(tr.SEQ_LEN)

@@ -7,13 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dllm_jax.cached_forward import PassSpec, VerifyKeys, cached_forward
-from dllm_jax.decode_config import DecodeConfig
-from dllm_jax.engine import Engine
-from dllm_jax.flat_cache import allocate_cache
-from dllm_jax.models import forward, init_params
-from dllm_jax.slots import commit_tokens, empty_slots, install, zero_params
-from dllm_jax.verify import WindowDraft, accepted_count, plan_verify
+from dllm_jax.runtime.cached_forward import PassSpec, VerifyKeys, cached_forward
+from dllm_jax.runtime.decode_config import DecodeConfig
+from dllm_jax.engine.engine import Engine
+from dllm_jax.runtime.flat_cache import allocate_cache
+from dllm_jax.models.transformer import forward, init_params
+from dllm_jax.runtime.slots import commit_tokens, empty_slots, install, zero_params
+from dllm_jax.policies.flash_verify import WindowDraft, accepted_count, plan_verify
 from tests.conftest import tiny_config
 from tests.reference_decoder import ReferenceDecoder
 from tests.engine_checks import answer, random_prompts

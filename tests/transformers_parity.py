@@ -18,9 +18,10 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from dllm_jax.config import ModelConfig
-from dllm_jax.loading import LoadedModel, load_model
-from dllm_jax.models import abstract_params, block_class, forward, model_class, predictions
+from dllm_jax.models.config import ModelConfig
+from dllm_jax.models.loading import LoadedModel, load_model
+from dllm_jax.models.families import block_class, model_class
+from dllm_jax.models.transformer import abstract_params, forward, predictions
 
 # relative L2 error allowed between the two implementations, per dtype
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}

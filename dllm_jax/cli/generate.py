@@ -25,12 +25,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dllm_jax.checkpoint.dtypes import QUANTIZATIONS
+from dllm_jax.models.checkpoint.dtypes import QUANTIZATIONS
 from dllm_jax.cli import arguments, running
 from dllm_jax.cli.output import check_output_path
 from dllm_jax.cli.prompts import PromptRecord, encode_all, from_flags, read_jsonl
-from dllm_jax.decode_config import ACCEPT_RULES, CACHES, DREAM_ALGORITHMS, METHODS, PIN_POLICIES, DecodeConfig
-from dllm_jax.sampling_params import REMASKING, SamplingParams
+from dllm_jax.runtime.decode_config import ACCEPT_RULES, CACHES, DREAM_ALGORITHMS, METHODS, PIN_POLICIES, DecodeConfig
+from dllm_jax.sampling.params import REMASKING, SamplingParams
 
 log = logging.getLogger("dllm_jax.cli.generate")
 
@@ -193,13 +193,13 @@ def output_record(record: PromptRecord, result: Any) -> dict[str, Any]:
 
 
 def _output_keys() -> set[str]:
-    from dllm_jax.engine import GenerationResult
+    from dllm_jax.engine.engine import GenerationResult
 
     return {f.name for f in dataclasses.fields(GenerationResult)} - set(_UNWRITTEN_RESULT_FIELDS)
 
 
 def _default_model() -> Path:
-    from dllm_jax.assets import tiny_model_path
+    from dllm_jax.models.embedded import tiny_model_path
 
     try:
         return tiny_model_path()
@@ -216,15 +216,15 @@ def _main(argv: Sequence[str] | None) -> int:
     if args.batch_invariant:
         import os
 
-        from dllm_jax.batch_invariance import deterministic_xla_flags
+        from dllm_jax.runtime.batch_invariance import deterministic_xla_flags
 
         os.environ["XLA_FLAGS"] = deterministic_xla_flags()  # before JAX starts its backend
 
-    from dllm_jax import sharding
-    from dllm_jax.engine import Engine
-    from dllm_jax.loading import default_dtype, load_model, load_tokenizer, read_model_config, resolve_model_path
-    from dllm_jax.memory_estimate import memory_override
-    from dllm_jax.session import resolve_params
+    from dllm_jax.runtime import sharding
+    from dllm_jax.engine.engine import Engine
+    from dllm_jax.models.loading import default_dtype, load_model, load_tokenizer, read_model_config, resolve_model_path
+    from dllm_jax.runtime.memory_estimate import memory_override
+    from dllm_jax.engine.session import resolve_params
 
     memory_override()  # a bad $DLLM_MEMORY_AVAILABLE is an input error before the model loads
 
@@ -268,7 +268,7 @@ def _main(argv: Sequence[str] | None) -> int:
         f" mesh={args.mesh}" if args.mesh else "",
     )
     if output_path is not None:
-        from dllm_jax.atomic_write import write_text_atomically
+        from dllm_jax.common.atomic_write import write_text_atomically
 
         lines = [json.dumps(output_record(r, res)) + "\n" for r, res in zip(records, output.results)]
         write_text_atomically(output_path, "".join(lines))

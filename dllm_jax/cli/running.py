@@ -8,7 +8,7 @@
   143  terminated (SIGTERM, SIGHUP: kill, schedulers, docker stop)
 
 Signals are turned into exceptions so that ``finally`` blocks run: a file being written
-atomically (dllm_jax.atomic_write) loses its temporary copy and keeps its old contents.
+atomically (dllm_jax.common.atomic_write) loses its temporary copy and keeps its old contents.
 """
 
 from __future__ import annotations

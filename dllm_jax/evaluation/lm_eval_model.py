@@ -47,13 +47,13 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import simple_parse_args_string
 from tqdm.auto import tqdm
 
-from dllm_jax.atomic_write import write_text_atomically
-from dllm_jax.decode_config import DecodeConfig
-from dllm_jax.engine import Engine
+from dllm_jax.common.atomic_write import write_text_atomically
+from dllm_jax.runtime.decode_config import DecodeConfig
+from dllm_jax.engine.engine import Engine
 from dllm_jax.evaluation.mc_loglikelihood import MonteCarloLoglikelihood
 from dllm_jax.evaluation.model_args import ModelArgsError, ParsedArgs, parse_model_args
-from dllm_jax.loading import load_model
-from dllm_jax.sampling_params import MAX_SEED, SamplingParams, SamplingParamsError
+from dllm_jax.models.loading import load_model
+from dllm_jax.sampling.params import MAX_SEED, SamplingParams, SamplingParamsError
 
 logger = logging.getLogger(__name__)
 

@@ -27,8 +27,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dllm_jax.config import ModelConfig
-from dllm_jax.models import Params, Transformer, model_class
+from dllm_jax.models.config import ModelConfig
+from dllm_jax.models.families import model_class
+from dllm_jax.models.transformer import Params, Transformer
 
 _MIN_BUCKET = 16
 

@@ -13,7 +13,7 @@ import types
 import typing
 from typing import Any
 
-from dllm_jax.decode_config import DecodeConfig, DecodeConfigError
+from dllm_jax.runtime.decode_config import DecodeConfig, DecodeConfigError
 
 # Per-request generation parameters come from lm-eval's gen_kwargs, not from model_args.
 _REQUEST_LEVEL = {

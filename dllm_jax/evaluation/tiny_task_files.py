@@ -4,7 +4,7 @@
 
 writes into one folder (pass it to lm-eval as ``--include_path``):
 
-* ``tiny_problems.jsonl``: one held-out problem per line (dllm_jax.tiny_tasks): task, prompt,
+* ``tiny_problems.jsonl``: one held-out problem per line (dllm_jax.evaluation.tiny_tasks): task, prompt,
   answer, final, and for the multiple-choice task the answer among three wrong ones
   (``choices``, ``label``; see wrong_answers);
 * ``tiny_gen.yaml``: ``generate_until`` over the prompts, stopped at ``<|eot_id|>``, scored as
@@ -25,8 +25,8 @@ import re
 import sys
 from pathlib import Path
 
-from dllm_jax import tiny_tasks
-from dllm_jax.atomic_write import write_text_atomically
+from dllm_jax.evaluation import tiny_tasks
+from dllm_jax.common.atomic_write import write_text_atomically
 
 GEN_TASK = "tiny_gen"
 MC_TASK = "tiny_mc"
@@ -35,7 +35,7 @@ _DISTRACTORS = 3
 
 _SCORING = '''"""process_results of the tiny_gen task: exact match of the final answer (scripts/eval.py's rule)."""
 
-from dllm_jax import tiny_tasks
+from dllm_jax.evaluation import tiny_tasks
 
 
 def process_results(doc, results):

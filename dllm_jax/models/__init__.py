@@ -1,55 +1,9 @@
-"""Model families: shared building blocks (layers.py, transformer.py) and one file per family.
+"""The model floor: what a model is and how it is read.
 
-``model_class(config)`` / ``block_class(config)`` pick the family's Flax modules; the
-functions below take any family's config.
+config.py (ModelConfig from a Hugging Face config.json), layers.py and transformer.py (the shared
+blocks and the forward pass), one file per family (llada.py, dream.py; families.py picks one),
+quantization.py (8-bit weights), logit_alignment.py (which output row predicts which position),
+checkpoint/ (the Hugging Face tensor tables, the streaming reader, converted folders), loading.py
+(a folder, a converted checkpoint or a cached Hub id -> config, weights, tokenizer) and
+embedded.py (the tiny models shipped in dllm_jax/assets). Nothing here imports the runtime.
 """
-
-from __future__ import annotations
-
-from dllm_jax.config import ModelConfig
-from dllm_jax.models.dream import DreamBlock, DreamModel
-from dllm_jax.models.llada import LLaDABlock, LLaDAModel
-from dllm_jax.models.transformer import (
-    Block,
-    Params,
-    Transformer,
-    abstract_params,
-    count_params,
-    forward,
-    init_params,
-    init_params_per_layer,
-    predictions,
-    unstack_layers,
-)
-
-_FAMILIES = {"llada": (LLaDAModel, LLaDABlock), "dream": (DreamModel, DreamBlock)}
-
-
-def model_class(config: ModelConfig) -> type[Transformer]:
-    """The family's model module class (LLaDAModel, DreamModel)."""
-    return _FAMILIES[config.family][0]
-
-
-def block_class(config: ModelConfig) -> type[Block]:
-    """The family's block module class (LLaDABlock, DreamBlock)."""
-    return _FAMILIES[config.family][1]
-
-
-__all__ = [
-    "Block",
-    "DreamBlock",
-    "DreamModel",
-    "LLaDABlock",
-    "LLaDAModel",
-    "Params",
-    "Transformer",
-    "abstract_params",
-    "block_class",
-    "count_params",
-    "forward",
-    "init_params",
-    "init_params_per_layer",
-    "model_class",
-    "predictions",
-    "unstack_layers",
-]

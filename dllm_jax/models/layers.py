@@ -1,8 +1,8 @@
 """Building blocks shared by the model families: the token embedding, a float32-accumulating
 Linear, RMSNorm, SwiGLU.
 
-Attention lives in pallas_kernels.reference.attention (dense, masked) and
-dllm_jax.cached_forward (over the flat cache); RoPE in pallas_kernels.reference.rope.
+Attention lives in pallas_kernels.attention.reference (dense, masked) and
+dllm_jax.runtime.cached_forward (over the flat cache); RoPE in pallas_kernels.projection.rope.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from dllm_jax.quantization import embedding_rows, quantized_matmul, weight_dtype
-from pallas_kernels.reference.rms_norm import rms_norm
+from dllm_jax.models.quantization import embedding_rows, quantized_matmul, weight_dtype
+from pallas_kernels.norm.rms_norm import rms_norm
 
 INIT = nn.initializers.normal(stddev=0.02)
 
@@ -23,7 +23,7 @@ class Embedding(nn.Module):
     """The token embedding table [V, D]: int tokens [...] -> rows [..., D] in dtype.
 
     Plain: ``embedding`` [V, D] in dtype (flax's nn.Embed: the same param, the same numbers).
-    Quantized (dllm_jax.quantization): ``qembedding`` int8 [V, D] and ``scale`` float32 [V],
+    Quantized (dllm_jax.models.quantization): ``qembedding`` int8 [V, D] and ``scale`` float32 [V],
     and only the gathered rows are dequantized.
     """
 
@@ -59,7 +59,7 @@ class Linear(nn.Module):
     float32 result only where it is used (q and k before RoPE) keeps the large MLP
     activations in bf16 in device memory. The bias is added to the float32 product when
     out_dtype is float32 (before rounding), else in the output dtype. With quantization
-    (dllm_jax.quantization) the params are ``qkernel`` [out, in] (8-bit) and ``scale`` [out]
+    (dllm_jax.models.quantization) the params are ``qkernel`` [out, in] (8-bit) and ``scale`` [out]
     instead of ``kernel``; the bias stays in the model dtype.
     """
 

@@ -27,7 +27,7 @@ Parameter tree (``params`` collection), the same names for every family::
 
 With config.quantization set, each of the seven block projections holds ``qkernel`` [NL, out, in]
 (8-bit) and ``scale`` [NL, out] instead of ``kernel``, and (unless weight_tying) wte holds
-``qembedding`` [V, D] (int8) and ``scale`` [V] instead of ``embedding`` (dllm_jax.quantization);
+``qembedding`` [V, D] (int8) and ``scale`` [V] instead of ``embedding`` (dllm_jax.models.quantization);
 biases stay.
 """
 
@@ -40,11 +40,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from dllm_jax.config import ModelConfig
+from dllm_jax.models.config import ModelConfig
 from dllm_jax.models.layers import Embedding, Linear, RMSNorm, swiglu
-from dllm_jax.quantization import quantize_params, quantizes_embedding
-from pallas_kernels.reference.attention import dense_attention
-from pallas_kernels.reference.rope import apply_rope, rope_cos_sin
+from dllm_jax.models.quantization import quantize_params, quantizes_embedding
+from pallas_kernels.attention.reference import dense_attention
+from pallas_kernels.projection.rope import apply_rope, rope_cos_sin
 
 Params = Any  # a nested dict of arrays, the "params" collection
 

@@ -1,52 +1,8 @@
-"""Decode policies: llada and fast_dllm (block decoding), flash_cache (sliding window), dream
-(Dream's own sampler)."""
+"""The policy floor: what each method recomputes and commits, per slot (the loop runs them).
 
-from __future__ import annotations
-
-from dllm_jax.config import ModelConfig
-from dllm_jax.decode_config import DecodeConfig
-from dllm_jax.policies.base import DecodePolicy
-from dllm_jax.policies.block import BlockPolicy
-from dllm_jax.policies.dream_sampler import DreamSamplerPolicy
-from dllm_jax.policies.flash_cache import FlashCachePolicy
-
-
-def make_policy(decode: DecodeConfig, model: ModelConfig, max_len: int) -> DecodePolicy:
-    """The policy object (static, hashable) implementing a DecodeConfig."""
-    W = decode.window
-    if decode.method == "flash_cache":
-        return FlashCachePolicy(
-            window=W,
-            lookahead=(decode.mask_num - 1) * W,
-            tracked=decode.track_num * W if decode.track_num >= 0 else -1,
-            max_len=max_len,
-            n_heads=model.n_heads,
-            eos_id=model.eos_token_id,
-            mask_id=model.mask_token_id,
-            verify=decode.verify,
-            accept=decode.accept,
-            pin=decode.pin,
-            logit_shift=model.logit_shift,
-        )
-    if decode.method == "dream":
-        return DreamSamplerPolicy(
-            block=decode.gen_length,
-            gen_length=decode.gen_length,
-            cache="none",
-            steps_per_block=decode.total_steps,
-            eos_id=model.eos_token_id,
-            alg=decode.alg,
-            eps=decode.eps,
-            steps=decode.total_steps,
-        )
-    blocks = decode.gen_length // W
-    return BlockPolicy(
-        block=W,
-        gen_length=decode.gen_length,
-        cache="none" if decode.method == "llada" else decode.cache,
-        steps_per_block=decode.total_steps // blocks if decode.uses_schedule else None,
-        eos_id=model.eos_token_id,
-    )
-
-
-__all__ = ["BlockPolicy", "DecodePolicy", "DreamSamplerPolicy", "FlashCachePolicy", "make_policy"]
+block.py (llada and fast_dllm: semi-autoregressive blocks), flash_cache.py (the sliding window
+with selective refresh) and flash_verify.py (its verification stage), dream_sampler.py with
+dream_unmasking.py (Dream's own sampler), commit_rules.py (threshold and count commits) and
+factory.py (make_policy: DecodeConfig -> policy). Each policy implements
+dllm_jax.runtime.policy.DecodePolicy.
+"""

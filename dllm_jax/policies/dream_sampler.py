@@ -1,6 +1,6 @@
 """Dream's own sampler as a policy: the whole generation is one block, every step a full pass.
 
-Each step unmasks positions of the generation by Dream's rule (dllm_jax.dream_sampling: alg
+Each step unmasks positions of the generation by Dream's rule (dllm_jax.policies.dream_unmasking: alg
 and the timestep schedule with eps from the DecodeConfig; the request's temperature and
 alg_temp from slot.params, its top-p / top-k already applied by the loop), so a request takes
 exactly `steps` steps. Candidates are all G generated positions; the decode loop reads their
@@ -14,9 +14,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from dllm_jax.dream_sampling import sample_and_confidence, transfer_mask
+from dllm_jax.policies.dream_unmasking import sample_and_confidence, transfer_mask
 from dllm_jax.policies.block import BlockPolicy
-from dllm_jax.slots import Slots, commit_tokens
+from dllm_jax.runtime.slots import Slots, commit_tokens
 
 
 @dataclasses.dataclass(frozen=True)

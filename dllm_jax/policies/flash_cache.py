@@ -26,9 +26,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from dllm_jax.sampling import random_confidence, sample_tokens, threshold_commit
-from dllm_jax.slots import Slots, answer_remaining, commit_tokens, smallest_undecoded
-from dllm_jax.verify import VerifyPlan, WindowDraft, plan_verify, verify_commit
+from dllm_jax.policies.commit_rules import threshold_commit
+from dllm_jax.sampling.samplers import random_confidence, sample_tokens
+from dllm_jax.runtime.slots import Slots, answer_remaining, commit_tokens, smallest_undecoded
+from dllm_jax.policies.flash_verify import VerifyPlan, WindowDraft, plan_verify, verify_commit
 
 # Key lengths are rounded up to this (the published kernels' key tile): each slot attends to
 # its canvas plus 1..128 EOS padding positions, as in the reference.
@@ -48,7 +49,7 @@ class FlashCachePolicy:
     verify: bool = False
     accept: str = "cumprod"
     pin: str = "all_commits"
-    logit_shift: int = 0  # the model family's (dllm_jax.logit_alignment)
+    logit_shift: int = 0  # the model family's (dllm_jax.models.logit_alignment)
 
     @property
     def num_candidates(self) -> int:

@@ -9,8 +9,8 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from dllm_jax.decode_config import DecodeConfig
-from dllm_jax.engine import Engine
+from dllm_jax.runtime.decode_config import DecodeConfig
+from dllm_jax.engine.engine import Engine
 from dllm_jax.serve.app import ServerSettings, create_app
 from dllm_jax.serve.metrics import ServerMetrics
 from dllm_jax.serve.params import make_params

@@ -20,7 +20,7 @@ import time
 import uuid
 from pathlib import Path
 
-from dllm_jax.checkpoint.dtypes import QUANTIZATIONS
+from dllm_jax.models.checkpoint.dtypes import QUANTIZATIONS
 
 log = logging.getLogger("dllm_jax.serve")
 
@@ -81,7 +81,7 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError("--gamma applies to Flash-Verify: add --method flash_cache+verify")
     if not 0 <= args.port < 65536:
         raise UsageError(f"--port={args.port}: expected 0-65535")
-    from dllm_jax.memory_estimate import memory_override
+    from dllm_jax.runtime.memory_estimate import memory_override
 
     memory_override()  # a bad $DLLM_MEMORY_AVAILABLE, before the model loads
 
@@ -89,14 +89,14 @@ def _check(args: argparse.Namespace) -> None:
 def build(args: argparse.Namespace):
     """Loads the model and assembles the server (compiling and warming up its loops)."""
     if args.batch_invariant:
-        from dllm_jax.batch_invariance import deterministic_xla_flags
+        from dllm_jax.runtime.batch_invariance import deterministic_xla_flags
 
         os.environ["XLA_FLAGS"] = deterministic_xla_flags()  # before JAX starts its backend
     import jax
 
-    from dllm_jax.assets import model_folder, tiny_model_path
-    from dllm_jax.decode_config import DecodeConfigError
-    from dllm_jax.engine import Engine
+    from dllm_jax.models.embedded import model_folder, tiny_model_path
+    from dllm_jax.runtime.decode_config import DecodeConfigError
+    from dllm_jax.engine.engine import Engine
     from dllm_jax.serve.assemble import ServeOptions, assemble
 
     path = model_folder(args.model) if args.model else tiny_model_path()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dllm_jax.sampling_params import SamplingParams
+from dllm_jax.sampling.params import SamplingParams
 from dllm_jax.serve.protocol import _Sampling
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 
-from dllm_jax.tokenizer import tokens_within
+from dllm_jax.text.tokenizer import tokens_within
 
 _REPLACEMENT = "\ufffd"
 

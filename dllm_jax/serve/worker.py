@@ -18,19 +18,19 @@ import time
 from collections.abc import Mapping
 from typing import Protocol
 
-from dllm_jax.decode_config import DecodeConfig
-from dllm_jax.engine import CompiledLoop, Engine, GenerationResult
-from dllm_jax.sampling_params import SamplingParams
+from dllm_jax.runtime.decode_config import DecodeConfig
+from dllm_jax.engine.engine import CompiledLoop, Engine, GenerationResult
+from dllm_jax.sampling.params import SamplingParams
 from dllm_jax.serve.errors import APIError
 from dllm_jax.serve.metrics import ServerMetrics
-from dllm_jax.errors import GenerationError
-from dllm_jax.session import RequestUpdate, StepCommits, resolve_params
+from dllm_jax.common.errors import GenerationError
+from dllm_jax.engine.session import RequestUpdate, StepCommits, resolve_params
 
 log = logging.getLogger("dllm_jax.serve")
 
 
 class Session(Protocol):
-    """What the worker needs of a generation session (dllm_jax.session.GenerationSession)."""
+    """What the worker needs of a generation session (dllm_jax.engine.session.GenerationSession)."""
 
     compiled: CompiledLoop
     decode: DecodeConfig

@@ -1,0 +1,239 @@
+"""8-bit weights: FP8 (W8A8) and int8 weight-only block projections, an int8 embedding, a
+load-time choice.
+
+The transformer blocks' seven projections are quantized (q/k/v, attention output, the two
+SwiGLU input projections and its output), and the embedding table is stored in int8 in both
+modes; the LM head, the norms, attention and RoPE keep the model dtype. A quantized projection
+stores, instead of ``kernel`` [in, out]:
+
+  qkernel  [out, in]  float8_e4m3fn ("fp8") or int8 ("int8-weights"), one row per output
+  scale    [out]      float32: w[:, j] ~= qkernel[j, :] * scale[j]   (per output channel)
+
+[out, in] is the layout the FP8 tensor-core GEMM reads (both operands K-major), so XLA needs
+no transpose of the weights at run time. The matmuls:
+
+  fp8            activations quantized per row at run time (x ~= xq * xs, xs = max|x| / 448),
+                 one float8 x float8 dot_general (float32 accumulation, the product rounded to
+                 the output dtype), then * xs * scale.
+  int8-weights   activations stay in the model dtype; the int8 weights are converted to it
+                 inside the GEMM, float32 accumulation, then * scale: XLA's dot on the
+                 converted weights (on the H200 slower than bf16: BENCHMARKS.md). The Pallas
+                 kernel pallas_kernels.matmul.int8_matmul (int8 tiles dequantized in registers, each
+                 weight byte read once) is opt-in (int8_gemm="pallas"): on the H200 it ran at
+                 1.45-2.0x the bf16 GEMM's time, slower than XLA's fusion (1.11-1.46x).
+
+The embedding (``wte``) stores, instead of ``embedding`` [V, D]:
+
+  qembedding  [V, D]  int8, whatever the mode (a lookup is a gather, not a GEMM: no FP8 to gain)
+  scale       [V]     float32: embedding[t] ~= qembedding[t] * scale[t]   (per row, per token)
+
+Only the gathered rows are dequantized (embedding_rows). A family whose LM head is the
+embedding (weight_tying) keeps the table in the model dtype, as the head is. At LLaDA-8B's
+shape this stores the weights in 8.54 GB instead of 9.06 GB (bf16: 16.03 GB).
+
+On a CPU, XLA emulates the 8-bit dots by converting to float32 (same numbers, not faster).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dllm_jax.common import platform
+from dllm_jax.models.checkpoint.dtypes import QUANTIZATIONS
+
+QUANTIZED_MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "attn_out", "ff_proj", "up_proj", "ff_out")
+
+_FP8 = jnp.float8_e4m3fn
+_FP8_MAX = float(jnp.finfo(_FP8).max)  # 448
+_INT8_MAX = 127.0
+
+# int8_gemm choices of quantized_matmul: "auto" = the Pallas kernel on an NVIDIA GPU for at most
+# INT8_KERNEL_MAX_ROWS rows and XLA otherwise; "xla"; "pallas"; "interpret" = the kernel in
+# interpret mode (CPU tests). INT8_KERNEL_MAX_ROWS is 0 (auto = XLA everywhere) because the
+# kernel's default tiling ran slower than XLA's int8 fusion at 128, 1024 and 4096 rows on the
+# H200 (scripts/bench_gemm.py, BENCHMARKS.md); raise it once a tiling from `--sweep` wins.
+INT8_GEMMS: tuple[str, ...] = ("auto", "xla", "pallas", "interpret")
+INT8_KERNEL_MAX_ROWS = 0
+
+
+def weight_dtype(mode: str) -> Any:
+    """The storage dtype of a quantized kernel."""
+    return {"fp8": _FP8, "int8-weights": jnp.int8}[mode]
+
+
+def quantize_kernel(kernel: Any, mode: str) -> dict[str, Any]:
+    """kernel [..., in, out] (any float dtype, numpy or jax) -> {"qkernel": [..., out, in], "scale": [..., out]}.
+
+    Per-output-channel symmetric scales (max |w| of the channel maps to the format's largest
+    value); an all-zero channel gets scale 1.
+    """
+    xp = np if isinstance(kernel, np.ndarray) else jnp
+    if xp is np and kernel.ndim == 3:  # a host layer stack: one layer's float32 copy at a time
+        layers = [quantize_kernel(layer, mode) for layer in kernel]
+        return {key: np.stack([layer[key] for layer in layers]) for key in ("qkernel", "scale")}
+    w = xp.swapaxes(xp.asarray(kernel, dtype=np.float32), -1, -2)  # [..., out, in]
+    amax = xp.max(xp.abs(w), axis=-1)
+    limit = _FP8_MAX if mode == "fp8" else _INT8_MAX
+    # Written as multiplications by float32 reciprocals, the form XLA rewrites a division by a
+    # broadcast into, so that numpy (the converter) and jax (load-time) store the same numbers.
+    scale = xp.where(amax > 0, amax * np.float32(1.0 / limit), np.float32(1.0)).astype(np.float32)
+    scaled = w * (np.float32(1.0) / scale)[..., None]
+    if mode == "fp8":
+        q = scaled.astype(_FP8)
+    elif mode == "int8-weights":
+        q = xp.clip(xp.round(scaled), -_INT8_MAX, _INT8_MAX).astype(np.int8)
+    else:
+        raise ValueError(f"quantization={mode!r}: expected one of {QUANTIZATIONS[1:]}")
+    return {"qkernel": q, "scale": scale}
+
+
+def dequantize_kernel(leaf: dict[str, Any]) -> jax.Array:
+    """The float32 [..., in, out] kernel a quantized leaf stands for (tests, error reports)."""
+    w = leaf["qkernel"].astype(jnp.float32) * leaf["scale"][..., None]
+    return jnp.swapaxes(w, -1, -2)
+
+
+# rows of a host (numpy) table quantized at a time: a 4096-row float32 copy of LLaDA-8B's
+# table is 64 MB, the whole one 2 GB
+_HOST_EMBEDDING_ROWS = 4096
+
+
+def quantizes_embedding(mode: str, weight_tying: bool) -> bool:
+    """Whether params of this quantization store the embedding in int8: yes unless "none" or
+    the table is also the LM head (weight_tying), which stays in the model dtype."""
+    return mode != "none" and not weight_tying
+
+
+def quantize_embedding(table: Any) -> dict[str, Any]:
+    """table [V, D] (any float dtype, numpy or jax) -> {"qembedding": int8 [V, D], "scale": float32 [V]}.
+
+    Per-row symmetric int8 (max |row| maps to 127; an all-zero row gets scale 1): the rule of
+    quantize_kernel("int8-weights") with the rows as output channels, so the host and device
+    paths store the same numbers. A numpy table is converted a block of rows at a time.
+    """
+    if isinstance(table, np.ndarray):
+        blocks = [quantize_kernel(table[i : i + _HOST_EMBEDDING_ROWS].T, "int8-weights")
+                  for i in range(0, table.shape[0], _HOST_EMBEDDING_ROWS)]
+        q = {key: np.concatenate([block[key] for block in blocks]) for key in ("qkernel", "scale")}
+    else:
+        q = quantize_kernel(table.T, "int8-weights")
+    return {"qembedding": q["qkernel"], "scale": q["scale"]}
+
+
+def dequantize_embedding(leaf: dict[str, Any]) -> jax.Array:
+    """The float32 [V, D] table a quantized embedding stands for (tests, error reports)."""
+    return leaf["qembedding"].astype(jnp.float32) * leaf["scale"][:, None]
+
+
+def embedding_rows(qembedding: jax.Array, scale: jax.Array, tokens: jax.Array, dtype: Any) -> jax.Array:
+    """The rows of int tokens [...] in a quantized table -> [..., D] in dtype.
+
+    Gathers the int8 rows and their scales, then dequantizes only those (float32 product,
+    rounded once to dtype); the [V, D] table is never converted.
+    """
+    rows = jnp.take(qembedding, tokens, axis=0).astype(jnp.float32)
+    return (rows * jnp.take(scale, tokens, axis=0)[..., None]).astype(dtype)
+
+
+def quantize_params(params: Any, mode: str) -> Any:
+    """The params tree with every block projection quantized, and the embedding unless the tree
+    has no lm_head (a tied head: quantizes_embedding); a no-op for "none".
+
+    Works on layer-stacked ([NL, in, out]) and per-layer (a tuple of trees) params, and on
+    numpy or jax leaves; one projection is converted at a time.
+    """
+    if mode == "none":
+        return params
+    if mode not in QUANTIZATIONS:
+        raise ValueError(f"quantization={mode!r}: expected one of {QUANTIZATIONS}")
+
+    def block(tree: dict[str, Any]) -> dict[str, Any]:
+        # a projection's other leaves (Dream's q/k/v biases) stay as they are
+        return {
+            name: {**{k: v for k, v in sub.items() if k != "kernel"}, **quantize_kernel(sub["kernel"], mode)}
+            if name in QUANTIZED_MODULES and "kernel" in sub else sub
+            for name, sub in tree.items()
+        }
+
+    layers = params["layers"]
+    layers = tuple(block(lp) for lp in layers) if isinstance(layers, (list, tuple)) else block(layers)
+    quantized = {**params, "layers": layers}
+    if quantizes_embedding(mode, weight_tying="lm_head" not in params) and "embedding" in params.get("wte", {}):
+        quantized["wte"] = quantize_embedding(params["wte"]["embedding"])
+    return quantized
+
+
+def quantized_matmul(x: jax.Array, qkernel: jax.Array, scale: jax.Array, out_dtype: Any, *, int8_gemm: str = "auto") -> jax.Array:
+    """x [..., in] @ the quantized kernel -> [..., out] in out_dtype (accumulated in float32).
+
+    The mode follows from qkernel's dtype: float8_e4m3fn = W8A8, int8 = weight-only (int8_gemm
+    picks its GEMM: INT8_GEMMS).
+    """
+    contract = (((x.ndim - 1,), (1,)), ((), ()))
+    if qkernel.dtype == _FP8:
+        x32 = x.astype(jnp.float32)
+        amax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
+        x_scale = jnp.where(amax > 0, amax / _FP8_MAX, 1.0)
+        xq = (x32 / x_scale).astype(_FP8)
+        # the GEMM writes out_dtype when that is narrower than float32 (its float32 accumulator
+        # rounded once; XLA can fuse the scaling into the consumer): half the product's bytes,
+        # which at 32 slots are 200 MB per [4096, 12288] float32 product
+        product = jnp.float32 if jnp.dtype(out_dtype).itemsize >= 4 else out_dtype
+        y = jax.lax.dot_general(xq, qkernel, contract, preferred_element_type=product)
+        return (y.astype(jnp.float32) * (x_scale * scale)).astype(out_dtype)
+    if _int8_kernel(int8_gemm, x, qkernel):
+        from pallas_kernels.matmul.int8_matmul import int8_weight_matmul
+
+        lead, (n, k) = x.shape[:-1], qkernel.shape
+        y = int8_weight_matmul(x.reshape(-1, k), qkernel, scale, out_dtype=jnp.dtype(out_dtype), interpret=int8_gemm == "interpret")
+        return y.reshape(*lead, n)
+    y = jax.lax.dot_general(x, qkernel.astype(x.dtype), contract, preferred_element_type=jnp.float32)
+    return (y * scale).astype(out_dtype)
+
+
+def _int8_kernel(int8_gemm: str, x: jax.Array, qkernel: jax.Array) -> bool:
+    """Whether an int8 weight GEMM runs as the Pallas kernel (see INT8_GEMMS)."""
+    if int8_gemm not in INT8_GEMMS:
+        raise ValueError(f"int8_gemm={int8_gemm!r}: expected one of {INT8_GEMMS}")
+    if int8_gemm == "xla":
+        return False
+    from pallas_kernels.matmul.int8_matmul import supports
+
+    rows = math.prod(x.shape[:-1])
+    fits = supports(rows, *qkernel.shape) and jnp.issubdtype(x.dtype, jnp.floating)
+    if int8_gemm != "auto":
+        if not fits:
+            raise ValueError(f"int8_gemm={int8_gemm!r}: the kernel does not take x {x.shape} @ qkernel {qkernel.shape}")
+        return True
+
+    return fits and rows <= INT8_KERNEL_MAX_ROWS and platform.on_nvidia_gpu()
+
+
+def compiler_options(mode: str) -> dict[str, Any]:
+    """XLA options for compiling a model stored with this quantization (Engine's default).
+
+    On NVIDIA GPUs, for fp8 models (measured on the H200, BENCHMARKS.md):
+    - XLA's Triton GEMM autotuner is off. With it, an fp8 decode loop compiled for 37 s at
+      1 slot, 93 s at 8 and past 180 s at 32 (bf16: 12-15 s), and XLA chose cuBLASLt's FP8
+      GEMMs all the same; without it 18-20 s.
+    - XLA's DotMerger is off (threshold 0 MB). It merges dots that share an input when one of
+      them is under 32 MB, concatenating their weights: 8-bit q/k/v weights fall under that
+      where bf16 ones do not, and without a Triton GEMM to fuse the concatenation into, the
+      concatenated weights were copied on every call (2.7 of 7.3 ms of device time per 1-slot
+      step).
+    int8-weights keeps the defaults (without Triton its GEMM would be a convert + cuBLAS GEMM).
+    """
+
+    if mode == "fp8" and platform.on_nvidia_gpu():
+        return {"xla_gpu_enable_triton_gemm": False, "xla_gpu_dot_merger_threshold_mb": 0}
+    return {}
+
+
+def weight_bytes(params: Any) -> int:
+    """Bytes of every leaf of a params tree (the weight-streaming floor's numerator)."""
+    return sum(int(leaf.size) * jnp.dtype(leaf.dtype).itemsize for leaf in jax.tree_util.tree_leaves(params))

@@ -1,0 +1,450 @@
+"""The decode loop: one jitted ``lax.while_loop`` over a static-shape state, for every policy.
+
+Each iteration advances every active slot by exactly one step:
+  1. slots whose next step is a full pass (a new request, a block boundary, or every step of
+     LLaDA) run it in a batch of F "lanes", F the smallest of `lane_sizes` that fits them
+     (``lax.switch``, so a lone refill does not pay for a full batch);
+  2. all other active slots run the policy's sparse pass over the flat cache;
+  3. the policy commits tokens from the candidates' logits;
+  4. finished slots write their results and are refilled from the request queue, which lives
+     on the device: continuous batching without a host round trip.
+The queue and the results are rings of Q entries (request g at entry g % Q), so the compiled
+loop does not depend on how many requests a call has: the host calls the loop in chunks of
+iterations, and between chunks collects finished results and pushes waiting requests.
+
+Per-request values (max_new_tokens, temperature, top_p/top_k, seed, threshold, gamma,
+cfg_scale, remasking) travel with the request through the ring into its slot
+(dllm_jax.runtime.slots.SlotParams): one compiled loop serves every mix of them. A request whose
+logits are not finite, or that runs past its step bound, ends with an error code in its
+result while the other slots go on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jax.sharding import Mesh
+
+from dllm_jax.runtime.cached_forward import PassSpec, VerifyKeys, cached_forward
+from dllm_jax.models.config import ModelConfig
+from dllm_jax.runtime.flat_cache import FlatCache, allocate_cache
+from dllm_jax.runtime.kernel_routing import Kernels
+from dllm_jax.models.logit_alignment import predictor_positions, with_predictor_rows
+from dllm_jax.models.transformer import Params
+from dllm_jax.runtime.policy import DecodePolicy
+from dllm_jax.runtime.sharding import CACHE_ROWS, DATA, REPLICATED, SLOTS, axis_size, per_data_shard
+from dllm_jax.sampling.samplers import all_finite, filter_top_p_top_k, guided_logits
+from dllm_jax.runtime.slots import ERROR_NON_FINITE, ERROR_STEP_LIMIT, SlotParams, Slots, empty_slots, install
+from pallas_kernels.sampling.top_p_top_k import apply_cutoff, top_p_top_k_cutoff
+
+
+@struct.dataclass
+class RequestQueue:
+    """A ring of prompts: request g (global index) sits at entry g % Q.
+
+    tokens int32 [Q, P_max] (padded), lengths int32 [Q], params: SlotParams [Q]; count:
+    requests pushed so far by the host; next: requests installed so far (next < count:
+    requests are waiting).
+    """
+
+    tokens: jax.Array
+    lengths: jax.Array
+    params: SlotParams
+    count: jax.Array
+    next: jax.Array
+
+
+@struct.dataclass
+class Results:
+    """A ring of per-request outputs, request g at entry g % Q (done: not yet collected).
+
+    tokens int32 [Q, G]: the canvas after the prompt; request: the global index; error:
+    int32 [Q] the slot's ERROR_* code (0: finished normally); commit_step int32 [Q, G] and
+    verified bool [Q, G]: Slots.commit_step / verified over the same positions.
+    """
+
+    tokens: jax.Array
+    request: jax.Array
+    num_tokens: jax.Array
+    steps: jax.Array
+    passes: jax.Array
+    verify_passes: jax.Array
+    accepted: jax.Array
+    start_iter: jax.Array
+    end_iter: jax.Array
+    error: jax.Array
+    commit_step: jax.Array
+    verified: jax.Array
+    done: jax.Array
+
+
+@struct.dataclass
+class DecodeState:
+    slots: Slots
+    cache: FlatCache
+    queue: RequestQueue
+    results: Results
+    iteration: jax.Array
+
+
+def _where_tree(pred: jax.Array, new, old):
+    """Per-slot select between two Slots pytrees (pred bool [B])."""
+
+    def pick(a, b):
+        return jnp.where(pred.reshape(pred.shape + (1,) * (a.ndim - 1)), a, b)
+
+    return jax.tree_util.tree_map(pick, new, old)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeLoop:
+    """A compiled-once decode loop for one (policy, slots, max_len, kernels, mesh) combination.
+
+    With a mesh (dllm_jax.runtime.sharding), each data shard steps its own num_slots / data slots
+    (model passes, commits, Flash-Verify); the request ring, the results ring and the loop
+    condition see all slots.
+
+    cfg: the classifier-free-guidance variant (policies whose every step is a full pass):
+    each full pass is run twice, with the prompt and with it masked, and the candidates'
+    logits combined per slot with its cfg_scale (slots at 0 take the conditional logits).
+    """
+
+    model: ModelConfig
+    policy: DecodePolicy
+    num_slots: int
+    max_len: int
+    gen_length: int
+    kernels: Kernels = Kernels()
+    full_pass_lanes: tuple[int, ...] | None = None
+    mesh: Mesh | None = None
+    cfg: bool = False
+
+    def __post_init__(self):
+        if self.cfg and self.policy.num_sparse_rows != 0:
+            raise ValueError("cfg needs a policy whose every step is a full pass (method='llada')")
+
+    @property
+    def shard_slots(self) -> int:
+        """Slots of one data shard (all of them without a mesh)."""
+        return self.num_slots // axis_size(self.mesh, DATA)
+
+    @property
+    def lane_sizes(self) -> tuple[int, ...]:
+        """Full-pass batch sizes per data shard (each a compiled variant): the given ones plus
+        all its B slots; by default 1, B/4 and B, and only B for policies whose every step is
+        a full pass."""
+        B = self.shard_slots
+        if self.policy.num_sparse_rows == 0:
+            return (B,)
+        if self.full_pass_lanes is not None:
+            return tuple(sorted({min(n, B) for n in self.full_pass_lanes} | {B}))
+        return tuple(sorted({1, max(1, B // 4), B}))
+
+    @property
+    def _spec(self) -> PassSpec:
+        return PassSpec(
+            max_len=self.max_len,
+            kernels=self.kernels,
+            score_scale=self.policy.score_scale,
+            mesh=self.mesh,
+        )
+
+    # ----- state -------------------------------------------------------------------------
+
+    def init_state(self, prompts: jax.Array, lengths: jax.Array, params: SlotParams, count: jax.Array) -> DecodeState:
+        """Empty slots, a zero cache, the queue; the first requests are installed.
+
+        prompts: int32 [Q, P_max]; lengths: int32 [Q]; params: SlotParams [Q]; count: requests
+        pushed (<= Q).
+        """
+        Q = prompts.shape[0]
+        zeros = jnp.zeros((Q,), jnp.int32)
+        G = self.gen_length
+        state = DecodeState(
+            slots=empty_slots(self.num_slots, self.max_len),
+            cache=allocate_cache(self.model, self.num_slots, self.max_len),
+            queue=RequestQueue(tokens=prompts, lengths=lengths, params=params, count=jnp.int32(count), next=jnp.int32(0)),
+            results=Results(
+                tokens=jnp.zeros((Q, self.gen_length), jnp.int32),
+                request=zeros,
+                num_tokens=zeros,
+                steps=zeros,
+                passes=zeros,
+                verify_passes=zeros,
+                accepted=zeros,
+                start_iter=zeros,
+                end_iter=zeros,
+                error=zeros,
+                commit_step=jnp.full((Q, G), -1, jnp.int32),
+                verified=jnp.zeros((Q, G), bool),
+                done=jnp.zeros((Q,), bool),
+            ),
+            iteration=jnp.int32(0),
+        )
+        return self._refill(state)
+
+    def _refill(self, state: DecodeState) -> DecodeState:
+        """Installs waiting requests into free slots, lowest slot first, in request order."""
+        slots, queue = state.slots, state.queue
+        free = ~slots.active
+        request = queue.next + jnp.cumsum(free) - 1
+        take = free & (request < queue.count)
+        entry = request % queue.tokens.shape[0]
+        lengths = queue.lengths[entry]
+        params = jax.tree_util.tree_map(lambda a: a[entry], queue.params)
+        installed = jax.vmap(install, in_axes=(0, 0, 0, 0, 0, 0, None, None, None))(
+            slots,
+            queue.tokens[entry],
+            lengths,
+            request,
+            params,
+            self.policy.key_length(lengths, lengths + params.max_new_tokens),
+            self.model.mask_token_id,
+            self.model.eos_token_id,
+            state.iteration,
+        )
+        slots = _where_tree(take, installed, slots)
+        return state.replace(slots=slots, queue=queue.replace(next=queue.next + jnp.sum(take)))
+
+    # ----- one iteration -----------------------------------------------------------------
+
+    def _full_pass(self, params, slots: Slots, cache: FlatCache, run_full: jax.Array, lanes: int, taps: bool = False):
+        """Full forward of up to `lanes` slots needing it; returns logits/scores scattered to [B, ...]
+        (taps: a debug pass, also the cached_forward taps and "group_slot", each lane's slot)."""
+        B, L, C = run_full.shape[0], self.max_len, self.policy.num_candidates
+        lane_slot = jnp.nonzero(run_full, size=lanes, fill_value=B)[0].astype(jnp.int32)
+        lane_valid = lane_slot < B
+        safe_slot = jnp.minimum(lane_slot, B - 1)
+        lane = jax.tree_util.tree_map(lambda x: x[safe_slot], slots)
+        positions = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (lanes, L))
+        row_valid = lane_valid[:, None] & (positions < lane.key_len[:, None])
+        candidates, candidate_valid = jax.vmap(self.policy.candidates)(lane)
+        # row index = position in a full pass: the candidates' predictor rows are positions
+        predictors, predictor_valid = predictor_positions(candidates, candidate_valid, self.model.logit_shift)
+        score_rows = jax.vmap(lambda c, v: jnp.zeros((L,), bool).at[jnp.where(v, c, L)].set(True, mode="drop"))(
+            predictors, predictor_valid
+        )
+        logits, scores, cache, *pass_taps = cached_forward(
+            self.model, self._spec, params, cache, lane.tokens, positions, row_valid,
+            safe_slot, lane.key_len, predictors, score_rows, taps=taps,
+        )
+        if self.cfg:
+            # LLaDA's un_x: the prompt positions masked (prompt_index = the initial non-mask tokens)
+            unconditional = jnp.where(positions < lane.prompt_len[:, None], self.model.mask_token_id, lane.tokens)
+            uncond_logits, _, cache = cached_forward(
+                self.model, self._spec, params, cache, unconditional, positions, row_valid,
+                safe_slot, lane.key_len, candidates, score_rows,
+            )
+            logits = jax.vmap(guided_logits)(logits, uncond_logits, lane.params.cfg_scale).astype(logits.dtype)
+        V = logits.shape[-1]
+        full_logits = jnp.zeros((B, C, V), logits.dtype).at[lane_slot].set(logits, mode="drop")
+        full_scores = jnp.zeros((B, L), jnp.float32)
+        if scores is not None:
+            full_scores = full_scores.at[lane_slot].set(scores, mode="drop")
+        if taps:
+            return full_logits, full_scores, cache, {**pass_taps[0], "group_slot": lane_slot}
+        return full_logits, full_scores, cache
+
+    def _sparse_pass(self, params, slots: Slots, cache: FlatCache, run_sparse: jax.Array, taps: bool = False):
+        """The policy's sparse step for every slot (rows of other slots are invalid; taps: a
+        debug pass, also the cached_forward taps)."""
+        B, L, C = run_sparse.shape[0], self.max_len, self.policy.num_candidates
+        positions, row_valid = jax.vmap(self.policy.sparse_rows)(slots)
+        if self.model.logit_shift:
+            candidates, candidate_valid = jax.vmap(self.policy.candidates)(slots)
+            positions, row_valid = with_predictor_rows(
+                positions, row_valid, candidates, candidate_valid, self.model.logit_shift
+            )
+        row_valid = row_valid & run_sparse[:, None]
+        tokens = jnp.take_along_axis(slots.tokens, positions, axis=1)
+        R = positions.shape[1]
+        # the first C query rows predict the candidates (the candidates or their predictor rows)
+        candidate_rows = jnp.broadcast_to(jnp.arange(C, dtype=jnp.int32), (B, C))
+        score_rows = row_valid & (jnp.arange(R) < C)[None, :]
+        logits, scores, cache, *pass_taps = cached_forward(
+            self.model, self._spec, params, cache, tokens, positions, row_valid,
+            None, slots.key_len, candidate_rows, score_rows, taps=taps,
+        )
+        if scores is None:
+            scores = jnp.zeros((B, L), jnp.float32)
+        return (logits, scores, cache, *pass_taps)
+
+    def _model_passes(self, params, slots: Slots, cache: FlatCache, run_full, run_sparse, branch, any_sparse):
+        """The full-pass variant `branch` (0: none) and the sparse pass (if any_sparse):
+        logits [B, C, V], scores [B, L] and the cache."""
+        B, L, C = run_full.shape[0], self.max_len, self.policy.num_candidates
+        V = self.model.vocab_size
+        none = (jnp.zeros((B, C, V), self.model.jnp_dtype), jnp.zeros((B, L), jnp.float32))
+
+        branches = [lambda cache: none + (cache,)]
+        branches += [lambda cache, n=n: self._full_pass(params, slots, cache, run_full, n) for n in self.lane_sizes]
+        full_logits, full_scores, cache = jax.lax.switch(branch, branches, cache)
+
+        if self.policy.num_sparse_rows == 0:
+            return full_logits, full_scores, cache
+        sparse_logits, sparse_scores, cache = jax.lax.cond(
+            any_sparse,
+            lambda cache: self._sparse_pass(params, slots, cache, run_sparse),
+            lambda cache: none + (cache,),
+            cache,
+        )
+        pick = run_full[:, None]
+        logits = jnp.where(pick[:, :, None], full_logits, sparse_logits)
+        scores = jnp.where(pick, full_scores, sparse_scores)
+        return logits, scores, cache
+
+    def _step(self, params, state: DecodeState) -> DecodeState:
+        slots = state.slots
+        ran = slots.active
+        # Decided over all slots, so every device takes the same branches: the full-pass lane
+        # count fits the data shard with the most full passes (shard d: slots [d*B, (d+1)*B)).
+        run_full = slots.active & slots.needs_full
+        n_full = jnp.max(jnp.sum(run_full.reshape(-1, self.shard_slots), axis=1))
+        branch = jnp.where(n_full == 0, 0, 1 + jnp.searchsorted(jnp.array(self.lane_sizes), n_full))
+        any_sparse = jnp.any(slots.active & ~slots.needs_full)
+        step_slots = per_data_shard(
+            self._step_slots,
+            self.mesh,
+            in_specs=(REPLICATED, SLOTS, CACHE_ROWS, REPLICATED, REPLICATED, REPLICATED),
+            out_specs=(SLOTS, CACHE_ROWS),
+        )
+        slots, cache = step_slots(params, slots, state.cache, branch, any_sparse, jnp.any(ran))
+
+        complete = jax.vmap(self.policy.finished)(slots)
+        # the hard bound: a request that is not complete after step_limit steps ends with an error
+        over = ran & ~complete & (slots.error == 0) & (slots.steps >= slots.params.step_limit)
+        slots = slots.replace(error=jnp.where(over, ERROR_STEP_LIMIT, slots.error))
+        finished = ran & (complete | (slots.error != 0))
+        # A slot that ended on non-finite logits keeps its NaN cache rows: the next request in
+        # that slot rewrites rows [0, key_len) in its first full pass before reading them, and
+        # every attention path hides the other keys by selection, never as 0 * NaN.
+        results = self._record(state.results, slots, finished, state.iteration + 1)
+        slots = slots.replace(active=slots.active & ~finished)
+        state = state.replace(slots=slots, cache=cache, results=results, iteration=state.iteration + 1)
+        return self._refill(state)
+
+    def _step_slots(self, params, slots: Slots, cache: FlatCache, branch, any_sparse, any_ran) -> tuple[Slots, FlatCache]:
+        """One step of the active slots (of one data shard under a mesh): model passes, commits
+        and Flash-Verify. The branch choices are made over all slots (see _step)."""
+        run_full = slots.active & slots.needs_full
+        run_sparse = slots.active & ~slots.needs_full
+        logits, scores, cache = self._model_passes(params, slots, cache, run_full, run_sparse, branch, any_sparse)
+        _, candidate_valid = jax.vmap(self.policy.candidates)(slots)
+        finite = jax.vmap(all_finite)(logits, candidate_valid)
+        logits = self._filter(slots, logits)
+
+        def stream(p):
+            return jax.random.fold_in(jax.random.key(p.seed), p.stream)
+
+        rngs = jax.vmap(lambda p, s: jax.random.fold_in(stream(p), s))(slots.params, slots.steps)
+        committed, draft = jax.vmap(self.policy.commit)(slots, logits, scores, rngs)
+        if self.policy.verify:
+            committed = self._verify(params, slots, committed, draft, slots.active, any_ran, cache)
+        committed = committed.replace(
+            steps=committed.steps + 1,
+            passes=committed.passes + 1,
+            error=jnp.where(finite, committed.error, ERROR_NON_FINITE),
+        )
+        return _where_tree(slots.active, committed, slots), cache
+
+    def _filter(self, slots: Slots, logits: jax.Array) -> jax.Array:
+        """top_p / top_k filtering of the slots that ask for it: logits [B, C, V] -> the same,
+        removed entries at float32's lowest value (in logits.dtype). With the kernel, rows
+        that do not ask cost nothing and no conditional is needed (XLA:GPU would read its
+        predicate back to the host at every step); otherwise the sort is skipped by a cond
+        when no slot asks."""
+        p = slots.params
+        wants = slots.active & ((p.top_p < 1.0) | (p.top_k > 0))
+        if self.kernels.top_p_top_k:
+            B, C, V = logits.shape
+            rows = lambda x: jnp.repeat(x, C)  # noqa: E731
+            flat = logits.reshape(B * C, V)
+            cutoff = top_p_top_k_cutoff(
+                flat, rows(p.temperature), rows(p.top_p), rows(p.top_k), rows(wants), interpret=self.kernels.interpret
+            )
+            out = apply_cutoff(flat, cutoff).astype(logits.dtype).reshape(B, C, V)
+            return jnp.where(wants[:, None, None], out, logits)
+
+        def filtered(logits):
+            out = jax.vmap(filter_top_p_top_k)(logits, p.temperature, p.top_p, p.top_k).astype(logits.dtype)
+            return jnp.where(wants[:, None, None], out, logits)
+
+        return jax.lax.cond(jnp.any(wants), filtered, lambda logits: logits, logits)
+
+    def _verify(self, params, old: Slots, new: Slots, draft, ran: jax.Array, any_ran, cache: FlatCache) -> Slots:
+        """Flash-Verify: a read-only pass over each slot's verify query, then stage-2 commits
+        (any_ran: some slot of any data shard ran, so every device runs the pass)."""
+        plan = jax.vmap(self.policy.plan_verify)(old, new, draft)
+        spec = dataclasses.replace(self._spec, score_scale=None)
+
+        def verify_pass(_):
+            logits, _, _ = cached_forward(
+                self.model, spec, params, cache, plan.tokens, plan.positions, plan.row_valid & ran[:, None],
+                None, new.key_len, plan.mask_rows, None,
+                VerifyKeys(key_exclude=plan.key_exclude, extra_mask=plan.extra_mask),
+            )
+            return logits
+
+        B, S = plan.mask_rows.shape
+        logits = jax.lax.cond(
+            any_ran, verify_pass, lambda _: jnp.zeros((B, S, self.model.vocab_size), self.model.jnp_dtype), None
+        )
+        return jax.vmap(self.policy.verify_commit)(new, plan, logits, draft)
+
+    def _record(self, results: Results, slots: Slots, finished: jax.Array, iteration: jax.Array) -> Results:
+        Q = results.tokens.shape[0]
+        target = jnp.where(finished, slots.request % Q, Q)  # Q is out of range: dropped
+        def answer(canvas):
+            return jax.vmap(lambda t, p: jax.lax.dynamic_slice(t, (p,), (self.gen_length,)))(canvas, slots.prompt_len)
+
+        num_tokens = jax.vmap(self.policy.num_tokens)(slots)
+
+        def put(array, values):
+            return array.at[target].set(values, mode="drop")
+
+        return Results(
+            tokens=put(results.tokens, answer(slots.tokens)),
+            request=put(results.request, slots.request),
+            num_tokens=put(results.num_tokens, num_tokens),
+            steps=put(results.steps, slots.steps),
+            passes=put(results.passes, slots.passes),
+            verify_passes=put(results.verify_passes, slots.verify_passes),
+            accepted=put(results.accepted, slots.accepted),
+            start_iter=put(results.start_iter, slots.start_iter),
+            end_iter=put(results.end_iter, jnp.broadcast_to(iteration, finished.shape)),
+            error=put(results.error, slots.error),
+            commit_step=put(results.commit_step, answer(slots.commit_step)),
+            verified=put(results.verified, answer(slots.verified)),
+            done=put(results.done, jnp.ones_like(finished)),
+        )
+
+    # ----- the loop ------------------------------------------------------------------------
+
+    def run(
+        self,
+        params: Params,
+        state: DecodeState,
+        stop_iteration: jax.Array,
+        host_has_more: jax.Array,
+    ) -> DecodeState:
+        """Steps until all work is done, `stop_iteration` is reached, or the host can feed a free
+        slot (jit this, donate state).
+
+        host_has_more: the host holds requests it could not push, each waiting for the results
+        entry of the request Q before it. A free slot with an empty device queue stops the loop
+        only once that entry holds a finished result (the host collects it and pushes); while
+        the blocking request still decodes, the loop keeps stepping the other slots.
+        """
+        Q = state.queue.tokens.shape[0]
+
+        def keep_going(st: DecodeState):
+            host_can_feed = host_has_more & st.results.done[st.queue.count % Q]
+            starved = jnp.any(~st.slots.active) & (st.queue.next >= st.queue.count) & host_can_feed
+            return jnp.any(st.slots.active) & (st.iteration < stop_iteration) & ~starved
+
+        # requests the host pushed since the last call take their free slots first
+        state = self._refill(state)
+        return jax.lax.while_loop(keep_going, lambda st: self._step(params, st), state)

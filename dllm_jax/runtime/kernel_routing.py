@@ -1,0 +1,210 @@
+"""The seam between the model's per-layer ops and the Pallas kernels.
+
+The kernels take the full layer-stacked weights and caches plus the layer index, so no
+per-layer slice is materialised inside the layer scan. Under a mesh with a tensor axis each
+device runs the kernels on its own heads (shard_map over that axis: GSPMD cannot split a
+kernel); the data axis is already manual around the whole step (decode_loop).
+
+Backends: "xla" runs every op through XLA (any device); "pallas" runs the fused projection
++ RoPE + cache write and the cache attention as Pallas kernels; "auto" picks per op what
+measured fastest on the device (BENCHMARKS.md, H200, LLaDA-8B layer shapes, 1/8/32 slots):
+the attention kernel (1.4x-12x faster than XLA's and cuDNN's paths) and the K/V row scatter
+(XLA's scatter ran at 0.23 TB/s), but XLA's cuBLAS projections (the fused projection kernel
+was 0.5x-0.9x their speed); on a TPU the Mosaic version of the attention kernel (never run
+on a real TPU: tested in interpret mode and lowered for TPU on the CPU); pure XLA elsewhere
+(CPUs, other GPUs), whose attention is chunked over keys (dllm_jax.runtime.chunked_attention).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from dllm_jax.common import platform
+from dllm_jax.models.config import ModelConfig
+from dllm_jax.runtime.sharding import FLAT_HEADS, HEADS, REPLICATED, TENSOR, axis_size, per_tensor_shard
+
+BACKENDS: tuple[str, ...] = ("auto", "xla", "pallas")
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """Which per-layer ops run as Pallas kernels (the others run through XLA)."""
+
+    qkv: bool = False
+    attention: bool = False
+    scatter: bool = False  # the K/V cache write of the XLA projection path
+    interpret: bool = False
+    mosaic: bool = False  # the attention kernel is the Pallas TPU (Mosaic) one, not the Triton one
+    # per-slot top-p/top-k cutoffs by a kernel whose programs skip the rows that do not ask,
+    # instead of a sort under a lax.cond (XLA:GPU reads a cond's predicate back to the host
+    # at every step); not part of the name
+    top_p_top_k: bool = False
+    # batch-invariant mode (dllm_jax.runtime.batch_invariance): a row's result does not depend on
+    # the other rows of the pass; matmul: its matmuls run as the Pallas kernel (else the jnp
+    # reference)
+    invariant: bool = False
+    matmul: bool = False
+
+    @property
+    def name(self) -> str:
+        if self.qkv and self.attention:
+            return "pallas"
+        ops = (("qkv", self.qkv), ("attention", self.attention), ("scatter", self.scatter), ("matmul", self.matmul))
+        used = [name for name, on in ops if on]
+        name = "xla+pallas-" + "-".join(used) if used else "xla"
+        name = name + "-tpu" if self.mosaic and used else name
+        return name + "+invariant" if self.invariant else name
+
+
+def resolve_kernels(backend: str | Kernels, interpret: bool = False, batch_invariant: bool = False) -> Kernels:
+    """The Kernels a backend name stands for on this machine (a Kernels is taken as given),
+    made batch-invariant when asked (``invariant_kernels``)."""
+    kernels = _backend_kernels(backend, interpret)
+    return invariant_kernels(kernels) if batch_invariant else kernels
+
+
+def invariant_kernels(kernels: Kernels) -> Kernels:
+    """The batch-invariant variant of a kernel choice: the invariant matmul as a Pallas kernel
+    wherever the Triton kernels run, the XLA projections with the row-scatter kernel instead of
+    the fused projection kernel (whose row tiling follows the row count), and the XLA path's
+    attention instead of the Mosaic kernel (not checked for invariance)."""
+    triton = (kernels.qkv or kernels.attention or kernels.scatter) and not kernels.mosaic
+    return dataclasses.replace(
+        kernels,
+        invariant=True,
+        qkv=False,
+        attention=kernels.attention and not kernels.mosaic,
+        scatter=kernels.scatter or kernels.qkv,
+        mosaic=False,
+        matmul=kernels.matmul or triton,
+    )
+
+
+def _backend_kernels(backend: str | Kernels, interpret: bool) -> Kernels:
+    if isinstance(backend, Kernels):
+        return dataclasses.replace(backend, interpret=backend.interpret or interpret)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}: expected one of {BACKENDS}")
+    if backend in ("auto", "pallas") and platform.on_tpu():
+        # the only kernel with a TPU version
+        return Kernels(attention=True, mosaic=True, interpret=interpret)
+    if backend == "pallas":
+        return Kernels(qkv=True, attention=True, top_p_top_k=True, interpret=interpret)
+    if backend == "auto" and platform.on_nvidia_gpu():
+        return Kernels(attention=True, scatter=True, top_p_top_k=True)
+    return Kernels()
+
+
+def pallas_qkv_to_cache(config: ModelConfig, spec, stacked, x, positions, rows, k_cache, v_cache, layer):
+    """Fused projection + RoPE + cache write for the rows of all groups: x [S, R, D] -> q [S, R, H, Dh]."""
+    from pallas_kernels.projection.qkv_rope_cache import qkv_rope_cache
+
+    S, R, D = x.shape
+    tensor = axis_size(spec.mesh, TENSOR)
+    # [NL, width] each (Dream's q/k/v biases), split by heads like the weights' columns
+    biases = tuple(stacked[name]["bias"] for name in ("q_proj", "k_proj", "v_proj")) if config.qkv_bias else None
+
+    def project(x, wq, wk, wv, positions, rows, k_cache, v_cache, layer, biases):
+        return qkv_rope_cache(
+            x, wq, wk, wv, positions, rows, k_cache, v_cache, layer, biases,
+            n_heads=config.n_heads // tensor,
+            n_kv_heads=config.n_kv_heads // tensor,
+            rope_theta=config.rope_theta,
+            interpret=spec.kernels.interpret,
+        )
+
+    project = per_tensor_shard(
+        project,
+        spec.mesh,
+        in_specs=(REPLICATED, HEADS, HEADS, HEADS, REPLICATED, REPLICATED, HEADS, HEADS, REPLICATED,
+                  None if biases is None else (FLAT_HEADS,) * 3),
+        out_specs=(FLAT_HEADS, HEADS, HEADS),
+    )
+    q, k_cache, v_cache = project(
+        x.reshape(S * R, D),
+        stacked["q_proj"]["kernel"],
+        stacked["k_proj"]["kernel"],
+        stacked["v_proj"]["kernel"],
+        positions.reshape(S * R),
+        rows.reshape(S * R),
+        k_cache,
+        v_cache,
+        jnp.int32(layer),
+        biases,
+    )
+    return q.reshape(S, R, config.n_heads, config.head_dim), k_cache, v_cache
+
+
+def pallas_scatter_kv(spec, k_cache, v_cache, k, v, rows, layer):
+    """Writes k, v [S, R, KVH, Dh] to their cache rows [S, R] of `layer`."""
+    from pallas_kernels.projection.scatter_rows import scatter_kv_rows
+
+    def scatter(k_cache, v_cache, k, v, rows, layer):
+        return scatter_kv_rows(k_cache, v_cache, k, v, rows, layer, interpret=spec.kernels.interpret)
+
+    scatter = per_tensor_shard(
+        scatter,
+        spec.mesh,
+        in_specs=(HEADS, HEADS, FLAT_HEADS, FLAT_HEADS, REPLICATED, REPLICATED),
+        out_specs=(HEADS, HEADS),
+    )
+    n = rows.size
+    return scatter(k_cache, v_cache, k.reshape(n, -1), v.reshape(n, -1), rows.reshape(n), jnp.int32(layer))
+
+
+def pallas_layer_attention(config: ModelConfig, spec, q, k_cache, v_cache, layer, group_slot, key_len, score_rows, verify, extra_kv):
+    """Attention of each group's rows over its slot's cache rows (plus verify's in-query keys)."""
+    if spec.kernels.mosaic:
+        from pallas_kernels.attention.cache_attention_tpu import cache_attention_tpu as cache_attention
+    else:
+        from pallas_kernels.attention.cache_attention import cache_attention
+
+    S, R = q.shape[:2]
+    tensor = axis_size(spec.mesh, TENSOR)
+    slots = group_slot if group_slot is not None else jnp.arange(S, dtype=jnp.int32)
+    if score_rows is None:
+        score_rows = jnp.zeros((S, R), bool)
+    key_exclude = extra = None
+    if verify is not None:
+        k_extra, v_extra = extra_kv
+        key_exclude = verify.key_exclude
+        extra = (k_extra.reshape(S, R, -1), v_extra.reshape(S, R, -1), verify.extra_mask)
+
+    block_sizes = None
+    if spec.kernels.invariant:
+        from pallas_kernels.attention.cache_attention import default_attention_block_sizes
+
+        # the default key split count grows when few groups leave SMs idle: fix it at 1
+        block_sizes = dataclasses.replace(
+            default_attention_block_sizes(S, R, config.n_heads // tensor, config.n_kv_heads // tensor, spec.max_len),
+            num_splits=1,
+        )
+
+    def attend(q, k_cache, v_cache, layer, slots, key_len, score_rows, key_exclude, extra):
+        out, scores = cache_attention(
+            q, k_cache, v_cache, layer, slots, key_len, score_rows,
+            n_heads=config.n_heads // tensor,
+            n_kv_heads=config.n_kv_heads // tensor,
+            max_len=spec.max_len,
+            key_exclude=key_exclude,
+            extra=extra,
+            interpret=spec.kernels.interpret,
+            block_sizes=block_sizes,
+        )
+        # each device summed the scores over its own heads
+        return out, (jax.lax.psum(scores, TENSOR) if tensor > 1 else scores)
+
+    extra_specs = None if extra is None else (HEADS, HEADS, REPLICATED)
+    attend = per_tensor_shard(
+        attend,
+        spec.mesh,
+        in_specs=(HEADS, HEADS, HEADS) + (REPLICATED,) * 5 + (extra_specs,),
+        out_specs=(HEADS, REPLICATED),
+    )
+    out, scores = attend(
+        q.reshape(S, R, -1), k_cache, v_cache, jnp.int32(layer), slots, key_len, score_rows, key_exclude, extra
+    )
+    return out, (scores if spec.score_scale is not None else None)

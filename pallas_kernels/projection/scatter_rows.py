@@ -1,0 +1,128 @@
+"""Writes K and V rows into their rows of the layer-stacked flat cache, in place.
+
+XLA's scatter of [N, kv_dim] rows into the flat cache ran at about 0.23 TB/s on the H200
+(9 ms of a 114 ms step at 32 slots, LLaDA-8B shapes); this kernel is a plain row-scattered
+copy: each program loads a [block_rows, block_cols] tile of K (or V) and stores it to the
+tile's cache rows. Bytes: N * kv_dim * 2 read + the same written, for K and V.
+
+Used by the XLA projection path (backend "auto" on NVIDIA GPUs); the fused projection kernel
+(qkv_rope_cache) writes the cache itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.common import cdiv, check_float, check_launch, check_power_of_two, compiler_params
+
+
+@dataclasses.dataclass(frozen=True)
+class ScatterBlockSizes:
+    """block_rows x block_cols tile per program (powers of two), Triton launch parameters."""
+
+    block_rows: int = 32
+    block_cols: int = 512
+    num_warps: int = 4
+    num_stages: int = 1
+
+    def __post_init__(self):
+        check_power_of_two("block_rows", self.block_rows, 1)
+        check_power_of_two("block_cols", self.block_cols, 16)
+        check_launch(self.num_warps, self.num_stages)
+
+
+def default_scatter_block_sizes(kv_width: int) -> ScatterBlockSizes:
+    return ScatterBlockSizes(block_cols=min(512, kv_width))
+
+
+def _scatter_kernel(layer_ref, rows_ref, k_vals_ref, v_vals_ref, _k_in, _v_in, k_ref, v_ref, *, blocks, n_col_blocks):
+    br, bc = blocks.block_rows, blocks.block_cols
+    row0 = pl.program_id(0) * br
+    chunk = pl.program_id(1)
+    layer = layer_ref[0]
+    rows = rows_ref[pl.ds(row0, br)][:, None]
+
+    def copy(vals_ref, cache_ref, col0):
+        cols = col0 + jnp.arange(bc, dtype=jnp.int32)[None, :]
+        plgpu.store(cache_ref.at[layer, rows, cols], vals_ref[pl.ds(row0, br), pl.ds(col0, bc)])
+
+    @pl.when(chunk < n_col_blocks)
+    def _k():
+        copy(k_vals_ref, k_ref, chunk * bc)
+
+    @pl.when(chunk >= n_col_blocks)
+    def _v():
+        copy(v_vals_ref, v_ref, (chunk - n_col_blocks) * bc)
+
+
+def _check(k_cache, v_cache, k_rows, v_rows, rows):
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache), ("k_rows", k_rows), ("v_rows", v_rows)):
+        check_float(name, x)
+    if k_cache.ndim != 3 or v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"k_cache {k_cache.shape} / v_cache {v_cache.shape}: expected equal [NL, M, kv_width] arrays")
+    n, width = rows.shape[0], k_cache.shape[2]
+    for name, x in (("k_rows", k_rows), ("v_rows", v_rows)):
+        if x.shape != (n, width) or x.dtype != k_cache.dtype:
+            raise ValueError(f"{name} {x.shape} {x.dtype}: expected ({n}, {width}) {k_cache.dtype}")
+    if rows.ndim != 1 or not jnp.issubdtype(rows.dtype, jnp.integer):
+        raise ValueError(f"rows {rows.shape} {rows.dtype}: expected int [N]")
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "block_sizes"), donate_argnums=(0, 1))
+def scatter_kv_rows(
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    k_rows: jax.Array,
+    v_rows: jax.Array,
+    rows: jax.Array,
+    layer: jax.Array,
+    *,
+    interpret: bool = False,
+    block_sizes: ScatterBlockSizes | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """k_cache[layer, rows[i]] = k_rows[i] and the same for v, in place.
+
+    k_cache, v_cache: [NL, M, W]; k_rows, v_rows: [N, W] in the cache dtype; rows: int32 [N]
+    cache rows (each in [0, M); no two rows equal unless their values are equal, e.g. padding
+    rows that all write one trash row); layer: int32 scalar. Returns the updated caches.
+    """
+    _check(k_cache, v_cache, k_rows, v_rows, rows)
+    n, width = k_rows.shape
+    blocks = block_sizes or default_scatter_block_sizes(width)
+    if width % blocks.block_cols:
+        raise ValueError(f"kv width {width} is not a multiple of block_cols={blocks.block_cols}")
+    pad = cdiv(n, blocks.block_rows) * blocks.block_rows - n
+    rows = rows.astype(jnp.int32)
+    if pad:
+        # padding rows repeat the last row: the same value to the same place
+        rows = jnp.concatenate([rows, jnp.broadcast_to(rows[-1:], (pad,))])
+        k_rows = jnp.concatenate([k_rows, jnp.broadcast_to(k_rows[-1:], (pad, width))])
+        v_rows = jnp.concatenate([v_rows, jnp.broadcast_to(v_rows[-1:], (pad, width))])
+    n_col_blocks = width // blocks.block_cols
+    kernel = functools.partial(_scatter_kernel, blocks=blocks, n_col_blocks=n_col_blocks)
+    return pl.pallas_call(
+        kernel,
+        grid=((n + pad) // blocks.block_rows, 2 * n_col_blocks),
+        out_shape=(
+            jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+            jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
+        ),
+        input_output_aliases={4: 0, 5: 1},
+        compiler_params=compiler_params(blocks.num_warps, blocks.num_stages),
+        interpret=interpret,
+        name="scatter_kv_rows",
+    )(jnp.reshape(layer, (1,)).astype(jnp.int32), rows, k_rows, v_rows, k_cache, v_cache)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "block_sizes"), donate_argnums=(0, 1))
+def scatter_kv_rows_reference(k_cache, v_cache, k_rows, v_rows, rows, layer, *, interpret=False, block_sizes=None):
+    """Pure jnp: the same update through XLA's scatter."""
+    del interpret, block_sizes
+    _check(k_cache, v_cache, k_rows, v_rows, rows)
+    return k_cache.at[layer, rows].set(k_rows), v_cache.at[layer, rows].set(v_rows)
