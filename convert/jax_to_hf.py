@@ -19,18 +19,18 @@ from safetensors.numpy import save_file
 
 from dllm_jax.models.checkpoint.tensor_names import leaf_shape, tensor_entries
 from dllm_jax.models.config import ModelConfig
-from dllm_jax.models.transformer import Params
+from dllm_jax.models.transformer import Weights
 from dllm_jax.text.tokenizer import TOKENIZER_FILES
 
 
-def _leaf(params: Params, path: tuple[str, ...]) -> jax.Array:
+def _leaf(params: Weights, path: tuple[str, ...]) -> jax.Array:
     node = params
     for key in path:
         node = node[key]
     return node
 
 
-def hf_tensors(config: ModelConfig, params: Params):
+def hf_tensors(config: ModelConfig, params: Weights):
     """Yields (hf_name, numpy array in HF layout) for every tensor of the checkpoint."""
     for entry in tensor_entries(config):
         leaf = _leaf(params, entry.rule.path)
@@ -47,7 +47,7 @@ def hf_tensors(config: ModelConfig, params: Params):
 def save_hf_checkpoint(
     out_dir: str | Path,
     config: ModelConfig,
-    params: Params,
+    params: Weights,
     *,
     max_shard_bytes: int | None = None,
     tokenizer_dir: str | Path | None = None,

@@ -16,7 +16,7 @@ Library use:
   from dllm_jax import DecodeConfig, Engine, SamplingParams
   engine = Engine.from_pretrained(path)             # a folder or a Hub id in the local cache
   out = engine.generate(["What is 2+2?"], SamplingParams(max_new_tokens=32, stop=["\n"]),
-                        decode=DecodeConfig(method="flash_cache", verify=True, gen_length=64), chat=True)
+                        decode_config=DecodeConfig(method="flash_cache", verify=True, gen_length=64), chat=True)
   out = engine.chat([[{"role": "user", "content": "What is 2+2?"}]])
 """
 
@@ -35,9 +35,11 @@ _EXPORTS = {
     "DecodeConfig": "dllm_jax.runtime.decode_config",
     "DecodeConfigError": "dllm_jax.runtime.decode_config",
     "Engine": "dllm_jax.engine.engine",
-    "GenerationOutput": "dllm_jax.engine.engine",
-    "GenerationResult": "dllm_jax.engine.engine",
-    "GenerationStats": "dllm_jax.engine.engine",
+    "GenerationOutput": "dllm_jax.engine.results",
+    "GenerationResult": "dllm_jax.engine.results",
+    "GenerationStats": "dllm_jax.engine.results",
+    "Request": "dllm_jax.engine.request",
+    "RequestStatus": "dllm_jax.engine.request",
     "GenerationError": "dllm_jax.common.errors",
     "SamplingParamsError": "dllm_jax.common.errors",
     "LoadedModel": "dllm_jax.models.loading",
@@ -72,7 +74,9 @@ if TYPE_CHECKING:
     from dllm_jax.models.checkpoint.errors import ConversionError
     from dllm_jax.models.config import ConfigError, ModelConfig, dream_7b_config, llada_8b_config
     from dllm_jax.runtime.decode_config import DecodeConfig, DecodeConfigError
-    from dllm_jax.engine.engine import Engine, GenerationOutput, GenerationResult, GenerationStats
+    from dllm_jax.engine.engine import Engine
+    from dllm_jax.engine.request import Request, RequestStatus
+    from dllm_jax.engine.results import GenerationOutput, GenerationResult, GenerationStats
     from dllm_jax.common.errors import GenerationError, SamplingParamsError
     from dllm_jax.models.loading import LoadedModel, ModelNotFoundError, default_dtype, load_model
     from dllm_jax.runtime.memory_estimate import InsufficientMemoryError

@@ -51,7 +51,8 @@ from dllm_jax.evaluation import tiny_tasks  # noqa: E402
 from dllm_jax.common.atomic_write import write_text_atomically  # noqa: E402
 from dllm_jax.runtime.batch_invariance import LAYER_TAP_ORDER  # noqa: E402
 from dllm_jax.runtime.decode_config import DecodeConfig  # noqa: E402
-from dllm_jax.engine.engine import CompiledLoop, Engine  # noqa: E402
+from dllm_jax.engine.compiled_loop import CompiledLoop  # noqa: E402
+from dllm_jax.engine.engine import Engine  # noqa: E402
 from dllm_jax.models.transformer import init_params  # noqa: E402
 
 METHODS = ("llada", "fast_dllm", "flash_cache", "flash_verify")
@@ -64,8 +65,8 @@ def method_config(method: str, gen_length: int, batch_size: int) -> DecodeConfig
     if method == "llada":
         return DecodeConfig(method="llada", block_length=32, steps=gen_length, **common)
     if method == "fast_dllm":
-        return DecodeConfig(method="fast_dllm", cache="dual", block_length=32, threshold=0.9, **common)
-    return DecodeConfig(method="flash_cache", threshold=0.9, mask_num=4, track_num=4, verify=method == "flash_verify", **common)
+        return DecodeConfig(method="fast_dllm", cache="dual", block_length=32, **common)  # threshold 0.9: the default
+    return DecodeConfig(method="flash_cache", mask_num=4, track_num=4, verify=method == "flash_verify", **common)
 
 
 # ------------------------------------------------------------------------------ leak report
@@ -113,11 +114,11 @@ class Run:
         self.slot = slot
         longest = max(map(len, prompts))
         self.loop = loop = engine.decode_loop(decode, longest, len(prompts))
-        self.params = engine.params
+        self.weights = engine.weights
         # the engine's own request ring and initial state, without compiling the whole loop
         width = max(16, 1 << (longest - 1).bit_length())
-        ring = CompiledLoop(loop, max(16, 4 * len(prompts)), width, jax.jit(loop.init_state), None, 0.0)
-        self.state = ring.initial_state(prompts, decode)
+        ring = CompiledLoop(loop, decode, max(16, 4 * len(prompts)), width, jax.jit(loop.init_state), None, 0.0)
+        self.state = ring.initial_state(prompts)
         self.step = _jitted(("step", loop), lambda: jax.jit(loop._step))
 
     def _taps_fn(self, full: bool, lanes: int):
@@ -156,10 +157,10 @@ class Run:
         if full:
             n_full = int(np.sum(slots.active & slots.needs_full))
             lanes = next(n for n in self.loop.lane_sizes if n >= n_full)
-        return jax.device_get(self._taps_fn(full, lanes)(self.params, self.state)) | {"full_pass": full, "lanes": lanes}
+        return jax.device_get(self._taps_fn(full, lanes)(self.weights, self.state)) | {"full_pass": full, "lanes": lanes}
 
     def advance(self) -> None:
-        self.state = self.step(self.params, self.state)
+        self.state = self.step(self.weights, self.state)
 
     def slot_tokens(self) -> np.ndarray:
         return np.asarray(self.state.slots.tokens[self.slot])
@@ -222,8 +223,8 @@ def leak_report(engine: Engine, decode: DecodeConfig, request: list[int], others
 def answers_identical(engine: Engine, decode: DecodeConfig, request: list[int], others: list[list[int]]) -> bool:
     """Engine.generate's answer of the request alone vs among the others (N + 1 slots)."""
     slot = len(others) // 2
-    alone = engine.generate([request], decode).results[0].token_ids
-    together = engine.generate(others[:slot] + [request] + others[slot:], dataclasses.replace(decode, batch_size=len(others) + 1))
+    alone = engine.generate([request], decode_config=decode).results[0].token_ids
+    together = engine.generate(others[:slot] + [request] + others[slot:], decode_config=dataclasses.replace(decode, batch_size=len(others) + 1))
     return alone == together.results[slot].token_ids
 
 
@@ -278,7 +279,7 @@ def run_problems(args, engine: Engine, out: dict, save) -> None:
         texts, seconds = {}, {}
         for batch in args.batches:
             start = time.perf_counter()
-            result = engine.generate(prompts, method_config(method, args.gen_length, batch), chat=True)
+            result = engine.generate(prompts, decode_config=method_config(method, args.gen_length, batch), chat=True)
             texts[batch] = [r.text for r in result.results]
             seconds[batch] = time.perf_counter() - start
         base = texts[args.batches[0]]

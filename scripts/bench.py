@@ -47,6 +47,7 @@ import numpy as np  # noqa: E402
 from dllm_jax.common.atomic_write import write_text_atomically  # noqa: E402
 from dllm_jax.models.config import ModelConfig, dream_7b_config, llada_8b_config  # noqa: E402
 from dllm_jax.runtime.decode_config import DecodeConfig  # noqa: E402
+from dllm_jax.sampling.params import SamplingParams  # noqa: E402
 from dllm_jax.engine.engine import Engine  # noqa: E402
 from dllm_jax.models.transformer import init_params, init_params_per_layer  # noqa: E402
 from dllm_jax.models.quantization import (  # noqa: E402
@@ -105,17 +106,22 @@ MODEL_SHAPES = {
 
 
 def decode_config(method: str, schedule: str, gen_length: int, slots: int) -> DecodeConfig:
-    """The equal-work DecodeConfig of a method under a schedule."""
+    """The equal-work DecodeConfig of a method under a schedule (with schedule_sampling's values)."""
     one = schedule == "one"
     common = dict(gen_length=gen_length, batch_size=slots, block_length=WINDOW)
     if method == "llada":
         return DecodeConfig(method="llada", steps=gen_length if one else gen_length // WINDOW, **common)
-    threshold = 2.0 if one else 0.0
     if method == "fast_dllm":
-        return DecodeConfig(method="fast_dllm", cache="dual", threshold=threshold, **common)
-    return DecodeConfig(
-        method="flash_cache", threshold=threshold, mask_num=4, track_num=4, verify=method == "flash_verify", **common
-    )
+        return DecodeConfig(method="fast_dllm", cache="dual", **common)
+    return DecodeConfig(method="flash_cache", mask_num=4, track_num=4, verify=method == "flash_verify", **common)
+
+
+def schedule_sampling(method: str, schedule: str) -> SamplingParams:
+    """The requests' values of a schedule: threshold 2 (one token per step: the at-least-one
+    rule) or 0 (the whole window) where the method commits by threshold."""
+    if method == "llada":
+        return SamplingParams()
+    return SamplingParams(threshold=2.0 if schedule == "one" else 0.0)
 
 
 def quantize_on_device(params, quantization: str):
@@ -289,9 +295,9 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
     return [list(map(int, rng.randint(0, vocab - 2, length))) for _ in range(n)]
 
 
-def initial_state(compiled, prompts: list[list[int]], decode: DecodeConfig):
+def initial_state(compiled, prompts: list[list[int]], sampling: SamplingParams):
     """The decode state of a compiled loop with these prompts in its request ring (all fit)."""
-    return compiled.initial_state(prompts, decode)
+    return compiled.initial_state(prompts, sampling)
 
 
 def key_len(compiled, prompt_len: int) -> int:
@@ -300,21 +306,24 @@ def key_len(compiled, prompt_len: int) -> int:
     return int(compiled.loop.policy.key_length(jnp.int32(prompt_len), jnp.int32(end)))
 
 
-def steady_step_time(engine: Engine, decode: DecodeConfig, prompts, iterations: int, repeats: int) -> dict:
-    """Median seconds per loop iteration after the slots' first full pass (all slots decoding)."""
+def steady_step_time(engine: Engine, decode: DecodeConfig, prompts, iterations: int, repeats: int,
+                     sampling: SamplingParams | None = None) -> dict:
+    """Median seconds per loop iteration after the slots' first full pass (all slots decoding);
+    sampling: the requests' values (None: one token per step)."""
     compiled = engine.compile(decode, len(prompts[0]))
     no_more = jnp.bool_(False)
-    state = initial_state(compiled, prompts, decode)
+    sampling = schedule_sampling(decode.method, "one") if sampling is None else sampling
+    state = initial_state(compiled, prompts, sampling)
     start = time.perf_counter()
-    state = jax.block_until_ready(compiled.run(engine.params, state, jnp.int32(1), no_more))
+    state = jax.block_until_ready(compiled.run(engine.weights, state, jnp.int32(1), no_more))
     prefill = time.perf_counter() - start
     stop = 1
-    state = jax.block_until_ready(compiled.run(engine.params, state, jnp.int32(stop + 2), no_more))
+    state = jax.block_until_ready(compiled.run(engine.weights, state, jnp.int32(stop + 2), no_more))
     stop += 2
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
-        state = jax.block_until_ready(compiled.run(engine.params, state, jnp.int32(stop + iterations), no_more))
+        state = jax.block_until_ready(compiled.run(engine.weights, state, jnp.int32(stop + iterations), no_more))
         samples.append((time.perf_counter() - start) / iterations)
         stop += iterations
     active = int(jnp.sum(state.slots.active))
@@ -348,7 +357,7 @@ def compare_run(engine, method, schedule, backend, slots, gen_length, prompt_len
     prompts = random_prompts(slots, prompt_len, engine.config.vocab_size, seed=7)
     engine.compile(decode, prompt_len)  # compile apart from the timed run
     compile_s = engine.compile(decode, prompt_len).compile_seconds
-    out = engine.generate(prompts, decode)
+    out = engine.generate(prompts, schedule_sampling(method, schedule), decode_config=decode)
     s = out.stats
     loop = engine.decode_loop(decode, prompt_len)
     work = [work_per_request(loop, decode, prompt_len, r.steps) for r in out.results]

@@ -35,44 +35,63 @@ from tqdm.auto import tqdm  # noqa: E402
 from dllm_jax.evaluation import tiny_tasks  # noqa: E402
 from dllm_jax.common.atomic_write import write_text_atomically  # noqa: E402
 from dllm_jax.runtime.decode_config import DecodeConfig  # noqa: E402
+from dllm_jax.sampling.params import SamplingParams  # noqa: E402
 from dllm_jax.models.quantization import QUANTIZATIONS  # noqa: E402
 
 EXACT = "exact-one-per-step"
 
 
-def settings(gen_length: int, batch_size: int) -> dict[str, DecodeConfig]:
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One evaluated setting: the compiled configuration and the requests' values."""
+
+    decode_config: DecodeConfig
+    sampling: SamplingParams
+
+    def describe(self) -> dict:
+        """The setting as the report records it (what a resumed run must match)."""
+        changed = {f.name: getattr(self.sampling, f.name) for f in dataclasses.fields(SamplingParams)
+                   if getattr(self.sampling, f.name) != f.default}
+        return {**dataclasses.asdict(self.decode_config), **changed}
+
+
+def setting(decode_config: DecodeConfig, threshold: float | None = None) -> Setting:
+    return Setting(decode_config, SamplingParams(threshold=threshold))
+
+
+def settings(gen_length: int, batch_size: int) -> dict[str, Setting]:
     """The evaluated settings by name; EXACT is the reference of the agreement column."""
     common = dict(gen_length=gen_length, batch_size=batch_size)
     flash = dict(method="flash_cache", mask_num=4, **common)
-    verify = dict(flash, track_num=4, verify=True, gamma=0.8)
+    verify = dict(flash, track_num=4, verify=True)  # gamma 0.8: the default
     grid = {
-        EXACT: DecodeConfig(track_num=-1, threshold=2.0, **flash),
-        "llada-one-per-step-block32": DecodeConfig(method="llada", block_length=32, steps=gen_length, **common),
-        "llada-one-per-step-block64": DecodeConfig(method="llada", block_length=gen_length, steps=gen_length, **common),
-        "fast_dllm-prefix-t0.9": DecodeConfig(method="fast_dllm", cache="prefix", block_length=32, threshold=0.9, **common),
-        "fast_dllm-dual-t0.9": DecodeConfig(method="fast_dllm", cache="dual", block_length=32, threshold=0.9, **common),
-        "fast_dllm-dual-t0.7": DecodeConfig(method="fast_dllm", cache="dual", block_length=32, threshold=0.7, **common),
-        "flash-exact-refresh-t0.9": DecodeConfig(track_num=-1, threshold=0.9, **flash),
-        "flash-track0-t0.9": DecodeConfig(track_num=0, threshold=0.9, **flash),
-        "flash-track1-t0.9": DecodeConfig(track_num=1, threshold=0.9, **flash),
-        "flash-track4-t0.9": DecodeConfig(track_num=4, threshold=0.9, **flash),
-        "flash-track4-t0.7": DecodeConfig(track_num=4, threshold=0.7, **flash),
-        "flash-track4-t0.95": DecodeConfig(track_num=4, threshold=0.95, **flash),
-        "flash-track4-one-per-step": DecodeConfig(track_num=4, threshold=2.0, **flash),
-        "verify-cumprod-all_commits-t0.9": DecodeConfig(threshold=0.9, accept="cumprod", pin="all_commits", **verify),
-        "verify-paper-all_commits-t0.9": DecodeConfig(threshold=0.9, accept="paper", pin="all_commits", **verify),
-        "verify-cumprod-reference-t0.9": DecodeConfig(threshold=0.9, accept="cumprod", pin="reference", **verify),
-        "verify-paper-reference-t0.9": DecodeConfig(threshold=0.9, accept="paper", pin="reference", **verify),
-        "verify-paper-all_commits-t0.7": DecodeConfig(threshold=0.7, accept="paper", pin="all_commits", **verify),
+        EXACT: setting(DecodeConfig(track_num=-1, **flash), threshold=2.0),
+        "llada-one-per-step-block32": setting(DecodeConfig(method="llada", block_length=32, steps=gen_length, **common)),
+        "llada-one-per-step-block64": setting(DecodeConfig(method="llada", block_length=gen_length, steps=gen_length, **common)),
+        "fast_dllm-prefix-t0.9": setting(DecodeConfig(method="fast_dllm", cache="prefix", block_length=32, **common), threshold=0.9),
+        "fast_dllm-dual-t0.9": setting(DecodeConfig(method="fast_dllm", cache="dual", block_length=32, **common), threshold=0.9),
+        "fast_dllm-dual-t0.7": setting(DecodeConfig(method="fast_dllm", cache="dual", block_length=32, **common), threshold=0.7),
+        "flash-exact-refresh-t0.9": setting(DecodeConfig(track_num=-1, **flash), threshold=0.9),
+        "flash-track0-t0.9": setting(DecodeConfig(track_num=0, **flash), threshold=0.9),
+        "flash-track1-t0.9": setting(DecodeConfig(track_num=1, **flash), threshold=0.9),
+        "flash-track4-t0.9": setting(DecodeConfig(track_num=4, **flash), threshold=0.9),
+        "flash-track4-t0.7": setting(DecodeConfig(track_num=4, **flash), threshold=0.7),
+        "flash-track4-t0.95": setting(DecodeConfig(track_num=4, **flash), threshold=0.95),
+        "flash-track4-one-per-step": setting(DecodeConfig(track_num=4, **flash), threshold=2.0),
+        "verify-cumprod-all_commits-t0.9": setting(DecodeConfig(accept="cumprod", pin="all_commits", **verify), threshold=0.9),
+        "verify-paper-all_commits-t0.9": setting(DecodeConfig(accept="paper", pin="all_commits", **verify), threshold=0.9),
+        "verify-cumprod-reference-t0.9": setting(DecodeConfig(accept="cumprod", pin="reference", **verify), threshold=0.9),
+        "verify-paper-reference-t0.9": setting(DecodeConfig(accept="paper", pin="reference", **verify), threshold=0.9),
+        "verify-paper-all_commits-t0.7": setting(DecodeConfig(accept="paper", pin="all_commits", **verify), threshold=0.7),
     }
     for alg in ("entropy", "maskgit_plus", "topk_margin", "origin"):
-        grid[f"dream-{alg}-steps{gen_length}"] = DecodeConfig(method="dream", alg=alg, steps=gen_length, **common)
-    grid[f"dream-entropy-steps{gen_length // 2}"] = DecodeConfig(method="dream", alg="entropy", steps=gen_length // 2, **common)
+        grid[f"dream-{alg}-steps{gen_length}"] = setting(DecodeConfig(method="dream", alg=alg, steps=gen_length, **common))
+    grid[f"dream-entropy-steps{gen_length // 2}"] = setting(DecodeConfig(method="dream", alg="entropy", steps=gen_length // 2, **common))
     return grid
 
 
-def evaluate(engine, problems, decode: DecodeConfig, exact_texts: list[str] | None) -> dict:
-    out = engine.generate([p.prompt for p in problems], decode, chat=True)
+def evaluate(engine, problems, setting: Setting, exact_texts: list[str] | None) -> dict:
+    out = engine.generate([p.prompt for p in problems], setting.sampling, decode_config=setting.decode_config, chat=True)
     texts = [r.text for r in out.results]
     correct = [tiny_tasks.is_correct(p, t) for p, t in zip(problems, texts)]
     by_task: dict[str, list[bool]] = {}
@@ -229,7 +248,7 @@ def evaluate_model(args, model_name: str, out_dir: Path) -> tuple[int, str]:
         "batch_size": args.batch_size, "backend": engine.backend, "dtype": dtype, "quantization": args.quantization,
         "baseline": None if baseline is None else str(args.baseline),
         "device": str(jax.devices()[0].device_kind), "date": time.strftime("%Y-%m-%d"),
-        "command": " ".join(sys.argv), "settings": {n: dataclasses.asdict(grid[n]) for n in names}, "results": {},
+        "command": " ".join(sys.argv), "settings": {n: grid[n].describe() for n in names}, "results": {},
     }
     args.out.mkdir(parents=True, exist_ok=True)
     if args.resume:

@@ -35,7 +35,8 @@ from dllm_jax.common.atomic_write import write_text_atomically  # noqa: E402
 from dllm_jax.models.config import ModelConfig, llada_8b_config  # noqa: E402
 from dllm_jax.engine.engine import Engine  # noqa: E402
 from dllm_jax.models.transformer import init_params, init_params_per_layer  # noqa: E402
-from dllm_jax.serve.assemble import ServeOptions, assemble, decode_config  # noqa: E402
+from dllm_jax.sampling.params import SamplingParams  # noqa: E402
+from dllm_jax.serve.assemble import ServeOptions, assemble, decode_config, request_defaults  # noqa: E402
 
 
 class IdTokenizer:
@@ -153,7 +154,7 @@ def main(argv=None) -> int:
     rng = random.Random(7)
     prompts = [[rng.randrange(config.vocab_size - 2) for _ in range(opts.prompt_length)] for _ in range(opts.requests)]
     decode = decode_config("flash_cache", options)
-    out = engine.generate(prompts, decode=decode)
+    out = engine.generate(prompts, SamplingParams(**request_defaults(decode, options)), decode_config=decode)
     engine_tokens = out.stats.completion_tokens
     engine_rate = engine_tokens / out.stats.wall_seconds
     report = {

@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     else:
         on_cpu = jax.devices()[0].platform == "cpu"
         loaded = load_model(opts.model or tiny_model_path(), dtype="float32" if on_cpu else "bfloat16")
-        config, params, source = loaded.config, unstack_layers(loaded.params), str(loaded.path)
+        config, params, source = loaded.config, unstack_layers(loaded.weights), str(loaded.path)
     length = min(opts.tokens, config.max_sequence_length)
     tokens = jax.random.randint(jax.random.key(1), (opts.rows, length), 0, config.vocab_size)
     report = {"source": source, "device": jax.devices()[0].device_kind, "dtype": config.dtype, "jax": jax.__version__,

@@ -40,7 +40,7 @@ from dllm_jax.common.atomic_write import write_text_atomically
 from dllm_jax.models.config import ConfigError, ModelConfig
 from dllm_jax.runtime.decode_config import DecodeConfig
 from dllm_jax.engine.engine import Engine
-from dllm_jax.models.transformer import Params, count_params, forward, init_params, predictions
+from dllm_jax.models.transformer import Weights, count_params, forward, init_params, predictions
 from dllm_jax.text.tiny_tokenizer import END_OF_TURN, TINY_VOCAB_SIZE, build_tiny_tokenizer, save_tiny_tokenizer
 from dllm_jax.text.tokenizer import Tokenizer
 
@@ -147,7 +147,7 @@ def corrupt(tokens: jax.Array, prompt_len: jax.Array, mask_id: int, rng: jax.Arr
     return jnp.where(masked, mask_id, tokens), masked, p_mask
 
 
-def masked_diffusion_loss(config: ModelConfig, params: Params, tokens: jax.Array, prompt_len: jax.Array,
+def masked_diffusion_loss(config: ModelConfig, params: Weights, tokens: jax.Array, prompt_len: jax.Array,
                           rng: jax.Array) -> jax.Array:
     """LLaDA SFT loss of one batch (shapes as in corrupt).
 
@@ -188,9 +188,9 @@ def held_out_accuracy(engine: Engine, problems: Sequence[tiny_tasks.Problem], ge
     """Exact-match accuracy of one-token-per-step decoding (LLaDA's sampler over one block of
     gen_len positions: each step commits the most confident masked position), overall and per
     task, decoded and scored as scripts/eval.py does (the engine holds the current weights:
-    Engine.swap_params)."""
+    Engine.swap_weights)."""
     decode = DecodeConfig(method="llada", gen_length=gen_len, block_length=gen_len, steps=gen_len, batch_size=batch_size)
-    out = engine.generate([p.prompt for p in problems], decode=decode, chat=True)
+    out = engine.generate([p.prompt for p in problems], decode_config=decode, chat=True)
     correct: dict[str, list[bool]] = {}
     for problem, result in zip(problems, out.results):
         correct.setdefault(problem.task, []).append(tiny_tasks.is_correct(problem, result.text))
@@ -332,7 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if done % args.ckpt_every == 0 or done == args.steps:
             manager.save(done, args=ocp.args.StandardSave(state))
         if done % args.eval_every == 0 or done == args.steps:
-            engine.swap_params(state["params"])
+            engine.swap_weights(state["params"])
             acc = held_out_accuracy(engine, held_out, args.gen_length)
             bar.write(f"step {done}: loss {float(loss):.4f}, held-out exact match "
                       + ", ".join(f"{k} {v:.3f}" for k, v in acc.items())
@@ -341,7 +341,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     manager.wait_until_finished()
 
     final_problems = tiny_tasks.held_out_problems(args.final_eval_problems, mix=args.mix)
-    engine.swap_params(state["params"])
+    engine.swap_weights(state["params"])
     acc = held_out_accuracy(engine, final_problems, args.gen_length)
     report = {"step": int(state["step"]), "held_out_problems": len(final_problems), "exact_match": acc,
               "gen_length": args.gen_length, "train_seconds_this_run": round(time.time() - started)}

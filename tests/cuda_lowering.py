@@ -18,7 +18,7 @@ from dllm_jax.runtime.decode_config import DecodeConfig
 from dllm_jax.engine.engine import Engine
 from dllm_jax.runtime.kernel_routing import Kernels
 from dllm_jax.models.transformer import abstract_params, unstack_layers
-from dllm_jax.runtime.slots import zero_params
+from dllm_jax.runtime.slots import zero_sampling
 
 # what backend="auto" picks on an NVIDIA GPU
 GPU_AUTO = Kernels(attention=True, scatter=True, top_p_top_k=True)
@@ -50,7 +50,7 @@ def lower_decode_loop_for_cuda(config: ModelConfig, backend: str) -> str:
     decode = DecodeConfig(method="flash_cache", gen_length=256, batch_size=8, threshold=2.0, verify=True)
     loop = engine.decode_loop(decode, 256)
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-    state = jax.eval_shape(loop.init_state, i32(32, 256), i32(32), jax.eval_shape(lambda: zero_params((32,))), i32())
+    state = jax.eval_shape(loop.init_state, i32(32, 256), i32(32), jax.eval_shape(lambda: zero_sampling((32,))), i32())
     return lower_for_cuda(
-        jax.jit(loop.run, donate_argnums=1), engine.params, state, i32(), jax.ShapeDtypeStruct((), jnp.bool_)
+        jax.jit(loop.run, donate_argnums=1), engine.weights, state, i32(), jax.ShapeDtypeStruct((), jnp.bool_)
     )

@@ -37,7 +37,7 @@ def random_prompts(lengths: Sequence[int] = PROMPT_LENGTHS, seed: int = 0) -> li
 def reference_for(engine: Engine, decode: DecodeConfig, prompts) -> ReferenceDecoder:
     """The reference decoder over the engine's model, with the engine loop's sequence length."""
     loop = engine.decode_loop(decode, max(map(len, prompts)))
-    return ReferenceDecoder(engine.config, engine.params, decode, loop.max_len)
+    return ReferenceDecoder(engine.config, engine.weights, decode, loop.max_len)
 
 
 def answer(tokens, eos: int) -> list[int]:

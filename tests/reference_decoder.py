@@ -269,7 +269,7 @@ class ReferenceDecoder:
                 cand, conf = self.confidence(logits)
                 eligible = ~decoded[block]
                 order = [i for i in np.argsort(-np.where(eligible, conf, -np.inf), kind="stable") if eligible[i]]
-                if d.uses_schedule:
+                if d.fixed_schedule:
                     spb = d.total_steps // (G // Wb)
                     count = Wb // spb + (1 if step_in_block < Wb % spb else 0)
                     chosen = order[:count]

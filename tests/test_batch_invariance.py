@@ -123,7 +123,7 @@ def test_invariant_decode_loop_lowers_for_cuda_at_llada_8b_widths():
     from dllm_jax.models.config import llada_8b_config
     from dllm_jax.runtime.kernel_routing import Kernels
     from dllm_jax.models.transformer import abstract_params, unstack_layers
-    from dllm_jax.runtime.slots import zero_params
+    from dllm_jax.runtime.slots import zero_sampling
     from tests.cuda_lowering import lower_for_cuda
 
     cfg = dataclasses.replace(llada_8b_config(), n_layers=2)
@@ -133,8 +133,8 @@ def test_invariant_decode_loop_lowers_for_cuda_at_llada_8b_widths():
     decode = DecodeConfig(method="flash_cache", gen_length=256, batch_size=8, threshold=2.0, verify=True)
     loop = engine.decode_loop(decode, 256)
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-    state = jax.eval_shape(loop.init_state, i32(32, 256), i32(32), jax.eval_shape(lambda: zero_params((32,))), i32())
-    text = lower_for_cuda(jax.jit(loop.run, donate_argnums=1), engine.params, state, i32(), jax.ShapeDtypeStruct((), jnp.bool_))
+    state = jax.eval_shape(loop.init_state, i32(32, 256), i32(32), jax.eval_shape(lambda: zero_sampling((32,))), i32())
+    text = lower_for_cuda(jax.jit(loop.run, donate_argnums=1), engine.weights, state, i32(), jax.ShapeDtypeStruct((), jnp.bool_))
     assert "invariant_matmul" in text and "cache_attention" in text
     weight_dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line and "4096x" in line]
     assert not weight_dots, weight_dots[:3]  # no projection or LM head left to XLA's dot

@@ -104,8 +104,8 @@ def test_two_shard_conversion_round_trips_every_leaf(hf_dir, tmp_path, tiny_cfg,
     assert metadata["source"] == str(hf_dir.resolve())
     loaded = load_model(out, dtype="float32")
     assert loaded.config == tiny_cfg
-    assert all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(loaded.params))
-    assert_trees_equal(loaded.params, params)
+    assert all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(loaded.weights))
+    assert_trees_equal(loaded.weights, params)
     assert loaded.tokenizer.encode("What is 2 + 2?", chat=True)[0] == loaded.tokenizer.encode("<|startoftext|>")[0]
 
 

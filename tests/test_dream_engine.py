@@ -73,7 +73,7 @@ def test_the_shift_is_what_the_exactness_test_checks(engine, prompts):
     """Reading the candidates' own rows (LLaDA's alignment) decodes something else."""
     decode = DecodeConfig(method="flash_cache", gen_length=32, batch_size=2, threshold=0.5, track_num=-1)
     unshifted = dataclasses.replace(engine.config, family="llada")
-    ref = ReferenceDecoder(unshifted, engine.params, decode, engine.decode_loop(decode, 15).max_len)
+    ref = ReferenceDecoder(unshifted, engine.weights, decode, engine.decode_loop(decode, 15).max_len)
     out = engine.generate(prompts, decode)
     differs = [r.token_ids != answer(ref.flash_cache(p, no_cache=True)[0], unshifted.eos_token_id)
                for p, r in zip(prompts, out.results)]

@@ -216,9 +216,9 @@ def test_the_biases_matter(checkpoint, inputs):
     loaded = load_model(checkpoint, dtype="float32")
     tokens, key_valid = inputs
     no_bias = jax.tree_util.tree_map_with_path(
-        lambda path, leaf: jnp.zeros_like(leaf) if path[-1].key == "bias" else leaf, loaded.params
+        lambda path, leaf: jnp.zeros_like(leaf) if path[-1].key == "bias" else leaf, loaded.weights
     )
-    with_bias = forward(loaded.config, loaded.params, jnp.asarray(tokens))
+    with_bias = forward(loaded.config, loaded.weights, jnp.asarray(tokens))
     without = forward(loaded.config, no_bias, jnp.asarray(tokens))
     assert relative_error(np.asarray(without), np.asarray(with_bias)) > 1e-2
 
@@ -238,7 +238,7 @@ def test_a_converted_dream_folder_loads_the_same_params(checkpoint, tmp_path):
     out = convert_checkpoint(checkpoint, tmp_path / "converted", dtype="float32")
     converted, direct = load_model(out, dtype="float32"), load_model(checkpoint, dtype="float32")
     assert converted.config == direct.config and converted.config.family == "dream"
-    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), converted.params, direct.params)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), converted.weights, direct.weights)
 
 
 def test_8bit_dream_weights_keep_the_biases(checkpoint, tmp_path):
@@ -250,11 +250,11 @@ def test_8bit_dream_weights_keep_the_biases(checkpoint, tmp_path):
     quantized, direct = load_model(out, dtype="float32"), load_model(checkpoint, dtype="float32")
     assert quantized.config.quantization == "int8-weights"
     for name in ("q_proj", "k_proj", "v_proj"):
-        leaf = quantized.params["layers"][name]
+        leaf = quantized.weights["layers"][name]
         assert set(leaf) == {"qkernel", "scale", "bias"}
-        np.testing.assert_array_equal(np.asarray(leaf["bias"]), np.asarray(direct.params["layers"][name]["bias"]))
-    assert set(quantized.params["wte"]) == {"qembedding", "scale"} and quantized.params["wte"]["qembedding"].dtype == jnp.int8
+        np.testing.assert_array_equal(np.asarray(leaf["bias"]), np.asarray(direct.weights["layers"][name]["bias"]))
+    assert set(quantized.weights["wte"]) == {"qembedding", "scale"} and quantized.weights["wte"]["qembedding"].dtype == jnp.int8
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, direct.config.vocab_size, (1, 12)), jnp.int32)
-    want = np.asarray(forward(direct.config, direct.params, tokens))
-    got = np.asarray(forward(quantized.config, quantized.params, tokens))
+    want = np.asarray(forward(direct.config, direct.weights, tokens))
+    got = np.asarray(forward(quantized.config, quantized.weights, tokens))
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.05

@@ -159,7 +159,7 @@ def reference_decode(engine, prompt, decode: DecodeConfig, sampling: SamplingPar
     P = len(prompt)
     x = np.array(list(prompt) + [cfg.mask_token_id] * G)
     undecoded = np.arange(P + G) >= P
-    run = jax.jit(lambda t: predictions(cfg, forward(cfg, engine.params, t)))
+    run = jax.jit(lambda t: predictions(cfg, forward(cfg, engine.weights, t)))
     for step in range(steps):
         mask_index = undecoded.copy()
         if not mask_index.any():
@@ -208,7 +208,7 @@ def test_sampled_decodes_are_seeded_and_batch_invariant(engine, decode, sampling
     assert all(r.steps == decode.total_steps for r in together.results)
     fewer = engine.generate(many, sampling, decode=dataclasses.replace(decode, batch_size=2))
     assert [r.token_ids for r in fewer.results] == [r.token_ids for r in together.results]
-    other_seed = engine.generate(many, sampling, decode=dataclasses.replace(decode, seed=decode.seed + 1))
+    other_seed = engine.generate(many, sampling, decode_config=decode, seed=decode.base_seed + 1)
     assert [r.token_ids for r in other_seed.results] != [r.token_ids for r in together.results]
 
 

@@ -268,21 +268,21 @@ def test_library_inputs_are_strict(engine):
         with pytest.raises(GenerationError, match=match):
             engine.generate(prompts, decode=decode)
     bad_params = [
-        ("fast", "params='fast'"),
+        ("fast", "sampling='fast'"),
         ([SamplingParams()], "1 SamplingParams for 2 prompts"),
-        ([SamplingParams(), None], r"params\[1\]=None"),
+        ([SamplingParams(), None], r"sampling\[1\]=None"),
         (dict(temperature=1.0), "expected a SamplingParams"),
     ]
     for params, match in bad_params:
         with pytest.raises(GenerationError, match=match):
             engine.generate([[1, 2], [3, 4]], params, decode=decode)
-    with pytest.raises(GenerationError, match="decode=5"):
+    with pytest.raises(GenerationError, match="decode_config=5"):
         engine.generate([[1, 2]], decode=5)
     with pytest.raises(GenerationError, match="chat=None"):
         engine.generate([[1, 2]], decode=decode, chat=None)
     with pytest.raises(GenerationError, match="max_new_tokens=64 is more than this engine's generation bucket"):
         engine.generate([[1, 2]], SamplingParams(max_new_tokens=64), decode=decode)
-    with pytest.raises(GenerationError, match="gamma=0.5 applies only with DecodeConfig"):
+    with pytest.raises(GenerationError, match="gamma=0.5 applies only with verify=True"):
         engine.generate([[1, 2]], SamplingParams(gamma=0.5), decode=decode)
     with pytest.raises(GenerationError, match="threshold=0.5 does not apply"):
         engine.generate([[1, 2]], SamplingParams(threshold=0.5), decode=DecodeConfig(method="llada", gen_length=32))

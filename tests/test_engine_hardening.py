@@ -88,15 +88,16 @@ def test_a_model_with_a_nan_layer_errors_every_request_without_hanging(lively):
 
 def test_a_request_past_its_step_bound_ends_with_an_error(engine, monkeypatch):
     """A commit rule that stops committing cannot spin: the request's step bound ends it."""
-    resolve = session_module.resolve_params
+    resolve = session_module.slot_values
 
-    def tight(params, prompt_len, *args):
-        values = resolve(params, prompt_len, *args)
-        return dict(values, step_limit=3) if params.seed == 1 else values
+    def tight(sampling, prompt_len, *args, **kwargs):
+        values = resolve(sampling, prompt_len, *args, **kwargs)
+        return dict(values, step_limit=3) if sampling.seed == 1 else values
 
-    monkeypatch.setattr(session_module, "resolve_params", tight)
-    decode = dataclasses.replace(DECODES["flash"], threshold=2.0)  # one token per step: 16 steps
-    out = engine.generate([[1, 2, 3], [4, 5, 6]], [SamplingParams(seed=1), SamplingParams(seed=2)], decode=decode)
+    monkeypatch.setattr(session_module, "slot_values", tight)
+    one_per_step = dict(threshold=2.0)  # one token per step: 16 steps
+    out = engine.generate([[1, 2, 3], [4, 5, 6]], [SamplingParams(seed=1, **one_per_step), SamplingParams(seed=2, **one_per_step)],
+                          decode_config=DECODES["flash"])
     bounded, free = out.results
     assert bounded.finish_reason == "error" and "step bound" in bounded.error and bounded.steps == 3
     assert free.finish_reason in ("stop", "length") and free.steps > 3

@@ -54,6 +54,7 @@ def _eval_module():
 
     spec = importlib.util.spec_from_file_location("eval_script", ROOT / "scripts" / "eval.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
     spec.loader.exec_module(module)
     return module
 

@@ -129,7 +129,7 @@ def test_default_gen_length_fits_the_model(model_dir, capsys):
         (["--prompt", "hi", "--output", ""], "--output: empty path"),
         (["--prompt", "hi", "--gamma", "0.5"], "gamma=0.5 applies only with verify=True"),
         (["--prompt", "hi", "--steps", "4"], "steps=4 does not apply to method='flash_cache'"),
-        (["--prompt", "hi", "--method", "llada", "--threshold", "0.5"], "threshold does not apply to method='llada'"),
+        (["--prompt", "hi", "--method", "llada", "--threshold", "0.5"], "threshold=0.5 does not apply to method='llada'"),
         (["--prompt", "hi", "--method", "llada", "--cache", "prefix"], "cache='prefix' does not apply to method='llada'"),
         (["--prompt", "hi", "--cfg-scale", "1.5"], "--prompt 1: cfg_scale=1.5 is available with method='llada'"),
         (["--prompt", "hi", "--max-new-tokens", "600"], "--prompt 1:"),

@@ -20,6 +20,7 @@ from lm_eval import simple_evaluate
 from lm_eval.api.instance import Instance
 from lm_eval.tasks import TaskManager
 
+from dllm_jax import SamplingParams
 from dllm_jax.evaluation import tiny_tasks
 from dllm_jax.models.embedded import tiny_model_path
 from dllm_jax.evaluation.lm_eval_model import DLLMJaxLM, GenerationKwargsError, LoglikelihoodRollingError
@@ -47,6 +48,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 def _eval_script():
     spec = importlib.util.spec_from_file_location("eval_script", ROOT / "scripts" / "eval.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
     spec.loader.exec_module(module)
     return module
 
@@ -69,9 +71,9 @@ def flash_lm():
 def script_result(lm: DLLMJaxLM, setting: str) -> dict:
     """scripts/eval.py's evaluation of the same problems and setting, on the model's own engine."""
     script = _eval_script()
-    decode = script.settings(GEN_LENGTH, BATCH)[setting]
-    assert decode == lm.decode
-    return script.evaluate(lm.engine, tiny_tasks.held_out_problems(PROBLEMS), decode, None)
+    same = script.settings(GEN_LENGTH, BATCH)[setting]
+    assert same.decode_config == lm.decode_config and same.sampling.threshold == lm.args.threshold
+    return script.evaluate(lm.engine, tiny_tasks.held_out_problems(PROBLEMS), same, None)
 
 
 @pytest.fixture(scope="module")
@@ -183,15 +185,15 @@ def test_loglikelihood_picks_the_right_answer_where_the_model_solves_it(flash_lm
         for start in range(0, len(masks), MC_BATCH):
             counts = masks[start : start + MC_BATCH].sum(axis=1).tolist()
             assert any(counts == llada_counts(k, MC_BATCH, len(target)) for k in range(1, len(target) + 1)), counts
-        plain = plain_estimate(flash_lm.config, flash_lm.engine.params, prefix, target, masks.tolist(), MC_BATCH)
+        plain = plain_estimate(flash_lm.config, flash_lm.engine.weights, prefix, target, masks.tolist(), MC_BATCH)
         assert value == pytest.approx(plain, rel=1e-4)
 
 
 def test_guided_estimate_equals_the_plain_computation(flash_lm):
-    guided = MonteCarloLoglikelihood(flash_lm.config, flash_lm.engine.params, mc_num=8, mc_batch_size=4, cfg_scale=0.5, seed=3)
+    guided = MonteCarloLoglikelihood(flash_lm.config, flash_lm.engine.weights, mc_num=8, mc_batch_size=4, cfg_scale=0.5, seed=3)
     prefix, target = flash_lm.encode_pair(flash_lm.apply_chat_template([{"role": "user", "content": "sort: 3 1 2"}]), "1 2 3\n#### 123")
     estimate = guided.estimate(prefix, target)
-    plain = plain_estimate(flash_lm.config, flash_lm.engine.params, prefix, target, estimate.masks.tolist(), 4, cfg_scale=0.5)
+    plain = plain_estimate(flash_lm.config, flash_lm.engine.weights, prefix, target, estimate.masks.tolist(), 4, cfg_scale=0.5)
     assert estimate.value == pytest.approx(plain, rel=1e-4)
     assert guided.estimate(prefix, target).value == estimate.value  # same request, same masks
 
@@ -205,12 +207,13 @@ def test_a_dream_folder_is_scored_like_a_llada_one():
     context = lm.apply_chat_template([{"role": "user", "content": "sort: 3 1 2"}])
     prefix, target = lm.encode_pair(context, "1 2 3\n#### 123")
     estimate = lm.scorer.estimate(prefix, target)
-    plain = plain_estimate(lm.config, lm.engine.params, prefix, target, estimate.masks.tolist(), 4)
+    plain = plain_estimate(lm.config, lm.engine.weights, prefix, target, estimate.masks.tolist(), 4)
     assert estimate.value == pytest.approx(plain, rel=1e-4)
     wrong = lm.scorer.estimate(*lm.encode_pair(context, "1 3 2\n#### 132"))
     assert estimate.value > wrong.value
     (answer,) = lm.generate_until([request(context, until=[])])
-    ids = lm.engine.generate([lm.encode(context)], decode=lm.decode).results[0].token_ids
+    ids = lm.engine.generate([lm.encode(context)], SamplingParams(threshold=lm.args.threshold),
+                             decode_config=lm.decode_config).results[0].token_ids
     assert answer == lm.tokenizer.decode(ids, skip_special_tokens=True) and "####" in answer
 
 
@@ -263,9 +266,9 @@ def test_bad_model_args_name_the_key(args, message):
 
 def test_model_args_types_and_the_harness_batch_size():
     parsed = parse_model_args(dict(pretrained="p", threshold=1, batch_size=4, device="cuda:0"), harness_batch_size=1)
-    assert parsed.decode.threshold == 1.0 and isinstance(parsed.decode.threshold, float)
-    assert parsed.decode.batch_size == 4  # model_args win over lm-eval's --batch_size
-    assert parse_model_args(dict(pretrained="p"), harness_batch_size="16").decode.batch_size == 16
+    assert parsed.adapter.threshold == 1.0 and isinstance(parsed.adapter.threshold, float)
+    assert parsed.decode_config.batch_size == 4  # model_args win over lm-eval's --batch_size
+    assert parse_model_args(dict(pretrained="p"), harness_batch_size="16").decode_config.batch_size == 16
     with pytest.raises(ModelArgsError, match="batch_size='auto'"):
         parse_model_args(dict(pretrained="p"), harness_batch_size="auto")
 
@@ -285,7 +288,7 @@ def test_command_line_names_a_bad_model_arg_in_one_line(task_dir, monkeypatch, c
 def test_greedy_check_is_llada_suffix_greedy_prediction(flash_lm):
     """is_check_greedy: True exactly for the continuation that one-most-confident-commit-per-step
     decoding (written out here over unpadded forwards) produces."""
-    config, params = flash_lm.config, flash_lm.engine.params
+    config, params = flash_lm.config, flash_lm.engine.weights
     prefix = flash_lm.encode(flash_lm.apply_chat_template([{"role": "user", "content": "sort: 3 1 2"}]))
     L = 12
     seq = prefix + [config.mask_token_id] * L

@@ -84,6 +84,6 @@ def test_padding_keys_are_invisible_in_both_implementations(checkpoint, inputs):
     _, torch_logits = torch_run(checkpoint, loaded.config, tokens, key_valid)
     _, torch_changed = torch_run(checkpoint, loaded.config, changed, key_valid)
     np.testing.assert_allclose(torch_changed[1, :-1], torch_logits[1, :-1], rtol=1e-6, atol=1e-6)
-    jax_logits = jax_run(loaded.config, loaded.params, tokens, key_valid)[1]
-    jax_changed = jax_run(loaded.config, loaded.params, changed, key_valid)[1]
+    jax_logits = jax_run(loaded.config, loaded.weights, tokens, key_valid)[1]
+    jax_changed = jax_run(loaded.config, loaded.weights, changed, key_valid)[1]
     np.testing.assert_array_equal(jax_changed[1, :-1], jax_logits[1, :-1])

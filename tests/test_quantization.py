@@ -218,9 +218,9 @@ def tiny_dream():
 def test_quantized_tiny_model_stays_close_to_the_original(request, family, mode, logit_bound, agreement):
     model = request.getfixturevalue("tiny_model" if family == "llada" else "tiny_dream")
     tokens = jax.random.randint(jax.random.key(3), (2, 96), 0, model.config.vocab_size)
-    ref = forward(model.config, model.params, tokens)
+    ref = forward(model.config, model.weights, tokens)
     config = dataclasses.replace(model.config, quantization=mode)
-    q = quantize_params(model.params, mode)
+    q = quantize_params(model.weights, mode)
     assert q["wte"]["qembedding"].dtype == jnp.int8
     out = forward(config, q, tokens)
     assert rel(out, ref) < logit_bound
@@ -362,8 +362,8 @@ def test_fp8_models_compile_without_xla_triton_gemms_on_nvidia_gpus(monkeypatch)
     engine = Engine(config, quantize_params(init_params(tiny_config(), jax.random.key(0)), "fp8"))
     assert engine.compiler_options == options
     monkeypatch.setattr(dllm_jax.common.platform, "on_nvidia_gpu", lambda: False)  # compile for this CPU
-    engine = Engine(config, engine.params, compiler_options={"xla_gpu_enable_triton_gemm": False})
+    engine = Engine(config, engine.weights, compiler_options={"xla_gpu_enable_triton_gemm": False})
     out = engine.generate([[3, 4, 5]], DecodeConfig(gen_length=16, batch_size=1))
     assert out.results[0].completion_tokens > 0
     with pytest.raises(GenerationError, match="compiler_options"):
-        Engine(config, engine.params, compiler_options=["xla_gpu_enable_triton_gemm"])
+        Engine(config, engine.weights, compiler_options=["xla_gpu_enable_triton_gemm"])

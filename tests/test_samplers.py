@@ -142,7 +142,7 @@ def test_cfg_scale_matches_llada_generate(engine):
     params = [SamplingParams(cfg_scale=1.5), SamplingParams(cfg_scale=0.0)]
     out = engine.generate(PROMPTS, params, decode=decode)
     for prompt, p, result in zip(PROMPTS, params, out.results):
-        ref = llada_generate(cfg, engine.params, prompt, 16, 8, 8, cfg_scale=p.cfg_scale)
+        ref = llada_generate(cfg, engine.weights, prompt, 16, 8, 8, cfg_scale=p.cfg_scale)
         assert result.token_ids == _answer(ref, cfg.eos_token_id)
     guided_alone = engine.generate(PROMPTS[:1], SamplingParams(cfg_scale=1.5), decode=decode).results[0]
     plain = engine.generate(PROMPTS[:1], decode=decode).results[0]
@@ -163,7 +163,7 @@ def test_random_remasking_matches_llada_generate(engine):
 
     low = engine.generate(PROMPTS, decode=decode)
     for prompt, result, greedy in zip(PROMPTS, out.results, low.results):
-        ref = llada_generate(cfg, engine.params, prompt, 16, 8, 8, uniforms=uniforms)
+        ref = llada_generate(cfg, engine.weights, prompt, 16, 8, 8, uniforms=uniforms)
         assert result.token_ids == _answer(ref, cfg.eos_token_id)
     assert [r.token_ids for r in out.results] != [r.token_ids for r in low.results]
 

@@ -66,15 +66,31 @@ def test_sampling_params_reject_bad_values(kwargs, match):
 
 def test_decode_config_resolves_method_defaults():
     flash = DecodeConfig()
-    assert (flash.mask_num, flash.track_num, flash.threshold, flash.cache, flash.gamma) == (4, 4, 0.9, None, None)
+    assert (flash.mask_num, flash.track_num, flash.schedule, flash.cache) == (4, 4, "threshold", None)
+    assert (flash.default_threshold, flash.default_gamma, flash.base_seed) == (0.9, 0.8, 0)
     verify = DecodeConfig(verify=True)
-    assert (verify.gamma, verify.accept, verify.pin) == (0.8, "cumprod", "all_commits")
+    assert (verify.accept, verify.pin) == ("cumprod", "all_commits")
     assert DecodeConfig(method="fast_dllm").cache == "dual"
-    assert DecodeConfig(method="fast_dllm", steps=256).uses_schedule
-    assert DecodeConfig(method="llada").uses_schedule
+    assert DecodeConfig(method="fast_dllm").schedule == "threshold"
+    assert DecodeConfig(method="fast_dllm", steps=256).fixed_schedule
+    assert DecodeConfig(method="fast_dllm", schedule="fixed").fixed_schedule
+    assert DecodeConfig(method="llada").fixed_schedule and DecodeConfig(method="dream").fixed_schedule
     assert DecodeConfig(method="llada", cfg=True).cfg
-    # a config survives dataclasses.replace (its resolved values are valid for its method)
-    assert DecodeConfig(verify=True).static_key() == DecodeConfig(verify=True, gamma=0.5, threshold=0.3).static_key()
+
+
+def test_decode_config_request_defaults_are_deprecated_and_never_compiled():
+    with pytest.warns(DeprecationWarning, match="set them per request in SamplingParams"):
+        old = DecodeConfig(verify=True, gamma=0.5, threshold=0.3, seed=4, temperature=0.5)
+    assert (old.default_threshold, old.default_gamma, old.base_seed, old.temperature) == (0.3, 0.5, 4, 0.5)
+    assert old == DecodeConfig(verify=True) and hash(old) == hash(DecodeConfig(verify=True))  # one compiled loop
+    with pytest.warns(DeprecationWarning), pytest.raises(DecodeConfigError, match="not both"):
+        DecodeConfig(method="fast_dllm", steps=256, threshold=0.9)
+    with pytest.raises(DecodeConfigError, match="schedule='threshold' does not apply to method='llada'"):
+        DecodeConfig(method="llada", schedule="threshold")
+    with pytest.raises(DecodeConfigError, match="not both"):
+        DecodeConfig(method="fast_dllm", steps=256, schedule="threshold")
+    with pytest.raises(TypeError):
+        DecodeConfig("flash_cache", 256, 16)  # past gen_length, options are keywords
 
 
 @pytest.mark.parametrize(
@@ -95,7 +111,7 @@ def test_decode_config_resolves_method_defaults():
         (dict(temperature="0.5"), r"temperature='0.5' \(str\)"),
         (dict(seed="x"), r"seed='x'"),
         (dict(seed=2**40), "seed=1099511627776"),
-        (dict(seed=None), "seed=None"),
+        (dict(schedule="sometimes"), "schedule='sometimes'"),
         (dict(verify=1), r"verify=1 \(int\): expected True or False"),
         (dict(verify=True, gamma=math.nan), "gamma=nan"),
         (dict(verify=True, gamma=5), "gamma=5.0"),

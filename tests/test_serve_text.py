@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dllm_jax.serve.protocol import ChatCompletionRequest, CompletionRequest
-from dllm_jax.serve.stable_text import StableText, first_stop, stable_prefix_length, stop_prefix_holdback
+from dllm_jax.engine.results import first_stop
+from dllm_jax.serve.stable_text import StableText, stable_prefix_length, stop_prefix_holdback
 
 EOS = 0
 ALPHABET = "abc#\n"

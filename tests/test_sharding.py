@@ -85,7 +85,7 @@ def test_weights_cache_and_slots_are_split_as_intended(engines, prompts):
     engine = engines("data=2,tensor=2")
     cfg = engine.config
     NL, D, F, HD = cfg.n_layers, cfg.d_model, cfg.mlp_hidden_size, cfg.n_heads * cfg.head_dim
-    layers = engine.params["layers"]
+    layers = engine.weights["layers"]
     for name, spec, local in [
         ("q_proj", P(None, None, "tensor"), (NL, D, HD // 2)),
         ("k_proj", P(None, None, "tensor"), (NL, D, cfg.kv_dim // 2)),
@@ -99,7 +99,7 @@ def test_weights_cache_and_slots_are_split_as_intended(engines, prompts):
         assert kernel.sharding.spec == spec, name
         assert _shard_shape(kernel) == local, name
     for name in ("wte", "lm_head", "ln_f"):
-        for leaf in jax.tree_util.tree_leaves(engine.params[name]):
+        for leaf in jax.tree_util.tree_leaves(engine.weights[name]):
             assert leaf.sharding.is_fully_replicated, name
     assert layers["attn_norm"]["weight"].sharding.is_fully_replicated
 
@@ -107,7 +107,7 @@ def test_weights_cache_and_slots_are_split_as_intended(engines, prompts):
     compiled = engine.compile(decode, max(map(len, prompts)))
     B, L, Q, W = decode.batch_size, compiled.loop.max_len, compiled.queue_capacity, compiled.prompt_width
     state = compiled.initial_state([[0, 0, 0]] * B, decode)
-    state = compiled.run(engine.params, state, jnp.int32(2), jnp.bool_(False))
+    state = compiled.run(engine.weights, state, jnp.int32(2), jnp.bool_(False))
     for cache in (state.cache.k, state.cache.v):
         assert cache.sharding.spec == P(None, "data", "tensor")
         assert _shard_shape(cache) == (NL, B * L // 2, cfg.kv_dim // 2)
@@ -119,7 +119,7 @@ def test_weights_cache_and_slots_are_split_as_intended(engines, prompts):
 def test_per_layer_weights_are_split_like_stacked_ones(lively):
     cfg, params = lively
     engine = Engine(cfg, params, backend="xla", unroll_layers=True, mesh=mesh_of("data=2,tensor=2"))
-    for layer in engine.params["layers"]:
+    for layer in engine.weights["layers"]:
         assert layer["q_proj"]["kernel"].sharding.spec == P(None, "tensor")
         assert layer["ff_out"]["kernel"].sharding.spec == P("tensor", None)
         assert layer["ff_norm"]["weight"].sharding.is_fully_replicated

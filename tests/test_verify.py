@@ -12,7 +12,7 @@ from dllm_jax.runtime.decode_config import DecodeConfig
 from dllm_jax.engine.engine import Engine
 from dllm_jax.runtime.flat_cache import allocate_cache
 from dllm_jax.models.transformer import forward, init_params
-from dllm_jax.runtime.slots import commit_tokens, empty_slots, install, zero_params
+from dllm_jax.runtime.slots import commit_tokens, empty_slots, install, zero_sampling
 from dllm_jax.policies.flash_verify import WindowDraft, accepted_count, plan_verify
 from tests.conftest import tiny_config
 from tests.reference_decoder import ReferenceDecoder
@@ -41,9 +41,9 @@ def _one_slot_after_stage1(cfg, W, L, key_len, num_committed, seed):
     rng = np.random.RandomState(seed)
     P, G = 9, 40
     prompt = jnp.asarray(rng.randint(0, 100, P), jnp.int32)
-    params = zero_params(()).replace(max_new_tokens=jnp.int32(G))
+    sampling = zero_sampling(()).replace(max_new_tokens=jnp.int32(G))
     slot = install(
-        jax.tree_util.tree_map(lambda x: x[0], empty_slots(1, L)), prompt, jnp.int32(P), jnp.int32(0), params,
+        jax.tree_util.tree_map(lambda x: x[0], empty_slots(1, L)), prompt, jnp.int32(P), jnp.int32(0), sampling,
         jnp.int32(key_len), cfg.mask_token_id, cfg.eos_token_id, jnp.int32(0),
     )
     slot = slot.replace(scores=jnp.asarray(rng.randn(L), jnp.float32), pinned=jnp.arange(L) == 3)
@@ -111,7 +111,7 @@ def test_verify_matches_the_python_reference(lively_engine, accept, pin):
         verify=True, gamma=0.3, accept=accept, pin=pin,
     )
     out = engine.generate(prompts, decode)
-    ref = ReferenceDecoder(engine.config, engine.params, decode, engine.decode_loop(decode, 15).max_len)
+    ref = ReferenceDecoder(engine.config, engine.weights, decode, engine.decode_loop(decode, 15).max_len)
     for prompt, result in zip(prompts, out.results):
         tokens, steps, committed = ref.flash_cache(prompt)
         assert result.token_ids == answer(tokens, engine.config.eos_token_id)

@@ -28,7 +28,7 @@ TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
 
 
 def random_params(cfg: ModelConfig, seed: int):
-    """Params whose activations and logits are O(1): unit embeddings, 1/sqrt(fan_in) kernels,
+    """Weights whose activations and logits are O(1): unit embeddings, 1/sqrt(fan_in) kernels,
     norm gains scattered around 1 (so a swapped norm would show), biases of size ~0.3 (so a
     dropped or misplaced bias shows)."""
     paths_and_leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract_params(cfg))
@@ -123,7 +123,7 @@ def assert_the_loaded_model_matches(checkpoint: Path, dtype: str, inputs, torch_
     loaded model."""
     loaded = load_model(checkpoint, dtype=dtype)
     tokens, key_valid = inputs
-    jax_states, jax_logits = jax_run(loaded.config, loaded.params, tokens, key_valid)
+    jax_states, jax_logits = jax_run(loaded.config, loaded.weights, tokens, key_valid)
     torch_states, torch_logits = torch_run(checkpoint, loaded.config, tokens, key_valid)
     assert len(jax_states) == len(torch_states) == loaded.config.n_layers + 1
     for index, (actual, expected) in enumerate(zip(jax_states, torch_states)):

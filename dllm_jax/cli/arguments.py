@@ -10,6 +10,9 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable
+from typing import Any
+
+from dllm_jax.sampling.params import FLOAT32_MAX, INT32_MAX, SamplingParams, flag_knobs
 
 # Seeds go to the device as int32 (jax.random keys are made from them in the compiled loop).
 SEED_MAX = 2**31 - 1
@@ -57,6 +60,28 @@ def float_in(low: float, high: float | None = None, *, low_open: bool = False) -
 def seed(text: str) -> int:
     """A random seed: an integer in [0, 2**31 - 1] (it travels to the device as int32)."""
     return int_in(0, SEED_MAX)(text)
+
+
+def add_knob_flags(group: argparse._ArgumentGroup) -> None:
+    """One flag per SamplingParams knob that takes one (--top-p for top_p), its range and
+    choices from the knob's declaration, its default SamplingParams' own."""
+    for name, spec in flag_knobs().items():
+        default = SamplingParams.__dataclass_fields__[name].default
+        flag = "--" + name.replace("_", "-")
+        if spec.kind == "choice":
+            group.add_argument(flag, dest=name, choices=spec.choices, default=default, help=spec.help)
+        elif spec.kind == "int":
+            high = INT32_MAX if spec.high is None else int(spec.high)
+            group.add_argument(flag, dest=name, type=int_in(int(spec.low), high), default=default, help=spec.help)
+        else:
+            high = FLOAT32_MAX if spec.high is None else spec.high
+            group.add_argument(flag, dest=name, type=float_in(spec.low, high, low_open=spec.low_open), default=default,
+                               help=spec.help)
+
+
+def knob_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The SamplingParams keyword arguments of add_knob_flags' flags."""
+    return {name: getattr(args, name) for name in flag_knobs()}
 
 
 def non_empty(text: str) -> str:

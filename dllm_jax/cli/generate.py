@@ -30,7 +30,7 @@ from dllm_jax.cli import arguments, running
 from dllm_jax.cli.output import check_output_path
 from dllm_jax.cli.prompts import PromptRecord, encode_all, from_flags, read_jsonl
 from dllm_jax.runtime.decode_config import ACCEPT_RULES, CACHES, DREAM_ALGORITHMS, METHODS, PIN_POLICIES, DecodeConfig
-from dllm_jax.sampling.params import REMASKING, SamplingParams
+from dllm_jax.sampling.params import SamplingParams
 
 log = logging.getLogger("dllm_jax.cli.generate")
 
@@ -101,25 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "capped by the model's max_sequence_length minus the prompt")
     sampling.add_argument("--stop", action="append", type=arguments.non_empty, default=[],
                           help="a string that ends the answer, cut before it (repeat for several)")
-    sampling.add_argument("--threshold", type=arguments.float_in(0.0),
-                          help=f"confidence threshold for parallel commits (fast_dllm, flash_cache); "
-                          f"default: {_default('threshold')} (llada and fast_dllm --steps commit a fixed number per step)")
-    sampling.add_argument("--gamma", type=arguments.float_in(0.0, 1.0, low_open=True),
-                          help=f"verify acceptance threshold; default: {_default('gamma', verify=True)}")
-    sampling.add_argument("--temperature", type=arguments.float_in(0.0), default=SamplingParams.temperature,
-                          help="0 decodes greedily, > 0 samples (Gumbel-max)")
-    sampling.add_argument("--top-p", type=arguments.float_in(0.0, 1.0, low_open=True), default=SamplingParams.top_p,
-                          help="nucleus sampling: keep the smallest set of tokens of this total probability (1: off)")
-    sampling.add_argument("--top-k", type=arguments.int_in(0), default=SamplingParams.top_k,
-                          help="sample among the k most likely tokens (0: off)")
-    sampling.add_argument("--remasking", choices=REMASKING, default=SamplingParams.remasking,
-                          help="which predictions commit first: the most confident, or random ones (LLaDA's options)")
-    sampling.add_argument("--cfg-scale", type=arguments.float_in(0.0), default=SamplingParams.cfg_scale,
-                          help="llada: classifier-free guidance scale (a second, unconditional pass per step; 0: off)")
-    sampling.add_argument("--alg-temp", type=arguments.float_in(0.0), default=SamplingParams.alg_temp,
-                          help="dream: 0 unmasks the most confident positions, > 0 draws them from "
-                          "softmax(confidence / alg_temp)")
-    sampling.add_argument("--seed", type=arguments.seed, default=_default("seed"),
+    arguments.add_knob_flags(sampling)
+    sampling.add_argument("--seed", type=arguments.seed, default=0,
                           help=f"random seed, in [0, {arguments.SEED_MAX}]; each request draws its own stream from it")
 
     run = p.add_argument_group("devices")
@@ -141,26 +124,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def decode_options(args: argparse.Namespace) -> dict[str, Any]:
     """The DecodeConfig keyword arguments the user gave. Unset flags keep DecodeConfig's
-    defaults, so an option of another method is an error only when it is given. threshold,
-    gamma and seed go here (the defaults of every request): threshold chooses fast_dllm's
-    mode at compile time, and DecodeConfig names gamma without --verify."""
+    defaults, so an option of another method is an error only when it is given."""
     given = {
         "method": args.method, "gen_length": args.gen_length, "block_length": args.block_length, "steps": args.steps,
-        "threshold": args.threshold, "cache": args.cache, "mask_num": args.mask_num, "track_num": args.track_num,
-        "batch_size": args.batch_size, "seed": args.seed, "verify": args.verify or None, "gamma": args.gamma,
+        "cache": args.cache, "mask_num": args.mask_num, "track_num": args.track_num,
+        "batch_size": args.batch_size, "verify": args.verify or None,
         "accept": args.accept, "pin": args.pin, "alg": args.alg, "eps": args.eps,
-        # the llada loop with the unconditional pass; other methods are told by resolve_params
+        # the llada loop with the unconditional pass; other methods are told by slot_values
         "cfg": (args.cfg_scale > 0 and args.method == "llada") or None,
     }
     return {k: v for k, v in given.items() if v is not None}
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
-    """The per-request parameters, the same for every prompt of the run."""
-    return SamplingParams(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        stop=tuple(args.stop), cfg_scale=args.cfg_scale, remasking=args.remasking, alg_temp=args.alg_temp,
-    )
+    """The per-request parameters, the same for every prompt of the run (--seed is the seed each
+    request draws its own stream from: Engine.generate's seed)."""
+    return SamplingParams(max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), **arguments.knob_values(args))
 
 
 def default_gen_length(max_sequence_length: int, longest_prompt: int) -> int:
@@ -212,7 +191,7 @@ def _main(argv: Sequence[str] | None) -> int:
     running.setup_logging(args)
     records = from_flags(args.prompt) if args.prompt else read_jsonl(args.prompts_file, reserved=_output_keys())
     output_path = check_output_path(args.output) if args.output is not None else None
-    params = sampling_params(args)
+    sampling = sampling_params(args)
     if args.batch_invariant:
         import os
 
@@ -223,8 +202,8 @@ def _main(argv: Sequence[str] | None) -> int:
     from dllm_jax.runtime import sharding
     from dllm_jax.engine.engine import Engine
     from dllm_jax.models.loading import default_dtype, load_model, load_tokenizer, read_model_config, resolve_model_path
+    from dllm_jax.engine.request import slot_values
     from dllm_jax.runtime.memory_estimate import memory_override
-    from dllm_jax.engine.session import resolve_params
 
     memory_override()  # a bad $DLLM_MEMORY_AVAILABLE is an input error before the model loads
 
@@ -241,18 +220,21 @@ def _main(argv: Sequence[str] | None) -> int:
     encoded = encode_all(records, lambda text: tokenizer.encode(text, chat=chat))
     options = decode_options(args)
     options["gen_length"] = generation_bucket(args, config.max_sequence_length, max(map(len, encoded)))
-    decode = DecodeConfig(**options)
+    decode_config = DecodeConfig(**options)
     if mesh is not None:
-        sharding.check_batch(mesh, decode.batch_size)  # the engine may use fewer slots, always a multiple
-    for record, ids in zip(records, encoded):  # what the engine checks per request, before the weights load
-        resolve_params(params, len(ids), decode, config.max_sequence_length, decode.cfg, record.where)
+        sharding.check_batch(mesh, decode_config.batch_size)  # the engine may use fewer slots, always a multiple
+    for i, (record, ids) in enumerate(zip(records, encoded)):  # what the engine checks per request, before the weights load
+        slot_values(sampling, len(ids), decode_config, cfg=decode_config.cfg, max_sequence_length=config.max_sequence_length,
+                    order=i, where=record.where)
 
     log.info("loading %s (%s)", path, dtype)
     loaded = load_model(path, dtype=dtype, quantization=args.quantization)
-    engine = Engine(loaded.config, loaded.params, tokenizer, backend=args.backend, mesh=mesh,
+    engine = Engine(loaded.config, loaded.weights, tokenizer, backend=args.backend, mesh=mesh,
                     batch_invariant=args.batch_invariant)
-    log.info("generating %d request(s): %s, gen_length=%d, chat=%s", len(encoded), decode.method, decode.gen_length, chat)
-    output = engine.generate(encoded, params, decode=decode, progress=not (args.no_progress or args.quiet))
+    log.info("generating %d request(s): %s, gen_length=%d, chat=%s", len(encoded), decode_config.method,
+             decode_config.gen_length, chat)
+    output = engine.generate(encoded, sampling, decode_config=decode_config, seed=args.seed,
+                             progress=not (args.no_progress or args.quiet))
     failed = 0
     for record, result in zip(records, output.results):
         print(f"### [{result.index}] {record.prompt}\n{result.text}\n")
@@ -264,7 +246,7 @@ def _main(argv: Sequence[str] | None) -> int:
         "%d requests, %d completion tokens (%d as the reference code counts) in %.2f s (%.1f tokens/s; compile %.1f s) "
         "| %.2f tokens/step | %d steps, %d forward passes, %d loop iterations | method=%s backend=%s%s",
         s.num_requests, s.completion_tokens, s.reference_num_tokens, s.wall_seconds, s.tokens_per_second,
-        s.compile_seconds, s.tokens_per_step, s.steps, s.forward_passes, s.iterations, decode.method, engine.backend,
+        s.compile_seconds, s.tokens_per_step, s.steps, s.forward_passes, s.iterations, decode_config.method, engine.backend,
         f" mesh={args.mesh}" if args.mesh else "",
     )
     if output_path is not None:

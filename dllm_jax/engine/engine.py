@@ -1,16 +1,11 @@
 """The engine: prompts in, answers and statistics out, over the jitted decode loop.
 
-``Engine.generate(prompts, params, decode=DecodeConfig(...))`` tokenizes (the chat template
-only with chat=True; ``Engine.chat`` takes message lists), buckets the shapes (prompt length
-to a power of two, slots to the request count rounded to a power of two) so that requests of
-different lengths and parameters reuse one compiled loop, runs it through a
-GenerationSession in chunks of iterations (no host round trip per step), cuts each answer at
-its EOS, stop ids and stop strings, and returns results in request order.
-
-Token accounting (the throughput numerator): for flash_cache, the committed generated
-positions when the request stops (it stops once every position before the first committed
-EOS is decoded), as the published Flash-dLLM code counts; for llada and fast_dllm, which
-decode all gen_length positions, the positions up to and including the first EOS.
+``Engine.generate(prompts, sampling, decode_config=DecodeConfig(...))`` tokenizes (the chat
+template only with chat=True; ``Engine.chat`` takes message lists), buckets the shapes (prompt
+length to a power of two, slots to the request count rounded to a power of two) so that
+requests of different lengths and sampling values reuse one compiled loop, runs it through a
+GenerationSession in chunks of iterations (no host round trip per step) and returns results
+in request order (dllm_jax.engine.results: how answers are cut and tokens counted).
 """
 
 from __future__ import annotations
@@ -26,23 +21,28 @@ import numpy as np
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
+from dllm_jax.common.deprecation import renamed_argument, warn_renamed
+from dllm_jax.common.errors import GenerationError
+from dllm_jax.common.validate import check_bool, check_int
+from dllm_jax.engine.compiled_loop import CompiledLoop
+from dllm_jax.engine.request import slot_values
+from dllm_jax.engine.results import GenerationOutput, GenerationResult, GenerationStats
+from dllm_jax.engine.session import GenerationSession
+from dllm_jax.models.config import ModelConfig
+from dllm_jax.models.quantization import compiler_options as quantization_compiler_options
+from dllm_jax.models.transformer import Weights, unstack_layers
+from dllm_jax.policies.factory import make_policy
 from dllm_jax.runtime import sharding
 from dllm_jax.runtime.batch_invariance import check_model as check_invariant_model
-from dllm_jax.models.config import ModelConfig
 from dllm_jax.runtime.decode_config import DecodeConfig
 from dllm_jax.runtime.decode_loop import DecodeLoop, DecodeState
-from dllm_jax.common.errors import GenerationError
-from dllm_jax.sampling.params import SamplingParams
-from dllm_jax.engine.session import GenerationSession, _HostRing, _Request, resolve_params
-from dllm_jax.runtime.slots import ERROR_MESSAGES, zero_params
-from dllm_jax.text.tokenizer import tokens_within
-from dllm_jax.common.validate import check_bool, check_int
 from dllm_jax.runtime.flat_cache import cache_bytes
 from dllm_jax.runtime.kernel_routing import Kernels, resolve_kernels
-from dllm_jax.runtime.memory_estimate import MemoryEstimate, check_decode_loop, estimate_decode_loop
-from dllm_jax.models.transformer import Params, unstack_layers
-from dllm_jax.policies.factory import make_policy
-from dllm_jax.models.quantization import compiler_options as quantization_compiler_options
+from dllm_jax.runtime.memory_estimate import check_decode_loop, estimate_decode_loop
+from dllm_jax.runtime.slots import zero_sampling
+from dllm_jax.sampling.params import MAX_SEED, SamplingParams
+
+__all__ = ["CompiledLoop", "Engine", "GenerationOutput", "GenerationResult", "GenerationStats"]
 
 # flash_cache: max_len as the reference computes it (reference-spec B.1); key lengths are
 # rounded to 128 within it. Block methods attend to exactly prompt + gen_length positions, so
@@ -53,103 +53,8 @@ _ROW_GRANULE = 32
 _MIN_PROMPT_BUCKET = 16
 
 
-@dataclasses.dataclass(frozen=True)
-class GenerationResult:
-    """One request's answer and counters.
-
-    index: the request's position in its generate()/chat() call (add order in a session);
-    token_ids: the returned answer's ids (before the first EOS, stop id or stop string); text:
-    their decoding, cut before the first stop string (None without a tokenizer);
-    finish_reason: "stop" (EOS, a stop id or a stop string ended it), "length" (it used all its
-    max_new_tokens) or "error" (see `error`); prompt_tokens, completion_tokens: tokens of the
-    prompt and of the returned answer (EOS padding and the stop string's tokens excluded);
-    reference_num_tokens: tokens credited as the published code counts them, the throughput
-    numerator (see module docstring); steps: decode steps (the first full pass included);
-    forward_passes: model passes over this request's rows (main + verify); accepted_drafts:
-    drafts accepted by Flash-Verify; seconds: wall time from install to finish, interpolated
-    between chunk timestamps; error: what went wrong when finish_reason is "error".
-    """
-
-    index: int
-    prompt_ids: list[int]
-    token_ids: list[int]
-    text: str | None
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    reference_num_tokens: int
-    steps: int
-    forward_passes: int
-    verify_passes: int
-    accepted_drafts: int
-    seconds: float
-    error: str | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class GenerationStats:
-    """Totals of one generate() call; reference_num_tokens is the throughput numerator."""
-
-    num_requests: int
-    reference_num_tokens: int
-    completion_tokens: int
-    steps: int
-    forward_passes: int
-    iterations: int
-    wall_seconds: float
-    compile_seconds: float
-    cache_bytes: int
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.reference_num_tokens / self.wall_seconds if self.wall_seconds > 0 else float("nan")
-
-    @property
-    def tokens_per_step(self) -> float:
-        return self.reference_num_tokens / self.steps if self.steps else float("nan")
-
-
-@dataclasses.dataclass(frozen=True)
-class GenerationOutput:
-    results: list[GenerationResult]
-    stats: GenerationStats
-
-
 def _next_power_of_two(n: int, minimum: int) -> int:
     return max(minimum, 1 << max(0, (n - 1).bit_length()))
-
-
-@dataclasses.dataclass(frozen=True)
-class CompiledLoop:
-    """A decode loop compiled for one config and shape bucket.
-
-    init(prompts int32 [queue_capacity, prompt_width], lengths int32 [queue_capacity],
-    params SlotParams [queue_capacity], count) -> DecodeState; run(params, state,
-    stop_iteration, host_has_more) -> DecodeState (state donated). See DecodeLoop.
-    memory: the bytes per device it was estimated to need (checked before compiling; None for a
-    loop built outside Engine.compile).
-    """
-
-    loop: DecodeLoop
-    queue_capacity: int
-    prompt_width: int
-    init: Any
-    run: Any
-    compile_seconds: float
-    memory: MemoryEstimate | None = None
-
-    def initial_state(self, prompts: Sequence[Sequence[int]], decode: DecodeConfig) -> DecodeState:
-        """The state with these prompts (at most queue_capacity) in the ring, with the
-        default SamplingParams under `decode` (benchmarks drive `run` themselves)."""
-        ring = _HostRing(self.queue_capacity, self.prompt_width)
-        limit = self.loop.model.max_sequence_length
-        for g, ids in enumerate(prompts):
-            params = SamplingParams(temperature=decode.temperature)
-            values = resolve_params(params, len(ids), decode, limit, self.loop.cfg, f"prompt {g}")
-            values["stream"] = g
-            ring.put(_Request(g, g, list(ids), params, values, index=g))
-        tokens, lengths, params = ring.arrays()
-        return self.init(tokens, lengths, params, jnp.int32(len(prompts)))
 
 
 class Engine:
@@ -157,7 +62,7 @@ class Engine:
 
     Args:
       config: the model architecture.
-      params: its parameter tree (on the device).
+      weights: the model's weights (on the device; `params` is its deprecated name).
       tokenizer: a dllm_jax tokenizer (encode/decode), needed for text prompts.
       backend: "auto" (per op, what measured fastest on this device), "xla", "pallas", or a
         dllm_jax.runtime.kernel_routing.Kernels choosing op by op.
@@ -165,8 +70,8 @@ class Engine:
       unroll_layers: run the layer loop unrolled over per-layer weight arrays instead of a
         scan over the layer-stacked ones. On the H200 the scan copied every layer's weights
         out of the stack at every step (8.6 ms of a 16 ms step at one slot); unrolled, the
-        program is larger (compile time grows) but reads the weights in place. Stacked params
-        are split once here (the caller should drop its stacked copy); params whose "layers"
+        program is larger (compile time grows) but reads the weights in place. Stacked weights
+        are split once here (the caller should drop its stacked copy); weights whose "layers"
         is already a tuple (model.init_params_per_layer) always run unrolled.
       chunk_iterations: loop iterations per device call (progress/timing granularity).
       queue_capacity: entries of the on-device request and result rings (None: max(16, 4 B)).
@@ -175,7 +80,7 @@ class Engine:
         Fewer variants compile faster; (B,) suits batches whose slots refill together.
         With a mesh, B is the slots of one data shard.
       mesh: decode over several devices (dllm_jax.runtime.sharding.parse_mesh): slots split across
-        its data axis, weights and cache across its tensor axis. The params are laid out
+        its data axis, weights and cache across its tensor axis. The weights are laid out
         for it here (a no-op if they already are).
       batch_invariant: compile every pass so that a slot's rows are computed independently of
         the other slots (dllm_jax.runtime.batch_invariance): a request's answer does not depend on
@@ -186,7 +91,7 @@ class Engine:
     def __init__(
         self,
         config: ModelConfig,
-        params: Params,
+        weights: Weights = None,
         tokenizer: Any = None,
         *,
         backend: str | Kernels = "auto",
@@ -198,7 +103,11 @@ class Engine:
         mesh: Mesh | None = None,
         compiler_options: dict[str, Any] | None = None,
         batch_invariant: bool = False,
+        params: Weights = None,
     ):
+        weights = renamed_argument("weights", weights, "params", params, "Engine")
+        if weights is None:
+            raise GenerationError("Engine: weights are required (the model's parameter tree)")
         check_bool("interpret", interpret, GenerationError)
         check_bool("batch_invariant", batch_invariant, GenerationError)
         if compiler_options is not None and not isinstance(compiler_options, dict):
@@ -212,7 +121,7 @@ class Engine:
                 raise GenerationError(f"full_pass_lanes={full_pass_lanes!r}: expected a tuple of ints (() = only all B slots) or None")
             full_pass_lanes = tuple(check_int("full_pass_lanes entry", n, GenerationError, low=1) for n in full_pass_lanes)
         self.config = config
-        self.params = params
+        self.weights = weights
         self.tokenizer = tokenizer
         try:
             self.kernels = resolve_kernels(backend, interpret, batch_invariant)
@@ -224,11 +133,11 @@ class Engine:
             raise GenerationError("batch_invariant=True with the Pallas matmul does not shard over a tensor axis; use a data-only mesh")
         self._unroll_layers = unroll_layers
         if unroll_layers:
-            self.params = params = unstack_layers(params)
+            self.weights = weights = unstack_layers(weights)
         self.mesh = mesh
         if mesh is not None:
             sharding.check_model(mesh, config)
-            self.params = params = sharding.place_params(params, mesh)
+            self.weights = weights = sharding.place_params(weights, mesh)
         self.chunk_iterations = chunk_iterations
         self.queue_capacity = queue_capacity
         self.full_pass_lanes = full_pass_lanes
@@ -242,27 +151,39 @@ class Engine:
         from dllm_jax.models.loading import load_model
 
         loaded = load_model(path, dtype=dtype, quantization=quantization)
-        return cls(loaded.config, loaded.params, loaded.tokenizer, **kwargs)
+        return cls(loaded.config, loaded.weights, loaded.tokenizer, **kwargs)
 
-    def swap_params(self, params: Params) -> None:
-        """Decodes with `params` from now on, without recompiling: a tree of the same structure,
+    @property
+    def params(self) -> Weights:
+        """Deprecated name of `weights`."""
+        warn_renamed("Engine.params", "Engine.weights")
+        return self.weights
+
+    def swap_weights(self, weights: Weights) -> None:
+        """Decodes with `weights` from now on, without recompiling: a tree of the same structure,
         shapes and dtypes as the current one (e.g. a trainer's weights between evaluations).
+        Sessions made before keep the weights they were made with.
 
         Raises GenerationError naming the first leaf that differs.
         """
         if self._unroll_layers:
-            params = unstack_layers(params)
+            weights = unstack_layers(weights)
 
-        (new, new_def), (old, old_def) = (jax.tree_util.tree_flatten_with_path(t) for t in (params, self.params))
+        (new, new_def), (old, old_def) = (jax.tree_util.tree_flatten_with_path(t) for t in (weights, self.weights))
         if new_def != old_def:
-            raise GenerationError("swap_params: the params tree has another structure than the engine's")
+            raise GenerationError("swap_weights: the weights tree has another structure than the engine's")
         for (path, got), (_, want) in zip(new, old):
             got, want = (tuple(got.shape), jnp.dtype(got.dtype)), (tuple(want.shape), jnp.dtype(want.dtype))
             if got != want:
                 raise GenerationError(
-                    f"swap_params: {jax.tree_util.keystr(path)} is {got}, the engine's is {want} (shape, dtype)"
+                    f"swap_weights: {jax.tree_util.keystr(path)} is {got}, the engine's is {want} (shape, dtype)"
                 )
-        self.params = sharding.place_params(params, self.mesh) if self.mesh is not None else params
+        self.weights = sharding.place_params(weights, self.mesh) if self.mesh is not None else weights
+
+    def swap_params(self, params: Weights) -> None:
+        """Deprecated name of `swap_weights`."""
+        warn_renamed("Engine.swap_params", "Engine.swap_weights")
+        self.swap_weights(params)
 
     @property
     def backend(self) -> str:
@@ -279,7 +200,7 @@ class Engine:
         return len(self._executables)
 
     @property
-    def default_decode(self) -> DecodeConfig:
+    def default_decode_config(self) -> DecodeConfig:
         """The DecodeConfig of calls that pass none: flash_cache, a generation bucket of
         min(256, max_sequence_length // 2)."""
         return DecodeConfig(gen_length=max(1, min(256, self.config.max_sequence_length // 2)))
@@ -350,35 +271,35 @@ class Engine:
 
     # ----- compiled loops --------------------------------------------------------------------
 
-    def decode_loop(self, decode: DecodeConfig, max_prompt_len: int, num_slots: int | None = None) -> DecodeLoop:
+    def decode_loop(self, decode_config: DecodeConfig, max_prompt_len: int, num_slots: int | None = None) -> DecodeLoop:
         """The loop for this config, prompt-length bucket (max_len from it) and slot count."""
-        num_slots = decode.batch_size if num_slots is None else num_slots
+        num_slots = decode_config.batch_size if num_slots is None else num_slots
         if self.mesh is not None:
             sharding.check_batch(self.mesh, num_slots)
         bucket = _next_power_of_two(max_prompt_len, _MIN_PROMPT_BUCKET)
-        if decode.method == "flash_cache":
-            max_len = ((bucket + decode.gen_length + decode.window) // _KEY_TILE + 1) * _KEY_TILE
+        if decode_config.method == "flash_cache":
+            max_len = ((bucket + decode_config.gen_length + decode_config.window) // _KEY_TILE + 1) * _KEY_TILE
         else:
-            max_len = -(-(bucket + decode.gen_length + 1) // _ROW_GRANULE) * _ROW_GRANULE
-        policy = make_policy(decode, self.config, max_len)
+            max_len = -(-(bucket + decode_config.gen_length + 1) // _ROW_GRANULE) * _ROW_GRANULE
+        policy = make_policy(decode_config, self.config, max_len)
         return DecodeLoop(
             model=self.config,
             policy=policy,
             num_slots=num_slots,
             max_len=max_len,
-            gen_length=decode.gen_length,
+            gen_length=decode_config.gen_length,
             kernels=self.kernels,
             full_pass_lanes=self.full_pass_lanes,
             mesh=self.mesh,
-            cfg=decode.cfg,
+            cfg=decode_config.cfg,
         )
 
-    def slots_for(self, decode: DecodeConfig, num_requests: int, longest_prompt: int) -> int:
-        """Slots for a call of `num_requests`: at most decode.batch_size and at most the
+    def slots_for(self, decode_config: DecodeConfig, num_requests: int, longest_prompt: int) -> int:
+        """Slots for a call of `num_requests`: at most decode_config.batch_size and at most the
         requests rounded up to a power of two (a multiple of the mesh's data axis), so calls
         of similar sizes share a loop; a loop already compiled for this bucket with more
         slots (up to batch_size) is reused rather than compiling a smaller one."""
-        B = decode.batch_size
+        B = decode_config.batch_size
         wanted = min(B, _next_power_of_two(num_requests, 1))
         if self.mesh is not None:
             sharding.check_batch(self.mesh, B)  # the configured size must fit the mesh, whatever a call uses
@@ -389,45 +310,51 @@ class Engine:
         width = _next_power_of_two(longest_prompt, _MIN_PROMPT_BUCKET)
         larger = sorted({key[0].num_slots for key in self._executables if key[2] == width and wanted < key[0].num_slots <= B})
         for n in [wanted, *larger]:
-            loop = self.decode_loop(decode, longest_prompt, n)
+            loop = self.decode_loop(decode_config, longest_prompt, n)
             if any(key[0] == loop and key[2] == width for key in self._executables):
                 return n
         return wanted
 
-    def compile(self, decode: DecodeConfig, longest_prompt: int, num_slots: int | None = None) -> CompiledLoop:
+    def compile(self, decode_config: DecodeConfig, longest_prompt: int, num_slots: int | None = None) -> CompiledLoop:
         """The compiled loop for this config, prompt-length bucket and slot count (None:
-        decode.batch_size); compiled once, then cached.
+        decode_config.batch_size); compiled once, then cached.
 
         Before compiling, the memory the loop needs (cache, state, the largest pass's
         temporaries; the weights are already loaded) is checked against what the device has
-        free (dllm_jax.runtime.memory_estimate; $DLLM_MEMORY_AVAILABLE overrides the reading): raises
-        InsufficientMemoryError, a GenerationError saying what to lower, before anything of the
-        loop is allocated. An engine over abstract params (jax.ShapeDtypeStruct leaves, e.g.
+        free (dllm_jax.runtime.memory_estimate; $DLLM_MEMORY_AVAILABLE overrides the reading):
+        raises InsufficientMemoryError, a GenerationError saying what to lower, before anything of
+        the loop is allocated. An engine over abstract weights (jax.ShapeDtypeStruct leaves, e.g.
         scripts/memory_profile.py) only compiles, so its loops are estimated, not checked.
         """
-        loop = self.decode_loop(decode, longest_prompt, num_slots)
+        decode_config = _decode_config(decode_config)
+        loop = self.decode_loop(decode_config, longest_prompt, num_slots)
         capacity = self.queue_capacity or max(16, 4 * loop.num_slots)
         width = _next_power_of_two(longest_prompt, _MIN_PROMPT_BUCKET)
         key = (loop, capacity, width)
         if key not in self._executables:
-            if any(isinstance(w, jax.ShapeDtypeStruct) for w in jax.tree.leaves(self.params)):
+            if any(isinstance(w, jax.ShapeDtypeStruct) for w in jax.tree.leaves(self.weights)):
                 memory = estimate_decode_loop(loop, queue_capacity=capacity, prompt_width=width)
             else:
                 memory = check_decode_loop(loop, queue_capacity=capacity, prompt_width=width)
             start = time.perf_counter()
             prompts = jax.ShapeDtypeStruct((capacity, width), jnp.int32)
             lengths = jax.ShapeDtypeStruct((capacity,), jnp.int32)
-            params = jax.eval_shape(lambda: zero_params((capacity,)))
+            sampling = jax.eval_shape(lambda: zero_sampling((capacity,)))
             count = jax.ShapeDtypeStruct((), jnp.int32)
-            state = jax.eval_shape(loop.init_state, prompts, lengths, params, count)
+            state = jax.eval_shape(loop.init_state, prompts, lengths, sampling, count)
             scalar = jax.ShapeDtypeStruct((), jnp.int32)
             flag = jax.ShapeDtypeStruct((), jnp.bool_)
             init_layout, run_layout = self._layouts(state)
             options = self.compiler_options or None
-            init = jax.jit(loop.init_state, **init_layout).lower(prompts, lengths, params, count).compile(options)
-            run = jax.jit(loop.run, donate_argnums=1, **run_layout).lower(self.params, state, scalar, flag).compile(options)
-            self._executables[key] = CompiledLoop(loop, capacity, width, init, run, time.perf_counter() - start, memory)
-        return self._executables[key]
+            init = jax.jit(loop.init_state, **init_layout).lower(prompts, lengths, sampling, count).compile(options)
+            run = jax.jit(loop.run, donate_argnums=1, **run_layout).lower(self.weights, state, scalar, flag).compile(options)
+            self._executables[key] = CompiledLoop(
+                loop, decode_config, capacity, width, init, run, time.perf_counter() - start, memory
+            )
+        compiled = self._executables[key]
+        # the configuration this call asked for (equal to the compiled one; its deprecated
+        # request defaults may differ)
+        return dataclasses.replace(compiled, decode_config=decode_config)
 
     def _layouts(self, state: DecodeState) -> tuple[dict[str, Any], dict[str, Any]]:
         """jit's in/out shardings of init_state and run under the mesh (none without one)."""
@@ -435,77 +362,99 @@ class Engine:
             return {}, {}
         state_sharding = sharding.state_shardings(state, self.mesh)
         fixed = sharding.replicated(self.mesh)
-        params = sharding.param_shardings(self.params, self.mesh)
+        weights = sharding.param_shardings(self.weights, self.mesh)
         init = dict(in_shardings=fixed, out_shardings=state_sharding)
-        run = dict(in_shardings=(params, state_sharding) + (fixed,) * 2, out_shardings=state_sharding)
+        run = dict(in_shardings=(weights, state_sharding) + (fixed,) * 2, out_shardings=state_sharding)
         return init, run
 
     # ----- generation ------------------------------------------------------------------------
 
     def session(
-        self, decode: DecodeConfig | None = None, *, max_prompt_len: int, num_slots: int | None = None,
-        stream: bool = False,
+        self, decode_config: DecodeConfig | None = None, *, max_prompt_len: int, num_slots: int | None = None,
+        stream: bool = False, decode: DecodeConfig | None = None,
     ) -> GenerationSession:
-        """A GenerationSession over this engine (requests added online, see dllm_jax.engine.session)."""
-        decode = self.default_decode if decode is None else _decode_config(decode)
+        """A GenerationSession over a loop compiled for `decode_config` (None: the default), this
+        prompt-length bucket and slot count (None: decode_config.batch_size); see
+        dllm_jax.engine.session. `decode` is the deprecated name of decode_config."""
+        decode_config = renamed_argument("decode_config", decode_config, "decode", decode, "Engine.session")
+        decode_config = self.default_decode_config if decode_config is None else _decode_config(decode_config)
         check_int("max_prompt_len", max_prompt_len, GenerationError, low=1)
         check_int("num_slots", num_slots, GenerationError, low=1, optional=True)
         check_bool("stream", stream, GenerationError)
-        return GenerationSession(self, decode, max_prompt_len=max_prompt_len, num_slots=num_slots, stream=stream)
+        compiled = self.compile(decode_config, max_prompt_len, num_slots=num_slots)
+        return GenerationSession(compiled, self.weights, tokenizer=self.tokenizer, max_prompt_len=max_prompt_len,
+                                 stream=stream, chunk_iterations=self.chunk_iterations)
 
     def generate(
         self,
         prompts: Sequence[str | Sequence[int]],
-        params: SamplingParams | Sequence[SamplingParams] | DecodeConfig | None = None,
+        sampling: SamplingParams | Sequence[SamplingParams] | DecodeConfig | None = None,
         *,
-        decode: DecodeConfig | None = None,
+        decode_config: DecodeConfig | None = None,
         chat: bool = False,
         progress: bool = False,
+        seed: int | None = None,
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        decode: DecodeConfig | None = None,
     ) -> GenerationOutput:
         """Generates an answer for every prompt (text or token ids), results in request order.
 
-        params: one SamplingParams for every prompt, or a list of one per prompt (None: the
-          defaults, with the DecodeConfig's temperature, seed, threshold and gamma). A
-          DecodeConfig here is taken as `decode` (the old signature).
-        decode: the compiled configuration (None: `default_decode`).
+        sampling: one SamplingParams for every prompt, or a list of one per prompt (None: the
+          defaults). A DecodeConfig here is taken as `decode_config` (the oldest signature).
+        decode_config: the compiled configuration (None: `default_decode_config`).
         chat: apply the tokenizer's chat template to text prompts (never applied otherwise).
+        seed: the seed of requests whose SamplingParams set none: request i draws stream i of it
+          (None: the deprecated DecodeConfig.seed, else 0).
+        params, decode: the deprecated names of sampling and decode_config.
         """
-        if isinstance(params, DecodeConfig):
-            if decode is not None:
-                raise GenerationError("a DecodeConfig given twice (as params and as decode=)")
-            params, decode = None, params
+        sampling = renamed_argument("sampling", sampling, "params", params, "Engine.generate")
+        decode_config = renamed_argument("decode_config", decode_config, "decode", decode, "Engine.generate")
+        if isinstance(sampling, DecodeConfig):
+            if decode_config is not None:
+                raise GenerationError("a DecodeConfig given twice (as sampling and as decode_config=)")
+            sampling, decode_config = None, sampling
         encoded = self.encode(prompts, chat)
-        return self._generate(encoded, params, decode, progress)
+        return self._generate(encoded, sampling, decode_config, progress, seed)
 
     def chat(
         self,
         conversations: Sequence[Sequence[dict]],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
-        decode: DecodeConfig | None = None,
+        decode_config: DecodeConfig | None = None,
         progress: bool = False,
+        seed: int | None = None,
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        decode: DecodeConfig | None = None,
     ) -> GenerationOutput:
         """Answers each conversation (a list of {"role": "system"|"user"|"assistant",
-        "content": str} messages, multi-turn) through the tokenizer's chat template."""
-        return self._generate(self.encode_chat(conversations), params, decode, progress)
+        "content": str} messages, multi-turn) through the tokenizer's chat template (seed: as in
+        generate; params, decode: the deprecated names of sampling and decode_config)."""
+        sampling = renamed_argument("sampling", sampling, "params", params, "Engine.chat")
+        decode_config = renamed_argument("decode_config", decode_config, "decode", decode, "Engine.chat")
+        return self._generate(self.encode_chat(conversations), sampling, decode_config, progress, seed)
 
-    def _generate(self, encoded: list[list[int]], params, decode: DecodeConfig | None, progress: bool) -> GenerationOutput:
-        decode = self.default_decode if decode is None else _decode_config(decode)
-        per_request = _params_list(params, len(encoded), decode)
-        if decode.method == "llada" and not decode.cfg and any(p.cfg_scale > 0 for p in per_request):
-            decode = dataclasses.replace(decode, cfg=True)  # the guided variant, compiled on demand
+    def _generate(
+        self, encoded: list[list[int]], sampling, decode_config: DecodeConfig | None, progress: bool, seed: int | None
+    ) -> GenerationOutput:
+        check_int("seed", seed, GenerationError, low=0, high=MAX_SEED - 1, optional=True)
+        decode_config = self.default_decode_config if decode_config is None else _decode_config(decode_config)
+        per_request = _sampling_list(sampling, len(encoded), decode_config)
+        if decode_config.method == "llada" and not decode_config.cfg and any(p.cfg_scale > 0 for p in per_request):
+            decode_config = dataclasses.replace(decode_config, cfg=True)  # the guided variant, compiled on demand
         for i, (ids, p) in enumerate(zip(encoded, per_request)):  # every request checked before compiling
-            resolve_params(p, len(ids), decode, self.config.max_sequence_length, decode.cfg, f"request {i}")
+            slot_values(p, len(ids), decode_config, cfg=decode_config.cfg,
+                        max_sequence_length=self.config.max_sequence_length, order=i, where=f"request {i}", base_seed=seed)
         longest = max(len(p) for p in encoded)
         compiled_before = self.num_compilations
-        session = GenerationSession(
-            self, decode, max_prompt_len=longest, num_slots=self.slots_for(decode, len(encoded), longest)
-        )
-        compile_seconds = session.compiled.compile_seconds if self.num_compilations > compiled_before else 0.0
+        compiled = self.compile(decode_config, longest, num_slots=self.slots_for(decode_config, len(encoded), longest))
+        compile_seconds = compiled.compile_seconds if self.num_compilations > compiled_before else 0.0
+        session = GenerationSession(compiled, self.weights, tokenizer=self.tokenizer, max_prompt_len=longest,
+                                    chunk_iterations=self.chunk_iterations, seed=seed)
         for i, (ids, p) in enumerate(zip(encoded, per_request)):
             session.add(i, ids, p)
         results: dict[int, GenerationResult] = {}
-        bar = tqdm(total=len(encoded), desc=decode.method, unit="req", disable=not progress)
+        bar = tqdm(total=len(encoded), desc=decode_config.method, unit="req", disable=not progress)
         while len(results) < len(encoded):
             for update in session.step():
                 if update.result is not None:
@@ -513,7 +462,7 @@ class Engine:
             bar.update(len(results) - bar.n)
         bar.close()
         ordered = [results[i] for i in range(len(encoded))]
-        loop = session.compiled.loop
+        loop = compiled.loop
         stats = GenerationStats(
             num_requests=len(encoded),
             reference_num_tokens=sum(r.reference_num_tokens for r in ordered),
@@ -527,65 +476,31 @@ class Engine:
         )
         return GenerationOutput(results=ordered, stats=stats)
 
-    def _result(self, request, row: dict[str, Any], timeline: list[tuple[int, float]]) -> GenerationResult:
-        """A finished request's GenerationResult from its results-ring row."""
-        iters = np.array([t[0] for t in timeline], np.float64)
-        times = np.array([t[1] for t in timeline], np.float64)
-        params: SamplingParams = request.params
-        answer = [int(t) for t in row["tokens"][: request.values["max_new_tokens"]]]
-        ends = {self.config.eos_token_id, *params.stop_token_ids}
-        cut = next((k for k, t in enumerate(answer) if t in ends), None)
-        ids = answer if cut is None else answer[:cut]
-        stopped = cut is not None
-        text = None
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(ids)
-            hits = [text.find(s) for s in params.stop if s in text]
-            if hits:
-                stopped, text = True, text[: min(hits)]
-                ids = ids[: tokens_within(self.tokenizer.decode, ids, len(text))]
-        code = int(row["error"])
-        error = ERROR_MESSAGES.get(code, f"error code {code}") if code else None
-        seconds = float(np.interp(row["end_iter"], iters, times) - np.interp(row["start_iter"], iters, times))
-        return GenerationResult(
-            index=request.order,
-            prompt_ids=list(request.prompt_ids),
-            token_ids=ids,
-            text=text,
-            finish_reason="error" if code else "stop" if stopped else "length",
-            prompt_tokens=len(request.prompt_ids),
-            completion_tokens=len(ids),
-            reference_num_tokens=int(row["num_tokens"]),
-            steps=int(row["steps"]),
-            forward_passes=int(row["passes"] + row["verify_passes"]),
-            verify_passes=int(row["verify_passes"]),
-            accepted_drafts=int(row["accepted"]),
-            seconds=seconds,
-            error=error,
+
+def _decode_config(decode_config: Any) -> DecodeConfig:
+    if not isinstance(decode_config, DecodeConfig):
+        raise GenerationError(
+            f"decode_config={decode_config!r} ({type(decode_config).__name__}): expected a DecodeConfig or None"
         )
+    return decode_config
 
 
-def _decode_config(decode: Any) -> DecodeConfig:
-    if not isinstance(decode, DecodeConfig):
-        raise GenerationError(f"decode={decode!r} ({type(decode).__name__}): expected a DecodeConfig or None")
-    return decode
-
-
-def _params_list(params: Any, count: int, decode: DecodeConfig) -> list[SamplingParams]:
-    """One SamplingParams per request: None (the DecodeConfig's defaults), one for all, or one each."""
-    if params is None:
-        return [SamplingParams(temperature=decode.temperature)] * count
-    if isinstance(params, SamplingParams):
-        return [params] * count
-    if isinstance(params, (list, tuple)):
-        if len(params) != count:
-            raise GenerationError(f"params: {len(params)} SamplingParams for {count} prompts; expected one per prompt")
-        for i, p in enumerate(params):
+def _sampling_list(sampling: Any, count: int, decode_config: DecodeConfig) -> list[SamplingParams]:
+    """One SamplingParams per request: None (the defaults), one for all, or one each."""
+    if sampling is None:
+        temperature = decode_config.temperature  # deprecated request default
+        return [SamplingParams() if temperature is None else SamplingParams(temperature=temperature)] * count
+    if isinstance(sampling, SamplingParams):
+        return [sampling] * count
+    if isinstance(sampling, (list, tuple)):
+        if len(sampling) != count:
+            raise GenerationError(f"sampling: {len(sampling)} SamplingParams for {count} prompts; expected one per prompt")
+        for i, p in enumerate(sampling):
             if not isinstance(p, SamplingParams):
-                raise GenerationError(f"params[{i}]={p!r} ({type(p).__name__}): expected a SamplingParams")
-        return list(params)
+                raise GenerationError(f"sampling[{i}]={p!r} ({type(p).__name__}): expected a SamplingParams")
+        return list(sampling)
     raise GenerationError(
-        f"params={params!r} ({type(params).__name__}): expected a SamplingParams, a list of them (one per prompt) or None"
+        f"sampling={sampling!r} ({type(sampling).__name__}): expected a SamplingParams, a list of them (one per prompt) or None"
     )
 
 

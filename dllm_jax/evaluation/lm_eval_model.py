@@ -9,8 +9,9 @@
 module imported; lm-eval versions that load ``lm_eval.models`` entry points find it from
 the package metadata.)
 
-model_args: every DecodeConfig field (method, gen_length, block_length, steps, threshold,
-cache, mask_num, track_num, batch_size, seed, verify, gamma, accept, pin) and the adapter's
+model_args: every DecodeConfig field (method, gen_length, block_length, steps, schedule,
+cache, mask_num, track_num, batch_size, verify, accept, pin), the requests' threshold, gamma and
+seed, and the adapter's
 own options (dllm_jax.evaluation.model_args.AdapterArgs).
 
 generate_until: every request of a call goes through one Engine.generate call (continuous
@@ -83,9 +84,9 @@ class EngineCall:
     compile_seconds: float
 
 
-def run_engine(engine: Engine, prompts: list[list[int]], params: list[SamplingParams], decode: DecodeConfig) -> EngineCall:
+def run_engine(engine: Engine, prompts: list[list[int]], sampling: list[SamplingParams], decode_config: DecodeConfig) -> EngineCall:
     """All requests through one Engine.generate call; the only place this module calls the engine."""
-    out = engine.generate(prompts, params, decode=decode)
+    out = engine.generate(prompts, sampling, decode_config=decode_config)
     failed = [r for r in out.results if r.finish_reason == "error"]
     if failed:
         raise RuntimeError(f"dllm_jax engine: request {failed[0].index} failed: {failed[0].error}")
@@ -122,7 +123,7 @@ class DLLMJaxLM(LM):
         parsed = parsed if parsed is not None else parse_model_args(model_args)
         a = parsed.adapter
         self.args = a
-        self.decode = parsed.decode
+        self.decode_config = parsed.decode_config
         dtype = a.dtype or ("float32" if jax.devices()[0].platform == "cpu" else "bfloat16")
         try:
             loaded = load_model(a.pretrained, dtype=dtype)
@@ -130,11 +131,11 @@ class DLLMJaxLM(LM):
             raise ModelArgsError(f"model_args: pretrained={a.pretrained}: {e}") from None
         self.config = loaded.config
         self.tokenizer = _load_hf_tokenizer(str(loaded.path))  # the folder found (an embedded name, a Hub id)
-        self.engine = Engine(loaded.config, loaded.params, loaded.tokenizer, backend=a.backend)
+        self.engine = Engine(loaded.config, loaded.weights, loaded.tokenizer, backend=a.backend)
         self.scorer = MonteCarloLoglikelihood(
-            loaded.config, loaded.params, mc_num=a.mc_num,
-            mc_batch_size=a.mc_batch_size if a.mc_batch_size is not None else self.decode.batch_size,
-            cfg_scale=a.cfg_scale, seed=self.decode.seed,
+            loaded.config, loaded.weights, mc_num=a.mc_num,
+            mc_batch_size=a.mc_batch_size if a.mc_batch_size is not None else self.decode_config.batch_size,
+            cfg_scale=a.cfg_scale, seed=a.seed,
         )
         self.dtype = dtype
         self.generation_calls: list[dict[str, Any]] = []
@@ -179,7 +180,7 @@ class DLLMJaxLM(LM):
         prompts, params = zip(*(self._generation_request(i, req) for i, req in enumerate(requests)))
         # longest prompt first: the slots that refill last hold the shortest requests
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
-        call = run_engine(self.engine, [prompts[i] for i in order], [params[i] for i in order], self.decode)
+        call = run_engine(self.engine, [prompts[i] for i in order], [params[i] for i in order], self.decode_config)
         texts: list[str] = [""] * len(prompts)
         for ids, i in zip(call.token_ids, order):
             texts[i] = self.cut_at_stop_strings(ids, params[i].stop)
@@ -202,7 +203,7 @@ class DLLMJaxLM(LM):
                 )
         until = kwargs.get("until") or ()
         until = (until,) if isinstance(until, str) else tuple(s for s in until if s != "")
-        G = self.decode.gen_length
+        G = self.decode_config.gen_length
         max_new = kwargs.get("max_gen_toks")
         if max_new is not None and (not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1):
             raise GenerationKwargsError(f"{where}: generation kwarg max_gen_toks={max_new!r}: expected a positive integer")
@@ -217,7 +218,9 @@ class DLLMJaxLM(LM):
             params = SamplingParams(
                 max_new_tokens=None if max_new is None or max_new >= G else max_new,
                 temperature=float(temperature) if do_sample else 0.0,
-                seed=(self.decode.seed + i) % MAX_SEED if do_sample else None,
+                seed=(self.args.seed + i) % MAX_SEED if do_sample else None,
+                threshold=self.args.threshold,
+                gamma=self.args.gamma,
                 stop=until,
                 **sampling,
             )
@@ -251,7 +254,7 @@ class DLLMJaxLM(LM):
             "nfe": nfe,
             "avg_steps": nfe / requests,
             "tokens_per_step": call.reference_num_tokens / nfe if nfe else float("nan"),
-            "max_tokens_per_step": requests * self.decode.gen_length / nfe if nfe else float("nan"),
+            "max_tokens_per_step": requests * self.decode_config.gen_length / nfe if nfe else float("nan"),
             "forward_passes": call.forward_passes,
             "iterations": call.iterations,
             "wall_seconds": wall,
@@ -342,7 +345,7 @@ class DLLMJaxLM(LM):
             "dtype": self.dtype,
             "backend": self.engine.backend,
             "device": str(jax.devices()[0].device_kind),
-            "decode": dataclasses.asdict(self.decode),
+            "decode": dataclasses.asdict(self.decode_config),
             "adapter": dataclasses.asdict(self.args),
             "throughput": self.throughput(),
         }

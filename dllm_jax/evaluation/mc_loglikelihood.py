@@ -29,7 +29,7 @@ import numpy as np
 
 from dllm_jax.models.config import ModelConfig
 from dllm_jax.models.families import model_class
-from dllm_jax.models.transformer import Params, Transformer
+from dllm_jax.models.transformer import Weights, Transformer
 
 _MIN_BUCKET = 16
 
@@ -82,7 +82,7 @@ class MonteCarloLoglikelihood:
       seed: base of the per-request mask generators.
     """
 
-    def __init__(self, config: ModelConfig, params: Params, *, mc_num: int, mc_batch_size: int,
+    def __init__(self, config: ModelConfig, params: Weights, *, mc_num: int, mc_batch_size: int,
                  cfg_scale: float = 0.0, seed: int = 0):
         if mc_num % mc_batch_size:
             raise ValueError(f"mc_num={mc_num} is not a multiple of mc_batch_size={mc_batch_size}")
@@ -166,7 +166,7 @@ def _hidden_rows(module: Transformer, tokens, length, start, rows: int):
     return h[:, index]
 
 
-def _target_logprobs(config: ModelConfig, params: Params, tokens, labels, start, length, cfg_scale, *, guided: bool):
+def _target_logprobs(config: ModelConfig, params: Weights, tokens, labels, start, length, cfg_scale, *, guided: bool):
     """log p(labels) at rows start.. : float32 [B, len(labels)] (LLaDA's guidance when guided)."""
     model = model_class(config)(config)
     rows = labels.shape[0]
@@ -185,7 +185,7 @@ def _target_logprobs(config: ModelConfig, params: Params, tokens, labels, start,
     return jnp.take_along_axis(logp, jnp.broadcast_to(labels, logp.shape[:2])[..., None], axis=-1)[..., 0]
 
 
-def _target_argmax(config: ModelConfig, params: Params, tokens, start, length, rows: int):
+def _target_argmax(config: ModelConfig, params: Weights, tokens, start, length, rows: int):
     """Argmax token and its softmax probability at rows start.. : int32 [rows], float32 [rows]."""
     model = model_class(config)(config)
     h = model.apply({"params": params}, tokens, length, start, rows, method=_hidden_rows)

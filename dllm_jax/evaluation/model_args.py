@@ -2,7 +2,8 @@
 
 lm-eval hands the constructor a dict (from ``key=value,...`` or ``simple_evaluate``'s
 ``model_args``) plus its own ``batch_size``/``device``/``max_batch_size``. Every key is either a
-decoding option (a ``DecodeConfig`` field) or an option of the adapter (``AdapterArgs``);
+decoding option (a ``DecodeConfig`` field) or an option of the adapter (``AdapterArgs``, which
+also holds the defaults of every request: threshold, gamma, seed);
 anything else, or a value of the wrong type, is a ``ModelArgsError`` naming the key.
 """
 
@@ -13,7 +14,8 @@ import types
 import typing
 from typing import Any
 
-from dllm_jax.runtime.decode_config import DecodeConfig, DecodeConfigError
+from dllm_jax.runtime.decode_config import DEPRECATED_REQUEST_DEFAULTS, DecodeConfig, DecodeConfigError
+from dllm_jax.sampling.params import SamplingParams, SamplingParamsError
 
 # Per-request generation parameters come from lm-eval's gen_kwargs, not from model_args.
 _REQUEST_LEVEL = {
@@ -44,6 +46,9 @@ class AdapterArgs:
       is_check_greedy: also report whether greedy one-token-per-step decoding of the
         continuation reproduces it (LLaDA's suffix_greedy_prediction; one forward per token).
       stats_path: write the throughput counters (tokens/s, tokens per step, NFE) to this JSON.
+      threshold, gamma: the requests' SamplingParams.threshold and gamma (None: their defaults);
+      seed: request i of a generate_until call that samples takes seed + i; also the
+        Monte-Carlo masks' seed.
     """
 
     pretrained: str | None = None
@@ -54,12 +59,15 @@ class AdapterArgs:
     cfg_scale: float = 0.0
     is_check_greedy: bool = False
     stats_path: str | None = None
+    threshold: float | None = None
+    gamma: float | None = None
+    seed: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
 class ParsedArgs:
     adapter: AdapterArgs
-    decode: DecodeConfig
+    decode_config: DecodeConfig
 
 
 def _field_types(cls) -> dict[str, Any]:
@@ -121,7 +129,7 @@ def parse_model_args(args: dict[str, Any], *, harness_batch_size: Any = None) ->
       ModelArgsError naming the first bad key.
     """
     adapter_types = _field_types(AdapterArgs)
-    decode_types = _field_types(DecodeConfig)
+    decode_types = {k: v for k, v in _field_types(DecodeConfig).items() if k not in DEPRECATED_REQUEST_DEFAULTS}
     adapter, decode = {}, {}
     for key, value in args.items():
         if key in _HARNESS_KEYS:
@@ -153,7 +161,7 @@ def parse_model_args(args: dict[str, Any], *, harness_batch_size: Any = None) ->
         raise ModelArgsError(f"model_args: {e}") from None
     parsed = AdapterArgs(**adapter)
     _check_adapter(parsed, decode_config)
-    return ParsedArgs(adapter=parsed, decode=decode_config)
+    return ParsedArgs(adapter=parsed, decode_config=decode_config)
 
 
 def _check_adapter(a: AdapterArgs, decode: DecodeConfig) -> None:
@@ -171,3 +179,10 @@ def _check_adapter(a: AdapterArgs, decode: DecodeConfig) -> None:
         )
     if a.cfg_scale < 0:
         raise ModelArgsError(f"model_args: cfg_scale={a.cfg_scale}: expected >= 0")
+    try:
+        defaults = SamplingParams(threshold=a.threshold, gamma=a.gamma, seed=a.seed)
+    except SamplingParamsError as e:
+        raise ModelArgsError(f"model_args: {e}") from None
+    problem = defaults.not_applying(decode, cfg=False)
+    if problem is not None:
+        raise ModelArgsError(f"model_args: {problem}")

@@ -16,7 +16,8 @@ from dllm_jax.models.checkpoint.converted import METADATA_FILE, is_converted, lo
 from dllm_jax.models.checkpoint.errors import ConversionError
 from dllm_jax.models.checkpoint.hf_reader import CONFIG_FILE, read_checkpoint, read_config
 from dllm_jax.models.config import ConfigError, ModelConfig
-from dllm_jax.models.transformer import Params
+from dllm_jax.models.transformer import Weights
+from dllm_jax.common.deprecation import warn_renamed
 from dllm_jax.models.quantization import QUANTIZATIONS, quantize_params
 from dllm_jax.text.tokenizer import Tokenizer, has_tokenizer_files
 
@@ -29,20 +30,27 @@ class ModelNotFoundError(ConversionError):
 class LoadedModel:
     """A model ready to run.
 
-    config: the architecture; ``config.dtype`` is the dtype of ``params``.
-    params: the params tree of jax arrays (layout: dllm_jax.models).
+    config: the architecture; ``config.dtype`` is the dtype of ``weights``.
+    weights: the weights tree of jax arrays (layout: dllm_jax.models.transformer; `params` is
+      its deprecated name).
     tokenizer: the folder's tokenizer, or None when it holds no tokenizer files.
     path: the local folder it came from (for a Hub id, its snapshot in the cache).
     """
 
     config: ModelConfig
-    params: Params
+    weights: Weights
     tokenizer: Tokenizer | None
     path: Path
 
+    @property
+    def params(self) -> Weights:
+        """Deprecated name of `weights`."""
+        warn_renamed("LoadedModel.params", "LoadedModel.weights")
+        return self.weights
+
 
 def default_dtype() -> str:
-    """The params dtype used when none is given: float32 on the CPU, bfloat16 on accelerators.
+    """The weights' dtype used when none is given: float32 on the CPU, bfloat16 on accelerators.
 
     The CPU has no fast bfloat16 matmuls (bfloat16 is slower there, and less exact); GPUs and
     TPUs are built for it and the weights take half the memory.
@@ -134,7 +142,7 @@ def load_model(name: str | Path, *, dtype: str | None = None, quantization: str 
     Hub id from the Hugging Face cache (``resolve_model_path``; a local folder wins).
 
     A Hugging Face folder is converted in memory by the same streaming reader as
-    ``python -m convert.hf_to_jax``; nothing is written. Params are cast to ``dtype``
+    ``python -m convert.hf_to_jax``; nothing is written. Weights are cast to ``dtype``
     (None: ``default_dtype()``). quantization: "none", "fp8" or "int8-weights"
     (dllm_jax.models.quantization); None = as the folder stores it (a Hugging Face folder: "none").
 
@@ -156,4 +164,4 @@ def load_model(name: str | Path, *, dtype: str | None = None, quantization: str 
         params = move_to_jax(quantize_params(host_params, quantization))
     else:
         raise _not_a_model(path)
-    return LoadedModel(config=config, params=params, tokenizer=load_tokenizer(path), path=path)
+    return LoadedModel(config=config, weights=params, tokenizer=load_tokenizer(path), path=path)

@@ -46,7 +46,7 @@ from dllm_jax.models.quantization import quantize_params, quantizes_embedding
 from pallas_kernels.attention.reference import dense_attention
 from pallas_kernels.projection.rope import apply_rope, rope_cos_sin
 
-Params = Any  # a nested dict of arrays, the "params" collection
+Weights = Any  # the model's weights: a nested dict of arrays (Flax's "params" collection)
 
 
 class Block(nn.Module):
@@ -161,7 +161,7 @@ class Transformer(nn.Module):
         return self.logits(h)
 
 
-def init_params(config: ModelConfig, rng: jax.Array) -> Params:
+def init_params(config: ModelConfig, rng: jax.Array) -> Weights:
     """Random parameters (normal(0.02) matrices, unit norms, zero biases) in config.dtype,
     then quantized as config.quantization says."""
     tokens = jnp.zeros((1, 2), dtype=jnp.int32)
@@ -169,7 +169,7 @@ def init_params(config: ModelConfig, rng: jax.Array) -> Params:
     return quantize_params(Transformer(plain).init(rng, tokens)["params"], config.quantization)
 
 
-def init_params_per_layer(config: ModelConfig, rng: jax.Array) -> Params:
+def init_params_per_layer(config: ModelConfig, rng: jax.Array) -> Weights:
     """Random parameters with params["layers"] a tuple of per-layer trees, built layer by layer
     (no layer-stacked copy ever exists: device memory stays at the model's size)."""
     top_rng, *layer_rngs = jax.random.split(rng, config.n_layers + 1)
@@ -186,7 +186,7 @@ def init_params_per_layer(config: ModelConfig, rng: jax.Array) -> Params:
     return {**{k: v for k, v in top.items() if k != "layers"}, "layers": tuple(init_block(r) for r in layer_rngs)}
 
 
-def unstack_layers(params: Params) -> Params:
+def unstack_layers(params: Weights) -> Weights:
     """params with "layers" as a tuple of per-layer trees (copies of the stacked slices).
 
     The decode engine unrolls its layer loop over such params, so no layer's weights are
@@ -199,16 +199,16 @@ def unstack_layers(params: Params) -> Params:
     return {**params, "layers": tuple(jax.tree_util.tree_map(lambda w: w[i], layers) for i in range(n_layers))}
 
 
-def abstract_params(config: ModelConfig) -> Params:
+def abstract_params(config: ModelConfig) -> Weights:
     """The parameter tree as jax.ShapeDtypeStruct leaves, without allocating."""
     return jax.eval_shape(lambda rng: init_params(config, rng), jax.random.key(0))
 
 
-def count_params(params: Params) -> int:
+def count_params(params: Weights) -> int:
     return sum(int(leaf.size) for leaf in jax.tree_util.tree_leaves(params))
 
 
-def forward(config: ModelConfig, params: Params, tokens: jax.Array, positions=None, key_valid=None) -> jax.Array:
+def forward(config: ModelConfig, params: Weights, tokens: jax.Array, positions=None, key_valid=None) -> jax.Array:
     """Functional full forward: Transformer(config).apply on the params tree; [B, T, V] output
     logits (not aligned: see predictions)."""
     return Transformer(config).apply({"params": params}, tokens, positions, key_valid)

@@ -60,13 +60,13 @@ class BlockPolicy:
     def commit(self, slot: Slots, logits: jax.Array, scores: jax.Array, rng: jax.Array) -> tuple[Slots, None]:
         positions, valid = self.candidates(slot)
         safe = jnp.minimum(positions, slot.tokens.shape[0] - 1)
-        tokens, confidence = sample_tokens(logits, slot.params.temperature, rng)
+        tokens, confidence = sample_tokens(logits, slot.sampling.temperature, rng)
         confidence = jnp.where(
-            slot.params.random_remasking, random_confidence(jax.random.fold_in(rng, 1), self.block), confidence
+            slot.sampling.random_remasking, random_confidence(jax.random.fold_in(rng, 1), self.block), confidence
         )
         eligible = valid & ~slot.decoded[safe]
         if self.steps_per_block is None:
-            commit = threshold_commit(confidence, eligible, slot.params.threshold)
+            commit = threshold_commit(confidence, eligible, slot.sampling.threshold)
         else:
             base, extra = divmod(self.block, self.steps_per_block)
             count = base + (slot.block_step < extra).astype(jnp.int32)

@@ -2,7 +2,7 @@
 
 Each step unmasks positions of the generation by Dream's rule (dllm_jax.policies.dream_unmasking: alg
 and the timestep schedule with eps from the DecodeConfig; the request's temperature and
-alg_temp from slot.params, its top-p / top-k already applied by the loop), so a request takes
+alg_temp from slot.sampling, its top-p / top-k already applied by the loop), so a request takes
 exactly `steps` steps. Candidates are all G generated positions; the decode loop reads their
 predictions from the rows Dream's logit shift names.
 """
@@ -29,9 +29,9 @@ class DreamSamplerPolicy(BlockPolicy):
         positions, valid = self.candidates(slot)
         safe = jnp.minimum(positions, slot.tokens.shape[0] - 1)
         token_rng, transfer_rng = jax.random.split(rng)
-        tokens, confidence = sample_and_confidence(logits, self.alg, slot.params.temperature, token_rng)
+        tokens, confidence = sample_and_confidence(logits, self.alg, slot.sampling.temperature, token_rng)
         masked = valid & ~slot.decoded[safe]
-        commit = transfer_mask(self.alg, confidence, masked, slot.block_step, self.steps, self.eps, slot.params.alg_temp, transfer_rng)
+        commit = transfer_mask(self.alg, confidence, masked, slot.block_step, self.steps, self.eps, slot.sampling.alg_temp, transfer_rng)
         slot = commit_tokens(slot, safe, tokens, commit, self.eos_id, stop_at_eos=False)
         done = ~jnp.any(valid & ~slot.decoded[safe])
         slot = slot.replace(

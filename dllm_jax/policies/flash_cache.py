@@ -111,12 +111,12 @@ class FlashCachePolicy:
     def commit(self, slot: Slots, logits: jax.Array, scores: jax.Array, rng: jax.Array) -> tuple[Slots, WindowDraft]:
         L = self.max_len
         positions, valid = self.candidates(slot)
-        tokens, confidence = sample_tokens(logits, slot.params.temperature, rng)
+        tokens, confidence = sample_tokens(logits, slot.sampling.temperature, rng)
         confidence = jnp.where(
-            slot.params.random_remasking, random_confidence(jax.random.fold_in(rng, 1), self.window), confidence
+            slot.sampling.random_remasking, random_confidence(jax.random.fold_in(rng, 1), self.window), confidence
         )
         eligible = valid & (positions < slot.bound)
-        commit = threshold_commit(confidence, eligible, slot.params.threshold)
+        commit = threshold_commit(confidence, eligible, slot.sampling.threshold)
         drafts = slot.drafts.at[jnp.where(valid, positions, L)].set(tokens, mode="drop")
         slot = commit_tokens(slot, positions, tokens, commit, self.eos_id, stop_at_eos=True)
         pinned = jnp.zeros((L,), bool).at[jnp.where(commit, positions, L)].set(True, mode="drop")
@@ -137,7 +137,7 @@ class FlashCachePolicy:
         stage1 = jnp.zeros((self.max_len,), bool).at[jnp.where(draft.committed, draft.positions, self.max_len)].set(
             True, mode="drop"
         )
-        return verify_commit(slot, plan, logits, stage1, slot.params.gamma, self.accept, self.pin, self.eos_id)
+        return verify_commit(slot, plan, logits, stage1, slot.sampling.gamma, self.accept, self.pin, self.eos_id)
 
     def finished(self, slot: Slots) -> jax.Array:
         return ~answer_remaining(slot)

@@ -24,7 +24,7 @@ from dllm_jax.runtime.chunked_attention import chunked_cache_attention
 from dllm_jax.models.config import ModelConfig
 from dllm_jax.runtime.flat_cache import FlatCache, flat_rows
 from dllm_jax.runtime.kernel_routing import Kernels
-from dllm_jax.models.transformer import Block, Params, Transformer
+from dllm_jax.models.transformer import Block, Weights, Transformer
 
 # The published code accumulates tracking scores from the third layer up (block_idx > 1).
 SCORE_START_LAYER = 2
@@ -48,7 +48,7 @@ def mlp_chunk_groups(groups: int, rows: int) -> int:
     return max([g for g in range(1, groups + 1) if groups % g == 0 and g * rows <= MLP_CHUNK_ROWS], default=1)
 
 
-def output_and_mlp_in_chunks(block: Block, lp: Params, h: jax.Array, attn: jax.Array) -> jax.Array:
+def output_and_mlp_in_chunks(block: Block, lp: Weights, h: jax.Array, attn: jax.Array) -> jax.Array:
     """Block.output_and_mlp of rows h [S, R, D] and attention outputs attn [S, R, H*Dh],
     in chunks of mlp_chunk_groups(S, R) groups. The chunks are unrolled slices, not a loop:
     with a lax.map around them the xla backend's compiled temporaries at 32 slots measured
@@ -123,7 +123,7 @@ def _xla_layer_attention(config, spec, q, k_cache, v_cache, layer, group_slot, k
 def cached_forward(
     config: ModelConfig,
     spec: PassSpec,
-    params: Params,
+    params: Weights,
     cache: FlatCache,
     tokens: jax.Array,
     positions: jax.Array,

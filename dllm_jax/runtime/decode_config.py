@@ -2,9 +2,8 @@
 
 Its fields choose the compiled program: the method, window/block length, schedule, cache,
 query rows, Flash-Verify's rules, the number of slots and the generation-length bucket.
-What one request may choose (dllm_jax.sampling.params.SamplingParams) is per-slot state of
-the loop; `threshold`, `temperature`, `seed` and `gamma` here are only the defaults of
-requests that do not set them, so changing them never recompiles.
+What one request may choose (dllm_jax.sampling.params.SamplingParams: temperature, threshold,
+gamma, seed, ...) is per-slot state of the loop, never part of this configuration.
 
 Options default to None where "not set" must be told apart from a value, so that an option
 that does not apply to the chosen method is an error rather than silently ignored.
@@ -15,7 +14,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+import warnings
+
 from dllm_jax.common.validate import check_bool, check_choice, check_float, check_int
+from dllm_jax.sampling.params import DEFAULT_GAMMA, DEFAULT_THRESHOLD
 
 Method = Literal["llada", "fast_dllm", "flash_cache", "dream"]
 METHODS: tuple[str, ...] = ("llada", "fast_dllm", "flash_cache", "dream")
@@ -23,6 +25,9 @@ DREAM_ALGORITHMS: tuple[str, ...] = ("origin", "maskgit_plus", "topk_margin", "e
 CACHES: tuple[str, ...] = ("prefix", "dual")
 ACCEPT_RULES: tuple[str, ...] = ("cumprod", "paper")
 PIN_POLICIES: tuple[str, ...] = ("all_commits", "reference")
+SCHEDULES: tuple[str, ...] = ("threshold", "fixed")
+# Fields that were defaults of requests, kept one release as deprecated aliases of SamplingParams'.
+DEPRECATED_REQUEST_DEFAULTS: tuple[str, ...] = ("threshold", "temperature", "seed", "gamma")
 MAX_SEED = 2**31
 
 # Default decoding window / block length per method (published settings).
@@ -50,7 +55,7 @@ def _fail(message: str) -> DecodeConfigError:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
-    """Options of the compiled decode loop.
+    """Options of the compiled decode loop (equal configs share one compiled loop).
 
     Attributes:
       method: "llada" (no cache, fixed tokens per step), "fast_dllm" (block cache refreshed at
@@ -62,25 +67,24 @@ class DecodeConfig:
       block_length: llada/fast_dllm: semi-autoregressive block size; flash_cache: the
         decoding window W; dream: the whole generation (leave it None). None = the method's
         default (32, 32, 16).
-      steps: llada, dream and fast_dllm without threshold: denoising steps over the whole
-        generation (tokens per step = gen_length / steps; dream: its timestep schedule).
-        None = gen_length (one token per step).
-      threshold: default confidence threshold of requests (fast_dllm, flash_cache); a value
-        above 1 commits exactly one token per step, 0 the whole window. None = 0.9 for
-        flash_cache, and for fast_dllm 0.9 unless `steps` asks for a fixed schedule; llada
-        always uses the fixed schedule.
+      steps: loops with the fixed schedule (llada, dream, fast_dllm with schedule="fixed"):
+        denoising steps over the whole generation (tokens per step = gen_length / steps;
+        dream: its timestep schedule). None = gen_length (one token per step).
+      schedule: how a step decides how many tokens to commit: "threshold" (every candidate
+        whose confidence reaches the request's SamplingParams.threshold, at least one) or
+        "fixed" (a fixed number per step, from `steps`). None = the method's: "threshold" for
+        flash_cache, and for fast_dllm unless `steps` is given; "fixed" for llada and dream
+        (the only one each takes).
       cache: fast_dllm only: "prefix" (recompute block + suffix) or "dual" (recompute block);
         None = "dual".
       mask_num: flash_cache only: masked rows recomputed per step, in blocks of W (the window
         included): look-ahead = (mask_num - 1) * W rows. None = 4.
       track_num: flash_cache only: decoded rows refreshed per step, in blocks of W; negative =
         refresh every position every step (exact). None = 4.
-      temperature: default temperature of requests (0 = greedy).
       batch_size: slots decoded together (continuous batching refills finished slots); the
         engine uses fewer when a call has fewer requests.
-      seed: base of the random streams of requests that set no seed.
-      verify: Flash-Verify (flash_cache only); gamma (default of requests, None = 0.8),
-        accept (None = "cumprod") and pin (None = "all_commits") apply only with verify.
+      verify: Flash-Verify (flash_cache only); accept (None = "cumprod") and pin (None =
+        "all_commits") apply only with verify. Its gamma is per request (SamplingParams).
       cfg: compile the classifier-free-guidance variant (llada only: a second, unconditional
         full pass per step). The engine turns it on when a request sets cfg_scale > 0.
       alg: dream only: which masked positions a step unmasks (dllm_jax.policies.dream_unmasking):
@@ -89,26 +93,31 @@ class DecodeConfig:
         Its alg_temp, like temperature, top_p and top_k, is per request (SamplingParams).
       eps: dream only: the end of the timestep schedule linspace(1, eps, steps + 1), in
         (0, 1); None = 1e-3.
+      threshold, temperature, seed, gamma: deprecated (they were the defaults of requests that
+        do not set them; set them in SamplingParams): still taken for one release, with a
+        DeprecationWarning. They never change the compiled loop (not compared).
     """
 
     method: Method = "flash_cache"
     gen_length: int = 256
+    _: dataclasses.KW_ONLY
     block_length: int | None = None
     steps: int | None = None
-    threshold: float | None = None
+    schedule: str | None = None
     cache: str | None = None
     mask_num: int | None = None
     track_num: int | None = None
-    temperature: float = 0.0
     batch_size: int = 8
-    seed: int = 0
     verify: bool = False
-    gamma: float | None = None
     accept: str | None = None
     pin: str | None = None
     cfg: bool = False
     alg: str | None = None
     eps: float | None = None
+    threshold: float | None = dataclasses.field(default=None, compare=False)
+    temperature: float | None = dataclasses.field(default=None, compare=False)
+    seed: int | None = dataclasses.field(default=None, compare=False)
+    gamma: float | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self):
         def put(name, value):
@@ -119,10 +128,18 @@ class DecodeConfig:
         check_int("block_length", self.block_length, _fail, low=1, optional=True)
         check_int("steps", self.steps, _fail, low=1, optional=True)
         check_int("batch_size", self.batch_size, _fail, low=1)
-        check_int("seed", self.seed, _fail, low=0, high=MAX_SEED - 1)
         check_bool("verify", self.verify, _fail)
         check_bool("cfg", self.cfg, _fail)
-        put("temperature", check_float("temperature", self.temperature, _fail, low=0.0))
+        if self.schedule is not None:
+            check_choice("schedule", self.schedule, SCHEDULES, _fail)
+        given = [name for name in DEPRECATED_REQUEST_DEFAULTS if getattr(self, name) is not None]
+        if given:
+            warnings.warn(
+                f"DecodeConfig({', '.join(f'{n}=...' for n in given)}): request defaults in DecodeConfig are "
+                "deprecated; set them per request in SamplingParams", DeprecationWarning, stacklevel=3,
+            )
+        check_int("seed", self.seed, _fail, low=0, high=MAX_SEED - 1, optional=True)
+        put("temperature", check_float("temperature", self.temperature, _fail, low=0.0, optional=True))
         put("threshold", check_float("threshold", self.threshold, _fail, low=0.0, optional=True))
         for name, methods in _ONLY_FOR.items():
             value = getattr(self, name)
@@ -132,11 +149,8 @@ class DecodeConfig:
             for name in _VERIFY_ONLY:
                 if getattr(self, name) is not None:
                     raise _fail(f"{name}={getattr(self, name)!r} applies only with verify=True")
-        if self.method == "llada" and self.threshold is not None:
-            raise _fail("threshold does not apply to method='llada' (it commits a fixed number of tokens per step: set steps)")
+        put("schedule", self._resolved_schedule())
         if self.method == "dream":
-            if self.threshold is not None:
-                raise _fail("threshold does not apply to method='dream' (it unmasks by its timestep schedule: set steps)")
             if self.block_length not in (None, self.gen_length):
                 raise _fail(f"block_length={self.block_length} does not apply to method='dream' (the whole generation is one block)")
             if self.total_steps > self.gen_length:
@@ -151,18 +165,12 @@ class DecodeConfig:
         if self.method == "flash_cache":
             put("mask_num", 4 if self.mask_num is None else check_int("mask_num", self.mask_num, _fail, low=1))
             put("track_num", 4 if self.track_num is None else check_int("track_num", self.track_num, _fail))
-            if self.steps is not None:
-                raise _fail("steps does not apply to method='flash_cache' (it commits by threshold)")
-        if self.threshold is None and (self.method == "flash_cache" or (self.method == "fast_dllm" and self.steps is None)):
-            put("threshold", 0.9)
-        if self.method == "fast_dllm" and self.steps is not None and self.threshold is not None:
-            raise _fail("fast_dllm takes steps (a fixed schedule) or threshold, not both")
 
         W = self.window
         if self.method in ("llada", "fast_dllm"):
             if self.gen_length % W:
                 raise _fail(f"gen_length={self.gen_length} is not a multiple of block_length={W}")
-            if self.uses_schedule:
+            if self.fixed_schedule:
                 steps = self.total_steps
                 blocks = self.gen_length // W
                 if steps > self.gen_length or steps % blocks:
@@ -170,11 +178,32 @@ class DecodeConfig:
         if self.verify:
             if self.method != "flash_cache":
                 raise _fail(f"verify=True is available with method='flash_cache', not {self.method!r}")
-            put("gamma", 0.8 if self.gamma is None else check_float("gamma", self.gamma, _fail, low=0.0, high=1.0, low_open=True))
+            put("gamma", check_float("gamma", self.gamma, _fail, low=0.0, high=1.0, low_open=True, optional=True))
             put("accept", "cumprod" if self.accept is None else check_choice("accept", self.accept, ACCEPT_RULES, _fail))
             put("pin", "all_commits" if self.pin is None else check_choice("pin", self.pin, PIN_POLICIES, _fail))
             if self.window < 2:
                 raise _fail("verify needs a window of at least 2 positions")
+
+    def _resolved_schedule(self) -> str:
+        """The schedule, checked against the method, steps and the deprecated threshold."""
+        only = {"llada": "fixed", "dream": "fixed", "flash_cache": "threshold"}.get(self.method)
+        if self.threshold is not None and only == "fixed":
+            raise _fail(f"threshold does not apply to method={self.method!r} (it commits by its fixed schedule: set steps)")
+        if self.method == "flash_cache" and self.steps is not None:
+            raise _fail("steps does not apply to method='flash_cache' (it commits by threshold)")
+        if only is not None:
+            if self.schedule not in (None, only):
+                raise _fail(f"schedule={self.schedule!r} does not apply to method={self.method!r} (it takes {only!r})")
+            return only
+        # fast_dllm: a fixed schedule of `steps`, or threshold commits
+        wanted = self.schedule
+        if wanted is None:
+            wanted = "fixed" if self.steps is not None else "threshold"
+        if wanted == "threshold" and self.steps is not None:
+            raise _fail("fast_dllm takes steps (a fixed schedule) or threshold, not both")
+        if wanted == "fixed" and self.threshold is not None:
+            raise _fail("fast_dllm takes steps (a fixed schedule) or threshold, not both")
+        return wanted
 
     @property
     def window(self) -> int:
@@ -185,20 +214,25 @@ class DecodeConfig:
         return self.gen_length if self.method == "dream" else _DEFAULT_BLOCK[self.method]
 
     @property
-    def uses_schedule(self) -> bool:
-        """Commit a fixed number of tokens per step (LLaDA's sampler) instead of a threshold."""
-        return self.method != "flash_cache" and self.threshold is None
+    def fixed_schedule(self) -> bool:
+        """Commit a fixed number of tokens per step (LLaDA's sampler) instead of by threshold."""
+        return self.schedule == "fixed"
 
     @property
     def total_steps(self) -> int:
         return self.steps if self.steps is not None else self.gen_length
 
-    def static_key(self) -> DecodeConfig:
-        """This config with the per-request defaults neutralised: equal keys share one loop."""
-        return dataclasses.replace(
-            self,
-            threshold=None if self.threshold is None else 0.0,
-            temperature=0.0,
-            gamma=None if self.gamma is None else 1.0,
-            seed=0,
-        )
+    @property
+    def default_threshold(self) -> float:
+        """The threshold of requests that set none (the deprecated `threshold`, else 0.9)."""
+        return DEFAULT_THRESHOLD if self.threshold is None else self.threshold
+
+    @property
+    def default_gamma(self) -> float:
+        """The gamma of requests that set none (the deprecated `gamma`, else 0.8)."""
+        return DEFAULT_GAMMA if self.gamma is None else self.gamma
+
+    @property
+    def base_seed(self) -> int:
+        """The seed of requests that set none (the deprecated `seed`, else 0)."""
+        return 0 if self.seed is None else self.seed

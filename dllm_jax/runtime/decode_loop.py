@@ -14,7 +14,7 @@ iterations, and between chunks collects finished results and pushes waiting requ
 
 Per-request values (max_new_tokens, temperature, top_p/top_k, seed, threshold, gamma,
 cfg_scale, remasking) travel with the request through the ring into its slot
-(dllm_jax.runtime.slots.SlotParams): one compiled loop serves every mix of them. A request whose
+(dllm_jax.runtime.slots.SlotSampling): one compiled loop serves every mix of them. A request whose
 logits are not finite, or that runs past its step bound, ends with an error code in its
 result while the other slots go on.
 """
@@ -33,11 +33,11 @@ from dllm_jax.models.config import ModelConfig
 from dllm_jax.runtime.flat_cache import FlatCache, allocate_cache
 from dllm_jax.runtime.kernel_routing import Kernels
 from dllm_jax.models.logit_alignment import predictor_positions, with_predictor_rows
-from dllm_jax.models.transformer import Params
+from dllm_jax.models.transformer import Weights
 from dllm_jax.runtime.policy import DecodePolicy
 from dllm_jax.runtime.sharding import CACHE_ROWS, DATA, REPLICATED, SLOTS, axis_size, per_data_shard
 from dllm_jax.sampling.samplers import all_finite, filter_top_p_top_k, guided_logits
-from dllm_jax.runtime.slots import ERROR_NON_FINITE, ERROR_STEP_LIMIT, SlotParams, Slots, empty_slots, install
+from dllm_jax.runtime.slots import ERROR_NON_FINITE, ERROR_STEP_LIMIT, Slots, SlotSampling, empty_slots, install
 from pallas_kernels.sampling.top_p_top_k import apply_cutoff, top_p_top_k_cutoff
 
 
@@ -45,14 +45,14 @@ from pallas_kernels.sampling.top_p_top_k import apply_cutoff, top_p_top_k_cutoff
 class RequestQueue:
     """A ring of prompts: request g (global index) sits at entry g % Q.
 
-    tokens int32 [Q, P_max] (padded), lengths int32 [Q], params: SlotParams [Q]; count:
+    tokens int32 [Q, P_max] (padded), lengths int32 [Q], sampling: SlotSampling [Q]; count:
     requests pushed so far by the host; next: requests installed so far (next < count:
     requests are waiting).
     """
 
     tokens: jax.Array
     lengths: jax.Array
-    params: SlotParams
+    sampling: SlotSampling
     count: jax.Array
     next: jax.Array
 
@@ -154,10 +154,10 @@ class DecodeLoop:
 
     # ----- state -------------------------------------------------------------------------
 
-    def init_state(self, prompts: jax.Array, lengths: jax.Array, params: SlotParams, count: jax.Array) -> DecodeState:
+    def init_state(self, prompts: jax.Array, lengths: jax.Array, sampling: SlotSampling, count: jax.Array) -> DecodeState:
         """Empty slots, a zero cache, the queue; the first requests are installed.
 
-        prompts: int32 [Q, P_max]; lengths: int32 [Q]; params: SlotParams [Q]; count: requests
+        prompts: int32 [Q, P_max]; lengths: int32 [Q]; sampling: SlotSampling [Q]; count: requests
         pushed (<= Q).
         """
         Q = prompts.shape[0]
@@ -166,7 +166,7 @@ class DecodeLoop:
         state = DecodeState(
             slots=empty_slots(self.num_slots, self.max_len),
             cache=allocate_cache(self.model, self.num_slots, self.max_len),
-            queue=RequestQueue(tokens=prompts, lengths=lengths, params=params, count=jnp.int32(count), next=jnp.int32(0)),
+            queue=RequestQueue(tokens=prompts, lengths=lengths, sampling=sampling, count=jnp.int32(count), next=jnp.int32(0)),
             results=Results(
                 tokens=jnp.zeros((Q, self.gen_length), jnp.int32),
                 request=zeros,
@@ -194,14 +194,14 @@ class DecodeLoop:
         take = free & (request < queue.count)
         entry = request % queue.tokens.shape[0]
         lengths = queue.lengths[entry]
-        params = jax.tree_util.tree_map(lambda a: a[entry], queue.params)
+        sampling = jax.tree_util.tree_map(lambda a: a[entry], queue.sampling)
         installed = jax.vmap(install, in_axes=(0, 0, 0, 0, 0, 0, None, None, None))(
             slots,
             queue.tokens[entry],
             lengths,
             request,
-            params,
-            self.policy.key_length(lengths, lengths + params.max_new_tokens),
+            sampling,
+            self.policy.key_length(lengths, lengths + sampling.max_new_tokens),
             self.model.mask_token_id,
             self.model.eos_token_id,
             state.iteration,
@@ -211,7 +211,7 @@ class DecodeLoop:
 
     # ----- one iteration -----------------------------------------------------------------
 
-    def _full_pass(self, params, slots: Slots, cache: FlatCache, run_full: jax.Array, lanes: int, taps: bool = False):
+    def _full_pass(self, weights, slots: Slots, cache: FlatCache, run_full: jax.Array, lanes: int, taps: bool = False):
         """Full forward of up to `lanes` slots needing it; returns logits/scores scattered to [B, ...]
         (taps: a debug pass, also the cached_forward taps and "group_slot", each lane's slot)."""
         B, L, C = run_full.shape[0], self.max_len, self.policy.num_candidates
@@ -228,17 +228,17 @@ class DecodeLoop:
             predictors, predictor_valid
         )
         logits, scores, cache, *pass_taps = cached_forward(
-            self.model, self._spec, params, cache, lane.tokens, positions, row_valid,
+            self.model, self._spec, weights, cache, lane.tokens, positions, row_valid,
             safe_slot, lane.key_len, predictors, score_rows, taps=taps,
         )
         if self.cfg:
             # LLaDA's un_x: the prompt positions masked (prompt_index = the initial non-mask tokens)
             unconditional = jnp.where(positions < lane.prompt_len[:, None], self.model.mask_token_id, lane.tokens)
             uncond_logits, _, cache = cached_forward(
-                self.model, self._spec, params, cache, unconditional, positions, row_valid,
+                self.model, self._spec, weights, cache, unconditional, positions, row_valid,
                 safe_slot, lane.key_len, candidates, score_rows,
             )
-            logits = jax.vmap(guided_logits)(logits, uncond_logits, lane.params.cfg_scale).astype(logits.dtype)
+            logits = jax.vmap(guided_logits)(logits, uncond_logits, lane.sampling.cfg_scale).astype(logits.dtype)
         V = logits.shape[-1]
         full_logits = jnp.zeros((B, C, V), logits.dtype).at[lane_slot].set(logits, mode="drop")
         full_scores = jnp.zeros((B, L), jnp.float32)
@@ -248,7 +248,7 @@ class DecodeLoop:
             return full_logits, full_scores, cache, {**pass_taps[0], "group_slot": lane_slot}
         return full_logits, full_scores, cache
 
-    def _sparse_pass(self, params, slots: Slots, cache: FlatCache, run_sparse: jax.Array, taps: bool = False):
+    def _sparse_pass(self, weights, slots: Slots, cache: FlatCache, run_sparse: jax.Array, taps: bool = False):
         """The policy's sparse step for every slot (rows of other slots are invalid; taps: a
         debug pass, also the cached_forward taps)."""
         B, L, C = run_sparse.shape[0], self.max_len, self.policy.num_candidates
@@ -265,14 +265,14 @@ class DecodeLoop:
         candidate_rows = jnp.broadcast_to(jnp.arange(C, dtype=jnp.int32), (B, C))
         score_rows = row_valid & (jnp.arange(R) < C)[None, :]
         logits, scores, cache, *pass_taps = cached_forward(
-            self.model, self._spec, params, cache, tokens, positions, row_valid,
+            self.model, self._spec, weights, cache, tokens, positions, row_valid,
             None, slots.key_len, candidate_rows, score_rows, taps=taps,
         )
         if scores is None:
             scores = jnp.zeros((B, L), jnp.float32)
         return (logits, scores, cache, *pass_taps)
 
-    def _model_passes(self, params, slots: Slots, cache: FlatCache, run_full, run_sparse, branch, any_sparse):
+    def _model_passes(self, weights, slots: Slots, cache: FlatCache, run_full, run_sparse, branch, any_sparse):
         """The full-pass variant `branch` (0: none) and the sparse pass (if any_sparse):
         logits [B, C, V], scores [B, L] and the cache."""
         B, L, C = run_full.shape[0], self.max_len, self.policy.num_candidates
@@ -280,14 +280,14 @@ class DecodeLoop:
         none = (jnp.zeros((B, C, V), self.model.jnp_dtype), jnp.zeros((B, L), jnp.float32))
 
         branches = [lambda cache: none + (cache,)]
-        branches += [lambda cache, n=n: self._full_pass(params, slots, cache, run_full, n) for n in self.lane_sizes]
+        branches += [lambda cache, n=n: self._full_pass(weights, slots, cache, run_full, n) for n in self.lane_sizes]
         full_logits, full_scores, cache = jax.lax.switch(branch, branches, cache)
 
         if self.policy.num_sparse_rows == 0:
             return full_logits, full_scores, cache
         sparse_logits, sparse_scores, cache = jax.lax.cond(
             any_sparse,
-            lambda cache: self._sparse_pass(params, slots, cache, run_sparse),
+            lambda cache: self._sparse_pass(weights, slots, cache, run_sparse),
             lambda cache: none + (cache,),
             cache,
         )
@@ -296,7 +296,7 @@ class DecodeLoop:
         scores = jnp.where(pick, full_scores, sparse_scores)
         return logits, scores, cache
 
-    def _step(self, params, state: DecodeState) -> DecodeState:
+    def _step(self, weights, state: DecodeState) -> DecodeState:
         slots = state.slots
         ran = slots.active
         # Decided over all slots, so every device takes the same branches: the full-pass lane
@@ -311,11 +311,11 @@ class DecodeLoop:
             in_specs=(REPLICATED, SLOTS, CACHE_ROWS, REPLICATED, REPLICATED, REPLICATED),
             out_specs=(SLOTS, CACHE_ROWS),
         )
-        slots, cache = step_slots(params, slots, state.cache, branch, any_sparse, jnp.any(ran))
+        slots, cache = step_slots(weights, slots, state.cache, branch, any_sparse, jnp.any(ran))
 
         complete = jax.vmap(self.policy.finished)(slots)
         # the hard bound: a request that is not complete after step_limit steps ends with an error
-        over = ran & ~complete & (slots.error == 0) & (slots.steps >= slots.params.step_limit)
+        over = ran & ~complete & (slots.error == 0) & (slots.steps >= slots.sampling.step_limit)
         slots = slots.replace(error=jnp.where(over, ERROR_STEP_LIMIT, slots.error))
         finished = ran & (complete | (slots.error != 0))
         # A slot that ended on non-finite logits keeps its NaN cache rows: the next request in
@@ -326,12 +326,12 @@ class DecodeLoop:
         state = state.replace(slots=slots, cache=cache, results=results, iteration=state.iteration + 1)
         return self._refill(state)
 
-    def _step_slots(self, params, slots: Slots, cache: FlatCache, branch, any_sparse, any_ran) -> tuple[Slots, FlatCache]:
+    def _step_slots(self, weights, slots: Slots, cache: FlatCache, branch, any_sparse, any_ran) -> tuple[Slots, FlatCache]:
         """One step of the active slots (of one data shard under a mesh): model passes, commits
         and Flash-Verify. The branch choices are made over all slots (see _step)."""
         run_full = slots.active & slots.needs_full
         run_sparse = slots.active & ~slots.needs_full
-        logits, scores, cache = self._model_passes(params, slots, cache, run_full, run_sparse, branch, any_sparse)
+        logits, scores, cache = self._model_passes(weights, slots, cache, run_full, run_sparse, branch, any_sparse)
         _, candidate_valid = jax.vmap(self.policy.candidates)(slots)
         finite = jax.vmap(all_finite)(logits, candidate_valid)
         logits = self._filter(slots, logits)
@@ -339,10 +339,10 @@ class DecodeLoop:
         def stream(p):
             return jax.random.fold_in(jax.random.key(p.seed), p.stream)
 
-        rngs = jax.vmap(lambda p, s: jax.random.fold_in(stream(p), s))(slots.params, slots.steps)
+        rngs = jax.vmap(lambda p, s: jax.random.fold_in(stream(p), s))(slots.sampling, slots.steps)
         committed, draft = jax.vmap(self.policy.commit)(slots, logits, scores, rngs)
         if self.policy.verify:
-            committed = self._verify(params, slots, committed, draft, slots.active, any_ran, cache)
+            committed = self._verify(weights, slots, committed, draft, slots.active, any_ran, cache)
         committed = committed.replace(
             steps=committed.steps + 1,
             passes=committed.passes + 1,
@@ -356,7 +356,7 @@ class DecodeLoop:
         that do not ask cost nothing and no conditional is needed (XLA:GPU would read its
         predicate back to the host at every step); otherwise the sort is skipped by a cond
         when no slot asks."""
-        p = slots.params
+        p = slots.sampling
         wants = slots.active & ((p.top_p < 1.0) | (p.top_k > 0))
         if self.kernels.top_p_top_k:
             B, C, V = logits.shape
@@ -374,7 +374,7 @@ class DecodeLoop:
 
         return jax.lax.cond(jnp.any(wants), filtered, lambda logits: logits, logits)
 
-    def _verify(self, params, old: Slots, new: Slots, draft, ran: jax.Array, any_ran, cache: FlatCache) -> Slots:
+    def _verify(self, weights, old: Slots, new: Slots, draft, ran: jax.Array, any_ran, cache: FlatCache) -> Slots:
         """Flash-Verify: a read-only pass over each slot's verify query, then stage-2 commits
         (any_ran: some slot of any data shard ran, so every device runs the pass)."""
         plan = jax.vmap(self.policy.plan_verify)(old, new, draft)
@@ -382,7 +382,7 @@ class DecodeLoop:
 
         def verify_pass(_):
             logits, _, _ = cached_forward(
-                self.model, spec, params, cache, plan.tokens, plan.positions, plan.row_valid & ran[:, None],
+                self.model, spec, weights, cache, plan.tokens, plan.positions, plan.row_valid & ran[:, None],
                 None, new.key_len, plan.mask_rows, None,
                 VerifyKeys(key_exclude=plan.key_exclude, extra_mask=plan.extra_mask),
             )
@@ -425,7 +425,7 @@ class DecodeLoop:
 
     def run(
         self,
-        params: Params,
+        weights: Weights,
         state: DecodeState,
         stop_iteration: jax.Array,
         host_has_more: jax.Array,
@@ -447,4 +447,4 @@ class DecodeLoop:
 
         # requests the host pushed since the last call take their free slots first
         state = self._refill(state)
-        return jax.lax.while_loop(keep_going, lambda st: self._step(params, st), state)
+        return jax.lax.while_loop(keep_going, lambda st: self._step(weights, st), state)

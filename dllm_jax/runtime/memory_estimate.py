@@ -45,7 +45,7 @@ from dllm_jax.models.config import ModelConfig
 from dllm_jax.common.errors import GenerationError
 from dllm_jax.runtime.flat_cache import cache_bytes
 from dllm_jax.runtime.sharding import DATA, TENSOR, axis_size
-from dllm_jax.runtime.slots import zero_params
+from dllm_jax.runtime.slots import zero_sampling
 
 # Model-dtype copies of the hidden state alive in a layer: input, normed input, attention
 # output, the residual sum.
@@ -59,7 +59,7 @@ _LOGITS_COPIES = 4
 _SAMPLER_F32_COPIES = 5
 # Bytes per (slot, position) of the per-slot arrays: tokens, drafts, scores and commit_step
 # (4 each), decoded, pinned and verified (1 each), rounded up; and per slot for its scalars
-# (counters, bounds and the request's SlotParams).
+# (counters, bounds and the request's SlotSampling).
 _SLOT_POSITION_BYTES = 20
 _SLOT_BYTES = 256
 _GIB = 2**30
@@ -169,7 +169,7 @@ def estimate_memory(
         activations=activations,
         logits=logit_rows * config.vocab_size * (_LOGITS_COPIES * itemsize + _SAMPLER_F32_COPIES * 4),
         state=(shard_slots * (max_len * _SLOT_POSITION_BYTES + _SLOT_BYTES)
-               # request ring: prompt and SlotParams; result ring: tokens, commit_step, verified, counters
+               # request ring: prompt and SlotSampling; result ring: tokens, commit_step, verified, counters
                + queue_capacity * ((prompt_width + 2 * gen_length + 24) * 4 + gen_length)),
     )
 
@@ -198,7 +198,7 @@ def estimate_decode_loop(loop, *, queue_capacity: int, prompt_width: int) -> Mem
         loop.init_state,
         jax.ShapeDtypeStruct((queue_capacity, prompt_width), jnp.int32),
         jax.ShapeDtypeStruct((queue_capacity,), jnp.int32),
-        jax.eval_shape(lambda: zero_params((queue_capacity,))),
+        jax.eval_shape(lambda: zero_sampling((queue_capacity,))),
         jax.ShapeDtypeStruct((), jnp.int32),
     )
     devices = axis_size(loop.mesh, DATA) * axis_size(loop.mesh, TENSOR)

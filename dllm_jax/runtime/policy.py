@@ -41,7 +41,7 @@ class DecodePolicy(Protocol):
 
     def commit(self, slot: Slots, logits: jax.Array, scores: jax.Array, rng: jax.Array) -> tuple[Slots, Any]:
         """Applies one step's candidate logits [C, V] (and tracking scores [L]) to the slot,
-        with the slot's own sampling values (slot.params).
+        with the slot's own sampling values (slot.sampling).
 
         Returns the slot and what the policy's verify stage needs (None without verify).
         """

@@ -36,7 +36,7 @@ import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from dllm_jax.models.config import ModelConfig
-from dllm_jax.models.transformer import Params
+from dllm_jax.models.transformer import Weights
 
 DATA = "data"
 TENSOR = "tensor"
@@ -113,7 +113,7 @@ def check_batch(mesh: Mesh, batch_size: int) -> None:
         raise MeshError(f"batch_size={batch_size} is not divisible by the data axis ({data})")
 
 
-def param_specs(params: Params) -> Params:
+def param_specs(params: Weights) -> Weights:
     """A PartitionSpec per parameter: the tree of dllm_jax.models' docstring, its layers
     stacked ([n_layers, in, out] kernels) or per layer (a tuple of [in, out] kernels)."""
 
@@ -136,11 +136,11 @@ def param_specs(params: Params) -> Params:
     return jax.tree_util.tree_map_with_path(spec, params)
 
 
-def param_shardings(params: Params, mesh: Mesh) -> Params:
+def param_shardings(params: Weights, mesh: Mesh) -> Weights:
     return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), param_specs(params))
 
 
-def place_params(params: Params, mesh: Mesh) -> Params:
+def place_params(params: Weights, mesh: Mesh) -> Weights:
     """The parameters laid out for the mesh (a no-op for leaves already laid out so)."""
     return jax.device_put(params, param_shardings(params, mesh))
 

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
+
+from dllm_jax.sampling.params import knobs
 
 # Slots.error codes: why a request ended without finishing (0: it did not).
 ERROR_NONE = 0
@@ -22,39 +25,38 @@ ERROR_MESSAGES = {
 }
 
 
-@struct.dataclass
-class SlotParams:
-    """One request's generation parameters (dllm_jax.sampling.params.SamplingParams, resolved).
-
-    Each leaf is one scalar per request: [B] in Slots, [Q] in the request ring.
-    max_new_tokens int32 (the slot's gen_end = P + max_new_tokens); step_limit int32 (hard
-    bound on its steps); temperature, top_p float32; top_k int32 (0: off); seed, stream int32
-    (its random stream: key(seed) folded with stream, then the step); threshold, gamma,
-    cfg_scale, alg_temp float32; random_remasking bool.
-    """
-
-    max_new_tokens: jax.Array
-    step_limit: jax.Array
-    temperature: jax.Array
-    top_p: jax.Array
-    top_k: jax.Array
-    seed: jax.Array
-    stream: jax.Array
-    threshold: jax.Array
-    gamma: jax.Array
-    cfg_scale: jax.Array
-    random_remasking: jax.Array
-    alg_temp: jax.Array
+# Per-slot values the engine derives for a request (no SamplingParams field of their own), each
+# stored right after the knob it derives from: step_limit (a hard bound on the request's steps)
+# from max_new_tokens, stream (its random stream within its seed) from seed.
+ENGINE_VALUES: dict[str, tuple[tuple[str, type], ...]] = {
+    "max_new_tokens": (("step_limit", np.int32),),
+    "seed": (("stream", np.int32),),
+}
 
 
-def zero_params(shape: tuple[int, ...]) -> SlotParams:
-    """SlotParams of the given leading shape, all zero (an empty slot or ring entry)."""
-    i32, f32 = (lambda: jnp.zeros(shape, jnp.int32)), (lambda: jnp.zeros(shape, jnp.float32))
-    return SlotParams(
-        max_new_tokens=i32(), step_limit=i32(), temperature=f32(), top_p=f32(), top_k=i32(), seed=i32(),
-        stream=i32(), threshold=f32(), gamma=f32(), cfg_scale=f32(), random_remasking=jnp.zeros(shape, bool),
-        alg_temp=f32(),
-    )
+def _slot_fields() -> tuple[tuple[str, type], ...]:
+    fields = []
+    for name, spec in knobs().items():
+        fields.append((spec.slot_name or name, spec.dtype))
+        fields += ENGINE_VALUES.get(name, ())
+    return tuple(fields)
+
+
+SLOT_FIELDS: tuple[tuple[str, type], ...] = _slot_fields()
+"""(name, numpy dtype) of each per-slot value of a request, in leaf order: the SamplingParams knobs
+(dllm_jax.sampling.params.knob) and the ENGINE_VALUES after the knob each derives from."""
+
+SlotSampling = struct.dataclass(type("SlotSampling", (), {
+    "__module__": __name__,
+    "__annotations__": {name: "jax.Array" for name, _ in SLOT_FIELDS},
+    "__doc__": "One request's sampling values as the device holds them, one field per SLOT_FIELDS entry;\n"
+               "each leaf is one scalar per request: [B] in Slots, [Q] in the request ring.",
+}))
+
+
+def zero_sampling(shape: tuple[int, ...]) -> SlotSampling:
+    """SlotSampling of the given leading shape, all zero (an empty slot or ring entry)."""
+    return SlotSampling(**{name: jnp.zeros(shape, dtype) for name, dtype in SLOT_FIELDS})
 
 
 @struct.dataclass
@@ -72,7 +74,7 @@ class Slots:
       request: index of the request in the queue.
     steps, passes (main forward passes), verify_passes, accepted (drafts accepted by
       verification), start_iter (loop iteration at install): per-request counters [B].
-    params: the request's SlotParams [B]; error: int32 [B] an ERROR_* code (non-zero ends it).
+    sampling: the request's SlotSampling [B]; error: int32 [B] an ERROR_* code (non-zero ends it).
     commit_step: int32 [B, L] the slot's step at which each position was committed (-1: not
       committed, the prompt included); verified: bool [B, L] committed by Flash-Verify.
     """
@@ -97,7 +99,7 @@ class Slots:
     verify_passes: jax.Array
     accepted: jax.Array
     start_iter: jax.Array
-    params: SlotParams
+    sampling: SlotSampling
     error: jax.Array
     commit_step: jax.Array
     verified: jax.Array
@@ -128,7 +130,7 @@ def empty_slots(num_slots: int, max_len: int) -> Slots:
         verify_passes=i32(),
         accepted=i32(),
         start_iter=i32(),
-        params=zero_params((B,)),
+        sampling=zero_sampling((B,)),
         error=i32(),
         commit_step=jnp.full((B, L), -1, jnp.int32),
         verified=jnp.zeros((B, L), bool),
@@ -140,7 +142,7 @@ def install(
     prompt: jax.Array,
     prompt_len: jax.Array,
     request: jax.Array,
-    params: SlotParams,
+    sampling: SlotSampling,
     key_len: jax.Array,
     mask_id: int,
     eos_id: int,
@@ -149,12 +151,12 @@ def install(
     """Puts a request into a slot: prompt, [MASK] canvas, EOS padding; next step is a full pass.
 
     prompt: int32 [P_max] (padded), prompt_len: its true length P; the canvas has
-    params.max_new_tokens [MASK] positions after it.
+    sampling.max_new_tokens [MASK] positions after it.
     """
     L = slot.tokens.shape[0]
     pos = jnp.arange(L, dtype=jnp.int32)
     padded = jnp.zeros((L,), jnp.int32).at[: prompt.shape[0]].set(prompt[:L])
-    gen_end = prompt_len + params.max_new_tokens
+    gen_end = prompt_len + sampling.max_new_tokens
     tokens = jnp.where(pos < prompt_len, padded, jnp.where(pos < gen_end, mask_id, eos_id))
     zero = jnp.zeros((), jnp.int32)
     return Slots(
@@ -178,7 +180,7 @@ def install(
         verify_passes=zero,
         accepted=zero,
         start_iter=iteration,
-        params=params,
+        sampling=sampling,
         error=zero,
         commit_step=jnp.full((L,), -1, jnp.int32),
         verified=jnp.zeros((L,), bool),

@@ -1,25 +1,97 @@
 """SamplingParams: what one request may choose, without changing the compiled program.
 
-Every field becomes per-slot state of the decode loop when the request is installed
-(dllm_jax.runtime.slots.SlotParams), so requests with different values share one compiled loop. The
-engine-level, compile-time choices (method, window, slots, generation-length bucket) are
-dllm_jax.runtime.decode_config.DecodeConfig.
+This is the one schema of per-request values. A field declared with ``knob(...)`` travels to the
+device as one scalar per slot: the declaration gives its device dtype, its bounds (within what
+that dtype can hold), how the stored value is encoded when it differs from the request's, what
+an unset value (None) becomes, which compiled configurations it applies to, and whether the
+server takes it in the ``dllm`` extension. The per-slot arrays (dllm_jax.runtime.slots.SlotSampling),
+their zero constructor, the host's request ring and the server's options are derived from these
+declarations, so a new knob is one field here plus its use in a policy.
+
+What is compiled (method, window, slots, generation bucket) is dllm_jax.runtime.decode_config.DecodeConfig.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 from dllm_jax.common.errors import SamplingParamsError
 from dllm_jax.common.validate import check_choice, check_float, check_int
 
 REMASKING: tuple[str, ...] = ("low_confidence", "random")
+INT32_MAX = 2**31 - 1
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 MAX_SEED = 2**31  # seeds are int32 on the device
+DEFAULT_THRESHOLD = 0.9  # the published Fast-dLLM / Flash-dLLM confidence threshold
+DEFAULT_GAMMA = 0.8  # the published Flash-Verify acceptance threshold
+
+
+@dataclasses.dataclass(frozen=True)
+class Knob:
+    """How one SamplingParams field is checked and stored per slot.
+
+    dtype: the device dtype of its per-slot value (np.int32, np.float32 or np.bool_).
+    low, high, low_open: bounds of an int or float (None: the dtype's own limit);
+      choices: the allowed strings of a choice field.
+    optional: None is allowed (it means "unset": see `unset`).
+    slot_name: the per-slot value's name where it differs from the field's.
+    encode: request value -> stored value (e.g. remasking -> whether it is "random").
+    unset: what an unset value stores, given the compiled configuration (a DecodeConfig).
+    applies: (predicate over the compiled configuration and its cfg flag, why not): a set value
+      that does not apply to the loop is refused.
+    server: the server takes it in the request's "dllm" object.
+    flag: dllm-generate takes it as --NAME (with `help`); max_new_tokens and seed have flags
+      of their own meaning there.
+    """
+
+    dtype: type
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    choices: tuple[str, ...] | None = None
+    optional: bool = False
+    slot_name: str | None = None
+    encode: Callable[[Any], Any] | None = None
+    unset: Callable[[Any], Any] | None = None
+    applies: tuple[Callable[[Any, bool], bool], str] | None = None
+    server: bool = False
+    flag: bool = True
+    help: str = ""
+
+    @property
+    def kind(self) -> str:
+        if self.choices is not None:
+            return "choice"
+        return "int" if self.dtype is np.int32 else "float"
+
+    def check(self, name: str, value: Any) -> Any:
+        """The value, normalised (ints as int, floats as float), or SamplingParamsError naming `name`."""
+        if self.kind == "choice":
+            return check_choice(name, value, self.choices, _fail)
+        if self.kind == "int":
+            low = -INT32_MAX - 1 if self.low is None else self.low
+            high = INT32_MAX if self.high is None else self.high
+            return check_int(name, value, _fail, low=low, high=high, optional=self.optional)
+        low = -FLOAT32_MAX if self.low is None else self.low
+        high = FLOAT32_MAX if self.high is None else self.high
+        return check_float(name, value, _fail, low=low, high=high, low_open=self.low_open, optional=self.optional)
+
+
+def knob(default: Any, dtype: type, **spec: Any) -> Any:
+    """A SamplingParams field that travels to the device (see Knob)."""
+    return dataclasses.field(default=default, metadata={"knob": Knob(dtype, **spec)})
 
 
 def _fail(message: str) -> SamplingParamsError:
     return SamplingParamsError(f"SamplingParams: {message}")
+
+
+def _threshold_schedule(decode: Any) -> bool:
+    return decode.schedule == "threshold"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,56 +103,99 @@ class SamplingParams:
         bucket (DecodeConfig.gen_length), capped by the model's max_sequence_length minus the
         prompt. At most the bucket; the positions after it are EOS padding.
       temperature: 0 = greedy; > 0 = Gumbel-max sampling at this temperature (LLaDA's
-        add_gumbel_noise). None-free: 0.0 by default.
+        add_gumbel_noise).
       top_p: nucleus filtering before sampling (Dream's top_p_logits), 1 = off.
       top_k: keep the k largest logits before sampling (Dream's top_k_logits), 0 = off.
       seed: this request's random stream (same seed, same answer, wherever it runs); None =
-        the DecodeConfig seed and the request's index in its generate() call.
+        seed 0 and the request's index in its generate() call (its add order in a session).
       stop: strings that end the answer (cut before the first occurrence).
       stop_token_ids: token ids that end the answer (cut before the first one).
-      cfg_scale: LLaDA's classifier-free guidance, 0 = off (needs method="llada").
+      threshold: confidence threshold of parallel commits (loops with the threshold schedule:
+        fast_dllm, flash_cache); a value above 1 commits exactly one token per step, 0 the
+        whole window; None = 0.9.
+      gamma: Flash-Verify acceptance threshold in (0, 1] (loops with verify=True); None = 0.8.
+      cfg_scale: LLaDA's classifier-free guidance, 0 = off (method="llada").
       remasking: "low_confidence" (commit the most confident) or "random" (LLaDA's random
         remasking: confidence is a uniform random number).
-      threshold: confidence threshold for parallel commits (fast_dllm with threshold,
-        flash_cache); None = the DecodeConfig's.
-      gamma: Flash-Verify acceptance threshold in (0, 1]; None = the DecodeConfig's.
       alg_temp: Dream's sampler (method "dream") only: 0 = unmask the most confident masked
         positions; > 0 = draw them from softmax(confidence / alg_temp).
     """
 
-    max_new_tokens: int | None = None
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
+    max_new_tokens: int | None = knob(None, np.int32, low=1, optional=True, flag=False)
+    temperature: float = knob(0.0, np.float32, low=0.0, help="0 decodes greedily, > 0 samples (Gumbel-max)")
+    top_p: float = knob(1.0, np.float32, low=0.0, high=1.0, low_open=True,
+                        help="nucleus sampling: keep the smallest set of tokens of this total probability (1: off)")
+    top_k: int = knob(0, np.int32, low=0, server=True, help="sample among the k most likely tokens (0: off)")
+    seed: int | None = knob(None, np.int32, low=0, high=MAX_SEED - 1, optional=True, flag=False)
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
-    cfg_scale: float = 0.0
-    remasking: str = "low_confidence"
-    threshold: float | None = None
-    gamma: float | None = None
-    alg_temp: float = 0.0
+    threshold: float | None = knob(
+        None, np.float32, low=0.0, optional=True, server=True,
+        help=f"confidence threshold for parallel commits (fast_dllm, flash_cache); default: {DEFAULT_THRESHOLD} "
+        "(llada and fast_dllm --steps commit a fixed number per step)",
+        # a fixed schedule never reads it: 2.0 would commit one token per step
+        unset=lambda decode: decode.default_threshold if _threshold_schedule(decode) else 2.0,
+        applies=(lambda decode, cfg: _threshold_schedule(decode),
+                 "does not apply to method={method} with schedule={schedule} (it commits a fixed number of tokens "
+                 "per step, set by steps); threshold commits are fast_dllm's and flash_cache's schedule='threshold'"),
+    )
+    gamma: float | None = knob(
+        None, np.float32, low=0.0, high=1.0, low_open=True, optional=True, server=True,
+        help=f"Flash-Verify's acceptance threshold; default: {DEFAULT_GAMMA}",
+        unset=lambda decode: decode.default_gamma if decode.verify else 1.0,
+        applies=(lambda decode, cfg: decode.verify, "applies only with verify=True (Flash-Verify)"),
+    )
+    cfg_scale: float = knob(
+        0.0, np.float32, low=0.0, server=True,
+        help="llada: classifier-free guidance scale (a second, unconditional pass per step; 0: off)",
+        applies=(lambda decode, cfg: cfg, "is available with method='llada' compiled with DecodeConfig(cfg=True) "
+                 "(a second, unconditional full pass per step), not {method} (cfg={cfg})"),
+    )
+    remasking: str = knob("low_confidence", np.bool_, choices=REMASKING, slot_name="random_remasking",
+                          encode=lambda value: value == "random", server=True,
+                          help="which predictions commit first: the most confident, or random ones (LLaDA's options)")
+    alg_temp: float = knob(
+        0.0, np.float32, low=0.0, server=True,
+        help="dream: 0 unmasks the most confident positions, > 0 draws them from softmax(confidence / alg_temp)",
+        applies=(lambda decode, cfg: decode.method == "dream", "applies only to method='dream', not {method}"),
+    )
 
     def __post_init__(self):
-        def put(name: str, value: Any) -> None:
-            object.__setattr__(self, name, value)
+        for field in dataclasses.fields(self):
+            spec = field.metadata.get("knob")
+            if spec is not None:
+                object.__setattr__(self, field.name, spec.check(field.name, getattr(self, field.name)))
+        object.__setattr__(self, "stop", _string_tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", _id_tuple(self.stop_token_ids))
 
-        check_int("max_new_tokens", self.max_new_tokens, _fail, low=1, optional=True)
-        put("temperature", check_float("temperature", self.temperature, _fail, low=0.0))
-        put("top_p", check_float("top_p", self.top_p, _fail, low=0.0, high=1.0, low_open=True))
-        check_int("top_k", self.top_k, _fail, low=0)
-        check_int("seed", self.seed, _fail, low=0, high=MAX_SEED - 1, optional=True)
-        put("stop", _string_tuple(self.stop))
-        put("stop_token_ids", _id_tuple(self.stop_token_ids))
-        put("cfg_scale", check_float("cfg_scale", self.cfg_scale, _fail, low=0.0))
-        check_choice("remasking", self.remasking, REMASKING, _fail)
-        put("threshold", check_float("threshold", self.threshold, _fail, low=0.0, optional=True))
-        put("gamma", check_float("gamma", self.gamma, _fail, low=0.0, high=1.0, low_open=True, optional=True))
-        put("alg_temp", check_float("alg_temp", self.alg_temp, _fail, low=0.0))
-        for name in ("max_new_tokens", "top_k", "seed"):
+    def not_applying(self, decode: Any, cfg: bool) -> str | None:
+        """Why a value this request sets does not apply to a loop compiled for `decode` (with
+        the guidance pass when `cfg`), or None when all apply. A value at its default (0, None)
+        always applies."""
+        for name, spec in knobs().items():
             value = getattr(self, name)
-            if value is not None:
-                put(name, int(value))
+            default = SamplingParams.__dataclass_fields__[name].default
+            if spec.applies is None or value is None or value == default:
+                continue
+            holds, why = spec.applies
+            if not holds(decode, cfg):
+                return f"{name}={value} " + why.format(method=repr(decode.method), schedule=repr(decode.schedule), cfg=cfg)
+        return None
+
+
+def knobs() -> dict[str, Knob]:
+    """The fields of SamplingParams that travel to the device, in declaration order."""
+    return {f.name: f.metadata["knob"] for f in dataclasses.fields(SamplingParams) if "knob" in f.metadata}
+
+
+def flag_knobs() -> dict[str, Knob]:
+    """The knobs dllm-generate takes as flags of their own name."""
+    return {name: spec for name, spec in knobs().items() if spec.flag}
+
+
+def server_knobs() -> dict[str, Knob]:
+    """The knobs the server takes in a request's "dllm" object."""
+    return {name: spec for name, spec in knobs().items() if spec.server}
 
 
 def _string_tuple(stop: Any) -> tuple[str, ...]:
@@ -98,4 +213,4 @@ def _string_tuple(stop: Any) -> tuple[str, ...]:
 def _id_tuple(ids: Any) -> tuple[int, ...]:
     if not isinstance(ids, (list, tuple)):
         raise _fail(f"stop_token_ids={ids!r} ({type(ids).__name__}): expected a list of token ids")
-    return tuple(check_int("stop_token_ids entry", t, _fail, low=0) for t in ids)
+    return tuple(check_int("stop_token_ids entry", t, _fail, low=0, high=INT32_MAX) for t in ids)

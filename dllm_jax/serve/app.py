@@ -59,8 +59,8 @@ class ServerSettings:
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
 
-# builds the session's per-request parameters from a request body and its answer length
-ParamsBuilder = Callable[[_Sampling, int], Any]
+# builds the session's per-request parameters from a request body, its answer length and its method
+ParamsBuilder = Callable[[_Sampling, int, str], Any]
 
 
 def create_app(
@@ -203,7 +203,7 @@ class _Serving:
         method = self._method(body)
         length = self._answer_length(body)
         try:
-            params = self.make_params(body, length)
+            sampling = self.make_params(body, length, method)
         except ValueError as e:
             raise APIError(400, str(e), code="invalid_value") from None
         timeout = min(body.dllm.timeout or self.settings.request_timeout, self.settings.request_timeout)
@@ -213,7 +213,7 @@ class _Serving:
         runs: list[ChoiceRun] = []
         try:
             for i, ids in enumerate(prompts):
-                handle = self.worker.submit(Work(f"{response_id}-{i}", method, ids, params, deadline))
+                handle = self.worker.submit(Work(f"{response_id}-{i}", method, ids, sampling, deadline))
                 text = StableText(self.tokenizer.decode, length, end_ids=self.settings.end_ids,
                                   stops=body.stop_list, max_tokens=length)
                 runs.append(ChoiceRun(handle, text, i, token_text=self._token_text, canvas=body.dllm.canvas,

@@ -9,8 +9,8 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from dllm_jax.runtime.decode_config import DecodeConfig
 from dllm_jax.engine.engine import Engine
+from dllm_jax.runtime.decode_config import DecodeConfig
 from dllm_jax.serve.app import ServerSettings, create_app
 from dllm_jax.serve.metrics import ServerMetrics
 from dllm_jax.serve.params import make_params
@@ -57,9 +57,19 @@ def decode_config(spec: str, options: ServeOptions) -> DecodeConfig:
         raise ValueError(f"method {spec!r}: expected one of {METHOD_SPECS}")
     method, _, extra = spec.partition("+")
     verify = extra == "verify"
-    knobs = {"gamma": options.gamma} if verify and options.gamma is not None else {}
     return DecodeConfig(method=method, gen_length=options.gen_length, batch_size=options.batch_size,
-                        threshold=options.threshold, verify=verify, block_length=options.block_length, **knobs)
+                        verify=verify, block_length=options.block_length)
+
+
+def request_defaults(decode_config: DecodeConfig, options: ServeOptions) -> dict[str, Any]:
+    """The server's defaults of the SamplingParams a request leaves unset, for one method:
+    --threshold where it commits by threshold, --gamma where it verifies."""
+    defaults = {}
+    if options.threshold is not None and not decode_config.fixed_schedule:
+        defaults["threshold"] = options.threshold
+    if options.gamma is not None and decode_config.verify:
+        defaults["gamma"] = options.gamma
+    return defaults
 
 
 def assemble(engine: Engine, tokenizer: Any, options: ServeOptions) -> Server:
@@ -101,7 +111,9 @@ def assemble(engine: Engine, tokenizer: Any, options: ServeOptions) -> Server:
     )
     worker = EngineWorker(sessions, metrics, max_waiting=options.max_waiting,
                           max_iterations=options.iterations_per_call)
-    app = create_app(worker, tokenizer, settings, metrics, make_params)
+    defaults = {spec: request_defaults(config, options) for spec, config in configs.items()}
+    app = create_app(worker, tokenizer, settings, metrics,
+                     lambda body, length, method: make_params(body, length, defaults[method]))
     return Server(app, worker, metrics, settings, warmup)
 
 
@@ -109,9 +121,9 @@ def warm_up(session, max_prompt: int) -> None:
     """Runs the paths serving takes, so that they compile now: a request of the longest prompt
     to its end, and one aborted after its first step."""
     body = CompletionRequest(model="warm-up", prompt=[0])
-    session.add("warm-up-0", [0] * max_prompt, make_params(body, session.decode.gen_length))
+    session.add("warm-up-0", [0] * max_prompt, make_params(body, session.decode_config.gen_length))
     # one token per step (where the method has a threshold), so it is still running when aborted
-    slow = {} if session.decode.uses_schedule else {"dllm": {"threshold": 2.0}}
+    slow = {} if session.decode_config.fixed_schedule else {"dllm": {"threshold": 2.0}}
     session.add("warm-up-1", [0] * max_prompt, make_params(CompletionRequest(model="warm-up", prompt=[0], **slow), 4))
     finished, aborted, freed = False, False, False
     for _ in range(100_000):

@@ -2,24 +2,22 @@
 
 from __future__ import annotations
 
-from dllm_jax.sampling.params import SamplingParams
+from typing import Any
+
+from dllm_jax.sampling.params import SamplingParams, server_knobs
 from dllm_jax.serve.protocol import _Sampling
 
 
-def make_params(body: _Sampling, max_new_tokens: int) -> SamplingParams:
-    """The SamplingParams of a body (max_new_tokens: its answer length). Unset fields take the
-    engine's defaults: greedy (temperature 0), no top-p/top-k filtering, the server's
-    threshold and gamma. Raises SamplingParamsError (a ValueError) naming a bad value."""
-    dllm = body.dllm
-    return SamplingParams(
-        max_new_tokens=max_new_tokens,
-        temperature=0.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=body.effective_top_k or 0,
-        seed=body.seed,
-        stop=tuple(body.stop_list),
-        cfg_scale=dllm.cfg_scale or 0.0,
-        remasking=dllm.remasking or "low_confidence",
-        threshold=dllm.threshold,
-        gamma=dllm.gamma,
-    )
+def make_params(body: _Sampling, max_new_tokens: int, defaults: dict[str, Any] | None = None) -> SamplingParams:
+    """The SamplingParams of a body (max_new_tokens: its answer length). OpenAI's fields map to
+    their SamplingParams namesakes; the "dllm" object's knobs are SamplingParams fields by name.
+    Unset fields take `defaults` (the server's, by field name), else SamplingParams' own.
+    Raises SamplingParamsError (a ValueError) naming a bad value."""
+    values: dict[str, Any] = dict(defaults or {})
+    for name in server_knobs():
+        given = getattr(body.dllm, name)
+        if given is not None:
+            values[name] = given
+    openai = {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.effective_top_k, "seed": body.seed}
+    values.update({name: value for name, value in openai.items() if value is not None})
+    return SamplingParams(max_new_tokens=max_new_tokens, stop=tuple(body.stop_list), **values)

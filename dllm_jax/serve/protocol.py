@@ -7,35 +7,49 @@ object ``"dllm": {...}``; ``top_k`` is also accepted at the top level, as vLLM d
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, create_model, model_validator
 
-NonNegFloat = Annotated[StrictFloat, Field(ge=0)]
+from dllm_jax.sampling.params import FLOAT32_MAX, INT32_MAX, Knob, server_knobs
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class DllmOptions(_Strict):
-    """The diffusion extension: per-request knobs and whether to stream the canvas.
+def _knob_type(spec: Knob) -> Any:
+    """The pydantic type of a SamplingParams knob: its kind within its bounds (and its dtype's)."""
+    if spec.kind == "choice":
+        return Literal[spec.choices]
+    if spec.kind == "int":
+        low = -INT32_MAX - 1 if spec.low is None else spec.low
+        high = INT32_MAX if spec.high is None else spec.high
+        return Annotated[StrictInt, Field(ge=low, le=high)]
+    bounds = {"gt" if spec.low_open else "ge": -FLOAT32_MAX if spec.low is None else spec.low,
+              "le": FLOAT32_MAX if spec.high is None else spec.high}
+    return Annotated[StrictFloat, Field(allow_inf_nan=False, **bounds)]
 
-    threshold: confidence threshold of parallel commits; gamma: Flash-Verify threshold;
-    cfg_scale: classifier-free guidance; remasking: "low_confidence" or "random";
-    top_k: sample among the k most likely tokens; canvas: stream each step's commits;
-    timeout: seconds until the request is abandoned (at most the server's limit);
-    method: one of the methods the server was started with (default: the first).
-    """
 
-    threshold: Annotated[StrictFloat, Field(ge=0)] | None = None
-    gamma: Annotated[StrictFloat, Field(gt=0, le=1)] | None = None
-    cfg_scale: NonNegFloat | None = None
-    remasking: Literal["low_confidence", "random"] | None = None
-    top_k: Annotated[StrictInt, Field(ge=1)] | None = None
+class _DllmControls(_Strict):
+    """What the extension holds besides the SamplingParams knobs: canvas: stream each step's
+    commits; timeout: seconds until the request is abandoned (at most the server's limit);
+    method: one of the methods the server was started with (default: the first)."""
+
     canvas: StrictBool = False
-    timeout: Annotated[StrictFloat, Field(gt=0)] | None = None
+    timeout: Annotated[StrictFloat, Field(gt=0, allow_inf_nan=False)] | None = None
     method: str | None = None
+
+
+# The diffusion extension "dllm": {...}: the SamplingParams knobs declared for the server
+# (dllm_jax.sampling.params: same names, bounds and meaning; unset = the server's default), and
+# the controls above.
+DllmOptions = create_model(
+    "DllmOptions",
+    __base__=_DllmControls,
+    __doc__="The diffusion extension: per-request SamplingParams knobs and the request's controls.",
+    **{name: (_knob_type(spec) | None, None) for name, spec in server_knobs().items()},
+)
 
 
 class StreamOptions(_Strict):

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from dllm_jax.serve.errors import APIError
 from dllm_jax.serve.metrics import ServerMetrics
 from dllm_jax.serve.stable_text import StableText
-from dllm_jax.engine.engine import GenerationResult
+from dllm_jax.engine.results import GenerationResult
 from dllm_jax.serve.worker import RequestHandle
 from dllm_jax.engine.session import StepCommits
 

@@ -3,7 +3,7 @@
 A step commits tokens anywhere in the answer, never undone. The text that can no longer
 change is the decoding of the answer's completed prefix (every position before the first
 undecoded one), up to the first end marker (EOS or a stop token id), cut at the first stop
-string. StableText turns the commits of each step into append-only text deltas, as OpenAI
+string (dllm_jax.engine.results cuts every answer). StableText turns the commits of each step into append-only text deltas, as OpenAI
 streaming clients expect: it holds back a tail that may still become a stop string and an
 incomplete UTF-8 character (the tokenizer decodes it as U+FFFD).
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 
-from dllm_jax.text.tokenizer import tokens_within
+from dllm_jax.engine.results import cut_at_stop_strings
 
 _REPLACEMENT = "\ufffd"
 
@@ -27,12 +27,6 @@ def stable_prefix_length(decoded: Sequence[bool]) -> int:
         if not d:
             return i
     return len(decoded)
-
-
-def first_stop(text: str, stops: Iterable[str]) -> int | None:
-    """Index of the earliest occurrence of any stop string in text, or None."""
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(hits) if hits else None
 
 
 def stop_prefix_holdback(text: str, stops: Iterable[str]) -> int:
@@ -110,19 +104,17 @@ class StableText:
         self._prefix = prefix
         ended = prefix < self._limit and self.tokens[prefix] is not None  # an end marker
         complete = ended or prefix >= self._limit
-        ids = [int(t) for t in self.tokens[:prefix]]
-        text = self._decode(ids)
-        cut = first_stop(text, self._stops)
+        kept, text, stopped = cut_at_stop_strings([int(t) for t in self.tokens[:prefix]], self._decode, self._stops)
         reason = None
-        if cut is not None:
-            text, reason = text[:cut], "stop"
+        if stopped:
+            reason = "stop"
         elif complete:
             reason = "stop" if ended else "length"
         else:
             hold = stop_prefix_holdback(text, self._stops)
             text = text[: len(text) - hold]
             text = text.rstrip(_REPLACEMENT)
-        self.answer_tokens = prefix if cut is None else tokens_within(self._decode, ids, len(text))
+        self.answer_tokens = len(kept)
         return self._emit(text, reason)
 
     def finish(self, text: str, finish_reason: str) -> TextDelta:

@@ -18,13 +18,14 @@ import time
 from collections.abc import Mapping
 from typing import Protocol
 
+from dllm_jax.common.errors import GenerationError
+from dllm_jax.engine.compiled_loop import CompiledLoop
+from dllm_jax.engine.results import GenerationResult
+from dllm_jax.engine.session import RequestUpdate, StepCommits
 from dllm_jax.runtime.decode_config import DecodeConfig
-from dllm_jax.engine.engine import CompiledLoop, Engine, GenerationResult
 from dllm_jax.sampling.params import SamplingParams
 from dllm_jax.serve.errors import APIError
 from dllm_jax.serve.metrics import ServerMetrics
-from dllm_jax.common.errors import GenerationError
-from dllm_jax.engine.session import RequestUpdate, StepCommits, resolve_params
 
 log = logging.getLogger("dllm_jax.serve")
 
@@ -33,10 +34,11 @@ class Session(Protocol):
     """What the worker needs of a generation session (dllm_jax.engine.session.GenerationSession)."""
 
     compiled: CompiledLoop
-    decode: DecodeConfig
-    engine: Engine
 
-    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None: ...
+    @property
+    def decode_config(self) -> DecodeConfig: ...
+    def check(self, prompt_ids: list[int], sampling: SamplingParams, where: str) -> object: ...
+    def add(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> None: ...
     def abort(self, request_id: str) -> bool: ...
     def step(self, max_iterations: int) -> list[RequestUpdate]: ...
     @property
@@ -52,7 +54,7 @@ class Work:
     request_id: str
     method: str
     prompt_ids: list[int]
-    params: SamplingParams
+    sampling: SamplingParams
     deadline: float  # time.monotonic() after which the request is abandoned
 
 
@@ -148,8 +150,7 @@ class EngineWorker:
         the waiting queue is full, 503 when stopping."""
         session = self.sessions[work.method]
         try:  # what session.add would refuse, refused here with the request's own status
-            resolve_params(work.params, len(work.prompt_ids), session.decode,
-                           session.engine.config.max_sequence_length, session.compiled.loop.cfg, "this request")
+            session.check(work.prompt_ids, work.sampling, "this request")
         except GenerationError as e:
             raise APIError(400, f"{e} (method {work.method})", code="invalid_value") from None
         handle = RequestHandle(self, work, asyncio.get_running_loop())
@@ -233,7 +234,7 @@ class EngineWorker:
                 continue
             work = handle.work
             try:
-                self.sessions[work.method].add(work.request_id, work.prompt_ids, work.params)
+                self.sessions[work.method].add(work.request_id, work.prompt_ids, work.sampling)
             except Exception as e:  # a request the session refuses fails alone
                 self.metrics.errors.labels("rejected").inc()
                 handle.deliver(Event(error=APIError(400, f"request rejected by the engine: {e}", code="invalid_request")))

@@ -27,7 +27,7 @@ import orbax.checkpoint as ocp
 from dllm_jax.models.checkpoint.dtypes import DTYPES
 from dllm_jax.models.checkpoint.errors import ConversionError
 from dllm_jax.models.config import ConfigError, ModelConfig
-from dllm_jax.models.transformer import Params, abstract_params
+from dllm_jax.models.transformer import Weights, abstract_params
 from dllm_jax.models.quantization import QUANTIZATIONS, quantize_params
 from dllm_jax.common.quiet_logs import quiet_logs
 
@@ -42,7 +42,7 @@ def _one_leaf_at_a_time(largest_leaf_bytes: int) -> int:
     return largest_leaf_bytes + 1
 
 
-def move_to_jax(params: dict[str, Any]) -> Params:
+def move_to_jax(params: dict[str, Any]) -> Weights:
     """Returns the tree with jax arrays on the default device, emptying ``params`` as it goes.
 
     Each numpy leaf is dropped as soon as its copy exists, so host memory grows by at most one
@@ -79,7 +79,7 @@ def write_metadata(
     (folder / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
 
 
-def save_params(path: Path, params: Params) -> None:
+def save_params(path: Path, params: Weights) -> None:
     """Writes a params tree of jax arrays as an orbax checkpoint at ``path`` (which must not exist).
 
     Raises whatever orbax / TensorStore / the OS raise on a write failure (the caller names
@@ -119,7 +119,7 @@ def read_metadata(folder: Path) -> dict[str, Any]:
     return metadata
 
 
-def load_converted(folder: Path, *, dtype: str, quantization: str | None = None) -> tuple[ModelConfig, Params]:
+def load_converted(folder: Path, *, dtype: str, quantization: str | None = None) -> tuple[ModelConfig, Weights]:
     """Config and params (jax arrays in ``dtype``, cast on restore) of a converted folder.
 
     quantization: None = as stored; a folder stored unquantized can be quantized on load,
@@ -144,7 +144,7 @@ def load_converted(folder: Path, *, dtype: str, quantization: str | None = None)
     return dataclasses.replace(config, quantization=wanted), quantize_params(params, wanted if stored == "none" else "none")
 
 
-def _restore_params(path: Path, config: ModelConfig, *, stored_dtype: str) -> Params:
+def _restore_params(path: Path, config: ModelConfig, *, stored_dtype: str) -> Weights:
     """Restores into the tree, shapes and dtype that ``config`` describes (orbax refuses other shapes).
 
     stored_dtype: the dtype on disk; a leaf's read buffer is the larger of it and config.dtype.
@@ -172,7 +172,7 @@ def _restore_params(path: Path, config: ModelConfig, *, stored_dtype: str) -> Pa
         raise ConversionError(f"{path}: cannot restore the params ({root_cause(e)})") from None
 
 
-def _tree_difference(path: Path, expected: Params) -> str | None:
+def _tree_difference(path: Path, expected: Weights) -> str | None:
     """'missing wte/qembedding; not expected wte/embedding' when the leaf names of the checkpoint
     at ``path`` differ from ``expected``'s (e.g. an 8-bit checkpoint written before the
     embedding was stored in int8); None when they match or the stored names cannot be read."""

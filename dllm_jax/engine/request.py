@@ -1,0 +1,137 @@
+"""A request on the host: its status, its per-slot values, and the host side of the request ring.
+
+A request is WAITING once added to a session, RUNNING once handed to the device's request
+ring (the device installs it in a slot when one frees), and then FINISHED (its result was
+collected) or ABORTED. Its per-slot values are its SamplingParams resolved against the compiled
+loop (dllm_jax.runtime.slots.SLOT_FIELDS): unset values take their defaults, and every value is
+checked to apply to the loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Hashable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dllm_jax.common.errors import GenerationError
+from dllm_jax.runtime.decode_config import DecodeConfig
+from dllm_jax.runtime.slots import ENGINE_VALUES, SLOT_FIELDS, SlotSampling
+from dllm_jax.sampling.params import SamplingParams, knobs
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # added, not yet in the device's request ring
+    RUNNING = "running"  # in the device's ring or in a slot, result not collected
+    FINISHED = "finished"  # its result was collected
+    ABORTED = "aborted"  # stopped before it finished
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One request of a session.
+
+    order: its add order in the session (the random stream of a request without a seed, and
+    GenerationResult.index); slot_values: its per-slot values by SLOT_FIELDS name;
+    ring_index: its global index g in the device ring (entry g % capacity), once RUNNING;
+    reported_step: the last step whose commits were reported.
+    """
+
+    request_id: Hashable
+    order: int
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    slot_values: dict[str, Any]
+    status: RequestStatus = RequestStatus.WAITING
+    ring_index: int = -1
+    reported_step: int = -1
+
+    @property
+    def max_new_tokens(self) -> int:
+        return int(self.slot_values["max_new_tokens"])
+
+
+def slot_values(
+    sampling: SamplingParams, prompt_len: int, decode_config: DecodeConfig, *, cfg: bool, max_sequence_length: int,
+    order: int, where: str, base_seed: int | None = None,
+) -> dict[str, Any]:
+    """The per-slot values of one request (SLOT_FIELDS names), or GenerationError naming `where`.
+
+    cfg: the loop has the guidance pass; order: the request's add order, and base_seed (None:
+    the deprecated DecodeConfig.seed, else 0) the seed: together the random stream of a request
+    that sets no seed.
+    """
+    G = decode_config.gen_length
+    room = max_sequence_length - prompt_len
+    if sampling.max_new_tokens is None:
+        max_new = min(G, room)
+        if max_new <= 0:
+            raise GenerationError(
+                f"{where}: the prompt has {prompt_len} tokens, no room for an answer within the model's "
+                f"max_sequence_length={max_sequence_length}"
+            )
+    else:
+        max_new = sampling.max_new_tokens
+        if max_new > G:
+            raise GenerationError(
+                f"{where}: max_new_tokens={max_new} is more than this engine's generation bucket gen_length={G}"
+            )
+        if max_new > room:
+            raise GenerationError(
+                f"{where}: {prompt_len} prompt tokens + max_new_tokens={max_new} = {prompt_len + max_new} positions, "
+                f"more than the model's max_sequence_length={max_sequence_length}"
+            )
+    problem = sampling.not_applying(decode_config, cfg)
+    if problem is not None:
+        raise GenerationError(f"{where}: {problem}")
+    values: dict[str, Any] = {}
+    for name, spec in knobs().items():
+        value = getattr(sampling, name)
+        if name == "max_new_tokens":
+            value = max_new
+        elif name == "seed" and value is None:
+            value = decode_config.base_seed if base_seed is None else base_seed
+        elif value is None:
+            value = spec.unset(decode_config)
+        values[spec.slot_name or name] = spec.encode(value) if spec.encode is not None else value
+    derived = {
+        # every step commits at least one position: twice the most steps it can need
+        "step_limit": 2 * max_new + 2,
+        "stream": order if sampling.seed is None else 0,
+    }
+    for produced in ENGINE_VALUES.values():
+        for slot_name, _ in produced:
+            values[slot_name] = derived[slot_name]
+    return values
+
+
+class HostRing:
+    """The host side of the device's request ring: request g goes to entry g % capacity once
+    request g - capacity has been collected (its result entry is free)."""
+
+    def __init__(self, capacity: int, width: int):
+        self.tokens = np.zeros((capacity, width), np.int32)
+        self.lengths = np.zeros((capacity,), np.int32)
+        self.sampling = {name: np.zeros((capacity,), dtype) for name, dtype in SLOT_FIELDS}
+        self.free = np.ones((capacity,), bool)
+
+    @property
+    def capacity(self) -> int:
+        return self.tokens.shape[0]
+
+    def put(self, request: Request) -> None:
+        entry = request.ring_index % self.capacity
+        self.tokens[entry] = 0
+        self.tokens[entry, : len(request.prompt_ids)] = request.prompt_ids
+        self.lengths[entry] = len(request.prompt_ids)
+        for name, value in request.slot_values.items():
+            self.sampling[name][entry] = value
+        self.free[entry] = False
+
+    def arrays(self) -> tuple[jax.Array, jax.Array, SlotSampling]:
+        sampling = SlotSampling(**{name: jnp.asarray(a) for name, a in self.sampling.items()})
+        return jnp.asarray(self.tokens), jnp.asarray(self.lengths), sampling
