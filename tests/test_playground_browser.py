@@ -2,7 +2,7 @@
 
 Needs Debian's ``chromium`` and ``chromium-driver`` (``.ci/run`` installs them); when the
 browser cannot start, the tests fail with the reason. ``DLLM_SCREENSHOT=docs/playground.png``
-writes the compare-mode screenshot there (the README's picture); otherwise it goes to a tmp path.
+writes the compare-mode screenshot there (docs/serving.md's picture); otherwise it goes to a tmp path.
 """
 
 from __future__ import annotations

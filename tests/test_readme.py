@@ -1,9 +1,10 @@
-"""README.md's code blocks, extracted from the README and run as printed, so the two cannot drift.
+"""The code blocks of README.md and docs/*.md, extracted from the pages and run as printed, so
+the pages and the code cannot drift.
 
-Every ```bash and ```python block of the README runs, section by section, each section in its
-own empty folder (blocks of a section share it, in order: the Converting section loads what
-its conversion wrote). A ```text block right after a code block is that block's expected
-stdout. What is not run as printed, and why:
+Every ```bash and ```python block runs, section (``## `` heading) by section, each section in
+its own empty folder (blocks of a section share it, in order: docs/conversion.md's loading
+block loads what its conversion wrote). A ```text block right after a code block is that
+block's expected stdout. What is not run as printed, and why:
 
 * the Quick start's install segment (``python3 -m venv ... && .venv/bin/pip install ...``)
   and its test-suite line (``.venv/bin/python -m pytest``): the test runs inside that suite.
@@ -17,8 +18,9 @@ stdout. What is not run as printed, and why:
   as in an activated virtual environment), and ``pretrained=dllm_jax/assets/tiny-llada`` (the
   embedded model, relative to the checkout) names the checkout's folder.
 * a block whose first line is ``# needs: ...`` says what it needs that a test machine does not
-  have (a model's real weights and the Hub's datasets; a server left running in a terminal):
-  it is not run; tests/test_serve.py and tests/test_lm_eval_model.py run its equivalents.
+  have (a model's real weights and the Hub's datasets; a server left running in a terminal;
+  a GPU): it is not run; the tests named in the page run its equivalents.
+* a ```text block that follows no code block (a usage summary, a layout) is not run.
 * the processes see 4 CPU devices (JAX_NUM_CPU_DEVICES=4), as the rest of the suite does.
 """
 
@@ -32,6 +34,7 @@ import pytest
 from dllm_jax.models.embedded import tiny_model_path
 
 ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 PLACEHOLDERS = {
     "PATH/TO/LLaDA-8B-Instruct": str(tiny_model_path()),
     "pretrained=dllm_jax/assets/tiny-llada": f"pretrained={tiny_model_path()}",
@@ -40,15 +43,16 @@ NEEDS = "# needs: "
 SCRIPTS = {"dllm-generate": "dllm_jax.cli.generate", "dllm-convert": "convert.hf_to_jax"}
 INSTALL_PREFIX = "python3 -m venv .venv && .venv/bin/pip install"
 SUITE_COMMAND = ".venv/bin/python -m pytest"
+RUN = {"bash", "python"}
 
 pytestmark = pytest.mark.slow  # every block starts a process that compiles a decode loop
 
 
-def readme_blocks() -> dict[str, list[dict]]:
+def page_blocks(page: Path) -> dict[str, list[dict]]:
     """Section title -> its code blocks in order: {"lang", "code", "expected" (the next text block or None)}."""
     sections: dict[str, list[dict]] = {}
     title, fence, lines = None, None, []
-    for line in (ROOT / "README.md").read_text().splitlines():
+    for line in page.read_text().splitlines():
         if fence is None and line.startswith("## "):
             title = line[3:].strip()
         elif fence is None and line.startswith("```"):
@@ -56,7 +60,7 @@ def readme_blocks() -> dict[str, list[dict]]:
         elif fence is not None and line == "```":
             blocks = sections.setdefault(title, [])
             code = "\n".join(lines) + "\n"
-            if fence == "text" and blocks and blocks[-1]["lang"] != "text" and blocks[-1]["expected"] is None:
+            if fence == "text" and blocks and blocks[-1]["lang"] in RUN and blocks[-1]["expected"] is None:
                 blocks[-1]["expected"] = code
             else:
                 blocks.append({"lang": fence, "code": code, "expected": None})
@@ -66,15 +70,34 @@ def readme_blocks() -> dict[str, list[dict]]:
     return sections
 
 
-RUN = {"bash", "python"}
-SECTIONS = [title for title, blocks in readme_blocks().items() if any(b["lang"] in RUN for b in blocks)]
+def runs(block: dict) -> bool:
+    return block["lang"] in RUN and not block["code"].startswith(NEEDS)
 
 
-def test_the_readme_has_the_blocks_this_test_runs():
-    assert {"Quick start", "Generating", "Converting a checkpoint", "Several devices"} <= set(SECTIONS)
-    quick = readme_blocks()["Quick start"][0]["code"].splitlines()
+SECTIONS = [
+    (page.relative_to(ROOT).as_posix(), title)
+    for page in PAGES
+    for title, blocks in page_blocks(page).items()
+    if any(runs(b) for b in blocks)
+]
+
+
+def test_the_pages_have_the_blocks_this_test_runs():
+    assert {
+        ("README.md", "Quick start"), ("README.md", "Generating"), ("README.md", "The library"),
+        ("docs/conversion.md", "Converting a checkpoint"), ("docs/kernels.md", "Several devices"),
+    } <= set(SECTIONS)
+    quick = page_blocks(ROOT / "README.md")["Quick start"][0]["code"].splitlines()
     assert quick[0].startswith(INSTALL_PREFIX) and ".venv/bin/dllm-generate" in quick[0]
     assert quick[1].startswith(SUITE_COMMAND)
+
+
+def test_every_skipped_block_says_what_it_needs():
+    for page in PAGES:
+        for title, blocks in page_blocks(page).items():
+            for block in blocks:
+                if block["lang"] in RUN and block["code"].startswith(NEEDS):
+                    assert len(block["code"].splitlines()[0]) > len(NEEDS) + 10, f"{page.name}, {title}: say what the block needs"
 
 
 def as_run(code: str) -> str:
@@ -121,24 +144,21 @@ def workdir(tmp_path, compilation_cache):
     return tmp_path, env
 
 
-@pytest.mark.parametrize("section", SECTIONS)
-def test_readme_section_runs_as_printed(section, workdir):
+@pytest.mark.parametrize("page, section", SECTIONS, ids=[f"{p}: {s}" for p, s in SECTIONS])
+def test_section_runs_as_printed(page, section, workdir):
     cwd, env = workdir
-    for block in readme_blocks()[section]:
-        if block["lang"] not in RUN:
-            continue
-        if block["code"].startswith(NEEDS):
-            assert len(block["code"].splitlines()[0]) > len(NEEDS) + 10, "say what the block needs"
+    for block in page_blocks(ROOT / page)[section]:
+        if not runs(block):
             continue
         code = as_run(block["code"])
         command = ["bash", "-euo", "pipefail", "-c", code] if block["lang"] == "bash" else [sys.executable, "-c", code]
         result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=600)
-        assert result.returncode == 0, f"{section}: {code}\n{result.stderr[-3000:]}"
+        assert result.returncode == 0, f"{page}, {section}: {code}\n{result.stderr[-3000:]}"
         assert "Traceback" not in result.stderr, result.stderr
         if block["expected"] is not None:
-            assert result.stdout.strip() == block["expected"].strip(), f"{section}: {code}"
-        if section == "Generating":
-            check_answers(cwd / "answers.jsonl")
+            assert result.stdout.strip() == block["expected"].strip(), f"{page}, {section}: {code}"
+    if (page, section) == ("README.md", "Generating"):
+        check_answers(cwd / "answers.jsonl")
 
 
 def check_answers(path: Path) -> None:

@@ -2,9 +2,9 @@
 # The server's packages for the GPU machine's image (Python 3.12, no network there; it lacks
 # fastapi, uvicorn, starlette and pydantic), installed into ./gpu_serve_deps (git-ignored) to
 # travel with the working tree. Run on a machine with PyPI, then on the GPU:
-#   PYTHONPATH=.:gpu_serve_deps python3 scripts/gpu_serve_bench.py --out $OUT
+#   PYTHONPATH=.:gpu_serve_deps python3 scripts/gpu/serve_vs_engine.py --out $OUT
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 rm -rf gpu_serve_deps
 ${PIP:-python3 -m pip} install --quiet --disable-pip-version-check --target gpu_serve_deps --only-binary=:all: \
     --python-version 3.12 --implementation cp --platform manylinux2014_x86_64 \

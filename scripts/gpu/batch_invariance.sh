@@ -3,8 +3,8 @@
 # into a request's result in the default mode, whether the batch-invariant mode removes it, and
 # what the mode costs.
 #
-#   bash scripts/gpu_batch_invariance.sh              # everything, results under ${OUT:-results}/batch_invariance
-#   bash scripts/gpu_batch_invariance.sh leak bench   # only some parts (flags gemm leak rerun problems bench)
+#   bash scripts/gpu/batch_invariance.sh              # everything, results under ${OUT:-results}/batch_invariance
+#   bash scripts/gpu/batch_invariance.sh leak bench   # only some parts (flags gemm leak rerun problems bench)
 #
 # Parts (each capped by `timeout`; a part that runs out still leaves what it wrote):
 #   flags  XLA accepts the deterministic flags (dllm_jax.runtime.batch_invariance.DETERMINISTIC_XLA_FLAGS)
@@ -23,7 +23,7 @@
 # Every part writes a .md next to its .json; SUMMARY.md concatenates them with the run log.
 # TIME_SCALE=N multiplies every time limit; PYTHON picks the interpreter (default: python).
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 export PYTHONPATH=$PWD
 R=${OUT:-results}/batch_invariance
 mkdir -p "$R"

@@ -1,7 +1,7 @@
 """The server under saturating load against Engine.generate on the same requests.
 
-    PYTHONPATH=. python scripts/gpu_serve_bench.py                  # GPU: LLaDA-8B shape, random bf16 weights
-    PYTHONPATH=. python scripts/gpu_serve_bench.py --smoke          # CPU: a tiny random model, a few requests
+    PYTHONPATH=. python scripts/gpu/serve_vs_engine.py                  # GPU: LLaDA-8B shape, random bf16 weights
+    PYTHONPATH=. python scripts/gpu/serve_vs_engine.py --smoke          # CPU: a tiny random model, a few requests
 
 Random weights make confidences meaningless, so every request runs the equal-work schedule
 of bench.py ("one": threshold 2, one token per step, flash_cache). The server runs in this
@@ -26,7 +26,7 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import httpx  # noqa: E402
 import jax  # noqa: E402
@@ -136,7 +136,7 @@ def main(argv=None) -> int:
 
     opts.out.mkdir(parents=True, exist_ok=True)
     load_report = opts.out / "serve_bench_load.json"
-    load_cmd = [sys.executable, str(Path(__file__).resolve().parent / "load_test.py"), "--url", url, "--rate", "inf",
+    load_cmd = [sys.executable, str(Path(__file__).resolve().parents[1] / "load_test.py"), "--url", url, "--rate", "inf",
                 "--requests", str(opts.requests), "--prompt-ids", str(opts.prompt_length),
                 "--vocab", str(config.vocab_size - 2), "--max-tokens", str(opts.gen_length),
                 "--seed", "7", "--output", str(load_report)] + (["--dllm", '{"canvas": true}'] if opts.canvas else [])

@@ -1,8 +1,8 @@
 #!/bin/bash
 # Issue 17 on one H200. Two calls of about 5-6 minutes each; every step has its own time limit,
 # cut to what is left of TOTAL seconds (default 540), so a slow compile cannot eat the call:
-#   call 1: bash scripts/gpu_quant17.sh                                  (STEPS="gemm steps fp8")
-#   call 2: STEPS="profile sweep fp8gemm fp8_triton" bash scripts/gpu_quant17.sh
+#   call 1: bash scripts/gpu/quantization.sh                                  (STEPS="gemm steps fp8")
+#   call 2: STEPS="profile sweep fp8gemm fp8_triton" bash scripts/gpu/quantization.sh
 # Steps:
 #   gemm       the projection GEMMs at LLaDA-8B shapes, rows 128/1024/4096: bf16 cuBLAS, XLA's
 #              int8 fusion ("int8 xla") and the new Pallas int8 kernel ("int8 pallas")
@@ -27,7 +27,7 @@
 #              32 slots with the Triton GEMM autotuner off and xla_gpu_autotune_level=1
 # Results: $R/<step>/ (bench.json/.md, bench_gemm.json/.md, profile_*.json) and $R/<step>.log,
 # R=/tmp/r, tarred to $OUT/results.tgz after every step; a summary is printed at the end.
-#   SMOKE=1 STEPS="gemm steps fp8 profile sweep fp8gemm fp8_triton" bash scripts/gpu_quant17.sh
+#   SMOKE=1 STEPS="gemm steps fp8 profile sweep fp8gemm fp8_triton" bash scripts/gpu/quantization.sh
 #                                          # CPU check of the script itself at tiny shapes
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 TOTAL=${TOTAL:-540}

@@ -1,9 +1,9 @@
 """Decode-step times, first full passes and the step's control flow of one code tree (issue 12).
 
-    python3 scripts/gpu_perf12.py --out $OUT/perf12/new.json                      # this tree
-    PYTHONPATH=$PWD/.old python3 scripts/gpu_perf12.py --tree .old --out $OUT/perf12/old.json
-    python3 scripts/gpu_perf12.py --compare $OUT/perf12/new.json $OUT/perf12/old.json
-    python3 scripts/gpu_perf12.py --smoke --out /tmp/perf12.json                  # CPU, tiny model
+    python3 scripts/gpu/step_against_old_tree.py --out $OUT/perf12/new.json                      # this tree
+    PYTHONPATH=$PWD/.old python3 scripts/gpu/step_against_old_tree.py --tree .old --out $OUT/perf12/old.json
+    python3 scripts/gpu/step_against_old_tree.py --compare $OUT/perf12/new.json $OUT/perf12/old.json
+    python3 scripts/gpu/step_against_old_tree.py --smoke --out /tmp/perf12.json                  # CPU, tiny model
 
 Runs bench.py's own ``steady_step_time`` of the given tree (flash_cache, one token per step,
 backend auto, the full pass over all slots at once, random per-layer bf16 weights at LLaDA-8B
@@ -131,7 +131,7 @@ def compare(new_path: Path, old_path: Path) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tree", type=Path, default=Path(__file__).resolve().parent.parent,
+    p.add_argument("--tree", type=Path, default=Path(__file__).resolve().parents[2],
                    help="the code tree whose bench.py and dllm_jax run (default: this one)")
     p.add_argument("--slots", nargs="+", type=int, default=None, help="default 1 8 32 (smoke: 1 2)")
     p.add_argument("--smoke", action="store_true", help="tiny model, backend xla: a CPU check of the script")
