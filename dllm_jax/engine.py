@@ -152,6 +152,16 @@ class CompiledLoop:
         return self.init(tokens, lengths, params, jnp.int32(len(prompts)))
 
 
+def _first_execution(params: Params, init: Any, run: Any, capacity: int, width: int) -> None:
+    """Runs a new GPU executable once, for zero iterations over an empty queue, so that its
+    first execution's one-time cost (loading its kernels, setting up its GEMMs) comes with the
+    compile and not with the first request. On the H200 (LLaDA-8B, 1 slot) the first full pass
+    of a fresh loop took 137 ms, and 20 ms after this run (which took 76 ms)."""
+    prompts = jnp.zeros((capacity, width), jnp.int32)
+    state = init(prompts, jnp.zeros((capacity,), jnp.int32), zero_params((capacity,)), jnp.int32(0))
+    jax.block_until_ready(run(params, state, jnp.int32(0), jnp.bool_(False)))
+
+
 class Engine:
     """Holds a model and its compiled decode loops.
 
@@ -410,7 +420,8 @@ class Engine:
         width = _next_power_of_two(longest_prompt, _MIN_PROMPT_BUCKET)
         key = (loop, capacity, width)
         if key not in self._executables:
-            if any(isinstance(w, jax.ShapeDtypeStruct) for w in jax.tree.leaves(self.params)):
+            abstract = any(isinstance(w, jax.ShapeDtypeStruct) for w in jax.tree.leaves(self.params))
+            if abstract:
                 memory = estimate_decode_loop(loop, queue_capacity=capacity, prompt_width=width)
             else:
                 memory = check_decode_loop(loop, queue_capacity=capacity, prompt_width=width)
@@ -426,6 +437,8 @@ class Engine:
             options = self.compiler_options or None
             init = jax.jit(loop.init_state, **init_layout).lower(prompts, lengths, params, count).compile(options)
             run = jax.jit(loop.run, donate_argnums=1, **run_layout).lower(self.params, state, scalar, flag).compile(options)
+            if not abstract and jax.devices()[0].platform == "gpu":
+                _first_execution(self.params, init, run, capacity, width)
             self._executables[key] = CompiledLoop(loop, capacity, width, init, run, time.perf_counter() - start, memory)
         return self._executables[key]
 
