@@ -57,6 +57,16 @@ def _next_power_of_two(n: int, minimum: int) -> int:
     return max(minimum, 1 << max(0, (n - 1).bit_length()))
 
 
+def _first_execution(weights: Weights, init: Any, run: Any, capacity: int, width: int) -> None:
+    """Runs a new GPU executable once, for zero iterations over an empty queue, so that its
+    first execution's one-time cost (loading its kernels, setting up its GEMMs) comes with the
+    compile and not with the first request. On the H200 (LLaDA-8B, 1 slot) the first full pass
+    of a fresh loop took 137 ms, and 20 ms after this run (which took 76 ms)."""
+    prompts = jnp.zeros((capacity, width), jnp.int32)
+    state = init(prompts, jnp.zeros((capacity,), jnp.int32), zero_sampling((capacity,)), jnp.int32(0))
+    jax.block_until_ready(run(weights, state, jnp.int32(0), jnp.bool_(False)))
+
+
 class Engine:
     """Holds a model and its compiled decode loops.
 
@@ -332,7 +342,8 @@ class Engine:
         width = _next_power_of_two(longest_prompt, _MIN_PROMPT_BUCKET)
         key = (loop, capacity, width)
         if key not in self._executables:
-            if any(isinstance(w, jax.ShapeDtypeStruct) for w in jax.tree.leaves(self.weights)):
+            abstract = any(isinstance(w, jax.ShapeDtypeStruct) for w in jax.tree.leaves(self.weights))
+            if abstract:
                 memory = estimate_decode_loop(loop, queue_capacity=capacity, prompt_width=width)
             else:
                 memory = check_decode_loop(loop, queue_capacity=capacity, prompt_width=width)
@@ -348,6 +359,8 @@ class Engine:
             options = self.compiler_options or None
             init = jax.jit(loop.init_state, **init_layout).lower(prompts, lengths, sampling, count).compile(options)
             run = jax.jit(loop.run, donate_argnums=1, **run_layout).lower(self.weights, state, scalar, flag).compile(options)
+            if not abstract and jax.devices()[0].platform == "gpu":
+                _first_execution(self.weights, init, run, capacity, width)
             self._executables[key] = CompiledLoop(
                 loop, decode_config, capacity, width, init, run, time.perf_counter() - start, memory
             )

@@ -17,10 +17,13 @@ no transpose of the weights at run time. The matmuls:
                  the output dtype), then * xs * scale.
   int8-weights   activations stay in the model dtype; the int8 weights are converted to it
                  inside the GEMM, float32 accumulation, then * scale: XLA's dot on the
-                 converted weights (on the H200 slower than bf16: BENCHMARKS.md). The Pallas
-                 kernel pallas_kernels.matmul.int8_matmul (int8 tiles dequantized in registers, each
-                 weight byte read once) is opt-in (int8_gemm="pallas"): on the H200 it ran at
-                 1.45-2.0x the bf16 GEMM's time, slower than XLA's fusion (1.11-1.46x).
+                 converted weights (on the H200 slower than bf16: BENCHMARKS.md). Two
+                 kernels read each weight byte once and dequantize it in registers: the
+                 Mosaic GPU one (pallas_kernels.matmul.weight_only_matmul: wgmma with the
+                 weights as the register operand; "auto" runs it on Hopper GPUs for the row
+                 counts where it measured faster than XLA's, WEIGHT_ONLY_MAX_ROWS) and the
+                 older Triton one (pallas_kernels.matmul.int8_matmul, opt-in, int8_gemm="pallas": on
+                 the H200 1.45-2.0x the bf16 GEMM's time).
 
 The embedding (``wte``) stores, instead of ``embedding`` [V, D]:
 
@@ -52,13 +55,20 @@ _FP8 = jnp.float8_e4m3fn
 _FP8_MAX = float(jnp.finfo(_FP8).max)  # 448
 _INT8_MAX = 127.0
 
-# int8_gemm choices of quantized_matmul: "auto" = the Pallas kernel on an NVIDIA GPU for at most
-# INT8_KERNEL_MAX_ROWS rows and XLA otherwise; "xla"; "pallas"; "interpret" = the kernel in
-# interpret mode (CPU tests). INT8_KERNEL_MAX_ROWS is 0 (auto = XLA everywhere) because the
-# kernel's default tiling ran slower than XLA's int8 fusion at 128, 1024 and 4096 rows on the
-# H200 (scripts/bench_gemm.py, BENCHMARKS.md); raise it once a tiling from `--sweep` wins.
-INT8_GEMMS: tuple[str, ...] = ("auto", "xla", "pallas", "interpret")
+# int8_gemm choices of quantized_matmul: "auto" = the Mosaic GPU weight-only kernel on a Hopper
+# GPU whose JAX builds it, for bf16 activations of at most WEIGHT_ONLY_MAX_ROWS rows, else the
+# Triton kernel on an NVIDIA GPU for at most INT8_KERNEL_MAX_ROWS rows, else XLA; "xla";
+# "mosaic" (the Mosaic GPU kernel); "pallas" (the Triton kernel); "interpret" = the Triton
+# kernel in interpret mode (CPU tests). INT8_KERNEL_MAX_ROWS is 0 because the Triton kernel's
+# default tiling ran slower than XLA's int8 fusion at 128, 1024 and 4096 rows on the H200
+# (scripts/bench_gemm.py, BENCHMARKS.md). WEIGHT_ONLY_MAX_ROWS = 128 (one slot's sparse step):
+# there the Mosaic kernel made the int8-weights 1-slot flash_cache step 7.20 ms against 8.66
+# through XLA (bf16: 6.96-7.00), H200, scripts/gpu/one_request.py; the 640-row full pass of
+# the same slot took 46.0 ms through it against 34.1 through XLA (which converts the weights
+# and calls cuBLAS at that size), so larger row counts stay with XLA until measured better.
+INT8_GEMMS: tuple[str, ...] = ("auto", "xla", "mosaic", "pallas", "interpret")
 INT8_KERNEL_MAX_ROWS = 0
+WEIGHT_ONLY_MAX_ROWS = 128
 
 
 def weight_dtype(mode: str) -> Any:
@@ -186,32 +196,46 @@ def quantized_matmul(x: jax.Array, qkernel: jax.Array, scale: jax.Array, out_dty
         product = jnp.float32 if jnp.dtype(out_dtype).itemsize >= 4 else out_dtype
         y = jax.lax.dot_general(xq, qkernel, contract, preferred_element_type=product)
         return (y.astype(jnp.float32) * (x_scale * scale)).astype(out_dtype)
-    if _int8_kernel(int8_gemm, x, qkernel):
+    gemm = _int8_gemm(int8_gemm, x, qkernel, out_dtype)
+    lead, (n, k) = x.shape[:-1], qkernel.shape
+    if gemm == "mosaic":
+        from pallas_kernels.matmul.weight_only_matmul import weight_only_matmul
+
+        return weight_only_matmul(x.reshape(-1, k), qkernel, scale, out_dtype=jnp.dtype(out_dtype)).reshape(*lead, n)
+    if gemm == "triton":
         from pallas_kernels.matmul.int8_matmul import int8_weight_matmul
 
-        lead, (n, k) = x.shape[:-1], qkernel.shape
         y = int8_weight_matmul(x.reshape(-1, k), qkernel, scale, out_dtype=jnp.dtype(out_dtype), interpret=int8_gemm == "interpret")
         return y.reshape(*lead, n)
     y = jax.lax.dot_general(x, qkernel.astype(x.dtype), contract, preferred_element_type=jnp.float32)
     return (y * scale).astype(out_dtype)
 
 
-def _int8_kernel(int8_gemm: str, x: jax.Array, qkernel: jax.Array) -> bool:
-    """Whether an int8 weight GEMM runs as the Pallas kernel (see INT8_GEMMS)."""
+def _int8_gemm(int8_gemm: str, x: jax.Array, qkernel: jax.Array, out_dtype: Any) -> str:
+    """Which GEMM an int8 weight product runs: "mosaic", "triton" or "xla" (see INT8_GEMMS)."""
     if int8_gemm not in INT8_GEMMS:
         raise ValueError(f"int8_gemm={int8_gemm!r}: expected one of {INT8_GEMMS}")
     if int8_gemm == "xla":
-        return False
+        return "xla"
     from pallas_kernels.matmul.int8_matmul import supports
+    from pallas_kernels.matmul import weight_only_matmul as mosaic
 
     rows = math.prod(x.shape[:-1])
-    fits = supports(rows, *qkernel.shape) and jnp.issubdtype(x.dtype, jnp.floating)
+    mosaic_fits = mosaic.supports(rows, *qkernel.shape, out_dtype=out_dtype) and x.dtype == jnp.bfloat16
+    triton_fits = supports(rows, *qkernel.shape) and jnp.issubdtype(x.dtype, jnp.floating)
+    if int8_gemm == "mosaic":
+        if not mosaic_fits or not mosaic.available():
+            raise ValueError(f"int8_gemm='mosaic': the kernel does not take x {x.shape} {x.dtype} @ qkernel {qkernel.shape} "
+                             f"with this JAX ({jax.__version__})")
+        return "mosaic"
     if int8_gemm != "auto":
-        if not fits:
+        if not triton_fits:
             raise ValueError(f"int8_gemm={int8_gemm!r}: the kernel does not take x {x.shape} @ qkernel {qkernel.shape}")
-        return True
+        return "triton"
+    if mosaic_fits and rows <= WEIGHT_ONLY_MAX_ROWS and mosaic.runs_here():
+        return "mosaic"
 
-    return fits and rows <= INT8_KERNEL_MAX_ROWS and platform.on_nvidia_gpu()
+    return "triton" if triton_fits and rows <= INT8_KERNEL_MAX_ROWS and platform.on_nvidia_gpu() else "xla"
 
 
 def compiler_options(mode: str) -> dict[str, Any]:
