@@ -49,13 +49,22 @@ from pallas_kernels.projection.qkv_rope_cache_mosaic import (
     qkv_rope_cache_mosaic_fp8,
     qkv_rope_cache_mosaic_fp8_reference,
 )
+from pallas_kernels.projection.quantize_rows import (
+    quantize_rows_reference,
+    rms_norm_quantize,
+    rms_norm_quantize_reference,
+    swiglu_quantize,
+    swiglu_quantize_reference,
+)
 from pallas_kernels.qkv_rope_cache import qkv_rope_cache_reference
+from pallas_kernels.reference.rms_norm import rms_norm
 from pallas_kernels.reference.rope import apply_rope, rope_cos_sin
 from pallas_kernels.scatter_rows import scatter_kv_rows
 
 THETA = 500000.0
 D, HEADS, HEAD_DIM, ROWS_PER_SLOT, MAX_LEN, CACHE_SLOTS, LAYERS = 4096, 32, 128, 128, 2048, 32, 2
 SLOTS = (1, 8, 32)
+FF, EPS = 12288, 1e-5  # LLaDA-8B's SwiGLU width and RMSNorm epsilon
 INNER = {1: 24, 8: 12, 32: 6}  # chained calls per timed program
 INTERPRET = False  # --tiny: CPU smoke test of the script (tiny shapes, the kernels interpreted)
 RUNS_PER_SAMPLE = 3
@@ -231,7 +240,7 @@ def make_weights(key):
     return per_layer, fp8_layer, stacked, stacked_q, stacked_s
 
 
-def bench_slots(results, slots, weights, caches, budget_end, extra: bool, quick: bool):
+def bench_slots(results, slots, weights, caches, budget_end, extra: bool):
     per_layer, fp8_layer, stacked, stacked_q, stacked_s = weights
     rng = np.random.default_rng(slots)
     n = ROWS_PER_SLOT * slots
@@ -296,8 +305,7 @@ def bench_slots(results, slots, weights, caches, budget_end, extra: bool, quick:
         record("bf16 xla", bf16_xla, x)
         record(f"bf16 mosaic {tiling_name(bf16_default)} (default)", bf16_mosaic(None), x)
         record("fp8 xla", fp8_xla, x, FP8_OPTIONS)
-        if not quick:
-            record("fp8 xla, x pre-quantized", fp8_xla_pre, xq, FP8_OPTIONS)
+        record("fp8 xla, x pre-quantized", fp8_xla_pre, xq, FP8_OPTIONS)
         record(f"fp8 mosaic {tiling_name(fp8_default)} (default)", fp8_mosaic(None), xq, FP8_OPTIONS)
     else:
         for tiling in SWEEP["bf16"]:
@@ -307,6 +315,67 @@ def bench_slots(results, slots, weights, caches, budget_end, extra: bool, quick:
             if time.time() < budget_end and tiling != fp8_default:
                 record(f"fp8 mosaic {tiling_name(tiling)}", fp8_mosaic(tiling), xq, FP8_OPTIONS)
     return caches
+
+
+def dequantize(q, scale, dtype):
+    return (q.astype(jnp.float32) * scale[:, None]).astype(dtype)
+
+
+def check_producers(results) -> None:
+    """The two FP8 producer kernels against their references at 8 slots' rows."""
+    rng = np.random.default_rng(1)
+    n = ROWS_PER_SLOT * SLOTS[min(1, len(SLOTS) - 1)]
+    x = jnp.asarray(rng.standard_normal((n, D)) * 3, jnp.bfloat16)
+    weight = jnp.asarray(1 + 0.1 * rng.standard_normal(D), jnp.bfloat16)
+    gate, up = (jnp.asarray(rng.standard_normal((n, FF)) * 2, jnp.bfloat16) for _ in range(2))
+    for name, got, want in (
+        ("rms_norm_quantize", lambda: rms_norm_quantize(x, weight, EPS, interpret=INTERPRET),
+         lambda: rms_norm_quantize_reference(x, weight, EPS)),
+        ("swiglu_quantize", lambda: swiglu_quantize(gate, up, interpret=INTERPRET),
+         lambda: swiglu_quantize_reference(gate, up)),
+    ):
+        try:
+            (q, scale), (q_ref, scale_ref) = got(), want()
+            err = rel_l2(dequantize(q, scale, jnp.float32), dequantize(q_ref, scale_ref, jnp.float32))
+            differ = float(np.mean(np.asarray(q.astype(jnp.float32)) != np.asarray(q_ref.astype(jnp.float32))))
+            results["checks"][f"{name} {n} rows"] = {"max_rel_l2": err, "fp8_elements_differing": differ,
+                                                     "ok": bool(err < 1e-2 and differ < 0.01)}
+        except Exception as e:  # noqa: BLE001
+            results["checks"][f"{name} {n} rows"] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+            traceback.print_exc()
+        print("check", name, results["checks"][f"{name} {n} rows"], flush=True)
+
+
+def bench_producers(results, slots) -> None:
+    """The FP8 producers against XLA's producer + per-row quantization (the fp8 engine's path
+    today), each a chain whose next input is the dequantized output (one elementwise pass,
+    the same in both)."""
+    n = ROWS_PER_SLOT * slots
+    keys = jax.random.split(jax.random.key(100 + slots), 4)
+    x = jax.random.normal(keys[0], (n, D), jnp.bfloat16)
+    weight = (1 + 0.1 * jax.random.normal(keys[1], (D,), jnp.float32)).astype(jnp.bfloat16)
+    gate = jax.random.normal(keys[2], (n, FF), jnp.bfloat16)
+    up = jax.random.normal(keys[3], (n, FF), jnp.bfloat16)
+    entry = results["producers"].setdefault(str(slots), {})
+    variants = (
+        ("rms_norm + quantize: xla", lambda i, c, w: dequantize(*quantize_rows_reference(rms_norm(c, w, EPS)), c.dtype),
+         x, weight),
+        ("rms_norm + quantize: kernel", lambda i, c, w: dequantize(*rms_norm_quantize(c, w, EPS, interpret=INTERPRET),
+                                                                   c.dtype), x, weight),
+        ("swiglu + quantize: xla", lambda i, c, u: dequantize(*quantize_rows_reference(jax.nn.silu(c) * u), c.dtype),
+         gate, up),
+        ("swiglu + quantize: kernel", lambda i, c, u: dequantize(*swiglu_quantize(c, u, interpret=INTERPRET), c.dtype),
+         gate, up),
+    )
+    for name, step, carry, consts in variants:
+        try:
+            seconds, _ = time_chain(step, jnp.array(carry, copy=True), consts, inner=INNER[slots],
+                                    repeats=2 if INTERPRET else 5, options=FP8_OPTIONS)
+            entry[name] = {"us": seconds * 1e6}
+        except Exception as e:  # noqa: BLE001
+            entry[name] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+            traceback.print_exc()
+        print(f"slots={slots} {name}: {entry[name]}", flush=True)
 
 
 def print_table(results) -> None:
@@ -320,6 +389,14 @@ def print_table(results) -> None:
             base = entry.get("fp8 xla" if name.startswith("fp8") else "bf16 xla", {})
             ratio = f"{base['us'] / r['us']:.2f}" if "us" in base else "-"
             print(f"| {slots} | {name} | {r['us']:.1f} | {r['tflops']:.0f} | {ratio} |")
+    print("\n| slots | FP8 producer | us / call | xla / kernel |")
+    print("|---|---|---|---|")
+    for slots, entry in results["producers"].items():
+        for name, r in entry.items():
+            base = entry.get(name.replace("kernel", "xla"), {})
+            ratio = f"{base['us'] / r['us']:.2f}" if "us" in r and "us" in base else "-"
+            print(f"| {slots} | {name} | {r['us']:.1f} | {ratio} |" if "us" in r else f"| {slots} | {name} | "
+                  f"{r.get('error', '?')[:80]} | |")
     print("\n| check | max rel L2 | ok |")
     print("|---|---|---|")
     for name, r in results["checks"].items():
@@ -330,20 +407,22 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget-s", type=float, default=200.0, help="start no sweep tiling after this many seconds")
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for bench_fused_projection.json")
-    parser.add_argument("--checks", choices=("full", "quick", "none"), default="full",
+    parser.add_argument("--skip-producers", action="store_true", help="do not time the FP8 producer kernels")
+    parser.add_argument("--checks", choices=("full", "quick", "none"), default="quick",
                         help="full: default tilings at 1 and 8 slots + a Dream-like case; quick: 8 slots only")
     parser.add_argument("--sweep", action="store_true", help="also time the SWEEP tilings (within --budget-s)")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny shapes, kernels interpreted")
     args = parser.parse_args()
     if args.tiny:
-        global D, HEADS, MAX_LEN, CACHE_SLOTS, SLOTS, INNER, INTERPRET, RUNS_PER_SAMPLE
-        D, HEADS, MAX_LEN, CACHE_SLOTS, SLOTS, INTERPRET, RUNS_PER_SAMPLE = 256, 2, 256, 2, (1, 2), True, 1
+        global D, FF, HEADS, MAX_LEN, CACHE_SLOTS, SLOTS, INNER, INTERPRET, RUNS_PER_SAMPLE
+        D, FF, HEADS, MAX_LEN, CACHE_SLOTS, SLOTS, INTERPRET, RUNS_PER_SAMPLE = 256, 512, 2, 256, 2, (1, 2), True, 1
         INNER = {1: 1, 2: 1}
         SWEEP["bf16"][:] = SWEEP["bf16"][:1]
         SWEEP["fp8"][:] = SWEEP["fp8"][:1]
     start = time.time()
     budget_end = start + args.budget_s
-    results = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "checks": {}, "timings": {}}
+    results = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "checks": {}, "timings": {},
+               "producers": {}}
     out = os.path.join(args.out, "bench_fused_projection.json")
 
     def save():
@@ -352,6 +431,7 @@ def main() -> int:
 
     if args.checks != "none":
         run_checks(results, quick=args.checks == "quick")
+        check_producers(results)
         save()
     print(f"checks done at {time.time() - start:.0f} s", flush=True)
     weights = make_weights(jax.random.key(0))
@@ -360,9 +440,14 @@ def main() -> int:
                    for i in range(2))
     for extra in (False, True) if args.sweep else (False,):
         for slots in SLOTS[::-1] if extra else SLOTS:  # the sweep: the largest (compute-bound) case first
-            caches = bench_slots(results, slots, weights, caches, budget_end, extra, quick=args.checks == "quick")
+            caches = bench_slots(results, slots, weights, caches, budget_end, extra)
             save()
             print(f"slots={slots} extra={extra} done at {time.time() - start:.0f} s", flush=True)
+        if not extra and not args.skip_producers:
+            for slots in SLOTS:
+                bench_producers(results, slots)
+                save()
+            print(f"producers done at {time.time() - start:.0f} s", flush=True)
     print_table(results)
     save()
     return 0
