@@ -35,7 +35,15 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import cdiv, check_float, check_launch, check_power_of_two, compiler_params, dividing_block, pad_rows
+from pallas_kernels._common import (
+    cdiv,
+    check_float,
+    check_launch,
+    check_power_of_two,
+    compiler_params,
+    dividing_block,
+    pad_rows,
+)
 from pallas_kernels.reference.rms_norm import rms_norm
 
 FP8 = jnp.float8_e4m3fn

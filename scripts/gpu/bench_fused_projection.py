@@ -29,7 +29,6 @@ Prints a table (us per call, TFLOP/s, xla time / variant time) and writes JSON t
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import statistics
@@ -217,7 +216,8 @@ def xla_project_prequantized(xq, ws, positions, rows, k_cache, v_cache, layer):
     """The fp8 XLA path with the rows already quantized (x_scale = 1)."""
     n = xq.shape[0]
     contract = (((1,), (1,)), ((), ()))
-    proj = [jax.lax.dot_general(xq, w["qkernel"], contract, preferred_element_type=jnp.float32) * w["scale"] for w in ws]
+    proj = [jax.lax.dot_general(xq, w["qkernel"], contract, preferred_element_type=jnp.float32) * w["scale"]
+            for w in ws]
     cos, sin = rope_cos_sin(positions, HEAD_DIM, THETA)
     cos, sin = cos[:, None, :], sin[:, None, :]
     q = apply_rope(proj[0].reshape(n, -1, HEAD_DIM), cos, sin).reshape(n, -1).astype(jnp.bfloat16)
