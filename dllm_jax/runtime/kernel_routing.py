@@ -10,8 +10,11 @@ Backends: "xla" runs every op through XLA (any device); "pallas" runs the fused 
 measured fastest on the device (BENCHMARKS.md, H200, LLaDA-8B layer shapes, 1/8/32 slots):
 the attention kernel (1.4x-12x faster than XLA's and cuDNN's paths) and the K/V row scatter
 (XLA's scatter ran at 0.23 TB/s), but XLA's cuBLAS projections (the fused projection kernel
-was 0.5x-0.9x their speed); on a TPU the Mosaic version of the attention kernel (never run
-on a real TPU: tested in interpret mode and lowered for TPU on the CPU); pure XLA elsewhere
+was 0.5x-0.9x their speed; its Mosaic GPU version, pallas_kernels.projection.qkv_rope_cache_mosaic, bf16 0.99x /
+0.97x / 0.83x and FP8 1.51x / 0.89x / 0.85x at 1 / 8 / 32 slots, 2026-12-02: not routed, as
+the fp8 path does not yet feed it quantized rows); on a TPU the Mosaic version of the
+attention kernel (never run on a real TPU: tested in interpret mode and lowered for TPU on
+the CPU); pure XLA elsewhere
 (CPUs, other GPUs), whose attention is chunked over keys (dllm_jax.runtime.chunked_attention).
 """
 
