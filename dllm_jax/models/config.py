@@ -301,20 +301,7 @@ class ModelConfig:
     @classmethod
     def from_json_file(cls, path: str | Path, *, dtype: str = "bfloat16") -> ModelConfig:
         """Reads and checks a config.json; any problem is a ConfigError naming the file."""
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"{path}: config file not found")
-        try:
-            hf = json.loads(path.read_text(encoding="utf-8"))
-        except OSError as e:
-            raise ConfigError(f"{path}: cannot read the config ({e.strerror or e})") from None
-        except UnicodeDecodeError:
-            raise ConfigError(f"{path}: not valid JSON (not UTF-8 text)") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from None
-        except RecursionError:
-            raise ConfigError(f"{path}: not valid JSON (nested too deeply)") from None
-        return cls.from_hf_config(hf, dtype=dtype, source=str(path))
+        return cls.from_hf_config(read_config_json(Path(path)), dtype=dtype, source=str(path))
 
     def to_hf_config(self) -> dict[str, Any]:
         """The family's ``config.json`` dictionary describing this architecture."""
@@ -344,6 +331,22 @@ class ModelConfig:
         if self.bos_token_id is not None:
             hf["bos_token_id"] = self.bos_token_id
         return hf
+
+
+def read_config_json(path: Path) -> Any:
+    """The parsed config.json; any problem reading it is a ConfigError naming the file."""
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the config ({e.strerror or e})") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not valid JSON (not UTF-8 text)") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: not valid JSON (nested too deeply)") from None
 
 
 def llada_8b_config(dtype: str = "bfloat16") -> ModelConfig:

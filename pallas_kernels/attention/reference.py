@@ -9,7 +9,7 @@ import jax.numpy as jnp
 MASKED_LOGIT = -1e30
 
 
-def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float | None = None) -> jax.Array:
     """Softmax attention of every query row over the keys its mask allows.
 
     Grouped-query attention: query head h reads key/value head h // (H // KVH).
@@ -20,6 +20,7 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -
       q: [B, T, H, Dh] RoPE'd queries.
       k, v: [B, S, KVH, Dh] RoPE'd keys and values.
       mask: bool, broadcastable to [B, T, S]; True = the query may attend to the key.
+      scale: the logits' factor; default 1 / sqrt(Dh) (1.0 for models that norm q and k).
     Returns:
       [B, T, H * Dh] in q's dtype.
     """
@@ -30,7 +31,7 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -
     qg = q.reshape(B, T, kv_heads, groups, Dh)
     # [B, KVH, G, T, S]
     logits = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-    logits = logits * (1.0 / Dh**0.5)
+    logits = logits * (1.0 / Dh**0.5 if scale is None else scale)
     mask = jnp.broadcast_to(mask, (B, T, k.shape[1]))
     logits = jnp.where(mask[:, None, None], logits, MASKED_LOGIT)
     probs = jax.nn.softmax(logits, axis=-1)

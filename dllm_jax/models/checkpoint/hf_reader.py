@@ -1,4 +1,5 @@
-"""Stream a Hugging Face LLaDA or Dream checkpoint (config.json + safetensors) into a dllm_jax params tree.
+"""Stream a Hugging Face checkpoint (config.json + safetensors) of LLaDA, Dream or DiffusionGemma
+(its text model) into a dllm_jax params tree.
 
 Each output leaf is allocated once, in the target dtype, and every tensor is copied into its
 slot in blocks of rows straight from the memory-mapped shard (cast and transposed on the way,
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -22,8 +24,11 @@ from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from dllm_jax.models.checkpoint.errors import ConversionError
-from dllm_jax.models.checkpoint.tensor_names import TensorEntry, leaf_shape, rules_for, tensor_entries
-from dllm_jax.models.config import ConfigError, ModelConfig
+from dllm_jax.models.checkpoint.tensor_names import TensorEntry, is_skipped, leaf_shape, rules_for, tensor_entries
+from dllm_jax.models.config import ConfigError, ModelConfig, read_config_json
+from dllm_jax.models.diffusion_gemma_config import MODEL_TYPE as DIFFUSION_GEMMA, DiffusionGemmaConfig
+
+log = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
@@ -44,22 +49,28 @@ class HFCheckpointInfo:
     hf_config: the parsed config.json.
     tensor_count: number of tensors read from the shards.
     source: the Hugging Face folder, resolved.
+    skipped: names of the tensors not read (a DiffusionGemma checkpoint's vision tower).
     """
 
     config: ModelConfig
     hf_config: dict[str, Any]
     tensor_count: int
     source: Path
+    skipped: tuple[str, ...] = ()
 
 
 def read_config(hf_dir: Path, *, dtype: str) -> tuple[ModelConfig, dict[str, Any]]:
-    """The ModelConfig (with ``dtype``) and the raw dict of ``hf_dir/config.json``."""
+    """The family's config (with ``dtype``: a DiffusionGemmaConfig for model_type
+    "diffusion_gemma", else a ModelConfig) and the raw dict of ``hf_dir/config.json``."""
     path = hf_dir / CONFIG_FILE
     try:
-        config = ModelConfig.from_json_file(path, dtype=dtype)
+        hf = read_config_json(path)
+        diffusion_gemma = isinstance(hf, dict) and hf.get("model_type") == DIFFUSION_GEMMA
+        family = DiffusionGemmaConfig if diffusion_gemma else ModelConfig
+        config = family.from_hf_config(hf, dtype=dtype, source=str(path))
     except ConfigError as e:
         raise ConversionError(str(e)) from None
-    return config, json.loads(path.read_text())
+    return config, hf
 
 
 def shard_files(hf_dir: Path, config: ModelConfig) -> list[Path]:
@@ -84,7 +95,7 @@ def shard_files(hf_dir: Path, config: ModelConfig) -> list[Path]:
 
 
 def read_checkpoint(hf_dir: str | Path, *, dtype: str = "bfloat16") -> tuple[HFCheckpointInfo, dict[str, Any]]:
-    """Reads a Hugging Face LLaDA or Dream folder into host memory.
+    """Reads a Hugging Face LLaDA, Dream or DiffusionGemma (text model) folder into host memory.
 
     Args:
       hf_dir: folder with config.json and model.safetensors (or shards plus their index).
@@ -103,13 +114,17 @@ def read_checkpoint(hf_dir: str | Path, *, dtype: str = "bfloat16") -> tuple[HFC
     entries = {entry.hf_name: entry for entry in tensor_entries(config)}
     params = _allocate(config)
     found: dict[str, Path] = {}
+    skipped: list[str] = []
     with tqdm(total=len(entries), unit="tensor", desc=f"reading {hf_dir.name}", disable=None) as progress:
         for shard in shards:
-            _read_shard(shard, entries, params, found, progress)
+            _read_shard(shard, config, entries, params, found, skipped, progress)
     missing = [name for name in entries if name not in found]
     if missing:
         raise ConversionError(f"{hf_dir}: missing tensor(s) {_some(missing)}")
-    info = HFCheckpointInfo(config=config, hf_config=hf_config, tensor_count=len(found), source=hf_dir.resolve())
+    if skipped:
+        log.warning("%s: loaded the text model only; %d tensors of the vision tower not read", hf_dir, len(skipped))
+    info = HFCheckpointInfo(config=config, hf_config=hf_config, tensor_count=len(found), source=hf_dir.resolve(),
+                            skipped=tuple(skipped))
     return info, params
 
 
@@ -135,7 +150,7 @@ def _read_weight_map(index_path: Path) -> dict[str, str]:
 def _check_names(index_path: Path, names: set[str], config: ModelConfig) -> None:
     """Fails before any shard is opened when the index does not list exactly the table's tensors."""
     expected = [entry.hf_name for entry in tensor_entries(config)]
-    unexpected = sorted(names.difference(expected))
+    unexpected = sorted(name for name in names.difference(expected) if not is_skipped(config, name))
     if unexpected:
         raise ConversionError(f"{index_path}: unexpected tensor(s) {_some(unexpected)} for this config.json")
     missing = [name for name in expected if name not in names]
@@ -156,15 +171,21 @@ def _allocate(config: ModelConfig) -> dict[str, Any]:
 
 def _read_shard(
     shard: Path,
+    config: ModelConfig,
     entries: dict[str, TensorEntry],
     params: dict[str, Any],
     found: dict[str, Path],
+    skipped: list[str],
     progress: tqdm,
 ) -> None:
-    """Copies every tensor of one shard into its leaf, checking name, shape and dtype first."""
+    """Copies every tensor of one shard into its leaf, checking name, shape and dtype first;
+    the family's skipped tensors are listed in ``skipped``, not read."""
     try:
         with safe_open(str(shard), framework="np") as f:
             for name in f.keys():
+                if is_skipped(config, name):
+                    skipped.append(name)
+                    continue
                 entry = entries.get(name)
                 if entry is None:
                     raise ConversionError(

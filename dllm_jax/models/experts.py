@@ -1,0 +1,118 @@
+"""Routed experts (DiffusionGemma / Gemma 4): the router and the grouped expert MLPs.
+
+Router (per token row x [D], the layer's pre-MLP residual): RMSNorm without a weight, times a
+learned ``scale`` [D] and D^-0.5, projected to E expert scores; softmax in float32; the top k
+probabilities, renormalised to sum to 1, each times the expert's learned ``per_expert_scale``.
+
+Experts: expert e is a GELU-gated MLP, y = (gelu(x Wg_e) * (x Wu_e)) Wd_e, on the rows routed to
+it; a row's output is the weighted sum of its k experts' outputs (accumulated in float32).
+``grouped_expert_mlp`` computes this as two grouped GEMMs (``jax.lax.ragged_dot_general``,
+ragged_dot with the weights' input axis last) over the rows sorted by expert;
+``dense_expert_mlp`` is the plain reference that runs every expert on every row and masks.
+
+Parameter layout (one layer), Hugging Face's ([out, in] per expert, as torch's Linear):
+  experts/gate_up_proj  [E, 2F, D]   (rows [0, F) the gate, [F, 2F) the up projection)
+  experts/down_proj     [E, D, F]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from dllm_jax.models.gemma_layers import gelu_tanh, rms_normalize
+from dllm_jax.models.layers import INIT, Linear
+
+# rows [M, K] (ragged along M, sorted by group) times weights [G, N, K]: contract K with K
+_BY_EXPERT = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]
+)
+
+
+class Router(nn.Module):
+    """Token rows [T, D] -> (top-k weights float32 [T, K], expert ids int32 [T, K])."""
+
+    n_experts: int
+    top_k: int
+    eps: float
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        d = x.shape[-1]
+        scale = self.param("scale", nn.initializers.ones, (d,), self.dtype)
+        per_expert_scale = self.param("per_expert_scale", nn.initializers.ones, (self.n_experts,), self.dtype)
+        # in the model dtype, as transformers scales before the projection
+        x = rms_normalize(x, self.eps) * scale.astype(x.dtype) * jnp.asarray(d**-0.5, x.dtype)
+        scores = Linear(self.n_experts, self.dtype, name="proj")(x)
+        probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1)
+        weights, experts = jax.lax.top_k(probs, self.top_k)
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        return weights * per_expert_scale.astype(jnp.float32)[experts], experts.astype(jnp.int32)
+
+
+class Experts(nn.Module):
+    """The expert weights of one layer; applied as grouped GEMMs."""
+
+    n_experts: int
+    d_model: int
+    hidden: int
+    dtype: Any
+
+    def setup(self):
+        E, D, F = self.n_experts, self.d_model, self.hidden
+        self.gate_up_proj = self.param("gate_up_proj", INIT, (E, 2 * F, D), self.dtype)
+        self.down_proj = self.param("down_proj", INIT, (E, D, F), self.dtype)
+
+    def __call__(self, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
+        """x [T, D], weights float32 [T, K], experts int32 [T, K] -> [T, D] (grouped_expert_mlp)."""
+        return grouped_expert_mlp(x, weights, experts, self.gate_up_proj, self.down_proj)
+
+
+def grouped_expert_mlp(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up: jax.Array,
+                       down: jax.Array) -> jax.Array:
+    """The routed experts' output per row, as two grouped GEMMs.
+
+    Args:
+      x: [T, D] rows (already normed), in the model dtype.
+      weights: float32 [T, K] routing weights; experts: int32 [T, K] expert ids.
+      gate_up: [E, 2F, D]; down: [E, D, F].
+    Returns:
+      [T, D] in x's dtype: sum_k weights[t, k] * expert_{experts[t, k]}(x[t]), summed in float32.
+    """
+    T, K = experts.shape
+    E, F = gate_up.shape[0], down.shape[2]
+    flat = experts.reshape(T * K)
+    # [T * K] the assignments sorted by expert (stable: a row's k slots keep their order)
+    order = jnp.argsort(flat, stable=True)
+    rows = x[order // K]
+    group_sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+    # [T * K, 2F]
+    gate_up_out = jax.lax.ragged_dot_general(rows, gate_up, group_sizes, _BY_EXPERT, preferred_element_type=jnp.float32)
+    hidden = (gelu_tanh(gate_up_out[:, :F].astype(x.dtype)) * gate_up_out[:, F:].astype(x.dtype))
+    # [T * K, D]
+    out = jax.lax.ragged_dot_general(hidden, down, group_sizes, _BY_EXPERT, preferred_element_type=jnp.float32)
+    out = out.astype(x.dtype)
+    weighted = out.astype(jnp.float32) * weights.reshape(T * K)[order][:, None]
+    # back to the assignments' original order, then the k slots of each row summed
+    unsorted = jnp.zeros_like(weighted).at[order].set(weighted)
+    return jnp.sum(unsorted.reshape(T, K, -1), axis=1).astype(x.dtype)
+
+
+def dense_expert_mlp(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up: jax.Array,
+                     down: jax.Array) -> jax.Array:
+    """grouped_expert_mlp's reference, same signature: every expert on every row, one at a
+    time, kept where the row routed to it."""
+    E, F = gate_up.shape[0], down.shape[2]
+    total = jnp.zeros(x.shape, jnp.float32)
+    for e in range(E):
+        gate_up_out = jnp.dot(x, gate_up[e].T, preferred_element_type=jnp.float32)
+        hidden = gelu_tanh(gate_up_out[:, :F].astype(x.dtype)) * gate_up_out[:, F:].astype(x.dtype)
+        out = jnp.dot(hidden, down[e].T, preferred_element_type=jnp.float32).astype(x.dtype)
+        # [T] the row's weight for expert e (0 when not routed to it)
+        weight = jnp.sum(jnp.where(experts == e, weights, 0.0), axis=-1)
+        total = total + out.astype(jnp.float32) * weight[:, None]
+    return total.astype(x.dtype)
