@@ -112,16 +112,16 @@ def test_two_shard_conversion_round_trips_every_leaf(hf_dir, tmp_path, tiny_cfg,
 def test_bfloat16_conversion_rounds_once(hf_dir, tmp_path, params):
     out = convert_checkpoint(hf_dir, tmp_path / "converted")
     assert json.loads((out / METADATA_FILE).read_text())["dtype"] == "bfloat16"
-    assert_trees_equal(load_model(out, dtype="bfloat16").params, cast(params, jnp.bfloat16))
+    assert_trees_equal(load_model(out, dtype="bfloat16").weights, cast(params, jnp.bfloat16))
     # a bf16 checkpoint loaded as float32 holds exactly the bf16 values
-    assert_trees_equal(load_model(out, dtype="float32").params, cast(cast(params, jnp.bfloat16), jnp.float32))
+    assert_trees_equal(load_model(out, dtype="float32").weights, cast(cast(params, jnp.bfloat16), jnp.float32))
 
 
 @pytest.mark.parametrize("source_dtype", [jnp.float16, jnp.bfloat16])
 def test_half_precision_checkpoints_are_cast_to_the_target(tmp_path, tiny_cfg, params, source_dtype):
     half = cast(params, source_dtype)
     hf = save_hf_checkpoint(tmp_path / "hf", tiny_cfg, half)
-    assert_trees_equal(load_model(hf, dtype="float32").params, cast(half, jnp.float32))
+    assert_trees_equal(load_model(hf, dtype="float32").weights, cast(half, jnp.float32))
 
 
 def test_hf_folder_and_converted_folder_load_the_same_model(hf_dir, tmp_path):
@@ -131,7 +131,7 @@ def test_hf_folder_and_converted_folder_load_the_same_model(hf_dir, tmp_path):
     from_converted = load_model(convert_checkpoint(hf_dir, tmp_path / "converted"), dtype="bfloat16")
     assert from_hf.config == from_converted.config
     assert from_hf.config.dtype == "bfloat16"
-    assert_trees_equal(from_hf.params, from_converted.params)
+    assert_trees_equal(from_hf.weights, from_converted.weights)
     text = "The quick brown fox"
     assert from_hf.tokenizer.encode(text, chat=True) == from_converted.tokenizer.encode(text, chat=True)
 
