@@ -25,8 +25,8 @@ from dllm_jax.models.checkpoint.errors import ConversionError
 from dllm_jax.models.checkpoint.hf_reader import read_checkpoint, read_config
 from dllm_jax.models.checkpoint.tensor_names import leaf_shape, rules_for
 from dllm_jax.models.config import ModelConfig
-from dllm_jax.runtime.memory_estimate import host_memory
 from dllm_jax.models.quantization import quantize_params
+from dllm_jax.runtime.memory_estimate import host_memory
 from dllm_jax.text.tokenizer import TOKENIZER_FILES
 
 # Room for the metadata and tokenizer files beside the params.
@@ -87,7 +87,11 @@ def write_converted(
             if (hf_dir / name).is_file():
                 shutil.copy2(hf_dir / name, folder / name)
         write_metadata(
-            folder, hf_config=info.hf_config, dtype=dtype, tensor_count=info.tensor_count, source=info.source,
+            folder,
+            hf_config=info.hf_config,
+            dtype=dtype,
+            tensor_count=info.tensor_count,
+            source=info.source,
             quantization=quantization,
         )
     except Exception as e:  # OSError, and orbax / TensorStore errors of many types

@@ -92,13 +92,27 @@ def _run_conversion_process(hf_dir: str, into: Path, *, dtype: str, quantization
     env = dict(os.environ)
     package_root = str(Path(convert.__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-    command = [sys.executable, "-m", "convert.conversion", "--hf-dir", hf_dir, "--into", str(into),
-               "--label", label, "--dtype", dtype, "--quantization", quantization]
+    command = [
+        sys.executable,
+        "-m",
+        "convert.conversion",
+        "--hf-dir",
+        hf_dir,
+        "--into",
+        str(into),
+        "--label",
+        label,
+        "--dtype",
+        dtype,
+        "--quantization",
+        quantization,
+    ]
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
     try:
         # the child inherits the blocked signals; convert.conversion unblocks them
-        child = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True,
-                                 env=env, start_new_session=True)
+        child = subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True, env=env, start_new_session=True
+        )
     except BaseException:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         raise
@@ -114,9 +128,14 @@ def _run_conversion_process(hf_dir: str, into: Path, *, dtype: str, quantization
     if child.returncode == 2 and message:
         raise ConversionError(message)
     if child.returncode != 0:
-        ended = (f"was killed by {signal.Signals(-child.returncode).name}" if child.returncode < 0
-                 else f"failed with exit status {child.returncode}")
-        raise ConversionProcessError(f"the conversion process {ended}{' (out of memory?)' if child.returncode == -9 else ''}")
+        ended = (
+            f"was killed by {signal.Signals(-child.returncode).name}"
+            if child.returncode < 0
+            else f"failed with exit status {child.returncode}"
+        )
+        raise ConversionProcessError(
+            f"the conversion process {ended}{' (out of memory?)' if child.returncode == -9 else ''}"
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -128,9 +147,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--hf-dir", required=True, help="Hugging Face checkpoint folder")
     parser.add_argument("--out", required=True, help="output folder (must not exist, or be empty)")
     parser.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="dtype of the stored params")
-    parser.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
-                        help="store the block projections as 8-bit weights with per-channel scales and the embedding "
-                             "as int8 with per-row scales (about half the size)")
+    parser.add_argument(
+        "--quantization",
+        default="none",
+        choices=QUANTIZATIONS,
+        help="store the block projections as 8-bit weights with per-channel scales and the embedding "
+        "as int8 with per-row scales (about half the size)",
+    )
     args = parser.parse_args(argv)
     tmp, published = None, False
     with _signals_raise():
@@ -139,7 +162,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             try:
                 with _signals_deferred():
                     tmp = make_temporary(out, args.out)
-                _run_conversion_process(args.hf_dir, tmp, dtype=args.dtype, quantization=args.quantization, label=args.out)
+                _run_conversion_process(
+                    args.hf_dir, tmp, dtype=args.dtype, quantization=args.quantization, label=args.out
+                )
                 with _signals_deferred():
                     publish(tmp, out, args.out)
                     published = True

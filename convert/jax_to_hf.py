@@ -36,7 +36,9 @@ def hf_tensors(config: ModelConfig, params: Weights):
         leaf = _leaf(params, entry.rule.path)
         expected = leaf_shape(entry.rule, config)
         if tuple(leaf.shape) != expected:
-            raise ValueError(f"params{'/'.join(('',) + entry.rule.path)} has shape {tuple(leaf.shape)}, expected {expected}")
+            raise ValueError(
+                f"params{'/'.join(('',) + entry.rule.path)} has shape {tuple(leaf.shape)}, expected {expected}"
+            )
         value = leaf[entry.layer] if entry.layer is not None else leaf
         value = np.asarray(jax.device_get(value))
         if entry.rule.transpose:

@@ -65,8 +65,9 @@ def publish(tmp: Path, path: Path, label: str | Path) -> None:
     try:
         os.rename(tmp, path)
     except OSError as e:
-        raise ConversionError(f"{label}: cannot publish the output folder ({e.strerror or e}); "
-                              "did something else create it meanwhile?") from None
+        raise ConversionError(
+            f"{label}: cannot publish the output folder ({e.strerror or e}); did something else create it meanwhile?"
+        ) from None
 
 
 def remove(tmp: Path) -> None:

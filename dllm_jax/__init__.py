@@ -70,16 +70,16 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from dllm_jax.runtime.batch_invariance import deterministic_xla_flags
-    from dllm_jax.models.checkpoint.errors import ConversionError
-    from dllm_jax.models.config import ConfigError, ModelConfig, dream_7b_config, llada_8b_config
-    from dllm_jax.runtime.decode_config import DecodeConfig, DecodeConfigError
+    from dllm_jax.common.errors import GenerationError, SamplingParamsError
     from dllm_jax.engine.engine import Engine
     from dllm_jax.engine.request import Request, RequestStatus
     from dllm_jax.engine.results import GenerationOutput, GenerationResult, GenerationStats
-    from dllm_jax.common.errors import GenerationError, SamplingParamsError
+    from dllm_jax.engine.session import GenerationSession, RequestUpdate, StepCommits
+    from dllm_jax.models.checkpoint.errors import ConversionError
+    from dllm_jax.models.config import ConfigError, ModelConfig, dream_7b_config, llada_8b_config
     from dllm_jax.models.loading import LoadedModel, ModelNotFoundError, default_dtype, load_model
+    from dllm_jax.runtime.batch_invariance import deterministic_xla_flags
+    from dllm_jax.runtime.decode_config import DecodeConfig, DecodeConfigError
     from dllm_jax.runtime.memory_estimate import InsufficientMemoryError
     from dllm_jax.sampling.params import SamplingParams
-    from dllm_jax.engine.session import GenerationSession, RequestUpdate, StepCommits
     from dllm_jax.text.tokenizer import Tokenizer, TokenizerError

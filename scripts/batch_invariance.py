@@ -47,13 +47,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from dllm_jax.evaluation import tiny_tasks  # noqa: E402
 from dllm_jax.common.atomic_write import write_text_atomically  # noqa: E402
-from dllm_jax.runtime.batch_invariance import LAYER_TAP_ORDER  # noqa: E402
-from dllm_jax.runtime.decode_config import DecodeConfig  # noqa: E402
 from dllm_jax.engine.compiled_loop import CompiledLoop  # noqa: E402
 from dllm_jax.engine.engine import Engine  # noqa: E402
+from dllm_jax.evaluation import tiny_tasks  # noqa: E402
 from dllm_jax.models.transformer import init_params  # noqa: E402
+from dllm_jax.runtime.batch_invariance import LAYER_TAP_ORDER  # noqa: E402
+from dllm_jax.runtime.decode_config import DecodeConfig  # noqa: E402
 
 METHODS = ("llada", "fast_dllm", "flash_cache", "flash_verify")
 
@@ -90,7 +90,13 @@ def compare(a: np.ndarray, b: np.ndarray) -> dict:
     a32, b32 = a.astype(np.float64), b.astype(np.float64)
     diff = float(np.nanmax(np.abs(a32 - b32)))
     scale = float(np.nanmax(np.abs(a32))) or 1.0
-    return {"identical": False, "differing": int((~same).sum()), "of": int(same.size), "max_abs": diff, "max_rel": diff / scale}
+    return {
+        "identical": False,
+        "differing": int((~same).sum()),
+        "of": int(same.size),
+        "max_abs": diff,
+        "max_rel": diff / scale,
+    }
 
 
 # jitted step and tap functions by (kind, loop, ...): the lone request's loop is the same for
@@ -157,7 +163,10 @@ class Run:
         if full:
             n_full = int(np.sum(slots.active & slots.needs_full))
             lanes = next(n for n in self.loop.lane_sizes if n >= n_full)
-        return jax.device_get(self._taps_fn(full, lanes)(self.weights, self.state)) | {"full_pass": full, "lanes": lanes}
+        return jax.device_get(self._taps_fn(full, lanes)(self.weights, self.state)) | {
+            "full_pass": full,
+            "lanes": lanes,
+        }
 
     def advance(self) -> None:
         self.state = self.step(self.weights, self.state)
@@ -207,14 +216,24 @@ def leak_report(engine: Engine, decode: DecodeConfig, request: list[int], others
         alone.advance()
         among.advance()
         same_tokens = bool(np.array_equal(alone.slot_tokens(), among.slot_tokens()))
-        per_step.append({
-            "step": t, "pass": "full" if ta["full_pass"] else "sparse", "lanes_alone": ta["lanes"], "lanes_among": tb["lanes"],
-            "logits_identical": logits["identical"], "logits": logits, "committed_identical": same_tokens,
-            "first_difference": first,
-            # for run-to-run comparisons (the same command in another process must give the same digests)
-            "sha256": {"logits_alone": _digest(ta["logits"]), "logits_among": _digest(tb["logits"]),
-                       "tokens_among": _digest(among.slot_tokens())},
-        })
+        per_step.append(
+            {
+                "step": t,
+                "pass": "full" if ta["full_pass"] else "sparse",
+                "lanes_alone": ta["lanes"],
+                "lanes_among": tb["lanes"],
+                "logits_identical": logits["identical"],
+                "logits": logits,
+                "committed_identical": same_tokens,
+                "first_difference": first,
+                # for run-to-run comparisons (the same command in another process must give the same digests)
+                "sha256": {
+                    "logits_alone": _digest(ta["logits"]),
+                    "logits_among": _digest(tb["logits"]),
+                    "tokens_among": _digest(among.slot_tokens()),
+                },
+            }
+        )
         if not same_tokens or alone.done() or among.done():
             break
     return {"slots_alone": 1, "slots_among": len(others) + 1, "slot": slot, "steps": per_step}
@@ -224,7 +243,9 @@ def answers_identical(engine: Engine, decode: DecodeConfig, request: list[int], 
     """Engine.generate's answer of the request alone vs among the others (N + 1 slots)."""
     slot = len(others) // 2
     alone = engine.generate([request], decode_config=decode).results[0].token_ids
-    together = engine.generate(others[:slot] + [request] + others[slot:], decode_config=dataclasses.replace(decode, batch_size=len(others) + 1))
+    together = engine.generate(
+        others[:slot] + [request] + others[slot:], decode_config=dataclasses.replace(decode, batch_size=len(others) + 1)
+    )
     return alone == together.results[slot].token_ids
 
 
@@ -254,18 +275,31 @@ def run_leak(args, engine: Engine, out: dict, save) -> None:
 
 def summary_line(report: dict) -> str:
     steps = report["steps"]
-    first = next((s for s in steps if s["first_difference"] or not s["logits_identical"] or not s["committed_identical"]), None)
-    answers = "" if "answers_identical" not in report else f"; answers {'identical' if report['answers_identical'] else 'DIFFER'}"
+    first = next(
+        (s for s in steps if s["first_difference"] or not s["logits_identical"] or not s["committed_identical"]), None
+    )
+    answers = (
+        ""
+        if "answers_identical" not in report
+        else f"; answers {'identical' if report['answers_identical'] else 'DIFFER'}"
+    )
     if first is None:
         return f"bit-identical over {len(steps)} steps (logits, committed tokens, every tap){answers}"
     d = first["first_difference"]
-    where = "no tap differs" if d is None else (
-        f"first difference: {d['op']}" + ("" if d["layer"] is None else f" of layer {d['layer']}")
-        + f" ({d['differing']}/{d['of']} elements, max |diff| {d['max_abs']:.3g}, relative {d['max_rel']:.2g})"
+    where = (
+        "no tap differs"
+        if d is None
+        else (
+            f"first difference: {d['op']}"
+            + ("" if d["layer"] is None else f" of layer {d['layer']}")
+            + f" ({d['differing']}/{d['of']} elements, max |diff| {d['max_abs']:.3g}, relative {d['max_rel']:.2g})"
+        )
     )
     lanes = f", lanes {first['lanes_alone']} vs {first['lanes_among']}" if first["pass"] == "full" else ""
-    return (f"step {first['step']} ({first['pass']} pass{lanes}): logits {'identical' if first['logits_identical'] else 'DIFFER'}, "
-            f"committed tokens {'identical' if first['committed_identical'] else 'DIFFER'}; {where}{answers}")
+    return (
+        f"step {first['step']} ({first['pass']} pass{lanes}): logits {'identical' if first['logits_identical'] else 'DIFFER'}, "
+        f"committed tokens {'identical' if first['committed_identical'] else 'DIFFER'}; {where}{answers}"
+    )
 
 
 # ------------------------------------------------------------------------------ problems
@@ -284,11 +318,15 @@ def run_problems(args, engine: Engine, out: dict, save) -> None:
             seconds[batch] = time.perf_counter() - start
         base = texts[args.batches[0]]
         out[method] = {
-            "identical_to_batch_%d" % args.batches[0]: {b: sum(x == y for x, y in zip(base, texts[b])) for b in args.batches[1:]},
+            f"identical_to_batch_{args.batches[0]}": {
+                b: sum(x == y for x, y in zip(base, texts[b])) for b in args.batches[1:]
+            },
             "correct": {b: sum(tiny_tasks.is_correct(p, t) for p, t in zip(problems, texts[b])) for b in args.batches},
             "seconds": seconds,
         }
-        counts = ", ".join(f"batch {b}: {n}/{len(problems)}" for b, n in out[method]["identical_to_batch_%d" % args.batches[0]].items())
+        counts = ", ".join(
+            f"batch {b}: {n}/{len(problems)}" for b, n in out[method][f"identical_to_batch_{args.batches[0]}"].items()
+        )
         print(f"problems {method}: identical to batch {args.batches[0]}: {counts}", flush=True)
         save()
 
@@ -299,22 +337,42 @@ def run_problems(args, engine: Engine, out: dict, save) -> None:
 def markdown(report: dict) -> str:
     lines = [
         f"# Batch invariance: {report['mode']} mode ({report['backend']}, {report['dtype']}, {report['device']}, {report['date']})",
-        "", f"`{report['command']}`", "", f"XLA_FLAGS: `{report['xla_flags'] or '(none)'}`", "",
+        "",
+        f"`{report['command']}`",
+        "",
+        f"XLA_FLAGS: `{report['xla_flags'] or '(none)'}`",
+        "",
     ]
     if report.get("leak"):
-        lines += [f"## A request alone (1 slot) vs among N others (N + 1 slots): {report['leak_model']}", "",
-                  "| method / others | result |", "|---|---|"]
+        lines += [
+            f"## A request alone (1 slot) vs among N others (N + 1 slots): {report['leak_model']}",
+            "",
+            "| method / others | result |",
+            "|---|---|",
+        ]
         lines += [f"| {name} | {summary_line(r)} |" for name, r in report["leak"].items()]
         lines.append("")
     if report.get("problems"):
-        lines += [f"## {report['problems_count']} held-out problems of the embedded tiny model: answers identical to batch "
-                  f"{report['batches'][0]}", "", "| method | " + " | ".join(f"batch {b}" for b in report["batches"][1:])
-                  + " | correct at " + " / ".join(map(str, report["batches"])) + " |",
-                  "|---|" + "---|" * len(report["batches"])]
+        lines += [
+            f"## {report['problems_count']} held-out problems of the embedded tiny model: answers identical to batch "
+            f"{report['batches'][0]}",
+            "",
+            "| method | "
+            + " | ".join(f"batch {b}" for b in report["batches"][1:])
+            + " | correct at "
+            + " / ".join(map(str, report["batches"]))
+            + " |",
+            "|---|" + "---|" * len(report["batches"]),
+        ]
         for method, r in report["problems"].items():
-            same = r["identical_to_batch_%d" % report["batches"][0]]
-            lines.append(f"| {method} | " + " | ".join(f"{same[b]}/{report['problems_count']}" for b in report["batches"][1:])
-                         + " | " + " / ".join(str(r["correct"][b]) for b in report["batches"]) + " |")
+            same = r[f"identical_to_batch_{report['batches'][0]}"]
+            lines.append(
+                f"| {method} | "
+                + " | ".join(f"{same[b]}/{report['problems_count']}" for b in report["batches"][1:])
+                + " | "
+                + " / ".join(str(r["correct"][b]) for b in report["batches"])
+                + " |"
+            )
         lines.append("")
     return "\n".join(lines)
 
@@ -337,22 +395,31 @@ def build_leak_engine(args) -> tuple[Engine, str]:
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--what", nargs="+", choices=("leak", "problems"), default=["leak", "problems"], help="what to measure")
+    p.add_argument(
+        "--what", nargs="+", choices=("leak", "problems"), default=["leak", "problems"], help="what to measure"
+    )
     p.add_argument("--smoke", action="store_true", help="CPU smoke test: tiny sizes everywhere")
-    p.add_argument("--batch-invariant", action="store_true", help="the engine's batch-invariant mode (+ deterministic XLA flags)")
+    p.add_argument(
+        "--batch-invariant", action="store_true", help="the engine's batch-invariant mode (+ deterministic XLA flags)"
+    )
     p.add_argument("--backend", choices=("auto", "xla", "pallas"), default="auto")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
-    p.add_argument("--methods", nargs="+", choices=METHODS, default=None,
-                   help="default: leak flash_cache; problems: all")
+    p.add_argument(
+        "--methods", nargs="+", choices=METHODS, default=None, help="default: leak flash_cache; problems: all"
+    )
     p.add_argument("--model-shape", choices=("tiny", "llada-8b", "1b", "0.5b"), default="llada-8b", help="leak's model")
     p.add_argument("--layers", type=int, default=4, help="leak at a bench shape: layers kept (0: all)")
     p.add_argument("--others", type=int, nargs="+", default=[7, 31], help="leak: requests beside the probed one")
     p.add_argument("--prompt-len", type=int, default=128, help="leak with random weights: prompt tokens")
     p.add_argument("--gen-length", type=int, default=64)
     p.add_argument("--steps", type=int, default=4, help="leak: engine steps compared (the first is the full pass)")
-    p.add_argument("--no-answers", dest="answers", action="store_false", help="leak: skip the Engine.generate comparison")
+    p.add_argument(
+        "--no-answers", dest="answers", action="store_false", help="leak: skip the Engine.generate comparison"
+    )
     p.add_argument("--problems", type=int, default=240)
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 5, 16], help="problems: batch sizes (the first is the reference)")
+    p.add_argument(
+        "--batches", type=int, nargs="+", default=[1, 5, 16], help="problems: batch sizes (the first is the reference)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
     args = p.parse_args(argv)
@@ -371,8 +438,13 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     mode = "batch-invariant" if args.batch_invariant else "default"
     report = {
-        "mode": mode, "dtype": args.dtype, "device": str(jax.devices()[0].device_kind), "date": time.strftime("%Y-%m-%d %H:%M"),
-        "command": " ".join(sys.argv), "xla_flags": os.environ.get("XLA_FLAGS", ""), "batches": args.batches,
+        "mode": mode,
+        "dtype": args.dtype,
+        "device": str(jax.devices()[0].device_kind),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "command": " ".join(sys.argv),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "batches": args.batches,
         "problems_count": args.problems,
     }
     args.out.mkdir(parents=True, exist_ok=True)
@@ -395,8 +467,9 @@ def main(argv=None) -> int:
         if "problems" in args.what:
             from dllm_jax.models.embedded import tiny_model_path
 
-            engine = Engine.from_pretrained(str(tiny_model_path()), dtype=args.dtype, backend=args.backend,
-                                            batch_invariant=args.batch_invariant)
+            engine = Engine.from_pretrained(
+                str(tiny_model_path()), dtype=args.dtype, backend=args.backend, batch_invariant=args.batch_invariant
+            )
             report["backend"] = engine.backend
             args.methods = args.methods or list(METHODS)
             report["problems"] = {}

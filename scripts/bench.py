@@ -45,15 +45,22 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from dllm_jax.common.atomic_write import write_text_atomically  # noqa: E402
-from dllm_jax.models.config import ModelConfig, dream_7b_config, llada_8b_config  # noqa: E402
-from dllm_jax.runtime.decode_config import DecodeConfig  # noqa: E402
-from dllm_jax.sampling.params import SamplingParams  # noqa: E402
 from dllm_jax.engine.engine import Engine  # noqa: E402
-from dllm_jax.models.transformer import init_params, init_params_per_layer  # noqa: E402
+from dllm_jax.models.config import ModelConfig, dream_7b_config, llada_8b_config  # noqa: E402
 from dllm_jax.models.quantization import (  # noqa: E402
-    QUANTIZATIONS, QUANTIZED_MODULES as QUANTIZED, quantize_embedding, quantize_kernel, quantizes_embedding, weight_bytes,
+    QUANTIZATIONS,
+    quantize_embedding,
+    quantize_kernel,
+    quantizes_embedding,
+    weight_bytes,
 )
+from dllm_jax.models.quantization import (
+    QUANTIZED_MODULES as QUANTIZED,
+)
+from dllm_jax.models.transformer import init_params, init_params_per_layer  # noqa: E402
+from dllm_jax.runtime.decode_config import DecodeConfig  # noqa: E402
 from dllm_jax.runtime.sharding import parse_mesh  # noqa: E402
+from dllm_jax.sampling.params import SamplingParams  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import Shapes, measure_ceilings, time_chain  # noqa: E402
@@ -66,8 +73,17 @@ SCHEDULES = ("one", "window")
 def tiny_config(model: str = "llada-8b") -> ModelConfig:
     """A tiny model of the family of `model` (Dream: q/k/v biases, 4 query heads per kv head)."""
     base = ModelConfig(
-        d_model=128, n_layers=2, n_heads=4, n_kv_heads=4, mlp_hidden_size=256, vocab_size=256,
-        mask_token_id=255, eos_token_id=254, pad_token_id=254, max_sequence_length=1024, dtype="float32",
+        d_model=128,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=4,
+        mlp_hidden_size=256,
+        vocab_size=256,
+        mask_token_id=255,
+        eos_token_id=254,
+        pad_token_id=254,
+        max_sequence_length=1024,
+        dtype="float32",
     )
     if model == "dream-7b":
         return dataclasses.replace(base, n_kv_heads=1, family="dream", qkv_bias=True)
@@ -90,9 +106,19 @@ def sparse_rows_per_slot(policy, config: ModelConfig, key_len: int) -> int:
 def mid_size_config(d_model: int, n_layers: int, n_heads: int, mlp: int) -> ModelConfig:
     """A LLaDA-shaped model of another size (LLaDA's vocabulary and special tokens)."""
     return ModelConfig(
-        d_model=d_model, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_heads, mlp_hidden_size=mlp,
-        vocab_size=126464, rope_theta=500000.0, mask_token_id=126336, eos_token_id=126081, pad_token_id=126081,
-        bos_token_id=126080, max_sequence_length=4096, dtype="bfloat16",
+        d_model=d_model,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_heads,
+        mlp_hidden_size=mlp,
+        vocab_size=126464,
+        rope_theta=500000.0,
+        mask_token_id=126336,
+        eos_token_id=126081,
+        pad_token_id=126081,
+        bos_token_id=126080,
+        max_sequence_length=4096,
+        dtype="bfloat16",
     )
 
 
@@ -100,7 +126,9 @@ def mid_size_config(d_model: int, n_layers: int, n_heads: int, mlp: int) -> Mode
 MODEL_SHAPES = {
     "llada-8b": llada_8b_config,
     "dream-7b": dream_7b_config,
-    "1b": lambda: mid_size_config(2048, 16, 32, 8192),  # Llama-3.2-1B's widths: 1.59 B parameters (0.52 B embedding and head)
+    "1b": lambda: mid_size_config(
+        2048, 16, 32, 8192
+    ),  # Llama-3.2-1B's widths: 1.59 B parameters (0.52 B embedding and head)
     "0.5b": lambda: mid_size_config(1024, 12, 16, 4096),  # 0.46 B parameters (0.26 B embedding and head)
 }
 
@@ -131,9 +159,15 @@ def quantize_on_device(params, quantization: str):
     layers = params["layers"]
     per_layer = layers if isinstance(layers, (list, tuple)) else [layers]
     # a projection's other leaves (Dream's q/k/v biases) stay, as in quantize_params
-    done = [{name: {**{k: v for k, v in sub.items() if k != "kernel"}, **one(sub["kernel"], quantization)}
-             if "kernel" in sub and name in QUANTIZED else sub
-             for name, sub in lp.items()} for lp in per_layer]
+    done = [
+        {
+            name: {**{k: v for k, v in sub.items() if k != "kernel"}, **one(sub["kernel"], quantization)}
+            if "kernel" in sub and name in QUANTIZED
+            else sub
+            for name, sub in lp.items()
+        }
+        for lp in per_layer
+    ]
     quantized = {**params, "layers": tuple(done) if isinstance(layers, (list, tuple)) else done[0]}
     if quantizes_embedding(quantization, weight_tying="lm_head" not in params):
         quantized["wte"] = jax.jit(quantize_embedding)(params["wte"]["embedding"])
@@ -214,14 +248,18 @@ def add_floors(run: dict, ceilings: dict, cost: Cost) -> None:
     if run.get("quantization") == "fp8" and "fp8_matmul_flops" in ceilings:
         # the block projections run at the FP8 rate; attention and the LM head stay bf16
         projection = run["projection_flops"]
-        run["flop_floor_s"] = projection / ceilings["fp8_matmul_flops"] + (run["flops"] - projection) / ceilings["matmul_flops"]
+        run["flop_floor_s"] = (
+            projection / ceilings["fp8_matmul_flops"] + (run["flops"] - projection) / ceilings["matmul_flops"]
+        )
     run["byte_floor_s"] = run["bytes"] / ceilings["bandwidth_bytes"]
     run["weight_floor_s"] = run["weight_bytes_moved"] / ceilings["bandwidth_bytes"]
     if run["preset"] == "steps":
         run["step_over_flop_floor"] = run["step_s"] / run["flop_floor_s"]
         run["step_over_weight_floor"] = run["step_s"] / run["weight_floor_s"]
     else:
-        run["floor_s"] = pass_floors(cost, run["work_per_request"], run["slots"], ceilings, run.get("quantization") == "fp8")
+        run["floor_s"] = pass_floors(
+            cost, run["work_per_request"], run["slots"], ceilings, run.get("quantization") == "fp8"
+        )
         run["time_over_floor"] = run["wall_s"] / run["floor_s"]
 
 
@@ -306,8 +344,9 @@ def key_len(compiled, prompt_len: int) -> int:
     return int(compiled.loop.policy.key_length(jnp.int32(prompt_len), jnp.int32(end)))
 
 
-def steady_step_time(engine: Engine, decode: DecodeConfig, prompts, iterations: int, repeats: int,
-                     sampling: SamplingParams | None = None) -> dict:
+def steady_step_time(
+    engine: Engine, decode: DecodeConfig, prompts, iterations: int, repeats: int, sampling: SamplingParams | None = None
+) -> dict:
     """Median seconds per loop iteration after the slots' first full pass (all slots decoding);
     sampling: the requests' values (None: one token per step)."""
     compiled = engine.compile(decode, len(prompts[0]))
@@ -333,7 +372,9 @@ def steady_step_time(engine: Engine, decode: DecodeConfig, prompts, iterations: 
         "step_samples_s": samples,
         "active_slots_at_end": active,
         "compile_s": compiled.compile_seconds,
-        "rows_per_slot": sparse_rows_per_slot(compiled.loop.policy, compiled.loop.model, key_len(compiled, len(prompts[0]))),
+        "rows_per_slot": sparse_rows_per_slot(
+            compiled.loop.policy, compiled.loop.model, key_len(compiled, len(prompts[0]))
+        ),
         "key_len": key_len(compiled, len(prompts[0])),
     }
 
@@ -345,10 +386,18 @@ def steps_run(engine, backend, slots, gen_length, prompt_len, cost, opts) -> dic
     rows = slots * timing["rows_per_slot"]
     flops = cost.pass_flops(rows, timing["key_len"], slots * WINDOW)
     return {
-        "preset": "steps", "method": "flash_cache", "schedule": "one", "backend": backend, "slots": slots,
-        "quantization": engine.config.quantization, "projection_flops": rows * cost.matmul_flops_per_row,
-        "gen_length": gen_length, "prompt_length": prompt_len, **timing,
-        **cost.work(flops, 1, slots, timing["key_len"]), "peak_bytes": peak_bytes(),
+        "preset": "steps",
+        "method": "flash_cache",
+        "schedule": "one",
+        "backend": backend,
+        "slots": slots,
+        "quantization": engine.config.quantization,
+        "projection_flops": rows * cost.matmul_flops_per_row,
+        "gen_length": gen_length,
+        "prompt_length": prompt_len,
+        **timing,
+        **cost.work(flops, 1, slots, timing["key_len"]),
+        "peak_bytes": peak_bytes(),
     }
 
 
@@ -366,13 +415,30 @@ def compare_run(engine, method, schedule, backend, slots, gen_length, prompt_len
     flops = cost.pass_flops(rows, key_len, sum(w["logit_rows"] for w in work))
     passes = s.iterations * (2 if decode.verify else 1)
     return {
-        "preset": "compare", "method": method, "schedule": schedule, "backend": backend, "slots": slots,
-        "quantization": engine.config.quantization, "projection_flops": rows * cost.matmul_flops_per_row,
-        "gen_length": gen_length, "prompt_length": prompt_len, "tokens": s.reference_num_tokens, "wall_s": s.wall_seconds,
-        "tokens_per_s": s.tokens_per_second, "tokens_per_step": s.tokens_per_step, "steps": s.steps,
-        "iterations": s.iterations, "forward_passes": s.forward_passes, "ms_per_iteration": 1e3 * s.wall_seconds / s.iterations,
-        "rows_per_step": rows / s.steps, "flops_per_token": flops / s.reference_num_tokens, "compile_s": compile_s,
-        "cache_bytes": s.cache_bytes, "peak_bytes": peak_bytes(), "host_peak_rss_bytes": host_peak_rss_bytes(), **cost.work(flops, passes, slots, key_len),
+        "preset": "compare",
+        "method": method,
+        "schedule": schedule,
+        "backend": backend,
+        "slots": slots,
+        "quantization": engine.config.quantization,
+        "projection_flops": rows * cost.matmul_flops_per_row,
+        "gen_length": gen_length,
+        "prompt_length": prompt_len,
+        "tokens": s.reference_num_tokens,
+        "wall_s": s.wall_seconds,
+        "tokens_per_s": s.tokens_per_second,
+        "tokens_per_step": s.tokens_per_step,
+        "steps": s.steps,
+        "iterations": s.iterations,
+        "forward_passes": s.forward_passes,
+        "ms_per_iteration": 1e3 * s.wall_seconds / s.iterations,
+        "rows_per_step": rows / s.steps,
+        "flops_per_token": flops / s.reference_num_tokens,
+        "compile_s": compile_s,
+        "cache_bytes": s.cache_bytes,
+        "peak_bytes": peak_bytes(),
+        "host_peak_rss_bytes": host_peak_rss_bytes(),
+        **cost.work(flops, passes, slots, key_len),
         "work_per_request": work[0],
     }
 
@@ -388,13 +454,22 @@ def flop_ratio_checks(runs: list[dict]) -> list[dict]:
         if ref is None or r is ref:
             continue
         speed = ref["tokens_per_s"] / r["tokens_per_s"]
-        flop = (r["flops_per_token"] / ref["flops_per_token"])
+        flop = r["flops_per_token"] / ref["flops_per_token"]
         floor = (r["floor_s"] / r["tokens"]) / (ref["floor_s"] / ref["tokens"])
-        checks.append({
-            "method": r["method"], "schedule": r["schedule"], "backend": r["backend"], "slots": r["slots"],
-            "gen_length": r["gen_length"], "flash_speedup": speed, "flop_ratio": flop, "speed_over_flops": speed / flop,
-            "floor_ratio": floor, "speed_over_floors": speed / floor,
-        })
+        checks.append(
+            {
+                "method": r["method"],
+                "schedule": r["schedule"],
+                "backend": r["backend"],
+                "slots": r["slots"],
+                "gen_length": r["gen_length"],
+                "flash_speedup": speed,
+                "flop_ratio": flop,
+                "speed_over_flops": speed / flop,
+                "floor_ratio": floor,
+                "speed_over_floors": speed / floor,
+            }
+        )
     return checks
 
 
@@ -466,20 +541,44 @@ def markdown(report: dict) -> str:
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tiny", action="store_true", help="CPU smoke test on a tiny model (of each --model-shape's family)")
-    p.add_argument("--model-shape", nargs="+", choices=tuple(MODEL_SHAPES), default=["llada-8b"],
-                   help="random-weight model(s), benchmarked one after the other in this run (e.g. llada-8b dream-7b)")
-    p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
-                   help="weights and activations (default: the model's own; float32 suits CPUs)")
-    p.add_argument("--reanalyse", type=Path, default=None,
-                   help="recompute the floors and tables of an earlier bench.json (no device needed); writes next to it")
+    p.add_argument(
+        "--tiny", action="store_true", help="CPU smoke test on a tiny model (of each --model-shape's family)"
+    )
+    p.add_argument(
+        "--model-shape",
+        nargs="+",
+        choices=tuple(MODEL_SHAPES),
+        default=["llada-8b"],
+        help="random-weight model(s), benchmarked one after the other in this run (e.g. llada-8b dream-7b)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        default=None,
+        help="weights and activations (default: the model's own; float32 suits CPUs)",
+    )
+    p.add_argument(
+        "--reanalyse",
+        type=Path,
+        default=None,
+        help="recompute the floors and tables of an earlier bench.json (no device needed); writes next to it",
+    )
     p.add_argument("--preset", nargs="+", choices=("steps", "compare"), default=["steps", "compare"])
     p.add_argument("--backends", nargs="+", choices=("auto", "xla", "pallas"), default=None)
     p.add_argument("--mesh", default=None, help='decode over several devices, e.g. "data=2" or "tensor=2"')
-    p.add_argument("--quantizations", nargs="+", choices=QUANTIZATIONS, default=["none"],
-                   help="weight formats to run (dllm_jax.models.quantization); 8-bit ones are made from the bf16 weights")
-    p.add_argument("--layers", choices=("stacked", "per_layer"), default="per_layer",
-                   help="weights stacked (layer loop scanned) or one array per layer (loop unrolled)")
+    p.add_argument(
+        "--quantizations",
+        nargs="+",
+        choices=QUANTIZATIONS,
+        default=["none"],
+        help="weight formats to run (dllm_jax.models.quantization); 8-bit ones are made from the bf16 weights",
+    )
+    p.add_argument(
+        "--layers",
+        choices=("stacked", "per_layer"),
+        default="per_layer",
+        help="weights stacked (layer loop scanned) or one array per layer (loop unrolled)",
+    )
     p.add_argument("--slots", nargs="+", type=int, default=None)
     p.add_argument("--compare-slots", nargs="+", type=int, default=None)
     p.add_argument("--gen-lengths", nargs="+", type=int, default=None)
@@ -489,11 +588,18 @@ def parse_args(argv):
     p.add_argument("--iterations", type=int, default=8, help="iterations per step-time sample")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--ceiling-repeats", type=int, default=10)
-    p.add_argument("--compiler-options", type=json.loads, default=None,
-                   help='XLA options of the decode loops as JSON, e.g. \'{"xla_gpu_enable_triton_gemm": true}\' '
-                        "(default: the quantization's own, dllm_jax.models.quantization.compiler_options; {} = XLA's defaults)")
-    p.add_argument("--batch-invariant", action="store_true",
-                   help="the engine's batch-invariant mode (dllm_jax.runtime.batch_invariance; sets XLA's deterministic flags)")
+    p.add_argument(
+        "--compiler-options",
+        type=json.loads,
+        default=None,
+        help="XLA options of the decode loops as JSON, e.g. '{\"xla_gpu_enable_triton_gemm\": true}' "
+        "(default: the quantization's own, dllm_jax.models.quantization.compiler_options; {} = XLA's defaults)",
+    )
+    p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="the engine's batch-invariant mode (dllm_jax.runtime.batch_invariance; sets XLA's deterministic flags)",
+    )
     p.add_argument("--budget-s", type=float, default=None, help="skip runs once this much time has passed")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
     opts = p.parse_args(argv)
@@ -540,21 +646,42 @@ def main(argv=None) -> int:
         return reanalyse(opts.reanalyse)
     started = time.perf_counter()
     first = model_config(opts.model_shape[0], opts.tiny, opts.dtype)
-    shapes = Shapes(d_model=first.d_model, n_heads=first.n_heads, n_kv_heads=first.n_kv_heads, n_layers=1,
-                    rows_per_slot=128, max_len=128, cache_slots=1, slot_counts=(), key_lengths=(), verify_rows=32,
-                    matmul_size=256 if opts.tiny else 8192, copy_elements=2**16 if opts.tiny else 2**28, sweep_size=0)
+    shapes = Shapes(
+        d_model=first.d_model,
+        n_heads=first.n_heads,
+        n_kv_heads=first.n_kv_heads,
+        n_layers=1,
+        rows_per_slot=128,
+        max_len=128,
+        cache_slots=1,
+        slot_counts=(),
+        key_lengths=(),
+        verify_rows=32,
+        matmul_size=256 if opts.tiny else 8192,
+        copy_elements=2**16 if opts.tiny else 2**28,
+        sweep_size=0,
+    )
     if opts.layers == "per_layer" and "pallas" in opts.backends:
         raise SystemExit("--backends pallas (fused projection kernel) needs --layers stacked")
     several = len(opts.model_shape) > 1
     costs = {}  # (model, quantization) -> Cost
     report = {
-        "device": f"{jax.device_count()} x {jax.devices()[0].device_kind}", "jax": jax.__version__, "mesh": opts.mesh,
-        "model": "tiny" if opts.tiny and not several else ", ".join(opts.model_shape), "tiny": opts.tiny,
-        "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "layers": opts.layers, "dtype": first.dtype, "ceilings": None,
+        "device": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
+        "jax": jax.__version__,
+        "mesh": opts.mesh,
+        "model": "tiny" if opts.tiny and not several else ", ".join(opts.model_shape),
+        "tiny": opts.tiny,
+        "date": time.strftime("%Y-%m-%d"),
+        "command": " ".join(sys.argv),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "layers": opts.layers,
+        "dtype": first.dtype,
+        "ceilings": None,
         "weight_bytes": {m: Cost(model_config(m, opts.tiny, opts.dtype)).weight_bytes for m in opts.model_shape},
         "weight_bytes_by_quantization": {},
-        "runs": [], "errors": [], "flop_ratio_checks": [],
+        "runs": [],
+        "errors": [],
+        "flop_ratio_checks": [],
     }
     opts.out.mkdir(parents=True, exist_ok=True)
 
@@ -585,25 +712,45 @@ def main(argv=None) -> int:
         for quantization, backend in itertools.product(opts.quantizations, opts.backends):
             q_config = dataclasses.replace(config, quantization=quantization)
             cost = costs[(model, quantization)] = Cost(q_config, params_bytes=weight_bytes(weights[quantization]))
-            engine = Engine(q_config, weights[quantization], backend=backend, interpret=opts.tiny and backend == "pallas",
-                            full_pass_lanes=(), mesh=parse_mesh(opts.mesh) if opts.mesh else None,
-                            compiler_options=opts.compiler_options, batch_invariant=opts.batch_invariant)
-            report.setdefault("compiler_options", {})[quantization if not several else f"{model} {quantization}"] = engine.compiler_options
+            engine = Engine(
+                q_config,
+                weights[quantization],
+                backend=backend,
+                interpret=opts.tiny and backend == "pallas",
+                full_pass_lanes=(),
+                mesh=parse_mesh(opts.mesh) if opts.mesh else None,
+                compiler_options=opts.compiler_options,
+                batch_invariant=opts.batch_invariant,
+            )
+            report.setdefault("compiler_options", {})[quantization if not several else f"{model} {quantization}"] = (
+                engine.compiler_options
+            )
             # the model is part of the backend label, so tables and ratio checks keep the families apart
             backend = (f"{model} " if several else "") + engine.backend + (f" mesh {opts.mesh}" if opts.mesh else "")
             backend += f" {quantization}" if quantization != "none" else ""
             if "steps" in opts.preset:
                 for slots in opts.slots:
-                    jobs.append((f"steps {backend} slots={slots}", lambda e=engine, b=backend, s=slots, c=cost: steps_run(
-                        e, b, s, opts.gen_lengths[0], opts.prompt_length, c, opts)))
+                    jobs.append(
+                        (
+                            f"steps {backend} slots={slots}",
+                            lambda e=engine, b=backend, s=slots, c=cost: steps_run(
+                                e, b, s, opts.gen_lengths[0], opts.prompt_length, c, opts
+                            ),
+                        )
+                    )
             if "compare" in opts.preset:
                 for gen in opts.gen_lengths:
                     for slots in opts.compare_slots:
                         for schedule in opts.schedules:
                             for method in opts.methods:
-                                jobs.append((f"compare {method} {schedule} {backend} slots={slots} gen={gen}",
-                                             lambda e=engine, m=method, sc=schedule, b=backend, s=slots, g=gen, c=cost: compare_run(
-                                                 e, m, sc, b, s, g, opts.prompt_length, c)))
+                                jobs.append(
+                                    (
+                                        f"compare {method} {schedule} {backend} slots={slots} gen={gen}",
+                                        lambda e=engine, m=method, sc=schedule, b=backend, s=slots, g=gen, c=cost: (
+                                            compare_run(e, m, sc, b, s, g, opts.prompt_length, c)
+                                        ),
+                                    )
+                                )
         for name, job in jobs:
             if opts.budget_s is not None and time.perf_counter() - started > opts.budget_s:
                 report["errors"].append({"run": name, "error": "skipped: time budget spent"})
@@ -619,7 +766,9 @@ def main(argv=None) -> int:
     # measured last, so that their buffers do not count in the runs' peak memory
     report["ceilings"] = measure_ceilings(shapes, repeats=3 if opts.tiny else opts.ceiling_repeats)
     if "fp8" in opts.quantizations:
-        report["ceilings"]["fp8_matmul_flops"] = measure_fp8_matmul(shapes.matmul_size, 3 if opts.tiny else opts.ceiling_repeats)
+        report["ceilings"]["fp8_matmul_flops"] = measure_fp8_matmul(
+            shapes.matmul_size, 3 if opts.tiny else opts.ceiling_repeats
+        )
     save()
     print(markdown(report))
     return 1 if report["errors"] and not any("skipped" in e["error"] for e in report["errors"]) else 0

@@ -55,13 +55,25 @@ GEMM_CALL = re.compile(r'custom_call_target="([^"]+)"|fusion_kind="?(\w+)"?|"kin
 SWEEP = tuple(
     Int8MatmulBlockSizes(bm, bn, bk, swap, warps, stages, split)
     for bm, bn, bk, swap, warps, stages, split in [
-        (128, 128, 64, False, 4, 4, 1), (128, 128, 128, False, 8, 3, 1), (128, 128, 128, False, 4, 4, 1),
-        (128, 64, 128, False, 4, 4, 1), (128, 64, 256, False, 4, 3, 1), (128, 32, 128, False, 4, 4, 1),
-        (64, 128, 128, False, 4, 4, 1), (64, 64, 256, False, 4, 3, 1), (64, 128, 64, False, 4, 5, 1),
-        (128, 128, 64, True, 8, 4, 1), (128, 128, 128, True, 8, 3, 1), (128, 128, 128, True, 4, 4, 1),
-        (128, 64, 128, True, 4, 4, 1), (128, 64, 256, True, 4, 3, 1), (128, 256, 64, True, 8, 3, 1),
+        (128, 128, 64, False, 4, 4, 1),
+        (128, 128, 128, False, 8, 3, 1),
+        (128, 128, 128, False, 4, 4, 1),
+        (128, 64, 128, False, 4, 4, 1),
+        (128, 64, 256, False, 4, 3, 1),
+        (128, 32, 128, False, 4, 4, 1),
+        (64, 128, 128, False, 4, 4, 1),
+        (64, 64, 256, False, 4, 3, 1),
+        (64, 128, 64, False, 4, 5, 1),
+        (128, 128, 64, True, 8, 4, 1),
+        (128, 128, 128, True, 8, 3, 1),
+        (128, 128, 128, True, 4, 4, 1),
+        (128, 64, 128, True, 4, 4, 1),
+        (128, 64, 256, True, 4, 3, 1),
+        (128, 256, 64, True, 8, 3, 1),
         (64, 128, 128, True, 4, 4, 1),
-        (128, 128, 64, True, 8, 4, 2), (128, 128, 64, True, 8, 4, 4), (128, 64, 128, True, 4, 4, 2),
+        (128, 128, 64, True, 8, 4, 2),
+        (128, 128, 64, True, 8, 4, 4),
+        (128, 64, 128, True, 4, 4, 2),
     ]
 )
 
@@ -92,22 +104,53 @@ def variants(d_in: int, d_out: int, rows: int, w: jax.Array, sweep: bool, chosen
     kernel = "pallas" if on_nvidia_gpu() else "interpret"
     bytes8 = d_in * d_out + 4 * d_out
     out = {
-        "bf16": (lambda x, k: jnp.dot(x, k, preferred_element_type=jnp.bfloat16), w_bf16, 2 * d_in * d_out, jnp.bfloat16),
+        "bf16": (
+            lambda x, k: jnp.dot(x, k, preferred_element_type=jnp.bfloat16),
+            w_bf16,
+            2 * d_in * d_out,
+            jnp.bfloat16,
+        ),
         "fp8": (lambda x, q: quantized_matmul(x, q["qkernel"], q["scale"], jnp.bfloat16), fp8, bytes8, jnp.bfloat16),
-        "fp8 f32 product": (lambda x, q: quantized_matmul(x, q["qkernel"], q["scale"], jnp.float32).astype(jnp.bfloat16),
-                            fp8, bytes8, jnp.bfloat16),
-        "fp8 dot": (lambda x, q: jax.lax.dot_general(x, q["qkernel"], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-                    * q["scale"], fp8, bytes8, jnp.float8_e4m3fn),
-        "int8 xla": (lambda x, q: quantized_matmul(x, q["qkernel"], q["scale"], jnp.bfloat16, int8_gemm="xla"), int8, bytes8, jnp.bfloat16),
-        "int8 pallas": (lambda x, q: quantized_matmul(x, q["qkernel"], q["scale"], jnp.bfloat16, int8_gemm=kernel), int8, bytes8, jnp.bfloat16),
+        "fp8 f32 product": (
+            lambda x, q: quantized_matmul(x, q["qkernel"], q["scale"], jnp.float32).astype(jnp.bfloat16),
+            fp8,
+            bytes8,
+            jnp.bfloat16,
+        ),
+        "fp8 dot": (
+            lambda x, q: (
+                jax.lax.dot_general(x, q["qkernel"], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+                * q["scale"]
+            ),
+            fp8,
+            bytes8,
+            jnp.float8_e4m3fn,
+        ),
+        "int8 xla": (
+            lambda x, q: quantized_matmul(x, q["qkernel"], q["scale"], jnp.bfloat16, int8_gemm="xla"),
+            int8,
+            bytes8,
+            jnp.bfloat16,
+        ),
+        "int8 pallas": (
+            lambda x, q: quantized_matmul(x, q["qkernel"], q["scale"], jnp.bfloat16, int8_gemm=kernel),
+            int8,
+            bytes8,
+            jnp.bfloat16,
+        ),
     }
     out = {label: v for label, v in out.items() if label in chosen}
     for blocks in SWEEP if sweep else ():
         blocks = dataclasses.replace(blocks, block_m=min(blocks.block_m, max(16, next_power_of_two(rows))))
         if supports(rows, d_out, d_in, blocks) and f"int8 {blocks.name}" not in out:
             out[f"int8 {blocks.name}"] = (
-                lambda x, q, b=blocks: int8_weight_matmul(x, q["qkernel"], q["scale"], block_sizes=b, interpret=kernel == "interpret"),
-                int8, bytes8, jnp.bfloat16)
+                lambda x, q, b=blocks: int8_weight_matmul(
+                    x, q["qkernel"], q["scale"], block_sizes=b, interpret=kernel == "interpret"
+                ),
+                int8,
+                bytes8,
+                jnp.bfloat16,
+            )
     return out
 
 
@@ -138,27 +181,41 @@ def run(rows_list, shapes, repeats, sweep=False, chosen=BASE_VARIANTS, save=lamb
                     seconds = time_chain(step, jnp.copy(x_in), weight, inner=4, repeats=repeats)  # the carry is donated
                 except Exception as e:  # a tiling that does not compile is reported, the others still run
                     print(f"{name} rows={rows} {label}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-                    results.append({"shape": name, "rows": rows, "variant": label, "error": f"{type(e).__name__}: {str(e)[:1000]}"})
+                    results.append(
+                        {"shape": name, "rows": rows, "variant": label, "error": f"{type(e).__name__}: {str(e)[:1000]}"}
+                    )
                     save(results)
                     continue
                 bf16_seconds = seconds if label == "bf16" else bf16_seconds
-                results.append({
-                    "shape": name, "rows": rows, "variant": label, "seconds": seconds,
-                    "tflops": 2 * rows * d_in * d_out / seconds / 1e12, "weight_gbps": weight_bytes / seconds / 1e9,
-                    "time_over_bf16": seconds / bf16_seconds if bf16_seconds else None,
-                    "rel_error_vs_f32": error, "gemm": gemm_kinds(compiled.as_text()),
-                })
+                results.append(
+                    {
+                        "shape": name,
+                        "rows": rows,
+                        "variant": label,
+                        "seconds": seconds,
+                        "tflops": 2 * rows * d_in * d_out / seconds / 1e12,
+                        "weight_gbps": weight_bytes / seconds / 1e9,
+                        "time_over_bf16": seconds / bf16_seconds if bf16_seconds else None,
+                        "rel_error_vs_f32": error,
+                        "gemm": gemm_kinds(compiled.as_text()),
+                    }
+                )
                 save(results)
                 r = results[-1]
-                print(f"{name} rows={rows} {label}: {1e6 * seconds:.1f} us, {r['tflops']:.0f} TFLOP/s, "
-                      f"{r['weight_gbps']:.0f} GB/s weights, x{r['time_over_bf16'] or 0:.2f} bf16, err {error:.2e}, {r['gemm']}", flush=True)
+                print(
+                    f"{name} rows={rows} {label}: {1e6 * seconds:.1f} us, {r['tflops']:.0f} TFLOP/s, "
+                    f"{r['weight_gbps']:.0f} GB/s weights, x{r['time_over_bf16'] or 0:.2f} bf16, err {error:.2e}, {r['gemm']}",
+                    flush=True,
+                )
     return results
 
 
 def markdown(results: list[dict]) -> str:
     """Per shape and rows: each variant's time, rates and time relative to bf16 (< 1 = faster)."""
-    lines = ["| shape [in x out] | rows | variant | us | TFLOP/s | weight GB/s | time / bf16 | rel. error | GEMM |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| shape [in x out] | rows | variant | us | TFLOP/s | weight GB/s | time / bf16 | rel. error | GEMM |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         if "error" in r and "seconds" not in r:
             lines.append(f"| {r['shape']} | {r['rows']} | {r['variant']} | failed: {r['error'][:120]} | | | | | |")
@@ -175,8 +232,17 @@ def markdown(results: list[dict]) -> str:
             if key not in best or r["seconds"] < best[key]["seconds"]:
                 best[key] = r
     if best:
-        lines += ["", "Fastest int8 variant per shape and rows:", "", "| shape | rows | variant | time / bf16 | weight GB/s |", "|---|---|---|---|---|"]
-        lines += [f"| {s} | {m} | {r['variant']} | {r['time_over_bf16'] or 0:.2f} | {r['weight_gbps']:.0f} |" for (s, m), r in best.items()]
+        lines += [
+            "",
+            "Fastest int8 variant per shape and rows:",
+            "",
+            "| shape | rows | variant | time / bf16 | weight GB/s |",
+            "|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {s} | {m} | {r['variant']} | {r['time_over_bf16'] or 0:.2f} | {r['weight_gbps']:.0f} |"
+            for (s, m), r in best.items()
+        ]
     return "\n".join(lines)
 
 
@@ -186,8 +252,13 @@ def main(argv=None) -> int:
     p.add_argument("--rows", nargs="+", type=int, default=None, help="GEMM rows (default 128 1024 4096)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--sweep", action="store_true", help="also time the int8 kernel at each tiling of SWEEP")
-    p.add_argument("--variants", nargs="+", choices=BASE_VARIANTS, default=list(BASE_VARIANTS),
-                   help="which GEMMs to time (bf16 is always timed first, as the reference)")
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        choices=BASE_VARIANTS,
+        default=list(BASE_VARIANTS),
+        help="which GEMMs to time (bf16 is always timed first, as the reference)",
+    )
     p.add_argument("--shapes", nargs="+", choices=tuple(SHAPES), default=None, help="projection shapes (default all)")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
     opts = p.parse_args(argv)
@@ -197,8 +268,14 @@ def main(argv=None) -> int:
     opts.out.mkdir(parents=True, exist_ok=True)
 
     def save(results):
-        report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),
-                  "command": " ".join(sys.argv), "xla_flags": os.environ.get("XLA_FLAGS", ""), "results": results}
+        report = {
+            "device": jax.devices()[0].device_kind,
+            "jax": jax.__version__,
+            "date": time.strftime("%Y-%m-%d"),
+            "command": " ".join(sys.argv),
+            "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "results": results,
+        }
         write_text_atomically(opts.out / "bench_gemm.json", json.dumps(report, indent=1))
         write_text_atomically(opts.out / "bench_gemm.md", markdown(results) + "\n")
 

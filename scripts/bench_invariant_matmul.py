@@ -32,13 +32,19 @@ from dllm_jax.common.atomic_write import write_text_atomically  # noqa: E402
 from dllm_jax.runtime.batch_invariance import REFERENCE_BLOCKS  # noqa: E402
 from pallas_kernels.matmul.invariant_matmul import MatmulBlockSizes, invariant_matmul, invariant_matmul_reference  # noqa: E402
 
-SHAPES = {"qkvo 4096x4096": (4096, 4096, 128), "gate/up 4096x12288": (4096, 12288, 128),
-          "down 12288x4096": (12288, 4096, 128), "lm_head 4096x126464": (4096, 126464, 16)}
+SHAPES = {
+    "qkvo 4096x4096": (4096, 4096, 128),
+    "gate/up 4096x12288": (4096, 12288, 128),
+    "down 12288x4096": (12288, 4096, 128),
+    "lm_head 4096x126464": (4096, 126464, 16),
+}
 # candidates for the default tiling (one for all M: a tiling chosen by M would undo the invariance)
-ALTERNATIVE_TILES = (MatmulBlockSizes(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),
-                     MatmulBlockSizes(block_m=64, block_n=256, block_k=64, num_warps=8, num_stages=3),
-                     MatmulBlockSizes(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=4),
-                     MatmulBlockSizes(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3))
+ALTERNATIVE_TILES = (
+    MatmulBlockSizes(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),
+    MatmulBlockSizes(block_m=64, block_n=256, block_k=64, num_warps=8, num_stages=3),
+    MatmulBlockSizes(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=4),
+    MatmulBlockSizes(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3),
+)
 
 
 def seconds_per_call(f, *args, calls: int = 10, repeats: int = 3) -> float:
@@ -61,13 +67,16 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     on_gpu = jax.devices()[0].platform == "gpu"
     shapes = {"small 256x512": (256, 512, 32)} if args.smoke else SHAPES
-    impls = {"xla_dot": jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.bfloat16)),
-             "reference_tiles128": jax.jit(lambda x, w: invariant_matmul_reference(x, w, block_sizes=REFERENCE_BLOCKS))}
+    impls = {
+        "xla_dot": jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.bfloat16)),
+        "reference_tiles128": jax.jit(lambda x, w: invariant_matmul_reference(x, w, block_sizes=REFERENCE_BLOCKS)),
+    }
     if on_gpu:
         impls["kernel"] = jax.jit(lambda x, w: invariant_matmul(x, w))
         for b in ALTERNATIVE_TILES:
             impls[f"kernel {b.block_m}x{b.block_n}x{b.block_k} w{b.num_warps}"] = jax.jit(
-                lambda x, w, b=b: invariant_matmul(x, w, block_sizes=b))
+                lambda x, w, b=b: invariant_matmul(x, w, block_sizes=b)
+            )
     rows = []
     for name, (k, n, per_slot) in shapes.items():
         w = (jax.random.normal(jax.random.key(1), (k, n), jnp.float32) / k**0.5).astype(jnp.bfloat16)
@@ -80,20 +89,36 @@ def main(argv=None) -> int:
                     full = np.asarray(f(x, w)[:per_slot].astype(jnp.float32))
                     alone = np.asarray(f(x[:per_slot], w).astype(jnp.float32))
                     same = bool(np.array_equal(full.view(np.uint32), alone.view(np.uint32)))
-                    rows.append(dict(shape=name, slots=slots, m=m, impl=impl, us=s * 1e6,
-                                     tflops=2 * m * k * n / s / 1e12, rows_identical_to_alone=same))
+                    rows.append(
+                        dict(
+                            shape=name,
+                            slots=slots,
+                            m=m,
+                            impl=impl,
+                            us=s * 1e6,
+                            tflops=2 * m * k * n / s / 1e12,
+                            rows_identical_to_alone=same,
+                        )
+                    )
                 except Exception as e:  # a tiling the compiler rejects is reported, the others still run
                     rows.append(dict(shape=name, slots=slots, m=m, impl=impl, error=f"{type(e).__name__}: {e}"[:300]))
                 print(rows[-1], flush=True)
-    lines = [f"# Batch-invariant matmul vs XLA's dot ({jax.devices()[0].device_kind}, {time.strftime('%Y-%m-%d %H:%M')})", "",
-             "rows identical: the first slot's rows of the M-row product equal the product of those rows alone", "",
-             "| shape | slots | M | impl | us | TFLOP/s | rows identical |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Batch-invariant matmul vs XLA's dot ({jax.devices()[0].device_kind}, {time.strftime('%Y-%m-%d %H:%M')})",
+        "",
+        "rows identical: the first slot's rows of the M-row product equal the product of those rows alone",
+        "",
+        "| shape | slots | M | impl | us | TFLOP/s | rows identical |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['shape']} | {r['slots']} | {r['m']} | {r['impl']} | error: {r['error']} | | |")
         else:
-            lines.append(f"| {r['shape']} | {r['slots']} | {r['m']} | {r['impl']} | {r['us']:.1f} | {r['tflops']:.1f} | "
-                         f"{'yes' if r['rows_identical_to_alone'] else 'NO'} |")
+            lines.append(
+                f"| {r['shape']} | {r['slots']} | {r['m']} | {r['impl']} | {r['us']:.1f} | {r['tflops']:.1f} | "
+                f"{'yes' if r['rows_identical_to_alone'] else 'NO'} |"
+            )
     args.out.mkdir(parents=True, exist_ok=True)
     write_text_atomically(args.out / "invariant_matmul.json", json.dumps(rows, indent=1))
     write_text_atomically(args.out / "invariant_matmul.md", "\n".join(lines) + "\n")

@@ -25,7 +25,8 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -80,14 +81,35 @@ class Shapes:
 
 
 LLADA_8B = Shapes(
-    d_model=4096, n_heads=32, n_kv_heads=32, n_layers=2, rows_per_slot=128, max_len=2048, cache_slots=32,
-    slot_counts=(1, 8, 32), key_lengths=(512, 2048), verify_rows=32, matmul_size=8192, copy_elements=2**28,
+    d_model=4096,
+    n_heads=32,
+    n_kv_heads=32,
+    n_layers=2,
+    rows_per_slot=128,
+    max_len=2048,
+    cache_slots=32,
+    slot_counts=(1, 8, 32),
+    key_lengths=(512, 2048),
+    verify_rows=32,
+    matmul_size=8192,
+    copy_elements=2**28,
     sweep_size=7,
 )
 
 TINY = Shapes(
-    d_model=128, n_heads=4, n_kv_heads=2, n_layers=2, rows_per_slot=16, max_len=64, cache_slots=2,
-    slot_counts=(2,), key_lengths=(64,), verify_rows=16, matmul_size=128, copy_elements=2**16, sweep_size=1,
+    d_model=128,
+    n_heads=4,
+    n_kv_heads=2,
+    n_layers=2,
+    rows_per_slot=16,
+    max_len=64,
+    cache_slots=2,
+    slot_counts=(2,),
+    key_lengths=(64,),
+    verify_rows=16,
+    matmul_size=128,
+    copy_elements=2**16,
+    sweep_size=1,
 )
 
 
@@ -105,8 +127,10 @@ def qkv_candidates(default: QKVBlockSizes, shapes: Shapes, n_rows: int) -> list[
         replace(block_d=128, num_stages=2),
     ]
     fits = [
-        b for b in candidates
-        if (shapes.head_dim // 2) % b.block_pairs == 0 and shapes.d_model % b.block_d == 0
+        b
+        for b in candidates
+        if (shapes.head_dim // 2) % b.block_pairs == 0
+        and shapes.d_model % b.block_d == 0
         and b.block_rows <= max(16, n_rows)
     ]
     return list(dict.fromkeys(fits))[: 1 + shapes.sweep_size]
@@ -201,8 +225,14 @@ def qkv_inputs(shapes: Shapes, n_slots: int, seed: int, *, poison: bool) -> dict
     q_width = shapes.n_heads * shapes.head_dim
     cache_shape = (shapes.n_layers, shapes.cache_rows, shapes.kv_width)
     order, x, wq, wk, wv, cache = normal_parts(
-        seed, (n_slots, shapes.max_len), (n_rows, d), (shapes.n_layers, d, q_width),
-        (shapes.n_layers, d, shapes.kv_width), (shapes.n_layers, d, shapes.kv_width), cache_shape)
+        seed,
+        (n_slots, shapes.max_len),
+        (n_rows, d),
+        (shapes.n_layers, d, q_width),
+        (shapes.n_layers, d, shapes.kv_width),
+        (shapes.n_layers, d, shapes.kv_width),
+        cache_shape,
+    )
     # [n_slots, rows_per_slot]: distinct random positions inside each slot
     in_slot = jnp.argsort(order, axis=1)[:, : shapes.rows_per_slot]
     slots = jnp.arange(n_slots)[:, None] * 7 % shapes.cache_slots
@@ -220,15 +250,23 @@ def qkv_inputs(shapes: Shapes, n_slots: int, seed: int, *, poison: bool) -> dict
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), static_argnames=("rows", "poison", "verify"))
-def attention_inputs(shapes: Shapes, n_slots: int, key_len: int, seed: int, *, rows: int, poison: bool,
-                     verify: bool = False) -> dict[str, Any]:
+def attention_inputs(
+    shapes: Shapes, n_slots: int, key_len: int, seed: int, *, rows: int, poison: bool, verify: bool = False
+) -> dict[str, Any]:
     """Groups = slots (reversed order), ragged key lengths in (3/4 key_len, key_len]. With poison,
     every cache row a group may not read (and the other layer) is NaN."""
     cache_shape = (shapes.n_layers, shapes.cache_rows, shapes.kv_width)
     q, score_draw, exclude_draw, k_extra, v_extra, mask_draw, k_cache, v_cache = normal_parts(
-        seed, (n_slots, rows, shapes.n_heads * shapes.head_dim), (n_slots, rows), (n_slots, shapes.max_len),
-        (n_slots, rows, shapes.kv_width), (n_slots, rows, shapes.kv_width), (n_slots, rows, rows),
-        cache_shape, cache_shape)
+        seed,
+        (n_slots, rows, shapes.n_heads * shapes.head_dim),
+        (n_slots, rows),
+        (n_slots, shapes.max_len),
+        (n_slots, rows, shapes.kv_width),
+        (n_slots, rows, shapes.kv_width),
+        (n_slots, rows, rows),
+        cache_shape,
+        cache_shape,
+    )
     group_slot = (n_slots - 1 - jnp.arange(n_slots)).astype(jnp.int32)
     lengths = (key_len - jnp.arange(n_slots) * 37 % max(1, key_len // 4)).astype(jnp.int32)
     positions = jnp.arange(shapes.max_len)
@@ -240,8 +278,11 @@ def attention_inputs(shapes: Shapes, n_slots: int, key_len: int, seed: int, *, r
         args["extra"] = (k_extra.astype(jnp.bfloat16), v_extra.astype(jnp.bfloat16), mask_draw < HALF)
         args["score_rows"] = None
     if poison:
-        readable = jnp.zeros((shapes.cache_rows,), bool).at[
-            (group_slot[:, None] * shapes.max_len + positions[None, :]).reshape(-1)].set(visible.reshape(-1))
+        readable = (
+            jnp.zeros((shapes.cache_rows,), bool)
+            .at[(group_slot[:, None] * shapes.max_len + positions[None, :]).reshape(-1)]
+            .set(visible.reshape(-1))
+        )
         keep = (jnp.arange(shapes.n_layers) == 1)[:, None, None] & readable[None, :, None]
         k_cache, v_cache = (jnp.where(keep, c, jnp.nan) for c in (k_cache, v_cache))
     args.update(k_cache=k_cache.astype(jnp.bfloat16), v_cache=v_cache.astype(jnp.bfloat16))
@@ -261,8 +302,9 @@ QKV_ORDER = ("x", "wq", "wk", "wv", "positions", "cache_rows", "k_cache", "v_cac
 def qkv_reference(shapes: Shapes, n_slots: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Reference q and the k / v rows it writes (layer 1) for the inputs of check_qkv."""
     inp = qkv_inputs(shapes, n_slots, seed=1, poison=True)
-    q, k_cache, v_cache = qkv_rope_cache_reference(*(inp[k] for k in QKV_ORDER), 1, **model_kwargs(shapes),
-                                                   rope_theta=THETA)
+    q, k_cache, v_cache = qkv_rope_cache_reference(
+        *(inp[k] for k in QKV_ORDER), 1, **model_kwargs(shapes), rope_theta=THETA
+    )
     return q, k_cache[1, inp["cache_rows"]], v_cache[1, inp["cache_rows"]]
 
 
@@ -270,23 +312,40 @@ def check_qkv(shapes: Shapes, n_slots: int, blocks: QKVBlockSizes | None, interp
     """Kernel vs reference on NaN-filled caches: q, the written rows, and every other row
     (except the trash row) still NaN."""
     inp = qkv_inputs(shapes, n_slots, seed=1, poison=True)
-    q, k_cache, v_cache = qkv_rope_cache(*(inp[k] for k in QKV_ORDER), 1, **model_kwargs(shapes), rope_theta=THETA,
-                                         interpret=interpret, block_sizes=blocks)
+    q, k_cache, v_cache = qkv_rope_cache(
+        *(inp[k] for k in QKV_ORDER),
+        1,
+        **model_kwargs(shapes),
+        rope_theta=THETA,
+        interpret=interpret,
+        block_sizes=blocks,
+    )
     rows = inp["cache_rows"]
     written = jnp.zeros((shapes.n_layers, shapes.cache_rows), bool).at[1, rows].set(True).at[1, -1].set(True)
     errors = {"q": rel_l2(q, ref[0]), "k": rel_l2(k_cache[1, rows], ref[1]), "v": rel_l2(v_cache[1, rows], ref[2])}
     untouched_nan = all(bool(jnp.isnan(c).all(axis=-1)[~written].all()) for c in (k_cache, v_cache))
-    return {"errors": errors, "untouched_rows_unchanged": untouched_nan,
-            "ok": max(errors.values()) < 1e-2 and untouched_nan}
+    return {
+        "errors": errors,
+        "untouched_rows_unchanged": untouched_nan,
+        "ok": max(errors.values()) < 1e-2 and untouched_nan,
+    }
 
 
-def check_attention(shapes: Shapes, n_slots: int, key_len: int, blocks: AttentionBlockSizes | None,
-                    interpret: bool, *, verify: bool = False) -> dict:
+def check_attention(
+    shapes: Shapes,
+    n_slots: int,
+    key_len: int,
+    blocks: AttentionBlockSizes | None,
+    interpret: bool,
+    *,
+    verify: bool = False,
+) -> dict:
     rows = shapes.verify_rows if verify else shapes.rows_per_slot
     inp = attention_inputs(shapes, n_slots, key_len, seed=2, rows=rows, poison=True, verify=verify)
     args = (inp["q"], inp["k_cache"], inp["v_cache"], 1, inp["group_slot"], inp["key_len"], inp["score_rows"])
-    kw = dict(**model_kwargs(shapes), max_len=shapes.max_len, key_exclude=inp.get("key_exclude"),
-              extra=inp.get("extra"))
+    kw = dict(
+        **model_kwargs(shapes), max_len=shapes.max_len, key_exclude=inp.get("key_exclude"), extra=inp.get("extra")
+    )
     out, scores = cache_attention(*args, **kw, interpret=interpret, block_sizes=blocks)
     out_ref, scores_ref = cache_attention_reference(*args, **kw)
     errors = {"out": rel_l2(out, out_ref), "scores": rel_l2(scores, scores_ref)}
@@ -347,8 +406,14 @@ def qkv_case(shapes: Shapes, n_slots: int, opts: argparse.Namespace, ceilings: d
 
     def timed(fn, n_layers=shapes.n_layers, **extra):
         inp = qkv_inputs(shapes, n_slots, seed=3, poison=False)
-        consts = (inp["wq"][:n_layers], inp["wk"][:n_layers], inp["wv"][:n_layers], inp["positions"],
-                  inp["cache_rows"], layers % n_layers)
+        consts = (
+            inp["wq"][:n_layers],
+            inp["wk"][:n_layers],
+            inp["wv"][:n_layers],
+            inp["positions"],
+            inp["cache_rows"],
+            layers % n_layers,
+        )
         carry = (inp["x"], inp["k_cache"][:n_layers], inp["v_cache"][:n_layers])
 
         def step(i, c, consts):
@@ -362,26 +427,35 @@ def qkv_case(shapes: Shapes, n_slots: int, opts: argparse.Namespace, ceilings: d
     flops = 2 * n_rows * shapes.d_model * columns
     bytes_moved = 2 * (shapes.d_model * columns + n_rows * shapes.d_model + n_rows * columns)
     memory_floor = bytes_moved / ceilings["bandwidth_bytes"]
-    paths, errors = time_paths(f"qkv slots={n_slots}", {
-        "xla": lambda: timed(qkv_rope_cache_reference),
-        "xla_one_layer": lambda: timed(qkv_rope_cache_reference, 1),
-    })
+    paths, errors = time_paths(
+        f"qkv slots={n_slots}",
+        {
+            "xla": lambda: timed(qkv_rope_cache_reference),
+            "xla_one_layer": lambda: timed(qkv_rope_cache_reference, 1),
+        },
+    )
     result = {
-        "slots": n_slots, "rows": n_rows, "flops": flops, "bytes": bytes_moved, "memory_floor_s": memory_floor,
-        "roofline_s": max(memory_floor, flops / ceilings["matmul_flops"]), "paths": paths, "path_errors": errors,
+        "slots": n_slots,
+        "rows": n_rows,
+        "flops": flops,
+        "bytes": bytes_moved,
+        "memory_floor_s": memory_floor,
+        "roofline_s": max(memory_floor, flops / ceilings["matmul_flops"]),
+        "paths": paths,
+        "path_errors": errors,
     }
     ref = qkv_reference(shapes, n_slots)
     sweep = run_sweep(
         qkv_candidates(default_qkv_block_sizes(n_rows, shapes.d_model, shapes.head_dim, columns), shapes, n_rows),
         check=lambda b: check_qkv(shapes, n_slots, b, opts.tiny, ref),
         timed=lambda b: timed(qkv_rope_cache, interpret=opts.tiny, block_sizes=b),
-        deadline=deadline, label=f"qkv slots={n_slots}",
+        deadline=deadline,
+        label=f"qkv slots={n_slots}",
     )
     return summarise(result, sweep)
 
 
-def cudnn_attention(q, k_cache, v_cache, layer, group_slot, key_len, score_rows, *, n_heads, n_kv_heads,
-                    max_len):
+def cudnn_attention(q, k_cache, v_cache, layer, group_slot, key_len, score_rows, *, n_heads, n_kv_heads, max_len):
     """The XLA path with cuDNN: gather each group's K/V, cuDNN flash attention with key lengths,
     tracking score as one vector-matrix product per group (summed score-row queries)."""
     n_groups, n_rows, _ = q.shape
@@ -400,13 +474,20 @@ def cudnn_attention(q, k_cache, v_cache, layer, group_slot, key_len, score_rows,
     return out.reshape(q.shape), scores
 
 
-def attention_case(shapes: Shapes, n_slots: int, key_len: int, opts: argparse.Namespace, ceilings: dict,
-                   deadline: float) -> dict:
+def attention_case(
+    shapes: Shapes, n_slots: int, key_len: int, opts: argparse.Namespace, ceilings: dict, deadline: float
+) -> dict:
     rows = shapes.rows_per_slot
     inp = attention_inputs(shapes, n_slots, key_len, seed=4, rows=rows, poison=False)
     kw = dict(**model_kwargs(shapes), max_len=shapes.max_len)
-    consts = (inp["k_cache"], inp["v_cache"], inp["group_slot"], inp["key_len"], inp["score_rows"],
-              jnp.arange(opts.inner, dtype=jnp.int32) % shapes.n_layers)
+    consts = (
+        inp["k_cache"],
+        inp["v_cache"],
+        inp["group_slot"],
+        inp["key_len"],
+        inp["score_rows"],
+        jnp.arange(opts.inner, dtype=jnp.int32) % shapes.n_layers,
+    )
 
     def timed(fn, **extra):
         def step(i, c, consts):
@@ -423,21 +504,31 @@ def attention_case(shapes: Shapes, n_slots: int, key_len: int, opts: argparse.Na
     bytes_moved = 2 * 2 * keys_read * shapes.kv_width + 2 * 2 * n_slots * rows * width + 4 * n_slots * shapes.max_len
     flops = 4 * rows * keys_read * width
     memory_floor = bytes_moved / ceilings["bandwidth_bytes"]
-    paths, errors = time_paths(f"attention slots={n_slots} keys={key_len}", {
-        "xla": lambda: timed(cache_attention_reference),
-        "cudnn": lambda: timed(cudnn_attention),
-    })
+    paths, errors = time_paths(
+        f"attention slots={n_slots} keys={key_len}",
+        {
+            "xla": lambda: timed(cache_attention_reference),
+            "cudnn": lambda: timed(cudnn_attention),
+        },
+    )
     result = {
-        "slots": n_slots, "key_len": key_len, "keys_read": keys_read, "flops": flops, "bytes": bytes_moved,
-        "memory_floor_s": memory_floor, "roofline_s": max(memory_floor, flops / ceilings["matmul_flops"]),
-        "paths": paths, "path_errors": errors,
+        "slots": n_slots,
+        "key_len": key_len,
+        "keys_read": keys_read,
+        "flops": flops,
+        "bytes": bytes_moved,
+        "memory_floor_s": memory_floor,
+        "roofline_s": max(memory_floor, flops / ceilings["matmul_flops"]),
+        "paths": paths,
+        "path_errors": errors,
     }
     default = default_attention_block_sizes(n_slots, rows, shapes.n_heads, shapes.n_kv_heads, shapes.max_len)
     sweep = run_sweep(
         attention_candidates(default, shapes),
         check=lambda b: check_attention(shapes, n_slots, key_len, b, opts.tiny),
         timed=lambda b: timed(cache_attention, interpret=opts.tiny, block_sizes=b),
-        deadline=deadline, label=f"attention slots={n_slots} keys={key_len}",
+        deadline=deadline,
+        label=f"attention slots={n_slots} keys={key_len}",
     )
     return summarise(result, sweep)
 
@@ -500,8 +591,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", help="JSON path (default $OUT/bench_kernels.json, else ./bench_kernels.json)")
     parser.add_argument("--repeats", type=int, default=5, help="timed samples per measurement (median)")
     parser.add_argument("--inner", type=int, default=4, help="chained calls per compiled program")
-    parser.add_argument("--budget-s", type=float, default=170.0,
-                        help="seconds from the start after which no further sweep tilings are tried")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=170.0,
+        help="seconds from the start after which no further sweep tilings are tried",
+    )
     return parser.parse_args(argv)
 
 
@@ -512,8 +607,14 @@ def main(argv: list[str] | None = None) -> int:
         jax.config.update("jax_platforms", "cpu")
     shapes = TINY if opts.tiny else LLADA_8B
     out_path = opts.out or os.path.join(os.environ.get("OUT", "."), "bench_kernels.json")
-    report: dict[str, Any] = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
-                              "tiny": opts.tiny, "shapes": dataclasses.asdict(shapes), "qkv": [], "attention": []}
+    report: dict[str, Any] = {
+        "device": str(jax.devices()[0].device_kind),
+        "jax": jax.__version__,
+        "tiny": opts.tiny,
+        "shapes": dataclasses.asdict(shapes),
+        "qkv": [],
+        "attention": [],
+    }
 
     def save():
         report["elapsed_s"] = time.monotonic() - start
@@ -522,8 +623,11 @@ def main(argv: list[str] | None = None) -> int:
     report["ceilings"] = measure_ceilings(shapes, opts.repeats)
     log(f"ceilings: {report['ceilings']}")
     # the main passes are checked for every tiling of the sweep; the verify pass only here
-    report["checks"] = {"attention_verify": check_attention(
-        shapes, shapes.slot_counts[-1], shapes.key_lengths[0], None, opts.tiny, verify=True)}
+    report["checks"] = {
+        "attention_verify": check_attention(
+            shapes, shapes.slot_counts[-1], shapes.key_lengths[0], None, opts.tiny, verify=True
+        )
+    }
     log(f"checks: {json.dumps(report['checks'])}")
     save()
 
@@ -540,7 +644,8 @@ def main(argv: list[str] | None = None) -> int:
         save()
 
     report["all_checks_ok"] = all(c["ok"] for c in report["checks"].values()) and all(
-        r["all_checks_ok"] for r in report["qkv"] + report["attention"])
+        r["all_checks_ok"] for r in report["qkv"] + report["attention"]
+    )
     report["recommended"] = {
         "qkv": {str(r["slots"]): r.get("best", {}).get("blocks") for r in report["qkv"]},
         "attention": {f"{r['slots']}x{r['key_len']}": r.get("best", {}).get("blocks") for r in report["attention"]},

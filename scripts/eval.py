@@ -32,11 +32,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tqdm.auto import tqdm  # noqa: E402
 
-from dllm_jax.evaluation import tiny_tasks  # noqa: E402
 from dllm_jax.common.atomic_write import write_text_atomically  # noqa: E402
+from dllm_jax.evaluation import tiny_tasks  # noqa: E402
+from dllm_jax.models.quantization import QUANTIZATIONS  # noqa: E402
 from dllm_jax.runtime.decode_config import DecodeConfig  # noqa: E402
 from dllm_jax.sampling.params import SamplingParams  # noqa: E402
-from dllm_jax.models.quantization import QUANTIZATIONS  # noqa: E402
 
 EXACT = "exact-one-per-step"
 
@@ -50,8 +50,11 @@ class Setting:
 
     def describe(self) -> dict:
         """The setting as the report records it (what a resumed run must match)."""
-        changed = {f.name: getattr(self.sampling, f.name) for f in dataclasses.fields(SamplingParams)
-                   if getattr(self.sampling, f.name) != f.default}
+        changed = {
+            f.name: getattr(self.sampling, f.name)
+            for f in dataclasses.fields(SamplingParams)
+            if getattr(self.sampling, f.name) != f.default
+        }
         return {**dataclasses.asdict(self.decode_config), **changed}
 
 
@@ -66,11 +69,21 @@ def settings(gen_length: int, batch_size: int) -> dict[str, Setting]:
     verify = dict(flash, track_num=4, verify=True)  # gamma 0.8: the default
     grid = {
         EXACT: setting(DecodeConfig(track_num=-1, **flash), threshold=2.0),
-        "llada-one-per-step-block32": setting(DecodeConfig(method="llada", block_length=32, steps=gen_length, **common)),
-        "llada-one-per-step-block64": setting(DecodeConfig(method="llada", block_length=gen_length, steps=gen_length, **common)),
-        "fast_dllm-prefix-t0.9": setting(DecodeConfig(method="fast_dllm", cache="prefix", block_length=32, **common), threshold=0.9),
-        "fast_dllm-dual-t0.9": setting(DecodeConfig(method="fast_dllm", cache="dual", block_length=32, **common), threshold=0.9),
-        "fast_dllm-dual-t0.7": setting(DecodeConfig(method="fast_dllm", cache="dual", block_length=32, **common), threshold=0.7),
+        "llada-one-per-step-block32": setting(
+            DecodeConfig(method="llada", block_length=32, steps=gen_length, **common)
+        ),
+        "llada-one-per-step-block64": setting(
+            DecodeConfig(method="llada", block_length=gen_length, steps=gen_length, **common)
+        ),
+        "fast_dllm-prefix-t0.9": setting(
+            DecodeConfig(method="fast_dllm", cache="prefix", block_length=32, **common), threshold=0.9
+        ),
+        "fast_dllm-dual-t0.9": setting(
+            DecodeConfig(method="fast_dllm", cache="dual", block_length=32, **common), threshold=0.9
+        ),
+        "fast_dllm-dual-t0.7": setting(
+            DecodeConfig(method="fast_dllm", cache="dual", block_length=32, **common), threshold=0.7
+        ),
         "flash-exact-refresh-t0.9": setting(DecodeConfig(track_num=-1, **flash), threshold=0.9),
         "flash-track0-t0.9": setting(DecodeConfig(track_num=0, **flash), threshold=0.9),
         "flash-track1-t0.9": setting(DecodeConfig(track_num=1, **flash), threshold=0.9),
@@ -78,20 +91,34 @@ def settings(gen_length: int, batch_size: int) -> dict[str, Setting]:
         "flash-track4-t0.7": setting(DecodeConfig(track_num=4, **flash), threshold=0.7),
         "flash-track4-t0.95": setting(DecodeConfig(track_num=4, **flash), threshold=0.95),
         "flash-track4-one-per-step": setting(DecodeConfig(track_num=4, **flash), threshold=2.0),
-        "verify-cumprod-all_commits-t0.9": setting(DecodeConfig(accept="cumprod", pin="all_commits", **verify), threshold=0.9),
-        "verify-paper-all_commits-t0.9": setting(DecodeConfig(accept="paper", pin="all_commits", **verify), threshold=0.9),
-        "verify-cumprod-reference-t0.9": setting(DecodeConfig(accept="cumprod", pin="reference", **verify), threshold=0.9),
+        "verify-cumprod-all_commits-t0.9": setting(
+            DecodeConfig(accept="cumprod", pin="all_commits", **verify), threshold=0.9
+        ),
+        "verify-paper-all_commits-t0.9": setting(
+            DecodeConfig(accept="paper", pin="all_commits", **verify), threshold=0.9
+        ),
+        "verify-cumprod-reference-t0.9": setting(
+            DecodeConfig(accept="cumprod", pin="reference", **verify), threshold=0.9
+        ),
         "verify-paper-reference-t0.9": setting(DecodeConfig(accept="paper", pin="reference", **verify), threshold=0.9),
-        "verify-paper-all_commits-t0.7": setting(DecodeConfig(accept="paper", pin="all_commits", **verify), threshold=0.7),
+        "verify-paper-all_commits-t0.7": setting(
+            DecodeConfig(accept="paper", pin="all_commits", **verify), threshold=0.7
+        ),
     }
     for alg in ("entropy", "maskgit_plus", "topk_margin", "origin"):
-        grid[f"dream-{alg}-steps{gen_length}"] = setting(DecodeConfig(method="dream", alg=alg, steps=gen_length, **common))
-    grid[f"dream-entropy-steps{gen_length // 2}"] = setting(DecodeConfig(method="dream", alg="entropy", steps=gen_length // 2, **common))
+        grid[f"dream-{alg}-steps{gen_length}"] = setting(
+            DecodeConfig(method="dream", alg=alg, steps=gen_length, **common)
+        )
+    grid[f"dream-entropy-steps{gen_length // 2}"] = setting(
+        DecodeConfig(method="dream", alg="entropy", steps=gen_length // 2, **common)
+    )
     return grid
 
 
 def evaluate(engine, problems, setting: Setting, exact_texts: list[str] | None) -> dict:
-    out = engine.generate([p.prompt for p in problems], setting.sampling, decode_config=setting.decode_config, chat=True)
+    out = engine.generate(
+        [p.prompt for p in problems], setting.sampling, decode_config=setting.decode_config, chat=True
+    )
     texts = [r.text for r in out.results]
     correct = [tiny_tasks.is_correct(p, t) for p, t in zip(problems, texts)]
     by_task: dict[str, list[bool]] = {}
@@ -101,7 +128,9 @@ def evaluate(engine, problems, setting: Setting, exact_texts: list[str] | None) 
     return {
         "accuracy": sum(correct) / len(problems),
         "accuracy_by_task": {task: sum(v) / len(v) for task, v in sorted(by_task.items())},
-        "agreement_with_exact": None if exact_texts is None else sum(a == b for a, b in zip(texts, exact_texts)) / len(problems),
+        "agreement_with_exact": None
+        if exact_texts is None
+        else sum(a == b for a, b in zip(texts, exact_texts)) / len(problems),
         "tokens_per_step": s.tokens_per_step,
         "steps": s.steps,
         "forward_passes": s.forward_passes,
@@ -164,7 +193,8 @@ def finished_results(path: Path, report: dict) -> dict:
         if was != now:
             raise ValueError(f"--resume: {path} was run with {key}={was!r}, this run has {now!r}")
     kept = {
-        name: result for name, result in old.get("results", {}).items()
+        name: result
+        for name, result in old.get("results", {}).items()
         if name in report["settings"] and old["settings"].get(name) == report["settings"][name]
     }
     return kept if EXACT in kept else {}
@@ -177,8 +207,10 @@ def read_baseline(path: Path, problems: int, seed: int) -> dict:
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"--baseline: cannot read {path} ({e})") from None
     if old.get("problems") != problems or old.get("seed") != seed:
-        raise ValueError(f"--baseline: {path} scored {old.get('problems')} problems of seed {old.get('seed')}, "
-                         f"this run {problems} of seed {seed}")
+        raise ValueError(
+            f"--baseline: {path} scored {old.get('problems')} problems of seed {old.get('seed')}, "
+            f"this run {problems} of seed {seed}"
+        )
     return old.get("results", {})
 
 
@@ -187,8 +219,12 @@ def parse_args(argv):
 
     grid_names = list(settings(64, 8))
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", nargs="+", default=[str(tiny_model_path())],
-                   help="LLaDA or Dream checkpoint(s), or tiny-llada / tiny-dream (default: the embedded tiny-llada)")
+    p.add_argument(
+        "--model",
+        nargs="+",
+        default=[str(tiny_model_path())],
+        help="LLaDA or Dream checkpoint(s), or tiny-llada / tiny-dream (default: the embedded tiny-llada)",
+    )
     p.add_argument("--problems", type=int, default=256, help="held-out problems")
     p.add_argument("--seed", type=int, default=tiny_tasks.HELD_OUT_SEED, help="seed of the held-out stream")
     p.add_argument("--gen-length", type=int, default=64)
@@ -196,14 +232,25 @@ def parse_args(argv):
     p.add_argument("--settings", nargs="+", choices=grid_names, default=grid_names)
     p.add_argument("--backend", choices=("auto", "xla", "pallas"), default="auto")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="default: float32 on CPU")
-    p.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
-                   help="8-bit block projections and int8 embedding (dllm_jax.models.quantization); compare with --baseline")
-    p.add_argument("--baseline", type=Path, default=None,
-                   help="an eval.json of the same problems (e.g. unquantized): adds each setting's accuracy change "
-                        "and same-answer rate against it")
+    p.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default="none",
+        help="8-bit block projections and int8 embedding (dllm_jax.models.quantization); compare with --baseline",
+    )
+    p.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        help="an eval.json of the same problems (e.g. unquantized): adds each setting's accuracy change "
+        "and same-answer rate against it",
+    )
     p.add_argument("--out", type=Path, default=Path("out/eval"))
-    p.add_argument("--resume", action="store_true",
-                   help="keep the finished settings of --out/eval.json when it was run with the same options")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the finished settings of --out/eval.json when it was run with the same options",
+    )
     args = p.parse_args(argv)
     if args.problems <= 0:
         p.error("--problems must be positive")
@@ -244,11 +291,21 @@ def evaluate_model(args, model_name: str, out_dir: Path) -> tuple[int, str]:
     grid = settings(args.gen_length, args.batch_size)
     names = [EXACT] + [n for n in args.settings if n != EXACT]
     report = {
-        "model": args.model, "family": engine.config.family, "problems": args.problems, "seed": args.seed, "gen_length": args.gen_length,
-        "batch_size": args.batch_size, "backend": engine.backend, "dtype": dtype, "quantization": args.quantization,
+        "model": args.model,
+        "family": engine.config.family,
+        "problems": args.problems,
+        "seed": args.seed,
+        "gen_length": args.gen_length,
+        "batch_size": args.batch_size,
+        "backend": engine.backend,
+        "dtype": dtype,
+        "quantization": args.quantization,
         "baseline": None if baseline is None else str(args.baseline),
-        "device": str(jax.devices()[0].device_kind), "date": time.strftime("%Y-%m-%d"),
-        "command": " ".join(sys.argv), "settings": {n: grid[n].describe() for n in names}, "results": {},
+        "device": str(jax.devices()[0].device_kind),
+        "date": time.strftime("%Y-%m-%d"),
+        "command": " ".join(sys.argv),
+        "settings": {n: grid[n].describe() for n in names},
+        "results": {},
     }
     args.out.mkdir(parents=True, exist_ok=True)
     if args.resume:
@@ -268,7 +325,9 @@ def evaluate_model(args, model_name: str, out_dir: Path) -> tuple[int, str]:
         if baseline is not None and name in baseline:
             base = baseline[name]
             result["accuracy_change_vs_baseline"] = result["accuracy"] - base["accuracy"]
-            result["same_answer_as_baseline"] = sum(a == b for a, b in zip(result["texts"], base["texts"])) / len(problems)
+            result["same_answer_as_baseline"] = sum(a == b for a, b in zip(result["texts"], base["texts"])) / len(
+                problems
+            )
         report["results"][name] = result
         write_text_atomically(args.out / "eval.json", json.dumps(report, indent=1))
         write_text_atomically(args.out / "eval.md", markdown(report) + "\n")

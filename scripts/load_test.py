@@ -142,10 +142,18 @@ async def run_at_rate(opts, model: str, prompts: list, rate: float) -> dict:
     first = [r["first_text_s"] for r in ok if r["first_text_s"] is not None]
     latency = [r["latency_s"] for r in ok]
     return {
-        "rate": rate, "requests": len(records), "ok": len(ok), "errors": errors, "wall_s": wall,
-        "requests_per_s": len(ok) / wall, "tokens": tokens, "tokens_per_s": tokens / wall,
-        "first_text_p50_s": percentile(first, 0.5), "first_text_p99_s": percentile(first, 0.99),
-        "latency_p50_s": percentile(latency, 0.5), "latency_p99_s": percentile(latency, 0.99),
+        "rate": rate,
+        "requests": len(records),
+        "ok": len(ok),
+        "errors": errors,
+        "wall_s": wall,
+        "requests_per_s": len(ok) / wall,
+        "tokens": tokens,
+        "tokens_per_s": tokens / wall,
+        "first_text_p50_s": percentile(first, 0.5),
+        "first_text_p99_s": percentile(first, 0.99),
+        "latency_p50_s": percentile(latency, 0.5),
+        "latency_p99_s": percentile(latency, 0.99),
         "latency_mean_s": statistics.fmean(latency) if latency else None,
     }
 
@@ -174,12 +182,20 @@ def main(argv=None) -> int:
     for rate in opts.rate:
         run = asyncio.run(run_at_rate(opts, model, prompts, rate))
         runs.append(run)
-        print(f"rate {rate:g}/s: {run['ok']}/{run['requests']} ok, {run['requests_per_s']:.2f} req/s, "
-              f"{run['tokens_per_s']:.1f} tokens/s, first text p50 {fmt(run['first_text_p50_s'], ' s')} "
-              f"p99 {fmt(run['first_text_p99_s'], ' s')}, latency p50 {fmt(run['latency_p50_s'], ' s')} "
-              f"p99 {fmt(run['latency_p99_s'], ' s')}, errors {run['errors'] or 'none'}", flush=True)
-    report = {"url": opts.url, "model": model, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-              "command": " ".join(sys.argv), "runs": runs}
+        print(
+            f"rate {rate:g}/s: {run['ok']}/{run['requests']} ok, {run['requests_per_s']:.2f} req/s, "
+            f"{run['tokens_per_s']:.1f} tokens/s, first text p50 {fmt(run['first_text_p50_s'], ' s')} "
+            f"p99 {fmt(run['first_text_p99_s'], ' s')}, latency p50 {fmt(run['latency_p50_s'], ' s')} "
+            f"p99 {fmt(run['latency_p99_s'], ' s')}, errors {run['errors'] or 'none'}",
+            flush=True,
+        )
+    report = {
+        "url": opts.url,
+        "model": model,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "command": " ".join(sys.argv),
+        "runs": runs,
+    }
     if opts.output is not None:
         from dllm_jax.common.atomic_write import write_text_atomically
 

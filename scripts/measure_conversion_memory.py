@@ -43,7 +43,13 @@ CONFIG = dict(
 )
 SHARD_BYTES = 300 * 10**6
 
-_IMPORTS = "import jax, jax.numpy as jnp; import convert.hf_to_jax, dllm_jax.models.loading; jnp.zeros(1).block_until_ready()"
+_IMPORTS = (
+    "import jax, jax.numpy as jnp; import convert.hf_to_jax, dllm_jax.models.loading; jnp.zeros(1).block_until_ready()"
+)
+
+
+def _gb(kb: int) -> float:
+    return kb * 1024 / 1e9
 
 
 def make_checkpoint(hf_dir: Path) -> None:
@@ -115,11 +121,10 @@ def run_measured(argv: list[str]) -> dict[str, float]:
     if proc.returncode != 0:
         raise RuntimeError(f"{argv} failed:\n{stderr}")
     max_rss_kb = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", stderr).group(1))
-    gb = lambda kb: kb * 1024 / 1e9
     return {
-        "max_rss": gb(max_rss_kb),
-        "anon": gb(peaks["RssAnon"]),
-        "file": gb(peaks["RssFile"]),
+        "max_rss": _gb(max_rss_kb),
+        "anon": _gb(peaks["RssAnon"]),
+        "file": _gb(peaks["RssFile"]),
         "wall": wall,
     }
 
@@ -138,17 +143,29 @@ def main() -> None:
     steps = {
         "baseline (imports only)": [python, "-c", _IMPORTS],
         "convert (python -m convert.hf_to_jax)": [
-            python, "-m", "convert.hf_to_jax", "--hf-dir", str(hf_dir), "--out", str(out_dir),
+            python,
+            "-m",
+            "convert.hf_to_jax",
+            "--hf-dir",
+            str(hf_dir),
+            "--out",
+            str(out_dir),
         ],
         "load_model(converted folder)": [
-            python, "-c", f"from dllm_jax.models.loading import load_model; load_model({str(out_dir)!r})",
+            python,
+            "-c",
+            f"from dllm_jax.models.loading import load_model; load_model({str(out_dir)!r})",
         ],
         "load_model(HF folder)": [
-            python, "-c", f"from dllm_jax.models.loading import load_model; load_model({str(hf_dir)!r})",
+            python,
+            "-c",
+            f"from dllm_jax.models.loading import load_model; load_model({str(hf_dir)!r})",
         ],
     }
-    print(f"checkpoint: {sum(shard_sizes) / 1e9:.3f} GB in {len(shard_sizes)} shards, "
-          f"largest shard {max(shard_sizes) / 1e9:.3f} GB, largest params leaf {largest_leaf_bytes() / 1e9:.3f} GB")
+    print(
+        f"checkpoint: {sum(shard_sizes) / 1e9:.3f} GB in {len(shard_sizes)} shards, "
+        f"largest shard {max(shard_sizes) / 1e9:.3f} GB, largest params leaf {largest_leaf_bytes() / 1e9:.3f} GB"
+    )
     print()
     print("| step | max RSS (time -v) | peak anon | peak file-backed | wall |")
     print("|---|---|---|---|---|")

@@ -31,13 +31,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax  # noqa: E402
-
 from bench import MODEL_SHAPES, decode_config, tiny_config  # noqa: E402
+
 from dllm_jax.common.atomic_write import write_text_atomically  # noqa: E402
-from dllm_jax.models.config import ModelConfig  # noqa: E402
 from dllm_jax.engine.engine import Engine  # noqa: E402
-from dllm_jax.runtime.flat_cache import cache_bytes  # noqa: E402
+from dllm_jax.models.config import ModelConfig  # noqa: E402
 from dllm_jax.models.transformer import abstract_params  # noqa: E402
+from dllm_jax.runtime.flat_cache import cache_bytes  # noqa: E402
 
 METHODS = ("flash_cache", "flash_verify", "fast_dllm", "llada")
 GiB = 2**30
@@ -60,8 +60,21 @@ def per_layer(params):
 
 
 _ARRAY = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*([a-z]+\d*)\[([\d,]*)\]\{?[^ ]*\s+([\w\-]+)\(")
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
-          "f64": 8, "s64": 8, "u64": 8}
+_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "bf16": 2,
+    "f16": 2,
+    "s16": 2,
+    "u16": 2,
+    "f32": 4,
+    "s32": 4,
+    "u32": 4,
+    "f64": 8,
+    "s64": 8,
+    "u64": 8,
+}
 
 
 def largest_arrays(hlo_text: str, count: int, floor_bytes: int) -> list[dict]:
@@ -81,8 +94,17 @@ def largest_arrays(hlo_text: str, count: int, floor_bytes: int) -> list[dict]:
             size *= d
         if size < floor_bytes:
             continue
-        entry = seen.setdefault((dtype, shape), {"dtype": dtype, "shape": list(shape), "bytes": size,
-                                                 "instructions": 0, "ops": collections.Counter(), "example": name})
+        entry = seen.setdefault(
+            (dtype, shape),
+            {
+                "dtype": dtype,
+                "shape": list(shape),
+                "bytes": size,
+                "instructions": 0,
+                "ops": collections.Counter(),
+                "example": name,
+            },
+        )
         entry["instructions"] += 1
         entry["ops"][op] += 1
     top = sorted(seen.values(), key=lambda e: -e["bytes"])[:count]
@@ -112,20 +134,32 @@ def peak_buffers(dump_dir: Path, hlo_text: str, count: int) -> dict | None:
             name, dtype, dims, op = m.groups()
             shapes[name] = (f"{dtype}[{dims}]", op)
     live = []
-    for line in lines[start + 1:]:
+    for line in lines[start + 1 :]:
         m = _LIVE.match(line)
         if not m:
             break
         shape, op = shapes.get(m.group(1), ("?", "?"))
         live.append({"name": m.group(1), "bytes": int(m.group(2)), "shape": shape, "op": op})
-    breakdown = [line for line in lines[start + 1 + len(live):] if line.strip()][:40]
+    breakdown = [line for line in lines[start + 1 + len(live) :] if line.strip()][:40]
     temporaries = sorted((b for b in live if b["op"] != "parameter"), key=lambda b: -b["bytes"])
-    return {"buffers": temporaries[:count], "live_at_peak": len(live), "bytes_at_peak": sum(b["bytes"] for b in live),
-            "temporaries_at_peak": sum(b["bytes"] for b in temporaries), "breakdown": breakdown}
+    return {
+        "buffers": temporaries[:count],
+        "live_at_peak": len(live),
+        "bytes_at_peak": sum(b["bytes"] for b in live),
+        "temporaries_at_peak": sum(b["bytes"] for b in temporaries),
+        "breakdown": breakdown,
+    }
 
 
-def profile(engine: Engine, method: str, slots: int, gen_length: int, prompt_len: int, weight_bytes: int,
-            dump_dir: Path | None = None) -> dict:
+def profile(
+    engine: Engine,
+    method: str,
+    slots: int,
+    gen_length: int,
+    prompt_len: int,
+    weight_bytes: int,
+    dump_dir: Path | None = None,
+) -> dict:
     decode = decode_config(method, "one", gen_length, slots)
     start = time.perf_counter()
     compiled = engine.compile(decode, prompt_len)
@@ -134,16 +168,35 @@ def profile(engine: Engine, method: str, slots: int, gen_length: int, prompt_len
     text = compiled.run.as_text()
     loop = compiled.loop
     cache = cache_bytes(engine.config, loop.num_slots, loop.max_len)
-    fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
-              "generated_code_size_in_bytes")
+    fields = (
+        "argument_size_in_bytes",
+        "output_size_in_bytes",
+        "alias_size_in_bytes",
+        "temp_size_in_bytes",
+        "generated_code_size_in_bytes",
+    )
     sizes = {f: int(getattr(analysis, f)) for f in fields}
     # outputs alias the donated state, so the peak is arguments + temporaries (+ unaliased outputs)
-    peak = sizes["argument_size_in_bytes"] + sizes["temp_size_in_bytes"] + sizes["output_size_in_bytes"] - sizes["alias_size_in_bytes"]
+    peak = (
+        sizes["argument_size_in_bytes"]
+        + sizes["temp_size_in_bytes"]
+        + sizes["output_size_in_bytes"]
+        - sizes["alias_size_in_bytes"]
+    )
     return {
-        "method": method, "slots": slots, "gen_length": gen_length, "prompt_length": prompt_len,
-        "max_len": loop.max_len, "backend": engine.backend, **sizes, "weight_bytes": weight_bytes, "cache_bytes": cache,
-        "peak_estimate_bytes": peak, "over_weights_and_cache_bytes": peak - weight_bytes - cache,
-        "compile_s": seconds, "largest_arrays": largest_arrays(text, 12, 0),
+        "method": method,
+        "slots": slots,
+        "gen_length": gen_length,
+        "prompt_length": prompt_len,
+        "max_len": loop.max_len,
+        "backend": engine.backend,
+        **sizes,
+        "weight_bytes": weight_bytes,
+        "cache_bytes": cache,
+        "peak_estimate_bytes": peak,
+        "over_weights_and_cache_bytes": peak - weight_bytes - cache,
+        "compile_s": seconds,
+        "largest_arrays": largest_arrays(text, 12, 0),
         "peak_buffers": peak_buffers(dump_dir, text, 16) if dump_dir else None,
     }
 
@@ -163,15 +216,21 @@ def markdown(report: dict) -> str:
             f"{r['peak_estimate_bytes'] / GiB:.2f} | {r['over_weights_and_cache_bytes'] / GiB:.2f} | {r['compile_s']:.1f} |"
         )
     for r in report["runs"]:
-        lines += ["", f"Largest arrays of {r['method']} at {r['slots']} slots (shape: instructions producing it, by op):"]
+        lines += [
+            "",
+            f"Largest arrays of {r['method']} at {r['slots']} slots (shape: instructions producing it, by op):",
+        ]
         for a in r["largest_arrays"][:8]:
             ops = ", ".join(f"{op} x{n}" for op, n in a["ops"].items())
             lines.append(f"- {a['dtype']}{a['shape']} {a['bytes'] / GiB:.3f} GiB: {a['instructions']} ({ops})")
         peak = r.get("peak_buffers")
         if peak:
-            lines += ["", f"Largest non-parameter buffers live at the peak of {r['method']} at {r['slots']} slots "
-                          f"(XLA's live ranges: {peak['live_at_peak']} buffers, {peak['bytes_at_peak'] / GiB:.3f} GiB, "
-                          f"{peak['temporaries_at_peak'] / GiB:.3f} GiB not parameters):"]
+            lines += [
+                "",
+                f"Largest non-parameter buffers live at the peak of {r['method']} at {r['slots']} slots "
+                f"(XLA's live ranges: {peak['live_at_peak']} buffers, {peak['bytes_at_peak'] / GiB:.3f} GiB, "
+                f"{peak['temporaries_at_peak'] / GiB:.3f} GiB not parameters):",
+            ]
             lines += [f"- {b['shape']} {b['bytes'] / GiB:.3f} GiB: {b['name']} ({b['op']})" for b in peak["buffers"]]
             lines += ["", "XLA's breakdown of the peak:", "```", *peak["breakdown"], "```"]
     for e in report["errors"]:
@@ -185,23 +244,36 @@ def main(argv=None) -> int:
     p.add_argument("--slots", nargs="+", type=int, default=[1, 8, 32])
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     p.add_argument("--backend", choices=("auto", "xla", "pallas"), default="xla")
-    p.add_argument("--layers", choices=("stacked", "per_layer"), default="per_layer",
-                   help="layer-stacked weights (scanned layer loop) or per-layer arrays (unrolled, as bench.py)")
-    p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
-                   help="model dtype (default: the model's own: bfloat16, tiny float32); XLA:CPU on jax 0.10 computes bf16 dots and scatters through float32 copies of "
-                        "their operands, so on a CPU float32 shows the program's own temporaries")
+    p.add_argument(
+        "--layers",
+        choices=("stacked", "per_layer"),
+        default="per_layer",
+        help="layer-stacked weights (scanned layer loop) or per-layer arrays (unrolled, as bench.py)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        default=None,
+        help="model dtype (default: the model's own: bfloat16, tiny float32); XLA:CPU on jax 0.10 computes bf16 dots and scatters through float32 copies of "
+        "their operands, so on a CPU float32 shows the program's own temporaries",
+    )
     p.add_argument("--gen-length", type=int, default=None, help="default 256 (tiny: 32)")
     p.add_argument("--prompt-length", type=int, default=None, help="default 256 (tiny: 16)")
-    p.add_argument("--peak-buffers", action="store_true",
-                   help="also list the buffers live at the memory peak (from XLA's dump of the compiled loop, "
-                        "written to a temporary folder and deleted)")
+    p.add_argument(
+        "--peak-buffers",
+        action="store_true",
+        help="also list the buffers live at the memory peak (from XLA's dump of the compiled loop, "
+        "written to a temporary folder and deleted)",
+    )
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
     opts = p.parse_args(argv)
     dump_dir = None
     if opts.peak_buffers:
         # read when the backend starts (the first compile below), not at import
         dump_dir = Path(tempfile.mkdtemp(prefix="memory_profile_"))
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump_dir} --xla_dump_hlo_module_re=jit_run"
+        os.environ["XLA_FLAGS"] = (
+            f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump_dir} --xla_dump_hlo_module_re=jit_run"
+        )
     config = model_shape(opts.model_shape)
     config = dataclasses.replace(config, dtype=opts.dtype or config.dtype)
     tiny = opts.model_shape == "tiny"
@@ -215,9 +287,16 @@ def main(argv=None) -> int:
     weight_bytes = sum(w.size * w.dtype.itemsize for w in jax.tree_util.tree_leaves(params))
     engine = Engine(config, params, backend=opts.backend, full_pass_lanes=())
     report = {
-        "device": f"{jax.devices()[0].device_kind}", "jax": jax.__version__, "model": opts.model_shape,
-        "backend": engine.backend, "layers": opts.layers, "dtype": config.dtype, "date": time.strftime("%Y-%m-%d"),
-        "command": " ".join(sys.argv), "runs": [], "errors": [],
+        "device": f"{jax.devices()[0].device_kind}",
+        "jax": jax.__version__,
+        "model": opts.model_shape,
+        "backend": engine.backend,
+        "layers": opts.layers,
+        "dtype": config.dtype,
+        "date": time.strftime("%Y-%m-%d"),
+        "command": " ".join(sys.argv),
+        "runs": [],
+        "errors": [],
     }
     opts.out.mkdir(parents=True, exist_ok=True)
     for slots in opts.slots:

@@ -27,13 +27,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-
 from bench import decode_config, initial_state, quantize_on_device, random_prompts, schedule_sampling, tiny_config  # noqa: E402
+
 from dllm_jax.common.atomic_write import write_text_atomically  # noqa: E402
-from dllm_jax.models.config import llada_8b_config  # noqa: E402
 from dllm_jax.engine.engine import Engine  # noqa: E402
-from dllm_jax.models.transformer import init_params, init_params_per_layer  # noqa: E402
+from dllm_jax.models.config import llada_8b_config  # noqa: E402
 from dllm_jax.models.quantization import QUANTIZATIONS  # noqa: E402
+from dllm_jax.models.transformer import init_params, init_params_per_layer  # noqa: E402
 
 
 def device_events(trace_dir: Path) -> list[dict]:
@@ -43,7 +43,9 @@ def device_events(trace_dir: Path) -> list[dict]:
         raise FileNotFoundError(f"{trace_dir}: no trace file written")
     trace = json.loads(gzip.open(files[0]).read())
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    process_names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    process_names = {
+        e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+    }
     device_pids = {pid for pid, name in process_names.items() if "/device:" in name}
     return [e for e in events if e.get("ph") == "X" and e.get("pid") in device_pids and "dur" in e]
 
@@ -68,7 +70,10 @@ def profile(engine: Engine, slots: int, gen_length: int, prompt_len: int, steps:
     busy = sum(t for t, _ in per_kernel.values())
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])
     result = {
-        "slots": slots, "steps": steps, "wall_ms_per_step_profiled": 1e3 * wall, "device_busy_ms_per_step": 1e3 * busy,
+        "slots": slots,
+        "steps": steps,
+        "wall_ms_per_step_profiled": 1e3 * wall,
+        "device_busy_ms_per_step": 1e3 * busy,
         "kernels_per_step": sum(n for _, n in per_kernel.values()) / steps,
         "top": [{"name": name, "ms_per_step": 1e3 * t, "calls_per_step": n / steps} for name, (t, n) in top[:40]],
     }
@@ -84,7 +89,12 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--backend", default="auto")
     p.add_argument("--layers", choices=("stacked", "per_layer"), default="per_layer")
-    p.add_argument("--quantization", choices=QUANTIZATIONS, default="none", help="8-bit projections (made from the random bf16 weights)")
+    p.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default="none",
+        help="8-bit projections (made from the random bf16 weights)",
+    )
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
     opts = p.parse_args(argv)
     config = tiny_config() if opts.tiny else llada_8b_config()
@@ -99,8 +109,10 @@ def main(argv=None) -> int:
     opts.out.mkdir(parents=True, exist_ok=True)
     for slots in opts.slots:
         r = profile(engine, slots, 32 if opts.tiny else 256, 16 if opts.tiny else 256, opts.steps, opts.out)
-        print(f"\n## {slots} slots, backend {engine.backend}, quantization {opts.quantization}: wall {r['wall_ms_per_step_profiled']:.2f} ms/step, "
-              f"device busy {r['device_busy_ms_per_step']:.2f} ms/step, {r['kernels_per_step']:.0f} kernels/step")
+        print(
+            f"\n## {slots} slots, backend {engine.backend}, quantization {opts.quantization}: wall {r['wall_ms_per_step_profiled']:.2f} ms/step, "
+            f"device busy {r['device_busy_ms_per_step']:.2f} ms/step, {r['kernels_per_step']:.0f} kernels/step"
+        )
         print("| ms/step | calls/step | kernel |\n|---|---|---|")
         for k in r["top"][:25]:
             print(f"| {k['ms_per_step']:.3f} | {k['calls_per_step']:.0f} | {k['name'][:90]} |")

@@ -24,13 +24,13 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from dllm_jax.models.embedded import tiny_model_path  # noqa: E402
 from dllm_jax.common.atomic_write import write_text_atomically  # noqa: E402
 from dllm_jax.models.config import llada_8b_config  # noqa: E402
-from dllm_jax.models.loading import load_model  # noqa: E402
+from dllm_jax.models.embedded import tiny_model_path  # noqa: E402
 from dllm_jax.models.llada import LLaDABlock, LLaDAModel
-from dllm_jax.models.transformer import init_params_per_layer, unstack_layers  # noqa: E402
+from dllm_jax.models.loading import load_model  # noqa: E402
 from dllm_jax.models.quantization import QUANTIZED_MODULES, dequantize_embedding, dequantize_kernel, quantize_params  # noqa: E402
+from dllm_jax.models.transformer import init_params_per_layer, unstack_layers  # noqa: E402
 
 MODES = ("fp8", "int8-weights")
 
@@ -88,25 +88,31 @@ def measure(config, params, tokens) -> dict:
 
 
 def markdown(report: dict) -> str:
-    lines = ["| quantization | weight error (mean / max over projections) | embedding error (table / worst row) | "
-             "layer output error: first / middle / last | logits error | argmax agreement |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| quantization | weight error (mean / max over projections) | embedding error (table / worst row) | "
+        "layer output error: first / middle / last | logits error | argmax agreement |",
+        "|---|---|---|---|---|---|",
+    ]
     for mode in MODES:
         r = report[mode]
         w = [v for layer in r["weight_rel_error"] for v in layer.values()]
         out = r["layer_output_rel_error"]
         e = r["embedding_rel_error"]
         embedding = "tied: not quantized" if e is None else f"{e['table']:.2e} / {e['max_row']:.2e}"
-        lines.append(f"| {mode} | {np.mean(w):.2e} / {np.max(w):.2e} | {embedding} | "
-                     f"{out[0]:.2e} / {out[len(out) // 2]:.2e} / {out[-1]:.2e} | "
-                     f"{r['logits_rel_error']:.2e} | {r['argmax_agreement']:.4f} |")
+        lines.append(
+            f"| {mode} | {np.mean(w):.2e} / {np.max(w):.2e} | {embedding} | "
+            f"{out[0]:.2e} / {out[len(out) // 2]:.2e} / {out[-1]:.2e} | "
+            f"{r['logits_rel_error']:.2e} | {r['argmax_agreement']:.4f} |"
+        )
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="model folder (default: the embedded tiny model)")
-    p.add_argument("--shape", choices=("llada-8b",), default=None, help="random weights of this shape instead of --model")
+    p.add_argument(
+        "--shape", choices=("llada-8b",), default=None, help="random weights of this shape instead of --model"
+    )
     p.add_argument("--tokens", type=int, default=512, help="tokens per row of the random input")
     p.add_argument("--rows", type=int, default=2)
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
@@ -121,9 +127,16 @@ def main(argv=None) -> int:
         config, params, source = loaded.config, unstack_layers(loaded.weights), str(loaded.path)
     length = min(opts.tokens, config.max_sequence_length)
     tokens = jax.random.randint(jax.random.key(1), (opts.rows, length), 0, config.vocab_size)
-    report = {"source": source, "device": jax.devices()[0].device_kind, "dtype": config.dtype, "jax": jax.__version__,
-              "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "tokens": [opts.rows, length],
-              **measure(config, params, tokens)}
+    report = {
+        "source": source,
+        "device": jax.devices()[0].device_kind,
+        "dtype": config.dtype,
+        "jax": jax.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "command": " ".join(sys.argv),
+        "tokens": [opts.rows, length],
+        **measure(config, params, tokens),
+    }
     opts.out.mkdir(parents=True, exist_ok=True)
     write_text_atomically(opts.out / "quantization_error.json", json.dumps(report, indent=1))
     print(f"{source}, {config.dtype}, {opts.rows} x {length} random tokens")

@@ -35,12 +35,12 @@ from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from convert.jax_to_hf import save_hf_checkpoint
-from dllm_jax.evaluation import tiny_tasks
 from dllm_jax.common.atomic_write import write_text_atomically
-from dllm_jax.models.config import ConfigError, ModelConfig
-from dllm_jax.runtime.decode_config import DecodeConfig
 from dllm_jax.engine.engine import Engine
+from dllm_jax.evaluation import tiny_tasks
+from dllm_jax.models.config import ConfigError, ModelConfig
 from dllm_jax.models.transformer import Weights, count_params, forward, init_params, predictions
+from dllm_jax.runtime.decode_config import DecodeConfig
 from dllm_jax.text.tiny_tokenizer import END_OF_TURN, TINY_VOCAB_SIZE, build_tiny_tokenizer, save_tiny_tokenizer
 from dllm_jax.text.tokenizer import Tokenizer
 
@@ -49,8 +49,20 @@ from dllm_jax.text.tokenizer import Tokenizer
 SEQ_LEN = 128
 MASK_EPS = 1e-3
 # Settings that must be the same when a run is resumed (the others may change).
-_RUN_KEYS = ("seed", "batch_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "mlp_hidden", "lr", "warmup",
-             "weight_decay", "mix", "family")
+_RUN_KEYS = (
+    "seed",
+    "batch_size",
+    "d_model",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "mlp_hidden",
+    "lr",
+    "warmup",
+    "weight_decay",
+    "mix",
+    "family",
+)
 
 
 # ----------------------------------------------------------------------------- data
@@ -147,8 +159,9 @@ def corrupt(tokens: jax.Array, prompt_len: jax.Array, mask_id: int, rng: jax.Arr
     return jnp.where(masked, mask_id, tokens), masked, p_mask
 
 
-def masked_diffusion_loss(config: ModelConfig, params: Weights, tokens: jax.Array, prompt_len: jax.Array,
-                          rng: jax.Array) -> jax.Array:
+def masked_diffusion_loss(
+    config: ModelConfig, params: Weights, tokens: jax.Array, prompt_len: jax.Array, rng: jax.Array
+) -> jax.Array:
     """LLaDA SFT loss of one batch (shapes as in corrupt).
 
     Returns:
@@ -172,8 +185,9 @@ def make_train_step(config: ModelConfig, optimizer: optax.GradientTransformation
 
     @functools.partial(jax.jit, donate_argnums=0)
     def train_step(state: dict[str, Any], tokens: jax.Array, prompt_len: jax.Array, rng: jax.Array):
-        loss, grads = jax.value_and_grad(masked_diffusion_loss, argnums=1)(config, state["params"], tokens,
-                                                                           prompt_len, rng)
+        loss, grads = jax.value_and_grad(masked_diffusion_loss, argnums=1)(
+            config, state["params"], tokens, prompt_len, rng
+        )
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, loss
@@ -184,12 +198,16 @@ def make_train_step(config: ModelConfig, optimizer: optax.GradientTransformation
 # ----------------------------------------------------------------------------- held-out metric
 
 
-def held_out_accuracy(engine: Engine, problems: Sequence[tiny_tasks.Problem], gen_len: int, batch_size: int = 64) -> dict[str, float]:
+def held_out_accuracy(
+    engine: Engine, problems: Sequence[tiny_tasks.Problem], gen_len: int, batch_size: int = 64
+) -> dict[str, float]:
     """Exact-match accuracy of one-token-per-step decoding (LLaDA's sampler over one block of
     gen_len positions: each step commits the most confident masked position), overall and per
     task, decoded and scored as scripts/eval.py does (the engine holds the current weights:
     Engine.swap_weights)."""
-    decode = DecodeConfig(method="llada", gen_length=gen_len, block_length=gen_len, steps=gen_len, batch_size=batch_size)
+    decode = DecodeConfig(
+        method="llada", gen_length=gen_len, block_length=gen_len, steps=gen_len, batch_size=batch_size
+    )
     out = engine.generate([p.prompt for p in problems], decode_config=decode, chat=True)
     correct: dict[str, list[bool]] = {}
     for problem, result in zip(problems, out.results):
@@ -239,8 +257,12 @@ def _positive_float(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=_positive_int, required=True,
-                        help="total optimizer steps, where the cosine decay ends (--resume with more extends a run)")
+    parser.add_argument(
+        "--steps",
+        type=_positive_int,
+        required=True,
+        help="total optimizer steps, where the cosine decay ends (--resume with more extends a run)",
+    )
     parser.add_argument("--batch-size", type=_positive_int, default=64)
     parser.add_argument("--out", type=Path, required=True, help="run folder: checkpoints, tokenizer, run.json")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
@@ -248,10 +270,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--d-model", type=_positive_int, default=128)
     parser.add_argument("--n-layers", type=_positive_int, default=4)
     parser.add_argument("--n-heads", type=_positive_int, default=4)
-    parser.add_argument("--n-kv-heads", type=_positive_int, default=None,
-                        help="key/value heads (default: --n-heads; fewer = grouped-query attention)")
-    parser.add_argument("--family", choices=("llada", "dream"), default="llada",
-                        help="architecture, tokenizer and chat template of the model")
+    parser.add_argument(
+        "--n-kv-heads",
+        type=_positive_int,
+        default=None,
+        help="key/value heads (default: --n-heads; fewer = grouped-query attention)",
+    )
+    parser.add_argument(
+        "--family",
+        choices=("llada", "dream"),
+        default="llada",
+        help="architecture, tokenizer and chat template of the model",
+    )
     parser.add_argument("--mlp-hidden", type=_positive_int, default=384)
     parser.add_argument("--lr", type=_positive_float, default=2e-3)
     parser.add_argument("--warmup", type=_positive_int, default=200)
@@ -262,8 +292,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--eval-problems", type=_positive_int, default=64)
     parser.add_argument("--final-eval-problems", type=_positive_int, default=512)
     parser.add_argument("--ckpt-every", type=_positive_int, default=250)
-    parser.add_argument("--export", type=Path, default=None,
-                        help="after training, write the Hugging Face LLaDA (or Dream) folder here (must not exist)")
+    parser.add_argument(
+        "--export",
+        type=Path,
+        default=None,
+        help="after training, write the Hugging Face LLaDA (or Dream) folder here (must not exist)",
+    )
     return parser
 
 
@@ -294,8 +328,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     _check_args(parser, args, ckpt_dir)
     tokenizer = build_tiny_tokenizer(SEQ_LEN, args.family)
     try:
-        config = tiny_model_config(tokenizer, args.d_model, args.n_layers, args.n_heads, args.mlp_hidden,
-                                   args.family, args.n_kv_heads)
+        config = tiny_model_config(
+            tokenizer, args.d_model, args.n_layers, args.n_heads, args.mlp_hidden, args.family, args.n_kv_heads
+        )
     except ConfigError as e:
         parser.error(str(e))
 
@@ -311,9 +346,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
         state = manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(abstract))
     start = int(state["step"])
-    print(f"model: {count_params(state['params']):,} parameters ({config.family=}, {config.d_model=}, "
-          f"{config.n_layers=}, {config.n_heads=}, {config.n_kv_heads=}, {config.mlp_hidden_size=}); "
-          f"steps {start}..{args.steps}", flush=True)
+    print(
+        f"model: {count_params(state['params']):,} parameters ({config.family=}, {config.d_model=}, "
+        f"{config.n_layers=}, {config.n_heads=}, {config.n_kv_heads=}, {config.mlp_hidden_size=}); "
+        f"steps {start}..{args.steps}",
+        flush=True,
+    )
 
     train_step = make_train_step(config, optimizer)
     engine = Engine(config, state["params"], Tokenizer(tokenizer))
@@ -334,17 +372,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         if done % args.eval_every == 0 or done == args.steps:
             engine.swap_weights(state["params"])
             acc = held_out_accuracy(engine, held_out, args.gen_length)
-            bar.write(f"step {done}: loss {float(loss):.4f}, held-out exact match "
-                      + ", ".join(f"{k} {v:.3f}" for k, v in acc.items())
-                      + f" ({len(held_out)} problems), {time.time() - started:.0f} s")
+            bar.write(
+                f"step {done}: loss {float(loss):.4f}, held-out exact match "
+                + ", ".join(f"{k} {v:.3f}" for k, v in acc.items())
+                + f" ({len(held_out)} problems), {time.time() - started:.0f} s"
+            )
     bar.close()
     manager.wait_until_finished()
 
     final_problems = tiny_tasks.held_out_problems(args.final_eval_problems, mix=args.mix)
     engine.swap_weights(state["params"])
     acc = held_out_accuracy(engine, final_problems, args.gen_length)
-    report = {"step": int(state["step"]), "held_out_problems": len(final_problems), "exact_match": acc,
-              "gen_length": args.gen_length, "train_seconds_this_run": round(time.time() - started)}
+    report = {
+        "step": int(state["step"]),
+        "held_out_problems": len(final_problems),
+        "exact_match": acc,
+        "gen_length": args.gen_length,
+        "train_seconds_this_run": round(time.time() - started),
+    }
     write_text_atomically(args.out / "final_eval.json", json.dumps(report, indent=2))
     print(f"final held-out exact match ({len(final_problems)} problems): {acc}", flush=True)
     if args.export is not None:

@@ -9,15 +9,15 @@ abstract arguments at a real model's shapes, for the lowering tests.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tolerances import assert_close
 
 from dllm_jax.models.config import ModelConfig
 from pallas_kernels.attention.cache_attention import cache_attention_reference
-from tolerances import assert_close
 
 LAYER = 1
 
@@ -42,8 +42,22 @@ class Case:
         return (self.q, self.k_cache, self.v_cache, jnp.int32(LAYER), self.group_slot, self.key_len, self.score_rows)
 
 
-def make_case(seed, *, dtype, n_heads, n_kv_heads, head_dim, n_rows, max_len, group_slot, key_len,
-              n_slots, scores=True, exclude=False, n_extra=0) -> Case:
+def make_case(
+    seed,
+    *,
+    dtype,
+    n_heads,
+    n_kv_heads,
+    head_dim,
+    n_rows,
+    max_len,
+    group_slot,
+    key_len,
+    n_slots,
+    scores=True,
+    exclude=False,
+    n_extra=0,
+) -> Case:
     """A flat cache [2 layers, n_slots * max_len + 1, KVH*Dh] that is NaN everywhere except the
     keys some group may read in layer LAYER: keys past key_len, excluded keys, the other layer,
     unused slots and the trash row are all NaN, so reading any of them shows."""
@@ -97,8 +111,21 @@ def ragged_main_case(seed, dtype) -> Case:
 def verify_case(seed, dtype, n_kv_heads, scores) -> Case:
     """The verify pass: key_exclude hides cached keys, 6 extra keys live only in the query, and
     the third group has no cached key at all, so its rows see only their extra keys."""
-    return make_case(seed, dtype=dtype, n_heads=4, n_kv_heads=n_kv_heads, head_dim=64, n_rows=8, max_len=64,
-                     n_slots=3, group_slot=[1, 0, 2], key_len=[64, 20, 0], scores=scores, exclude=True, n_extra=6)
+    return make_case(
+        seed,
+        dtype=dtype,
+        n_heads=4,
+        n_kv_heads=n_kv_heads,
+        head_dim=64,
+        n_rows=8,
+        max_len=64,
+        n_slots=3,
+        group_slot=[1, 0, 2],
+        key_len=[64, 20, 0],
+        scores=scores,
+        exclude=True,
+        n_extra=6,
+    )
 
 
 def assert_matches_reference(attention: Callable, case: Case, **options) -> None:
@@ -122,8 +149,9 @@ def assert_matches_reference(attention: Callable, case: Case, **options) -> None
         assert_close(scores, scores_ref, jnp.float32, "scores")
 
 
-def lowering_args(config: ModelConfig, *, n_groups, n_rows, verify, max_len, n_cache_rows,
-                  n_extra=32) -> tuple[tuple, dict]:
+def lowering_args(
+    config: ModelConfig, *, n_groups, n_rows, verify, max_len, n_cache_rows, n_extra=32
+) -> tuple[tuple, dict]:
     """Abstract (jax.ShapeDtypeStruct, bfloat16 data) positional and keyword arguments of a cache
     attention at config's real shapes (layers, heads, head_dim): the main pass with tracking
     scores, or (verify) the verify pass with excluded keys, n_extra extra keys and no scores."""
@@ -135,9 +163,18 @@ def lowering_args(config: ModelConfig, *, n_groups, n_rows, verify, max_len, n_c
     score_rows = spec((n_groups, n_rows), jnp.bool_)
     if verify:
         extra = spec((n_groups, n_extra, kv_width), bf16)
-        kwargs.update(key_exclude=spec((n_groups, max_len), jnp.bool_),
-                      extra=(extra, extra, spec((n_groups, n_rows, n_extra), jnp.bool_)))
+        kwargs.update(
+            key_exclude=spec((n_groups, max_len), jnp.bool_),
+            extra=(extra, extra, spec((n_groups, n_rows, n_extra), jnp.bool_)),
+        )
         score_rows = None
-    args = (spec((n_groups, n_rows, config.n_heads * config.head_dim), bf16), cache, cache, spec((), i32),
-            spec((n_groups,), i32), spec((n_groups,), i32), score_rows)
+    args = (
+        spec((n_groups, n_rows, config.n_heads * config.head_dim), bf16),
+        cache,
+        cache,
+        spec((), i32),
+        spec((n_groups,), i32),
+        spec((n_groups,), i32),
+        score_rows,
+    )
     return args, kwargs

@@ -35,8 +35,9 @@ def compilation_cache_env() -> dict[str, str]:
     The test waits for the script, so the two never write the cache at the same time."""
     return {"JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir}
 
-from dllm_jax.models.config import ModelConfig
-from dllm_jax.models.transformer import init_params
+
+from dllm_jax.models.config import ModelConfig  # noqa: E402 (after the JAX settings above)
+from dllm_jax.models.transformer import init_params  # noqa: E402
 
 
 def tiny_config(**overrides) -> ModelConfig:

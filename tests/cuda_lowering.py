@@ -13,11 +13,11 @@ import contextlib
 import jax
 import jax.numpy as jnp
 
-from dllm_jax.models.config import ModelConfig
-from dllm_jax.runtime.decode_config import DecodeConfig
 from dllm_jax.engine.engine import Engine
-from dllm_jax.runtime.kernel_routing import Kernels
+from dllm_jax.models.config import ModelConfig
 from dllm_jax.models.transformer import abstract_params, unstack_layers
+from dllm_jax.runtime.decode_config import DecodeConfig
+from dllm_jax.runtime.kernel_routing import Kernels
 from dllm_jax.runtime.slots import zero_sampling
 
 # what backend="auto" picks on an NVIDIA GPU
@@ -43,8 +43,9 @@ def lower_decode_loop_for_cuda(config: ModelConfig, backend: str) -> str:
     gen_length 256) at config's shapes over abstract params, lowered for CUDA. backend is an
     Engine backend name or "gpu-auto" (GPU_AUTO, over per-layer params as on a GPU)."""
     if backend == "gpu-auto":
-        engine = Engine(config, jax.eval_shape(unstack_layers, abstract_params(config)), backend=GPU_AUTO,
-                        full_pass_lanes=())
+        engine = Engine(
+            config, jax.eval_shape(unstack_layers, abstract_params(config)), backend=GPU_AUTO, full_pass_lanes=()
+        )
     else:
         engine = Engine(config, abstract_params(config), backend=backend, full_pass_lanes=())
     decode = DecodeConfig(method="flash_cache", gen_length=256, batch_size=8, threshold=2.0, verify=True)

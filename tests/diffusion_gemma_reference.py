@@ -54,7 +54,7 @@ def generate(
     rng: jax.Array,
     *,
     max_new_tokens: int = 256,
-    settings: DenoiseSettings = DenoiseSettings(),
+    settings: DenoiseSettings | None = None,
     eos_token_ids: tuple[int, ...] | None = None,
     pad_token_id: int | None = None,
     prompt_valid: np.ndarray | None = None,
@@ -64,6 +64,7 @@ def generate(
     Args:
       prompt: int [B, P] token ids (left-padded when prompt_valid marks padding).
       rng: the key of every random draw (canvas c uses canvas_key(rng, c)).
+      settings: the denoising settings (None: DenoiseSettings()).
       max_new_tokens: ceil(max_new_tokens / L) canvases at most.
       eos_token_ids: the ids that finish a row; default config.eos_token_ids.
       pad_token_id: what replaces tokens after a row's EOS; None leaves them.
@@ -72,6 +73,7 @@ def generate(
       ValueError: an image placeholder token or an out-of-vocabulary id in the prompt,
         max_new_tokens < 1, or a sequence longer than the model's maximum.
     """
+    settings = DenoiseSettings() if settings is None else settings
     prompt = np.asarray(prompt)
     _check_prompt(config, prompt)
     if max_new_tokens < 1:
@@ -80,8 +82,9 @@ def generate(
     L, V = config.canvas_length, config.vocab_size
     n_canvases = math.ceil(max_new_tokens / L)
     if P + n_canvases * L > config.max_sequence_length:
-        raise ValueError(f"prompt {P} + {n_canvases} canvases of {L} exceeds the model's "
-                         f"{config.max_sequence_length} positions")
+        raise ValueError(
+            f"prompt {P} + {n_canvases} canvases of {L} exceeds the model's {config.max_sequence_length} positions"
+        )
     eos = np.asarray(config.eos_token_ids if eos_token_ids is None else eos_token_ids)
     valid = np.ones((B, P), bool) if prompt_valid is None else np.asarray(prompt_valid, bool)
 
@@ -100,8 +103,9 @@ def generate(
             state = _denoise_step(config, settings, params, state, cache, key, jnp.int32(step))
             if np.all(np.asarray(state.done)):
                 break
-        sequences, finished = _finish_canvas(np.concatenate([sequences, np.asarray(state.argmax)], axis=1),
-                                             finished, L, eos, pad_token_id)
+        sequences, finished = _finish_canvas(
+            np.concatenate([sequences, np.asarray(state.argmax)], axis=1), finished, L, eos, pad_token_id
+        )
         if finished.all():
             break
     return GenerationResult(sequences=sequences, decoder_passes=passes)
@@ -112,14 +116,17 @@ def _check_prompt(config: DiffusionGemmaConfig, prompt: np.ndarray) -> None:
         raise ValueError(f"prompt: expected int token ids [B, P] with P >= 1, got shape {prompt.shape}")
     if config.image_token_id is not None and (prompt == config.image_token_id).any():
         row, col = np.argwhere(prompt == config.image_token_id)[0]
-        raise ValueError(f"prompt[{row}, {col}] is the image token {config.image_token_id}: image inputs are not "
-                         "supported (only the text model is loaded)")
+        raise ValueError(
+            f"prompt[{row}, {col}] is the image token {config.image_token_id}: image inputs are not "
+            "supported (only the text model is loaded)"
+        )
     if ((prompt < 0) | (prompt >= config.vocab_size)).any():
         raise ValueError(f"prompt: token ids must be in [0, {config.vocab_size})")
 
 
-def _finish_canvas(sequences: np.ndarray, finished: np.ndarray, length: int, eos: np.ndarray,
-                   pad: int | None) -> tuple[np.ndarray, np.ndarray]:
+def _finish_canvas(
+    sequences: np.ndarray, finished: np.ndarray, length: int, eos: np.ndarray, pad: int | None
+) -> tuple[np.ndarray, np.ndarray]:
     """Marks rows whose new canvas holds an EOS finished, and pads what follows an EOS.
 
     In (L 4, EOS 9, pad 0): canvas [5, 9, 7, 9] of a running row. Out: [5, 9, 0, 0], finished.
@@ -142,8 +149,15 @@ def _encode(config, params, tokens, cache, valid):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _denoise_step(config: DiffusionGemmaConfig, settings: DenoiseSettings, params, state: CanvasState,
-                  cache: dg.EncoderCache, key: jax.Array, step: jax.Array) -> CanvasState:
+def _denoise_step(
+    config: DiffusionGemmaConfig,
+    settings: DenoiseSettings,
+    params,
+    state: CanvasState,
+    cache: dg.EncoderCache,
+    key: jax.Array,
+    step: jax.Array,
+) -> CanvasState:
     """One decoder pass over the canvas and the denoising rule on its logits."""
     B, L = state.canvas.shape
     logits = dg.decode(config, params, state.canvas, cache, state.logits, state.has_logits)

@@ -8,12 +8,12 @@ the model (tests/test_engine.py: LLaDA, tests/test_dream_engine.py: Dream) and t
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
-from dllm_jax.runtime.decode_config import DecodeConfig
 from dllm_jax.engine.engine import Engine
+from dllm_jax.runtime.decode_config import DecodeConfig
 from tests.reference_decoder import ReferenceDecoder
 
 PROMPT_LENGTHS = (12, 7, 15, 9, 3)

@@ -12,15 +12,15 @@ the tracking score) and the verify stage adds one predictor row per mask view.
 
 from __future__ import annotations
 
-import numpy as np
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from pallas_kernels.attention.reference import dense_attention
 from dllm_jax.models.config import ModelConfig
-from dllm_jax.runtime.decode_config import DecodeConfig
 from dllm_jax.models.llada import LLaDABlock, LLaDAModel
 from dllm_jax.models.transformer import forward
+from dllm_jax.runtime.decode_config import DecodeConfig
+from pallas_kernels.attention.reference import dense_attention
 
 
 class ReferenceDecoder:
@@ -29,8 +29,9 @@ class ReferenceDecoder:
         self.shift = config.logit_shift
         block, model = LLaDABlock(config), LLaDAModel(config)
         self.qkv = jax.jit(
-            lambda lp, h, pos: block.apply(lp, block.apply(lp, h, method=LLaDABlock.attention_input), pos,
-                                           method=LLaDABlock.project_qkv)
+            lambda lp, h, pos: block.apply(
+                lp, block.apply(lp, h, method=LLaDABlock.attention_input), pos, method=LLaDABlock.project_qkv
+            )
         )
         self.out_mlp = jax.jit(lambda lp, h, out: block.apply(lp, h, out, method=LLaDABlock.output_and_mlp))
         self.attend = jax.jit(dense_attention)
@@ -83,7 +84,9 @@ class ReferenceDecoder:
             lp = self.layer_params[layer]
             q, k, v = self.qkv(lp, h, pos)
             keys = jnp.concatenate([jnp.asarray(K[layer][cached]).reshape(1, -1, c.n_kv_heads, c.head_dim), k], axis=1)
-            values = jnp.concatenate([jnp.asarray(V[layer][cached]).reshape(1, -1, c.n_kv_heads, c.head_dim), v], axis=1)
+            values = jnp.concatenate(
+                [jnp.asarray(V[layer][cached]).reshape(1, -1, c.n_kv_heads, c.head_dim), v], axis=1
+            )
             h = self.out_mlp(lp, h, self.attend(q, keys, values, jnp.asarray(mask)))
         return np.asarray(self.head(self.params, h[0]), np.float32)
 
@@ -164,7 +167,9 @@ class ReferenceDecoder:
             if eos_at and not eos_found:
                 bound, eos_found = max(eos_at) + 1, True
             if d.verify:
-                accepted = self._verify_stage(tokens, decoded, window, cand, order[keep:], committed, pinned, scores_before, K, V, key_len, bound)
+                accepted = self._verify_stage(
+                    tokens, decoded, window, cand, order[keep:], committed, pinned, scores_before, K, V, key_len, bound
+                )
                 eos_at = [p for p in accepted if tokens[p] == c.eos_token_id]
                 if eos_at and not eos_found:
                     bound, eos_found = max(eos_at) + 1, True
@@ -244,7 +249,7 @@ class ReferenceDecoder:
 
     def block_decode(self, prompt, cache: str):
         """Section H: LLaDA (cache 'none', fixed schedule) or Fast-dLLM ('prefix'/'dual', threshold)."""
-        d, c = self.decode, self.cfg
+        d = self.decode
         Wb, G = d.window, d.gen_length
         P = len(prompt)
         key_len = P + G
@@ -257,7 +262,9 @@ class ReferenceDecoder:
             while not decoded[block].all():
                 predictors = [p - self.shift for p in block]
                 if cache == "none":
-                    logits = np.asarray(self.full_forward(self.params, jnp.asarray(tokens[:key_len])[None])[0], np.float32)[predictors]
+                    logits = np.asarray(
+                        self.full_forward(self.params, jnp.asarray(tokens[:key_len])[None])[0], np.float32
+                    )[predictors]
                 else:
                     if step_in_block == 0:
                         rows = list(range(key_len))

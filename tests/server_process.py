@@ -24,7 +24,9 @@ class ServerProcess:
         env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "dllm_jax.serve", "--port", "0", "--port-file", str(port_file), *args],
-            stdout=self._log, stderr=subprocess.STDOUT, env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
         )
         self.pid = self.proc.pid
         deadline = time.monotonic() + start_timeout

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dllm_jax.runtime.decode_config import DecodeConfig
 from dllm_jax.engine.engine import Engine, GenerationError
+from dllm_jax.runtime.decode_config import DecodeConfig
 from dllm_jax.runtime.kernel_routing import Kernels, resolve_kernels
 
 _SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "batch_invariance.py"
@@ -39,7 +39,9 @@ def _prompts(seed, lengths):
     "decode",
     [
         DecodeConfig(method="flash_cache", gen_length=32, batch_size=4, threshold=0.5, mask_num=2, track_num=1),
-        DecodeConfig(method="flash_cache", gen_length=32, batch_size=4, threshold=0.5, mask_num=2, track_num=1, verify=True),
+        DecodeConfig(
+            method="flash_cache", gen_length=32, batch_size=4, threshold=0.5, mask_num=2, track_num=1, verify=True
+        ),
         DecodeConfig(method="fast_dllm", gen_length=32, block_length=16, threshold=0.5, batch_size=4),
         DecodeConfig(method="llada", gen_length=32, block_length=16, steps=16, batch_size=4),
     ],
@@ -77,7 +79,9 @@ def test_invariant_mode_answers_do_not_depend_on_the_batch(lively_bf16, backend)
     cfg, params = lively_bf16
     engine = Engine(cfg, params, backend=backend, interpret=backend == "pallas", batch_invariant=True)
     assert engine.batch_invariant and engine.backend.endswith("+invariant")
-    decode = DecodeConfig(method="flash_cache", gen_length=32, batch_size=4, threshold=0.5, mask_num=2, track_num=1, verify=True)
+    decode = DecodeConfig(
+        method="flash_cache", gen_length=32, batch_size=4, threshold=0.5, mask_num=2, track_num=1, verify=True
+    )
     many = _prompts(2, (5, 14, 8, 11, 3))
     together = engine.generate(many, decode)
     assert together.stats.tokens_per_step > 1.1
@@ -88,7 +92,9 @@ def test_invariant_mode_answers_do_not_depend_on_the_batch(lively_bf16, backend)
 
 def test_invariant_mode_rejects_what_it_cannot_run(lively_bf16):
     cfg, params = lively_bf16
-    with pytest.raises(GenerationError, match="batch_invariant=True runs bfloat16 weights, not quantization='int8-weights'"):
+    with pytest.raises(
+        GenerationError, match="batch_invariant=True runs bfloat16 weights, not quantization='int8-weights'"
+    ):
         Engine(dataclasses.replace(cfg, quantization="int8-weights"), params, batch_invariant=True)
     with pytest.raises(GenerationError, match="batch_invariant"):
         Engine(cfg, params, batch_invariant="yes")
@@ -121,20 +127,27 @@ def test_invariant_decode_loop_lowers_for_cuda_at_llada_8b_widths():
     """The whole loop (flash_cache + verify) of the GPU's invariant kernels, lowered for CUDA on
     the CPU at LLaDA-8B widths (2 layers): every matmul and every norm is an invariant kernel."""
     from dllm_jax.models.config import llada_8b_config
-    from dllm_jax.runtime.kernel_routing import Kernels
     from dllm_jax.models.transformer import abstract_params, unstack_layers
+    from dllm_jax.runtime.kernel_routing import Kernels
     from dllm_jax.runtime.slots import zero_sampling
     from tests.cuda_lowering import lower_for_cuda
 
     cfg = dataclasses.replace(llada_8b_config(), n_layers=2)
-    engine = Engine(cfg, jax.eval_shape(unstack_layers, abstract_params(cfg)), backend=Kernels(attention=True, scatter=True),
-                    full_pass_lanes=(), batch_invariant=True)
+    engine = Engine(
+        cfg,
+        jax.eval_shape(unstack_layers, abstract_params(cfg)),
+        backend=Kernels(attention=True, scatter=True),
+        full_pass_lanes=(),
+        batch_invariant=True,
+    )
     assert engine.kernels.matmul and engine.backend == "xla+pallas-attention-scatter-matmul+invariant"
     decode = DecodeConfig(method="flash_cache", gen_length=256, batch_size=8, threshold=2.0, verify=True)
     loop = engine.decode_loop(decode, 256)
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
     state = jax.eval_shape(loop.init_state, i32(32, 256), i32(32), jax.eval_shape(lambda: zero_sampling((32,))), i32())
-    text = lower_for_cuda(jax.jit(loop.run, donate_argnums=1), engine.weights, state, i32(), jax.ShapeDtypeStruct((), jnp.bool_))
+    text = lower_for_cuda(
+        jax.jit(loop.run, donate_argnums=1), engine.weights, state, i32(), jax.ShapeDtypeStruct((), jnp.bool_)
+    )
     assert "invariant_matmul" in text and "cache_attention" in text
     weight_dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line and "4096x" in line]
     assert not weight_dots, weight_dots[:3]  # no projection or LM head left to XLA's dot
@@ -163,8 +176,12 @@ def test_invariant_gpu_kernels_are_bit_identical_in_every_tap(lively_bf16):
     differ in the last bit between 1 and 4 slots.)"""
     cfg, params = lively_bf16
     engine = Engine(cfg, params, backend=Kernels(attention=True, scatter=True), interpret=True, batch_invariant=True)
-    decode = DecodeConfig(method="flash_cache", gen_length=32, batch_size=4, threshold=2.0, mask_num=2, track_num=1, verify=True)
+    decode = DecodeConfig(
+        method="flash_cache", gen_length=32, batch_size=4, threshold=2.0, mask_num=2, track_num=1, verify=True
+    )
     request, *others = _prompts(3, (9, 9, 9, 9))
     report = batch_invariance_script.leak_report(engine, decode, request, others, steps=2)
     assert len(report["steps"]) == 2
-    assert all(s["logits_identical"] and s["committed_identical"] and s["first_difference"] is None for s in report["steps"])
+    assert all(
+        s["logits_identical"] and s["committed_identical"] and s["first_difference"] is None for s in report["steps"]
+    )

@@ -19,15 +19,24 @@ def test_tiny_run_prints_the_table_and_writes_adoptable_json(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run(
         [sys.executable, "scripts/bench_kernels.py", "--tiny", "--inner", "1", "--repeats", "1", "--out", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     table = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
     assert table[0].startswith("| kernel | slots | keys | path | blocks | us | of roofline")
     paths = {tuple(cell.strip() for cell in line.split("|")[1:5:3]) for line in table[1:]}
-    for kernel, path in [("qkv_rope_cache", "xla"), ("qkv_rope_cache", "xla_one_layer"),
-                         ("qkv_rope_cache", "pallas best"), ("cache_attention", "xla"),
-                         ("cache_attention", "cudnn"), ("cache_attention", "pallas best")]:
+    for kernel, path in [
+        ("qkv_rope_cache", "xla"),
+        ("qkv_rope_cache", "xla_one_layer"),
+        ("qkv_rope_cache", "pallas best"),
+        ("cache_attention", "xla"),
+        ("cache_attention", "cudnn"),
+        ("cache_attention", "pallas best"),
+    ]:
         assert (kernel, path) in paths
 
     report = json.loads(out.read_text())

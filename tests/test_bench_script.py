@@ -12,9 +12,26 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_bench_tiny_reports_steps_and_comparisons(tmp_path):
     result = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench.py"), "--tiny", "--out", str(tmp_path), "--schedules", "one",
-         "--slots", "1", "2", "--iterations", "2", "--repeats", "2"],
-        capture_output=True, text=True, stdin=subprocess.DEVNULL, cwd=ROOT,
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "bench.py"),
+            "--tiny",
+            "--out",
+            str(tmp_path),
+            "--schedules",
+            "one",
+            "--slots",
+            "1",
+            "2",
+            "--iterations",
+            "2",
+            "--repeats",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        cwd=ROOT,
         env={"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", **compilation_cache_env()},
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -43,19 +60,39 @@ def test_bench_tiny_reports_steps_and_comparisons(tmp_path):
 
 def test_bench_gemm_tiny_times_every_variant_and_the_int8_kernel_tilings(tmp_path):
     result = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_gemm.py"), "--tiny", "--rows", "24", "--sweep",
-         "--variants", "fp8", "fp8 f32 product", "int8 xla", "int8 pallas", "--out", str(tmp_path)],
-        capture_output=True, text=True, stdin=subprocess.DEVNULL, cwd=ROOT,
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "bench_gemm.py"),
+            "--tiny",
+            "--rows",
+            "24",
+            "--sweep",
+            "--variants",
+            "fp8",
+            "fp8 f32 product",
+            "int8 xla",
+            "int8 pallas",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        cwd=ROOT,
         env={"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", **compilation_cache_env()},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads((tmp_path / "bench_gemm.json").read_text())["results"]
     assert not [r for r in results if "error" in r]
     variants = [r["variant"] for r in results]
-    assert variants[:5] == ["bf16", "fp8", "fp8 f32 product", "int8 xla", "int8 pallas"] and len(variants) > 7  # + the sweep's tilings
+    assert (
+        variants[:5] == ["bf16", "fp8", "fp8 f32 product", "int8 xla", "int8 pallas"] and len(variants) > 7
+    )  # + the sweep's tilings
     for r in results:
         assert r["seconds"] > 0 and r["weight_gbps"] > 0 and r["rel_error_vs_f32"] < 0.05
-        assert ("pallas int8_weight_matmul" in r["gemm"]) == (r["variant"] not in ("bf16", "fp8", "fp8 f32 product", "int8 xla"))
+        assert ("pallas int8_weight_matmul" in r["gemm"]) == (
+            r["variant"] not in ("bf16", "fp8", "fp8 f32 product", "int8 xla")
+        )
     assert "Fastest int8 variant" in (tmp_path / "bench_gemm.md").read_text()
 
 
@@ -63,10 +100,32 @@ def test_bench_tiny_runs_both_families_in_one_report(tmp_path):
     """--model-shape llada-8b dream-7b: each family's runs in one report, Dream's sparse steps
     with a predictor row per candidate more (its shifted logits)."""
     result = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench.py"), "--tiny", "--model-shape", "llada-8b", "dream-7b",
-         "--out", str(tmp_path), "--schedules", "one", "--methods", "flash_cache", "--slots", "1",
-         "--iterations", "2", "--repeats", "1", "--ceiling-repeats", "1"],
-        capture_output=True, text=True, stdin=subprocess.DEVNULL, cwd=ROOT,
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "bench.py"),
+            "--tiny",
+            "--model-shape",
+            "llada-8b",
+            "dream-7b",
+            "--out",
+            str(tmp_path),
+            "--schedules",
+            "one",
+            "--methods",
+            "flash_cache",
+            "--slots",
+            "1",
+            "--iterations",
+            "2",
+            "--repeats",
+            "1",
+            "--ceiling-repeats",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        cwd=ROOT,
         env={"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", **compilation_cache_env()},
     )
     assert result.returncode == 0, result.stderr[-3000:]

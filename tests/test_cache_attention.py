@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import pytest
-
 from attention_inputs import MAIN, assert_matches_reference, lowering_args, make_case, ragged_main_case, verify_case
 from cuda_lowering import lower_for_cuda
+
 from dllm_jax.models.config import llada_8b_config
 from pallas_kernels.attention.cache_attention import AttentionBlockSizes, cache_attention, default_attention_block_sizes
 
@@ -79,8 +79,9 @@ def test_default_tiling_splits_keys_only_when_the_grid_is_small():
     [(1, 128, False), (32, 128, False), (8, 32, True)],
 )
 def test_triton_lowering_at_llada_8b_shapes(n_groups, n_rows, verify):
-    args, kwargs = lowering_args(llada_8b_config(), n_groups=n_groups, n_rows=n_rows, verify=verify, max_len=2048,
-                                 n_cache_rows=32 * 2048 + 1)
+    args, kwargs = lowering_args(
+        llada_8b_config(), n_groups=n_groups, n_rows=n_rows, verify=verify, max_len=2048, n_cache_rows=32 * 2048 + 1
+    )
     text = lower_for_cuda(cache_attention, *args, **kwargs)
     assert text.count("__gpu$xla.gpu.triton") == 1
     assert 'name = "cache_attention"' in text

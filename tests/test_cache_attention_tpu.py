@@ -5,11 +5,11 @@ scores), and the TPU lowering at LLaDA-8B shapes."""
 from __future__ import annotations
 
 import pytest
-
 from attention_inputs import MAIN, assert_matches_reference, lowering_args, make_case, ragged_main_case, verify_case
+from tpu_lowering import lower_for_tpu
+
 from dllm_jax.models.config import llada_8b_config
 from pallas_kernels.attention.cache_attention_tpu import TpuBlockSizes, cache_attention_tpu
-from tpu_lowering import lower_for_tpu
 
 
 def check(case, blocks):
@@ -40,10 +40,13 @@ def test_bad_tiling_is_named():
         cache_attention_tpu(*case.args, **case.kwargs, interpret=True, block_sizes=TpuBlockSizes(block_k=32))
 
 
-@pytest.mark.parametrize("n_groups, n_rows, verify", [(1, 128, False), (32, 128, False), (8, 32, True), (2, 640, False)])
+@pytest.mark.parametrize(
+    "n_groups, n_rows, verify", [(1, 128, False), (32, 128, False), (8, 32, True), (2, 640, False)]
+)
 def test_tpu_lowering_at_llada_8b_shapes(n_groups, n_rows, verify):
-    args, kwargs = lowering_args(llada_8b_config(), n_groups=n_groups, n_rows=n_rows, verify=verify, max_len=640,
-                                 n_cache_rows=32 * 640)
+    args, kwargs = lowering_args(
+        llada_8b_config(), n_groups=n_groups, n_rows=n_rows, verify=verify, max_len=640, n_cache_rows=32 * 640
+    )
     text = lower_for_tpu(cache_attention_tpu, *args, **kwargs)
     assert text.count("tpu_custom_call") == 1
     assert "cache_attention_tpu" in text
@@ -63,14 +66,15 @@ def test_auto_picks_the_tpu_kernel_on_a_tpu_and_xla_on_a_cpu(monkeypatch):
 def test_engine_with_the_tpu_kernel_decodes_the_xla_tokens(lively):
     """Flash-Cache with Flash-Verify (sparse, full and verify passes) through the interpreted
     Mosaic kernel gives the xla backend's tokens."""
-    from dllm_jax.runtime.decode_config import DecodeConfig
     from dllm_jax.engine.engine import Engine
+    from dllm_jax.runtime.decode_config import DecodeConfig
     from dllm_jax.runtime.kernel_routing import Kernels
 
     cfg, params = lively
     prompts = [[5, 9, 17, 3], [40, 2, 8, 8, 11, 60, 7]]
-    decode = DecodeConfig(method="flash_cache", gen_length=32, batch_size=2, mask_num=2, track_num=1,
-                          threshold=0.3, verify=True)
+    decode = DecodeConfig(
+        method="flash_cache", gen_length=32, batch_size=2, mask_num=2, track_num=1, threshold=0.3, verify=True
+    )
     xla = Engine(cfg, params, backend="xla").generate(prompts, decode)
     tpu = Engine(cfg, params, backend=Kernels(attention=True, mosaic=True, interpret=True)).generate(prompts, decode)
     assert [r.token_ids for r in tpu.results] == [r.token_ids for r in xla.results]

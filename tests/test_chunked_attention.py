@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from attention_inputs import MAIN, assert_matches_reference, make_case, ragged_main_case, verify_case
+
 from dllm_jax.runtime.chunked_attention import chunked_cache_attention, default_block_k
 
 
@@ -36,7 +36,9 @@ def test_groups_sharing_a_slot_and_an_out_of_range_slot():
     assert np.isfinite(np.asarray(out)).all() and (np.asarray(scores)[1] == 0).all()
 
 
-@pytest.mark.parametrize("dtype, n_kv_heads, scores", [("float32", 1, True), ("bfloat16", 4, False), ("float32", 2, True)])
+@pytest.mark.parametrize(
+    "dtype, n_kv_heads, scores", [("float32", 1, True), ("bfloat16", 4, False), ("float32", 2, True)]
+)
 def test_verify_pass_excluded_keys_and_extra_keys(dtype, n_kv_heads, scores):
     check(verify_case(14, dtype, n_kv_heads, scores), 16)
 

@@ -37,6 +37,7 @@ def candidates(draw):
 def reference_order(values, eligible):
     """Indices by the documented order: eligible first, then descending value (NaN as -inf,
     -0.0 as 0.0), then ascending index."""
+
     def key(i):
         v = -math.inf if math.isnan(values[i]) else float(values[i]) + 0.0
         return (not eligible[i], -v, i)
@@ -93,7 +94,9 @@ def test_count_commit_commits_exactly_count_eligible(case, count):
 def test_the_examples_of_issue_20():
     all_nan = jnp.full(3, jnp.nan)
     eligible = jnp.array([True, True, False])
-    np.testing.assert_array_equal(threshold_commit(jnp.array([jnp.nan, jnp.nan, 0.5]), eligible, 0.9), [True, False, False])
+    np.testing.assert_array_equal(
+        threshold_commit(jnp.array([jnp.nan, jnp.nan, 0.5]), eligible, 0.9), [True, False, False]
+    )
     np.testing.assert_array_equal(threshold_commit(all_nan, eligible, jnp.nan), [True, False, False])
     # an eligible -inf against an ineligible +inf: the eligible one commits
     np.testing.assert_array_equal(

@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import tiny_config
 
 import convert.hf_to_jax
-from conftest import tiny_config
 from dllm_jax.models.checkpoint.converted import METADATA_FILE
 from dllm_jax.models.checkpoint.errors import ConversionError
 from dllm_jax.models.config import ConfigError, ModelConfig
@@ -34,8 +34,12 @@ NOT_TOKENS = [128, -1, 1.0, "5", True, False, 2**40, math.nan, [], {"id": 1}]
 CASES = (
     [(key, value, SIZE) for key in ("d_model", "n_layers", "n_heads") for value in NOT_SIZES]
     # null means the default for these three; every other non-size is an error
-    + [(key, value, SIZE) for key in ("n_kv_heads", "mlp_hidden_size", "embedding_size")
-       for value in NOT_SIZES if value is not None]
+    + [
+        (key, value, SIZE)
+        for key in ("n_kv_heads", "mlp_hidden_size", "embedding_size")
+        for value in NOT_SIZES
+        if value is not None
+    ]
     + [("max_sequence_length", value, SIZE) for value in NOT_SIZES]
     + [("vocab_size", value, SIZE) for value in ["128", 1.5, True, 0, -3, None]]
     + [(key, value, REAL) for key in ("rope_theta", "rms_norm_eps") for value in NOT_REALS]
@@ -131,9 +135,17 @@ def test_the_round_trip_is_unchanged():
 
 @pytest.mark.parametrize(
     "field,value",
-    [("d_model", True), ("vocab_size", 128.0), ("max_sequence_length", "512"), ("rope_theta", math.nan),
-     ("rms_norm_eps", "1e-5"), ("eos_token_id", None), ("bos_token_id", 1.0), ("weight_tying", "no"),
-     ("n_layers", 2**31)],
+    [
+        ("d_model", True),
+        ("vocab_size", 128.0),
+        ("max_sequence_length", "512"),
+        ("rope_theta", math.nan),
+        ("rms_norm_eps", "1e-5"),
+        ("eos_token_id", None),
+        ("bos_token_id", 1.0),
+        ("weight_tying", "no"),
+        ("n_layers", 2**31),
+    ],
 )
 def test_direct_construction_checks_the_same(field, value):
     with pytest.raises(ConfigError, match=field):
@@ -230,7 +242,10 @@ def test_generate_as_a_process_prints_no_traceback(tmp_path):
     hf = write_hf_folder(tmp_path / "hf", hf_config(eos_token_id=None))
     result = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "generate.py"), "--model", str(hf), "--prompt", "x", "--no-progress"],
-        capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=300,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=300,
     )
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip() == f"error: {hf / 'config.json'}: eos_token_id=null: {TOKEN}"

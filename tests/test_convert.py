@@ -8,16 +8,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import tiny_config
 from safetensors.numpy import load_file, save_file
 
-import dllm_jax.models.checkpoint.hf_reader
 import convert.conversion
-from dllm_jax.models.checkpoint.converted import METADATA_FILE, PARAMS_DIR
-from dllm_jax.models.checkpoint.errors import ConversionError
+import dllm_jax.models.checkpoint.hf_reader
 from convert.conversion import convert_checkpoint
 from convert.hf_to_jax import main
 from convert.jax_to_hf import save_hf_checkpoint
-from conftest import tiny_config
+from dllm_jax.models.checkpoint.converted import METADATA_FILE, PARAMS_DIR
+from dllm_jax.models.checkpoint.errors import ConversionError
 from dllm_jax.models.loading import load_model
 from dllm_jax.models.transformer import init_params
 
@@ -190,7 +190,9 @@ def test_unsupported_config_option_is_named(hf_dir, tmp_path):
 def test_missing_shard_is_found_before_any_shard_is_read(hf_dir, tmp_path, monkeypatch):
     opened = []
     real_safe_open = dllm_jax.models.checkpoint.hf_reader.safe_open
-    monkeypatch.setattr(dllm_jax.models.checkpoint.hf_reader, "safe_open", lambda *a, **k: opened.append(a) or real_safe_open(*a, **k))
+    monkeypatch.setattr(
+        dllm_jax.models.checkpoint.hf_reader, "safe_open", lambda *a, **k: opened.append(a) or real_safe_open(*a, **k)
+    )
     missing = shards(hf_dir)[1]
     missing.unlink()
     assert_conversion_fails(hf_dir, tmp_path / "out", f"{INDEX}: shard file.* not found: {missing.name}")

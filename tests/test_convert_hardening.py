@@ -16,19 +16,19 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from conftest import tiny_config
 
 import convert.conversion
-import dllm_jax.models.checkpoint.hf_reader
 import convert.hf_to_jax
-from conftest import tiny_config
-from dllm_jax.models.checkpoint.converted import METADATA_FILE, PARAMS_DIR
+import dllm_jax.models.checkpoint.hf_reader
 from convert.conversion import convert_checkpoint
-from dllm_jax.models.checkpoint.errors import ConversionError
 from convert.hf_to_jax import main
 from convert.jax_to_hf import save_hf_checkpoint
+from dllm_jax.models.checkpoint.converted import METADATA_FILE, PARAMS_DIR
+from dllm_jax.models.checkpoint.errors import ConversionError
 from dllm_jax.models.loading import load_model
-from dllm_jax.runtime.memory_estimate import DeviceMemory
 from dllm_jax.models.transformer import abstract_params
+from dllm_jax.runtime.memory_estimate import DeviceMemory
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,13 +37,25 @@ ROOT = Path(__file__).resolve().parent.parent
 def hf_dir(tmp_path_factory, tiny_tokenizer_dir):
     """A small LLaDA checkpoint (about 5 MB in two shards): big enough that the phases of a
     conversion last long enough to be seen from outside."""
-    cfg = tiny_config(d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, mlp_hidden_size=256, vocab_size=2048,
-                      mask_token_id=2046, eos_token_id=2047, pad_token_id=2047, bos_token_id=2045)
+    cfg = tiny_config(
+        d_model=128,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        mlp_hidden_size=256,
+        vocab_size=2048,
+        mask_token_id=2046,
+        eos_token_id=2047,
+        pad_token_id=2047,
+        bos_token_id=2045,
+    )
     rng = np.random.default_rng(0)
-    params = jax.tree.map(lambda leaf: (rng.standard_normal(leaf.shape) * 0.02).astype(np.float32),
-                          abstract_params(cfg))
-    return save_hf_checkpoint(tmp_path_factory.mktemp("hf") / "hf", cfg, params, max_shard_bytes=3_000_000,
-                                 tokenizer_dir=tiny_tokenizer_dir)
+    params = jax.tree.map(
+        lambda leaf: (rng.standard_normal(leaf.shape) * 0.02).astype(np.float32), abstract_params(cfg)
+    )
+    return save_hf_checkpoint(
+        tmp_path_factory.mktemp("hf") / "hf", cfg, params, max_shard_bytes=3_000_000, tokenizer_dir=tiny_tokenizer_dir
+    )
 
 
 @pytest.fixture(scope="module")
@@ -130,8 +142,19 @@ def _name_too_long(base):
     return base / ("n" * 250), "File name too long"
 
 
-BAD_OUTS = [_existing_folder, _existing_file, _symlink, _broken_symlink, _missing_parent, _under_a_file, _empty,
-            _blank, _root, _unwritable_filesystem, _name_too_long]
+BAD_OUTS = [
+    _existing_folder,
+    _existing_file,
+    _symlink,
+    _broken_symlink,
+    _missing_parent,
+    _under_a_file,
+    _empty,
+    _blank,
+    _root,
+    _unwritable_filesystem,
+    _name_too_long,
+]
 
 
 @pytest.mark.parametrize("make", BAD_OUTS, ids=lambda f: f.__name__.strip("_"))
@@ -193,10 +216,14 @@ def test_relative_out_and_an_existing_empty_folder_work(hf_dir, tmp_path, capsys
 
 def test_too_little_free_space_is_found_before_reading(hf_dir, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(convert.conversion.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9, 10**6))
+    monkeypatch.setattr(
+        convert.conversion.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9, 10**6)
+    )
     opened = []
     monkeypatch.setattr(dllm_jax.models.checkpoint.hf_reader, "safe_open", lambda *a, **k: opened.append(a))
-    with pytest.raises(ConversionError, match=r"^out: the converted params need 0.0\d GB, its file system has 0.00 GB free"):
+    with pytest.raises(
+        ConversionError, match=r"^out: the converted params need 0.0\d GB, its file system has 0.00 GB free"
+    ):
         convert_checkpoint(hf_dir, "out", dtype="float32")
     assert not opened and list(tmp_path.iterdir()) == []
 
@@ -205,16 +232,22 @@ def test_too_little_host_memory_is_found_before_reading(hf_dir, tmp_path, monkey
     monkeypatch.setattr(convert.conversion, "host_memory", lambda: DeviceMemory(available=10**6, name="host RAM"))
     opened = []
     monkeypatch.setattr(dllm_jax.models.checkpoint.hf_reader, "safe_open", lambda *a, **k: opened.append(a))
-    with pytest.raises(ConversionError, match=rf"^{hf_dir}: converting to float32 needs about 0.0\d GB of memory, "
-                                              r"host RAM has 0.00 GB available$"):
+    with pytest.raises(
+        ConversionError,
+        match=rf"^{hf_dir}: converting to float32 needs about 0.0\d GB of memory, "
+        r"host RAM has 0.00 GB available$",
+    ):
         convert_checkpoint(hf_dir, tmp_path / "out", dtype="float32")
     assert not opened and list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize(
     "error",
-    [OSError(28, "No space left on device"), ValueError("Error writing local file \"{tmp}/params/d/x\": DATA_LOSS"),
-     PermissionError(13, "Permission denied")],
+    [
+        OSError(28, "No space left on device"),
+        ValueError('Error writing local file "{tmp}/params/d/x": DATA_LOSS'),
+        PermissionError(13, "Permission denied"),
+    ],
     ids=["disk full", "tensorstore", "permission"],
 )
 def test_write_errors_name_out_never_the_temporary_folder(hf_dir, tmp_path, monkeypatch, error):
@@ -290,8 +323,9 @@ _WITH_DEFAULT_SIGNALS = (
 )
 
 
-@pytest.mark.parametrize("signum,phase,delay", SIGNAL_CASES,
-                         ids=[f"{s.name}-{p}{'+1s' if d else ''}" for s, p, d in SIGNAL_CASES])
+@pytest.mark.parametrize(
+    "signum,phase,delay", SIGNAL_CASES, ids=[f"{s.name}-{p}{'+1s' if d else ''}" for s, p, d in SIGNAL_CASES]
+)
 def test_a_signal_at_any_phase_leaves_the_parent_as_before(hf_dir, tmp_path, signum, phase, delay):
     parent = tmp_path / "parent"
     parent.mkdir()
@@ -299,9 +333,21 @@ def test_a_signal_at_any_phase_leaves_the_parent_as_before(hf_dir, tmp_path, sig
     before = listing(parent)
     # its own session, so the signal goes to its process group as a terminal's Ctrl-C or hang-up does
     process = subprocess.Popen(
-        [sys.executable, "-c", _WITH_DEFAULT_SIGNALS, "--hf-dir", str(hf_dir), "--out", str(parent / "out"),
-         "--dtype", "float32"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+        [
+            sys.executable,
+            "-c",
+            _WITH_DEFAULT_SIGNALS,
+            "--hf-dir",
+            str(hf_dir),
+            "--out",
+            str(parent / "out"),
+            "--dtype",
+            "float32",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
         start_new_session=True,
     )
     try:
@@ -388,14 +434,18 @@ def test_generate_on_a_damaged_checkpoint_prints_one_line(converted, tmp_path, d
     out = Path(shutil.copytree(converted, tmp_path / "damaged"))
     damage(out)
     result = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "generate.py"), "--model", str(out), "--prompt", "x",
-         "--no-progress"],
-        capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=300,
+        [sys.executable, str(ROOT / "scripts" / "generate.py"), "--model", str(out), "--prompt", "x", "--no-progress"],
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=300,
     )
     assert result.returncode == 2
     # the command's own progress log ("INFO dllm_jax.cli...: loading ...") aside, one line
     own_log = [line for line in result.stderr.splitlines() if line.startswith("INFO dllm_jax.")]
     assert len(own_log) <= 1, result.stderr
-    assert_one_line("".join(line + "\n" for line in result.stderr.splitlines() if line not in own_log),
-                    f"error: {out / PARAMS_DIR}: cannot restore the params")
+    assert_one_line(
+        "".join(line + "\n" for line in result.stderr.splitlines() if line not in own_log),
+        f"error: {out / PARAMS_DIR}: cannot restore the params",
+    )
     assert "asyncio" not in result.stderr

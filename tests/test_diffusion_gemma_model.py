@@ -24,12 +24,12 @@ import torch
 from transformers import DiffusionGemmaConfig as HFDiffusionGemmaConfig
 from transformers import DiffusionGemmaForBlockDiffusion, DynamicCache
 from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
+from transformers_parity import relative_error
 
+from dllm_jax.models import diffusion_gemma as dg
 from dllm_jax.models.checkpoint.errors import ConversionError
 from dllm_jax.models.checkpoint.hf_reader import read_checkpoint
 from dllm_jax.models.config import ConfigError
-from tests.diffusion_gemma_reference import _finish_canvas, generate
-from dllm_jax.models import diffusion_gemma as dg
 from dllm_jax.models.diffusion_gemma_config import (
     AttentionKind,
     DiffusionGemmaConfig,
@@ -45,7 +45,7 @@ from dllm_jax.policies.entropy_bound import (
     sample,
     step_noise,
 )
-from transformers_parity import relative_error
+from tests.diffusion_gemma_reference import _finish_canvas, generate
 
 TEXT_CONFIG = dict(
     vocab_size=96,
@@ -64,8 +64,17 @@ TEXT_CONFIG = dict(
     moe_intermediate_size=16,
     max_position_embeddings=64,
 )
-VISION_CONFIG = dict(hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
-                     num_key_value_heads=2, head_dim=8, patch_size=4, pooling_kernel_size=1, position_embedding_size=16)
+VISION_CONFIG = dict(
+    hidden_size=16,
+    intermediate_size=24,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    head_dim=8,
+    patch_size=4,
+    pooling_kernel_size=1,
+    position_embedding_size=16,
+)
 CANVAS = 6
 # a prompt as long as a canvas: the reference encodes prompt and canvases with one program
 BATCH, PROMPT = 2, CANVAS
@@ -154,10 +163,21 @@ def test_the_config_transformers_writes_reads_as_the_published_layout_does(hf_mo
         ({"use_bidirectional_attention": "all"}, {}, "use_bidirectional_attention"),
         ({"attention_k_eq_v": False}, {}, "attention_k_eq_v"),
         ({"attention_bias": True}, {}, "attention_bias"),
-        ({"rope_parameters": {"sliding_attention": {"rope_type": "yarn", "rope_theta": 1e4},
-                              "full_attention": {"rope_type": "default", "rope_theta": 1e6}}}, {}, "yarn"),
-        ({"layer_types": ["full_attention", "sliding_attention", "sliding_attention", "sliding_attention"]}, {},
-         "last layer"),
+        (
+            {
+                "rope_parameters": {
+                    "sliding_attention": {"rope_type": "yarn", "rope_theta": 1e4},
+                    "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                }
+            },
+            {},
+            "yarn",
+        ),
+        (
+            {"layer_types": ["full_attention", "sliding_attention", "sliding_attention", "sliding_attention"]},
+            {},
+            "last layer",
+        ),
         ({"per_layer_config": {"1": {"head_dim": 16}, "3": {"head_dim": 32}}}, {}, "per_layer_config"),
         ({"per_layer_config": {"1": {"sliding_window": 8}}}, {}, "per_layer_config"),
         ({"num_experts": None}, {}, "num_experts"),
@@ -186,15 +206,19 @@ def test_the_checkpoint_reads_into_the_tree_and_skips_the_vision_tower(hf_model,
     shapes = dg.abstract_params(info.config)
     assert jax.tree.structure(params) == jax.tree.structure(shapes)
     assert jax.tree.leaves(jax.tree.map(lambda a, s: a.shape == s.shape, params, shapes)) == [True] * len(
-        jax.tree.leaves(shapes))
+        jax.tree.leaves(shapes)
+    )
     state = {k: v.numpy() for k, v in model.state_dict().items()}
     # layer 3 is the second full layer: index 1 of the full stack; layer 2 the second sliding one
-    np.testing.assert_array_equal(params["full_layers"]["q_proj"]["kernel"][1],
-                                  state["model.decoder.layers.3.self_attn.q_proj.weight"].T)
-    np.testing.assert_array_equal(params["sliding_layers"]["experts"]["gate_up_proj"][1],
-                                  state["model.decoder.layers.2.experts.gate_up_proj"])
-    np.testing.assert_array_equal(params["sliding_layers"]["encoder_layer_scalar"][1],
-                                  state["model.encoder.language_model.layers.2.layer_scalar"])
+    np.testing.assert_array_equal(
+        params["full_layers"]["q_proj"]["kernel"][1], state["model.decoder.layers.3.self_attn.q_proj.weight"].T
+    )
+    np.testing.assert_array_equal(
+        params["sliding_layers"]["experts"]["gate_up_proj"][1], state["model.decoder.layers.2.experts.gate_up_proj"]
+    )
+    np.testing.assert_array_equal(
+        params["sliding_layers"]["encoder_layer_scalar"][1], state["model.encoder.language_model.layers.2.layer_scalar"]
+    )
     assert "v_proj" not in params["full_layers"]
 
 
@@ -219,19 +243,27 @@ def _torch_layer_outputs(model, prompt, canvas, logits):
     encoder's final rows and the decoder's logits, as float32 numpy."""
     tokens, valid = prompt
     outputs = {"encoder": [], "decoder": []}
-    hooks = [layer.register_forward_hook(lambda m, i, o, side=side: outputs[side].append(o.float().numpy()))
-             for side, layers in (("encoder", model.model.encoder.language_model.layers),
-                                  ("decoder", model.model.decoder.layers))
-             for layer in layers]
+    hooks = [
+        layer.register_forward_hook(lambda m, i, o, side=side: outputs[side].append(o.float().numpy()))
+        for side, layers in (
+            ("encoder", model.model.encoder.language_model.layers),
+            ("decoder", model.model.decoder.layers),
+        )
+        for layer in layers
+    ]
     try:
         with torch.no_grad():
             mask = torch.from_numpy(valid).long()
             cache = DynamicCache(config=model.config.get_text_config(decoder=True))
-            encoded = model.model.encoder(input_ids=torch.from_numpy(tokens), attention_mask=mask,
-                                          past_key_values=cache)
-            out = model(decoder_input_ids=torch.from_numpy(canvas), past_key_values=encoded.past_key_values,
-                        self_conditioning_logits=None if logits is None else torch.from_numpy(logits),
-                        decoder_attention_mask=torch.cat([mask, torch.ones(canvas.shape, dtype=torch.long)], 1))
+            encoded = model.model.encoder(
+                input_ids=torch.from_numpy(tokens), attention_mask=mask, past_key_values=cache
+            )
+            out = model(
+                decoder_input_ids=torch.from_numpy(canvas),
+                past_key_values=encoded.past_key_values,
+                self_conditioning_logits=None if logits is None else torch.from_numpy(logits),
+                decoder_attention_mask=torch.cat([mask, torch.ones(canvas.shape, dtype=torch.long)], 1),
+            )
     finally:
         for hook in hooks:
             hook.remove()
@@ -254,8 +286,15 @@ def test_encoder_and_decoder_match_transformers_layer_by_layer(hf_model, loaded,
     canvas = rng.integers(0, info.config.vocab_size, (BATCH, CANVAS))
     logits = (3 * rng.normal(size=(BATCH, CANVAS, info.config.vocab_size))).astype(np.float32)
     expected = _torch_layer_outputs(hf_model[1], prompt, canvas, logits if self_conditioned else None)
-    actual = _jax_layer_outputs(info.config, params, jnp.asarray(prompt[0]), jnp.asarray(prompt[1]),
-                                jnp.asarray(canvas), jnp.asarray(logits), jnp.asarray(self_conditioned))
+    actual = _jax_layer_outputs(
+        info.config,
+        params,
+        jnp.asarray(prompt[0]),
+        jnp.asarray(prompt[1]),
+        jnp.asarray(canvas),
+        jnp.asarray(logits),
+        jnp.asarray(self_conditioned),
+    )
     valid = prompt[1]
     for layer, (ours, theirs) in enumerate(zip(actual[0], expected[0])):
         # padding rows attend to nothing: their (ignored) values are implementation-defined
@@ -283,7 +322,8 @@ def test_grouped_experts_match_the_dense_reference(dtype):
     dense = jax.jit(dense_expert_mlp)(x, weights, experts, gate_up, down)
     assert grouped.dtype == dtype
     assert relative_error(np.asarray(grouped, np.float32), np.asarray(dense, np.float32)) < (
-        F32 if dtype == jnp.float32 else 1e-2)
+        F32 if dtype == jnp.float32 else 1e-2
+    )
 
 
 # ----- sampler and generation --------------------------------------------------------------
@@ -291,8 +331,9 @@ def test_grouped_experts_match_the_dense_reference(dtype):
 
 def test_entropy_bound_accepts_the_lowest_entropy_prefix():
     entropy = jnp.array([[0.3, 0.01, 0.05, 0.2], [0.5, 0.6, 0.7, 0.8]])
-    np.testing.assert_array_equal(entropy_bound_accept(entropy, 0.1),
-                                  [[False, True, True, True], [True, False, False, False]])
+    np.testing.assert_array_equal(
+        entropy_bound_accept(entropy, 0.1), [[False, True, True, True], [True, False, False, False]]
+    )
 
 
 def test_the_sample_follows_the_distribution():
@@ -341,8 +382,9 @@ class _ReplayedNoise:
         rows = probs.shape[0] // CANVAS
         gumbel = _step_noise(canvas_key(self.rng, self.canvas), self.step, rows, CANVAS, self.vocab)[0]
         self.sampled = True
-        return torch.argmax(torch.log(probs) + torch.from_numpy(np.array(gumbel)).reshape(probs.shape), -1,
-                            keepdim=True)
+        return torch.argmax(
+            torch.log(probs) + torch.from_numpy(np.array(gumbel)).reshape(probs.shape), -1, keepdim=True
+        )
 
 
 def _transformers_generate(model, prompt, rng, settings, eos, monkeypatch):
@@ -351,11 +393,17 @@ def _transformers_generate(model, prompt, rng, settings, eos, monkeypatch):
         patch.setattr(torch, "randint", noise.randint)
         patch.setattr(torch, "multinomial", noise.multinomial)
         out = model.generate(
-            torch.from_numpy(prompt[0]), attention_mask=torch.from_numpy(prompt[1]).long(),
-            max_new_tokens=3 * CANVAS, max_denoising_steps=settings.max_denoising_steps, t_min=settings.t_min,
-            t_max=settings.t_max, sampler_config=EntropyBoundSamplerConfig(entropy_bound=settings.entropy_bound),
+            torch.from_numpy(prompt[0]),
+            attention_mask=torch.from_numpy(prompt[1]).long(),
+            max_new_tokens=3 * CANVAS,
+            max_denoising_steps=settings.max_denoising_steps,
+            t_min=settings.t_min,
+            t_max=settings.t_max,
+            sampler_config=EntropyBoundSamplerConfig(entropy_bound=settings.entropy_bound),
             stability_threshold=settings.stability_threshold,
-            confidence_threshold=settings.confidence_threshold, eos_token_id=list(eos), pad_token_id=0,
+            confidence_threshold=settings.confidence_threshold,
+            eos_token_id=list(eos),
+            pad_token_id=0,
         )
     return out.sequences.numpy(), out.tokens_per_forward.numpy()
 
@@ -363,22 +411,26 @@ def _transformers_generate(model, prompt, rng, settings, eos, monkeypatch):
 def test_generation_is_token_identical_to_transformers_under_the_same_noise(hf_model, loaded, prompt, monkeypatch):
     info, params = loaded
     cfg, model = info.config, hf_model[1]
-    settings = DenoiseSettings(max_denoising_steps=6, t_min=0.05, t_max=0.3, entropy_bound=0.5,
-                               stability_threshold=1, confidence_threshold=0.5)
+    settings = DenoiseSettings(
+        max_denoising_steps=6, t_min=0.05, t_max=0.3, entropy_bound=0.5, stability_threshold=1, confidence_threshold=0.5
+    )
     rng = jax.random.key(5, impl="rbg")  # XLA's RNG: compiles faster than threefry on the CPU
     run = dict(max_new_tokens=3 * CANVAS, settings=settings, pad_token_id=0, prompt_valid=prompt[1])
     free = generate(cfg, params, prompt[0], rng, eos_token_ids=(), **run)
     # an EOS that row 0 writes inside its second canvas (and nothing else before): row 0
     # finishes there, row 1 runs on
-    at, eos = next((at, int(free.sequences[0, at])) for at in range(PROMPT + CANVAS + 1, PROMPT + 2 * CANVAS - 1)
-                   if free.sequences[0, at] not in free.sequences[0, PROMPT:at]
-                   and free.sequences[0, at] not in free.sequences[1, PROMPT:])
+    at, eos = next(
+        (at, int(free.sequences[0, at]))
+        for at in range(PROMPT + CANVAS + 1, PROMPT + 2 * CANVAS - 1)
+        if free.sequences[0, at] not in free.sequences[0, PROMPT:at]
+        and free.sequences[0, at] not in free.sequences[1, PROMPT:]
+    )
     ours = generate(cfg, params, prompt[0], rng, eos_token_ids=(eos,), **run)
     theirs, tokens_per_forward = _transformers_generate(model, prompt, rng, settings, (eos,), monkeypatch)
     np.testing.assert_array_equal(ours.sequences, theirs)
     assert ours.sequences.shape == (BATCH, PROMPT + 3 * CANVAS)
-    np.testing.assert_array_equal(ours.sequences[0, at + 1:], 0)
-    np.testing.assert_array_equal(ours.sequences[:, :at + 1], free.sequences[:, :at + 1])
+    np.testing.assert_array_equal(ours.sequences[0, at + 1 :], 0)
+    np.testing.assert_array_equal(ours.sequences[:, : at + 1], free.sequences[:, : at + 1])
     generated = (ours.sequences[:, PROMPT:] != 0).sum(axis=1)
     np.testing.assert_allclose(generated / ours.decoder_passes, tokens_per_forward, rtol=1e-6)
     # some canvas stopped denoising early (stable and confident)

@@ -10,11 +10,11 @@ import dataclasses
 
 import jax
 import pytest
-
 from conftest import tiny_dream_config
-from dllm_jax.runtime.decode_config import DecodeConfig
+
 from dllm_jax.engine.engine import Engine
 from dllm_jax.models.transformer import init_params
+from dllm_jax.runtime.decode_config import DecodeConfig
 from tests.engine_checks import (
     EXACT_REFRESH,
     answer,
@@ -75,8 +75,10 @@ def test_the_shift_is_what_the_exactness_test_checks(engine, prompts):
     unshifted = dataclasses.replace(engine.config, family="llada")
     ref = ReferenceDecoder(unshifted, engine.weights, decode, engine.decode_loop(decode, 15).max_len)
     out = engine.generate(prompts, decode)
-    differs = [r.token_ids != answer(ref.flash_cache(p, no_cache=True)[0], unshifted.eos_token_id)
-               for p, r in zip(prompts, out.results)]
+    differs = [
+        r.token_ids != answer(ref.flash_cache(p, no_cache=True)[0], unshifted.eos_token_id)
+        for p, r in zip(prompts, out.results)
+    ]
     assert any(differs)
 
 
@@ -110,8 +112,16 @@ def test_continuous_batching_and_batch_invariance(engine, decode):
 @pytest.mark.parametrize(
     "decode",
     [
-        DecodeConfig(method="flash_cache", gen_length=32, batch_size=2, threshold=0.7, mask_num=2, track_num=1,
-                     verify=True, gamma=0.3),
+        DecodeConfig(
+            method="flash_cache",
+            gen_length=32,
+            batch_size=2,
+            threshold=0.7,
+            mask_num=2,
+            track_num=1,
+            verify=True,
+            gamma=0.3,
+        ),
         DecodeConfig(method="fast_dllm", gen_length=32, block_length=16, threshold=0.5, batch_size=2),
     ],
     ids=["flash_verify", "fast_dllm_dual"],

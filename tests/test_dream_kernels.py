@@ -10,14 +10,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 import test_qkv_rope_cache as qkv_tests
 from attention_inputs import assert_matches_reference, lowering_args, make_case
 from cuda_lowering import lower_decode_loop_for_cuda, lower_for_cuda
+from tolerances import assert_close
+
 from dllm_jax.models.config import dream_7b_config
 from pallas_kernels.attention.cache_attention import AttentionBlockSizes, cache_attention
 from pallas_kernels.projection.qkv_rope_cache import QKVBlockSizes, qkv_rope_cache, qkv_rope_cache_reference
-from tolerances import assert_close
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 
@@ -68,16 +68,35 @@ def test_fused_projection_rejects_biases_of_the_wrong_shape():
 )
 def test_cache_attention_with_seven_query_heads_per_kv_head(dtype, blocks):
     case = make_case(
-        8, dtype=dtype, n_heads=14, n_kv_heads=2, head_dim=32, n_rows=5, max_len=48, n_slots=3,
-        group_slot=[2, 0], key_len=[48, 19],
+        8,
+        dtype=dtype,
+        n_heads=14,
+        n_kv_heads=2,
+        head_dim=32,
+        n_rows=5,
+        max_len=48,
+        n_slots=3,
+        group_slot=[2, 0],
+        key_len=[48, 19],
     )
     assert_matches_reference(cache_attention, case, interpret=True, block_sizes=blocks)
 
 
 def test_verify_pass_with_seven_query_heads_per_kv_head():
     case = make_case(
-        9, dtype="float32", n_heads=7, n_kv_heads=1, head_dim=32, n_rows=6, max_len=40, n_slots=2,
-        group_slot=[1, 0], key_len=[40, 23], scores=False, exclude=True, n_extra=6,
+        9,
+        dtype="float32",
+        n_heads=7,
+        n_kv_heads=1,
+        head_dim=32,
+        n_rows=6,
+        max_len=40,
+        n_slots=2,
+        group_slot=[1, 0],
+        key_len=[40, 23],
+        scores=False,
+        exclude=True,
+        n_extra=6,
     )
     blocks = AttentionBlockSizes(16, 16, num_splits=1, num_warps=4, num_stages=2)
     assert_matches_reference(cache_attention, case, interpret=True, block_sizes=blocks)
@@ -91,13 +110,26 @@ def test_fused_projection_lowers_for_cuda_at_dream_7b_shapes(n_rows):
     wq = spec((n_layers, d_model, heads * head_dim), bf16)
     wkv = spec((n_layers, d_model, kv_heads * head_dim), bf16)
     cache = spec((n_layers, 32 * 2048 + 1, kv_heads * head_dim), bf16)
-    bias = (spec((n_layers, heads * head_dim), bf16), spec((n_layers, kv_heads * head_dim), bf16),
-            spec((n_layers, kv_heads * head_dim), bf16))
+    bias = (
+        spec((n_layers, heads * head_dim), bf16),
+        spec((n_layers, kv_heads * head_dim), bf16),
+        spec((n_layers, kv_heads * head_dim), bf16),
+    )
     text = lower_for_cuda(
         qkv_rope_cache,
-        spec((n_rows, d_model), bf16), wq, wkv, wkv, spec((n_rows,), i32), spec((n_rows,), i32),
-        cache, cache, spec((), i32), bias,
-        n_heads=heads, n_kv_heads=kv_heads, rope_theta=THETA,
+        spec((n_rows, d_model), bf16),
+        wq,
+        wkv,
+        wkv,
+        spec((n_rows,), i32),
+        spec((n_rows,), i32),
+        cache,
+        cache,
+        spec((), i32),
+        bias,
+        n_heads=heads,
+        n_kv_heads=kv_heads,
+        rope_theta=THETA,
     )
     assert text.count("__gpu$xla.gpu.triton") == 1
     assert sorted(re.findall(r"tf.aliasing_output = (\d+)", text)) == ["1", "2"]
@@ -105,8 +137,15 @@ def test_fused_projection_lowers_for_cuda_at_dream_7b_shapes(n_rows):
 
 @pytest.mark.parametrize("n_groups, n_rows, verify", [(1, 144, False), (32, 144, False), (8, 40, True)])
 def test_cache_attention_lowers_for_cuda_at_dream_7b_shapes(n_groups, n_rows, verify):
-    args, kwargs = lowering_args(dream_7b_config(), n_groups=n_groups, n_rows=n_rows, verify=verify, max_len=2048,
-                                 n_cache_rows=32 * 2048 + 1, n_extra=n_rows)
+    args, kwargs = lowering_args(
+        dream_7b_config(),
+        n_groups=n_groups,
+        n_rows=n_rows,
+        verify=verify,
+        max_len=2048,
+        n_cache_rows=32 * 2048 + 1,
+        n_extra=n_rows,
+    )
     text = lower_for_cuda(cache_attention, *args, **kwargs)
     assert text.count("__gpu$xla.gpu.triton") == 1
 

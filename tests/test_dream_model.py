@@ -14,17 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import tiny_dream_config
 from safetensors.numpy import load_file, save_file
 from transformers import Qwen2Config, Qwen2ForCausalLM
-
-from conftest import tiny_dream_config
-from dllm_jax.models.checkpoint.errors import ConversionError
-from dllm_jax.models.checkpoint.hf_reader import read_checkpoint
-from convert.jax_to_hf import save_hf_checkpoint
-from dllm_jax.models.checkpoint.tensor_names import tensor_entries
-from dllm_jax.models.config import ConfigError, ModelConfig, dream_7b_config
-from dllm_jax.models.loading import load_model
-from dllm_jax.models.transformer import abstract_params, count_params, forward, predictions
 from transformers_parity import (
     assert_the_loaded_model_matches,
     hf_decoder_fields,
@@ -33,6 +25,14 @@ from transformers_parity import (
     relative_error,
     transformers_run,
 )
+
+from convert.jax_to_hf import save_hf_checkpoint
+from dllm_jax.models.checkpoint.errors import ConversionError
+from dllm_jax.models.checkpoint.hf_reader import read_checkpoint
+from dllm_jax.models.checkpoint.tensor_names import tensor_entries
+from dllm_jax.models.config import ConfigError, ModelConfig, dream_7b_config
+from dllm_jax.models.loading import load_model
+from dllm_jax.models.transformer import abstract_params, count_params, forward, predictions
 
 # Dream-v0-Instruct-7B's published config.json (auto_map points at its own modeling code).
 DREAM_7B_JSON = {
@@ -87,7 +87,7 @@ def test_dream_7b_config_maps_to_exactly_its_parameter_count():
         ({"mask_token_id": 200000}, r"mask_token_id=200000: expected an integer token id in \[0, 152064\)"),
         ({"num_key_value_heads": True}, "num_key_value_heads=true: expected a positive integer"),
         ({"eos_token_id": [151643, "x"]}, "eos_token_id="),
-        ({"tie_word_embeddings": "no"}, "tie_word_embeddings=\"no\": expected true or false"),
+        ({"tie_word_embeddings": "no"}, 'tie_word_embeddings="no": expected true or false'),
         ({"rope_theta": -1.0}, "rope_theta=-1.0: expected a finite positive number"),
         ({"head_dim": 64}, "head_dim=64"),
         ({"model_type": "qwen2"}, 'model_type="qwen2" is not supported'),
@@ -101,7 +101,9 @@ def test_bad_dream_configs_name_the_key(change, message):
         ModelConfig.from_hf_config({**DREAM_7B_JSON, **change}, source="x/config.json")
 
 
-@pytest.mark.parametrize("key", ["hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"])
+@pytest.mark.parametrize(
+    "key", ["hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"]
+)
 def test_a_missing_dream_key_is_named(key):
     hf = {k: v for k, v in DREAM_7B_JSON.items() if k != key}
     with pytest.raises(ConfigError, match=f"x/config.json: missing required key '{key}'"):
@@ -137,8 +139,11 @@ def test_the_file_uses_hugging_face_dream_names(checkpoint):
     for proj in "qkv":
         assert f"model.layers.2.self_attn.{proj}_proj.bias" in names
     assert "model.layers.0.self_attn.o_proj.bias" not in names
-    assert {"model.layers.1.mlp.gate_proj.weight", "model.layers.1.input_layernorm.weight",
-            "model.layers.1.post_attention_layernorm.weight"} <= names
+    assert {
+        "model.layers.1.mlp.gate_proj.weight",
+        "model.layers.1.input_layernorm.weight",
+        "model.layers.1.post_attention_layernorm.weight",
+    } <= names
     cfg = tiny_dream_config(n_layers=3, n_kv_heads=2)
     assert names == {entry.hf_name for entry in tensor_entries(cfg)}
 
@@ -164,7 +169,9 @@ def test_a_wrong_bias_shape_and_a_missing_bias_are_named(checkpoint, tmp_path):
     bad = folder_with_tensors(
         checkpoint, tmp_path / "bad", {**tensors, "model.layers.1.self_attn.k_proj.bias": np.zeros((3,), np.float32)}
     )
-    with pytest.raises(ConversionError, match=r"'model.layers.1.self_attn.k_proj.bias' has shape \(3,\), expected \(32,\)"):
+    with pytest.raises(
+        ConversionError, match=r"'model.layers.1.self_attn.k_proj.bias' has shape \(3,\), expected \(32,\)"
+    ):
         read_checkpoint(bad, dtype="float32")
     del tensors["model.layers.2.self_attn.q_proj.bias"]
     folder_with_tensors(checkpoint, bad, tensors)
@@ -238,7 +245,9 @@ def test_a_converted_dream_folder_loads_the_same_params(checkpoint, tmp_path):
     out = convert_checkpoint(checkpoint, tmp_path / "converted", dtype="float32")
     converted, direct = load_model(out, dtype="float32"), load_model(checkpoint, dtype="float32")
     assert converted.config == direct.config and converted.config.family == "dream"
-    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), converted.weights, direct.weights)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), converted.weights, direct.weights
+    )
 
 
 def test_8bit_dream_weights_keep_the_biases(checkpoint, tmp_path):
@@ -253,7 +262,10 @@ def test_8bit_dream_weights_keep_the_biases(checkpoint, tmp_path):
         leaf = quantized.weights["layers"][name]
         assert set(leaf) == {"qkernel", "scale", "bias"}
         np.testing.assert_array_equal(np.asarray(leaf["bias"]), np.asarray(direct.weights["layers"][name]["bias"]))
-    assert set(quantized.weights["wte"]) == {"qembedding", "scale"} and quantized.weights["wte"]["qembedding"].dtype == jnp.int8
+    assert (
+        set(quantized.weights["wte"]) == {"qembedding", "scale"}
+        and quantized.weights["wte"]["qembedding"].dtype == jnp.int8
+    )
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, direct.config.vocab_size, (1, 12)), jnp.int32)
     want = np.asarray(forward(direct.config, direct.weights, tokens))
     got = np.asarray(forward(quantized.config, quantized.weights, tokens))

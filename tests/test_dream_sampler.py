@@ -7,15 +7,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from dllm_jax.runtime.decode_config import DecodeConfig, DecodeConfigError
-from dllm_jax.policies.dream_unmasking import sample_and_confidence, timestep_ratio, transfer_mask
-from dllm_jax.engine.engine import Engine
-from dllm_jax.common.errors import GenerationError, SamplingParamsError
-from dllm_jax.models.transformer import forward, predictions
-from dllm_jax.sampling.samplers import filter_top_p_top_k
-from dllm_jax.sampling.params import SamplingParams
 from test_dream_engine import lively_dream
+
+from dllm_jax.common.errors import GenerationError, SamplingParamsError
+from dllm_jax.engine.engine import Engine
+from dllm_jax.models.transformer import forward, predictions
+from dllm_jax.policies.dream_unmasking import sample_and_confidence, timestep_ratio, transfer_mask
+from dllm_jax.runtime.decode_config import DecodeConfig, DecodeConfigError
+from dllm_jax.sampling.params import SamplingParams
+from dllm_jax.sampling.samplers import filter_top_p_top_k
 
 # ----- the rules, one at a time ------------------------------------------------------------------
 
@@ -86,7 +86,9 @@ def test_filters_match_dreams_top_p_and_top_k(top_p, top_k, temperature):
 @pytest.mark.parametrize("alg", ["maskgit_plus", "topk_margin", "entropy"])
 def test_confidences_match_dreams(alg):
     logits = np.random.default_rng(1).standard_normal((8, 50)).astype(np.float32) * 2
-    tokens, confidence = sample_and_confidence(filtered(logits, 0.0, 0.95, 10), alg, jnp.float32(0.0), jax.random.key(0))
+    tokens, confidence = sample_and_confidence(
+        filtered(logits, 0.0, 0.95, 10), alg, jnp.float32(0.0), jax.random.key(0)
+    )
     want_tokens, want_confidence = reference_confidence(logits, alg, 0.0, 0.95, 10)
     np.testing.assert_array_equal(np.asarray(tokens), want_tokens)
     np.testing.assert_allclose(np.asarray(confidence), want_confidence, rtol=1e-5, atol=1e-6)
@@ -94,7 +96,9 @@ def test_confidences_match_dreams(alg):
 
 def test_sampled_tokens_follow_the_filtered_distribution():
     logits = jnp.asarray([[2.0, 1.0, 0.5, -1.0, -3.0]] * 4000)
-    tokens, confidence = sample_and_confidence(filtered(logits, 1.0, 1.0, 3), "maskgit_plus", jnp.float32(1.0), jax.random.key(2))
+    tokens, confidence = sample_and_confidence(
+        filtered(logits, 1.0, 1.0, 3), "maskgit_plus", jnp.float32(1.0), jax.random.key(2)
+    )
     counts = np.bincount(np.asarray(tokens), minlength=5) / 4000
     want = softmax(reference_filter(np.asarray(logits[:1]), 1.0, 1.0, 3))[0]
     np.testing.assert_allclose(counts, want, atol=0.03)
@@ -108,8 +112,16 @@ def test_unmask_counts_follow_the_timestep_schedule(steps, eps):
     for step in range(steps):
         masked = rng.random(48) < 0.8
         confidence = rng.standard_normal(48)
-        got = transfer_mask("entropy", jnp.asarray(confidence), jnp.asarray(masked), jnp.int32(step), steps, eps,
-                            jnp.float32(0.0), jax.random.key(step))
+        got = transfer_mask(
+            "entropy",
+            jnp.asarray(confidence),
+            jnp.asarray(masked),
+            jnp.int32(step),
+            steps,
+            eps,
+            jnp.float32(0.0),
+            jax.random.key(step),
+        )
         got = np.asarray(got)
         count = reference_count(int(masked.sum()), step, steps, eps)
         assert got.sum() == count and not (got & ~masked).any()
@@ -122,7 +134,9 @@ def test_unmask_counts_follow_the_timestep_schedule(steps, eps):
 def test_origin_unmasks_each_position_with_probability_one_minus_s_over_t():
     masked = jnp.ones((20000,), bool)
     steps, eps, step = 8, 1e-3, 2
-    got = transfer_mask("origin", jnp.zeros(20000), masked, jnp.int32(step), steps, eps, jnp.float32(0), jax.random.key(4))
+    got = transfer_mask(
+        "origin", jnp.zeros(20000), masked, jnp.int32(step), steps, eps, jnp.float32(0), jax.random.key(4)
+    )
     t = np.linspace(1, eps, steps + 1)
     assert abs(float(np.mean(np.asarray(got))) - (1 - t[step + 1] / t[step])) < 0.01
 
@@ -130,11 +144,18 @@ def test_origin_unmasks_each_position_with_probability_one_minus_s_over_t():
 def test_alg_temp_draws_positions_in_proportion_to_softmax_confidence():
     confidence = jnp.asarray([0.0, np.log(3.0), -50.0, -50.0])  # softmax ~ [0.25, 0.75, 0, 0]
     masked = jnp.ones((4,), bool)
-    picks = np.array([
-        np.flatnonzero(np.asarray(transfer_mask("maskgit_plus", confidence, masked, jnp.int32(0), 2, 1e-3,
-                                                jnp.float32(1.0), jax.random.key(i))))
-        for i in range(600)
-    ])
+    picks = np.array(
+        [
+            np.flatnonzero(
+                np.asarray(
+                    transfer_mask(
+                        "maskgit_plus", confidence, masked, jnp.int32(0), 2, 1e-3, jnp.float32(1.0), jax.random.key(i)
+                    )
+                )
+            )
+            for i in range(600)
+        ]
+    )
     assert picks.shape == (600, 1)  # int(4 * (1 - s/t)) = int(1.998) = 1 position per draw
     assert abs(np.mean(picks == 1) - 0.75) < 0.06 and not np.isin(picks, [2, 3]).any()
 
@@ -165,7 +186,9 @@ def reference_decode(engine, prompt, decode: DecodeConfig, sampling: SamplingPar
         if not mask_index.any():
             break
         logits = np.asarray(run(jnp.asarray(x)[None]))[0][mask_index]
-        tokens, confidence = reference_confidence(logits, decode.alg, sampling.temperature, sampling.top_p, sampling.top_k)
+        tokens, confidence = reference_confidence(
+            logits, decode.alg, sampling.temperature, sampling.top_p, sampling.top_k
+        )
         count = reference_count(int(mask_index.sum()), step, steps, decode.eps)
         where = np.flatnonzero(mask_index)
         chosen = np.argsort(-confidence, kind="stable")[:count]
@@ -174,9 +197,7 @@ def reference_decode(engine, prompt, decode: DecodeConfig, sampling: SamplingPar
     return x[P:], step + 1
 
 
-@pytest.mark.parametrize(
-    "alg, top_p, top_k", [("maskgit_plus", 1.0, 0), ("topk_margin", 0.9, 0), ("entropy", 1.0, 8)]
-)
+@pytest.mark.parametrize("alg, top_p, top_k", [("maskgit_plus", 1.0, 0), ("topk_margin", 0.9, 0), ("entropy", 1.0, 8)])
 def test_the_loop_matches_dreams_sampler(engine, alg, top_p, top_k):
     rng = np.random.RandomState(0)
     prompts = [list(rng.randint(0, 100, n)) for n in (12, 7, 3)]
@@ -194,10 +215,14 @@ def test_the_loop_matches_dreams_sampler(engine, alg, top_p, top_k):
 @pytest.mark.parametrize(
     "decode, sampling",
     [
-        (DecodeConfig(method="dream", gen_length=32, steps=16, alg="origin", batch_size=3, seed=1),
-         SamplingParams(temperature=0.8, top_p=0.95)),
-        (DecodeConfig(method="dream", gen_length=32, steps=8, alg="entropy", batch_size=3),
-         SamplingParams(temperature=0.3, alg_temp=0.5)),
+        (
+            DecodeConfig(method="dream", gen_length=32, steps=16, alg="origin", batch_size=3, seed=1),
+            SamplingParams(temperature=0.8, top_p=0.95),
+        ),
+        (
+            DecodeConfig(method="dream", gen_length=32, steps=8, alg="entropy", batch_size=3),
+            SamplingParams(temperature=0.3, alg_temp=0.5),
+        ),
     ],
     ids=["origin-sampled", "entropy-alg_temp"],
 )
@@ -217,7 +242,11 @@ def test_per_request_sampler_values_share_one_loop(engine):
     rng = np.random.RandomState(2)
     prompts = [list(rng.randint(0, 100, n)) for n in (6, 9, 4)]
     decode = DecodeConfig(method="dream", gen_length=32, steps=8, batch_size=3)
-    per_request = [SamplingParams(), SamplingParams(top_k=4, temperature=0.5, seed=3), SamplingParams(alg_temp=0.7, seed=4)]
+    per_request = [
+        SamplingParams(),
+        SamplingParams(top_k=4, temperature=0.5, seed=3),
+        SamplingParams(alg_temp=0.7, seed=4),
+    ]
     together = engine.generate(prompts, per_request, decode=decode)
     alone = [engine.generate([prompts[0]], per_request[0], decode=decode)]
     compiled = len(engine._executables)  # the three-slot and the one-slot loop
@@ -248,4 +277,6 @@ def test_bad_dream_request_values_are_named(engine):
     with pytest.raises(DecodeConfigError, match="alg='entropy' does not apply to method='flash_cache'"):
         DecodeConfig(method="flash_cache", alg="entropy")
     with pytest.raises(GenerationError, match="alg_temp=0.5 applies only to method='dream'"):
-        engine.generate([[1, 2, 3]], SamplingParams(alg_temp=0.5), decode=DecodeConfig(method="flash_cache", gen_length=32))
+        engine.generate(
+            [[1, 2, 3]], SamplingParams(alg_temp=0.5), decode=DecodeConfig(method="flash_cache", gen_length=32)
+        )

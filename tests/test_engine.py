@@ -5,8 +5,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from dllm_jax.runtime.decode_config import DecodeConfig, DecodeConfigError
 from dllm_jax.engine.engine import Engine, GenerationError
+from dllm_jax.runtime.decode_config import DecodeConfig, DecodeConfigError
 from dllm_jax.sampling.params import SamplingParams
 from tests.engine_checks import (
     EXACT_REFRESH,
@@ -66,7 +66,9 @@ def test_exact_refresh_reproduces_the_no_cache_model(engine, prompts, method):
         DecodeConfig(method="llada", gen_length=32, block_length=8, steps=12, batch_size=3),
         DecodeConfig(method="fast_dllm", gen_length=32, block_length=16, cache="prefix", threshold=0.5, batch_size=2),
         DecodeConfig(method="fast_dllm", gen_length=32, block_length=16, cache="dual", threshold=0.5, batch_size=2),
-        DecodeConfig(method="fast_dllm", gen_length=32, block_length=8, cache="dual", steps=8, threshold=None, batch_size=2),
+        DecodeConfig(
+            method="fast_dllm", gen_length=32, block_length=8, cache="dual", steps=8, threshold=None, batch_size=2
+        ),
     ],
     ids=["llada-2perstep", "llada-uneven", "fast-prefix", "fast-dual", "fast-dual-schedule"],
 )
@@ -371,7 +373,9 @@ def test_full_passes_with_the_mlp_in_chunks_decode_the_same(lively, engine, prom
     chunked = []
     real_groups = cached_forward.mlp_chunk_groups
     monkeypatch.setattr(cached_forward, "MLP_CHUNK_ROWS", 8)
-    monkeypatch.setattr(cached_forward, "mlp_chunk_groups", lambda s, r: chunked.append((s, real_groups(s, r))) or chunked[-1][1])
+    monkeypatch.setattr(
+        cached_forward, "mlp_chunk_groups", lambda s, r: chunked.append((s, real_groups(s, r))) or chunked[-1][1]
+    )
     got = Engine(cfg, params, backend="xla").generate(prompts, decode=decode)
     assert (4, 1) in chunked, chunked  # the full passes: 4 chunks of one group
     assert [r.token_ids for r in got.results] == [r.token_ids for r in want.results]

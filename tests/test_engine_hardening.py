@@ -96,8 +96,11 @@ def test_a_request_past_its_step_bound_ends_with_an_error(engine, monkeypatch):
 
     monkeypatch.setattr(session_module, "slot_values", tight)
     one_per_step = dict(threshold=2.0)  # one token per step: 16 steps
-    out = engine.generate([[1, 2, 3], [4, 5, 6]], [SamplingParams(seed=1, **one_per_step), SamplingParams(seed=2, **one_per_step)],
-                          decode_config=DECODES["flash"])
+    out = engine.generate(
+        [[1, 2, 3], [4, 5, 6]],
+        [SamplingParams(seed=1, **one_per_step), SamplingParams(seed=2, **one_per_step)],
+        decode_config=DECODES["flash"],
+    )
     bounded, free = out.results
     assert bounded.finish_reason == "error" and "step bound" in bounded.error and bounded.steps == 3
     assert free.finish_reason in ("stop", "length") and free.steps > 3

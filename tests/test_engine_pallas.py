@@ -4,13 +4,12 @@ import jax
 import numpy as np
 import pytest
 
-from dllm_jax.runtime.decode_config import DecodeConfig
 from dllm_jax.engine.engine import Engine
 from dllm_jax.models.transformer import init_params
+from dllm_jax.runtime.decode_config import DecodeConfig
 from dllm_jax.runtime.sharding import parse_mesh
 from tests.conftest import tiny_config
 from tests.cuda_lowering import GPU_AUTO, lower_decode_loop_for_cuda
-
 
 FLASH_VERIFY = DecodeConfig(
     method="flash_cache", gen_length=32, batch_size=2, threshold=0.7, mask_num=2, track_num=1, verify=True, gamma=0.3

@@ -31,14 +31,29 @@ def test_shipped_model_solves_held_out_problems_with_exact_decoding(tiny_engine)
 def test_eval_script_reports_every_requested_setting(tmp_path):
     settings = ["exact-one-per-step", "flash-track4-t0.9", "verify-paper-all_commits-t0.9"]
     result = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "eval.py"), "--problems", "4", "--batch-size", "4",
-         "--backend", "xla", "--out", str(tmp_path), "--settings", *settings],
-        capture_output=True, text=True, stdin=subprocess.DEVNULL, cwd=ROOT,
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "eval.py"),
+            "--problems",
+            "4",
+            "--batch-size",
+            "4",
+            "--backend",
+            "xla",
+            "--out",
+            str(tmp_path),
+            "--settings",
+            *settings,
+        ],
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        cwd=ROOT,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((tmp_path / "eval.json").read_text())
     assert list(report["results"]) == settings
-    for name, r in report["results"].items():
+    for r in report["results"].values():
         assert 0 <= r["accuracy"] <= 1 and r["tokens_per_step"] > 0 and r["forward_passes"] > 0
         assert set(r["accuracy_by_task"]) <= {"arith", "sort"}
         assert len(r["texts"]) == 4
@@ -61,11 +76,22 @@ def _eval_module():
 
 def test_resume_keeps_only_settings_of_the_same_run(tmp_path):
     eval_script = _eval_module()
-    run = {"model": "m", "problems": 4, "seed": 1, "gen_length": 64, "batch_size": 4, "backend": "xla",
-           "dtype": "float32", "device": "cpu"}
+    run = {
+        "model": "m",
+        "problems": 4,
+        "seed": 1,
+        "gen_length": 64,
+        "batch_size": 4,
+        "backend": "xla",
+        "dtype": "float32",
+        "device": "cpu",
+    }
     exact = eval_script.EXACT
-    old = dict(run, settings={n: {"knob": n} for n in (exact, "a", "b")},
-               results={exact: {"accuracy": 0.9}, "a": {"accuracy": 0.5}, "b": {"accuracy": 1.0}})
+    old = dict(
+        run,
+        settings={n: {"knob": n} for n in (exact, "a", "b")},
+        results={exact: {"accuracy": 0.9}, "a": {"accuracy": 0.5}, "b": {"accuracy": 1.0}},
+    )
     path = tmp_path / "eval.json"
     assert eval_script.finished_results(path, dict(run, settings={})) == {}
     path.write_text(json.dumps(old))
@@ -73,11 +99,16 @@ def test_resume_keeps_only_settings_of_the_same_run(tmp_path):
     now = dict(run, settings={exact: {"knob": exact}, "a": {"knob": "a"}, "b": {"knob": "changed"}})
     assert eval_script.finished_results(path, now) == {exact: {"accuracy": 0.9}, "a": {"accuracy": 0.5}}
     # a changed exact decode invalidates every agreement figure: nothing is kept
-    assert eval_script.finished_results(path, dict(now, settings=dict(now["settings"], **{exact: {"knob": "new"}}))) == {}
+    assert (
+        eval_script.finished_results(path, dict(now, settings=dict(now["settings"], **{exact: {"knob": "new"}}))) == {}
+    )
     with pytest.raises(ValueError, match="problems=4, this run has 8"):
         eval_script.finished_results(path, dict(now, problems=8))
     # a report from before quantization existed ran unquantized
-    assert eval_script.finished_results(path, dict(now, quantization="none")) == {exact: {"accuracy": 0.9}, "a": {"accuracy": 0.5}}
+    assert eval_script.finished_results(path, dict(now, quantization="none")) == {
+        exact: {"accuracy": 0.9},
+        "a": {"accuracy": 0.5},
+    }
     with pytest.raises(ValueError, match="quantization='none', this run has 'fp8'"):
         eval_script.finished_results(path, dict(now, quantization="fp8"))
     path.write_text("{not json")

@@ -3,10 +3,10 @@ it runs the compiled loop over an empty queue and leaves the loop's answers unch
 
 import jax
 import jax.numpy as jnp
+from conftest import tiny_config
 
 import dllm_jax.engine.engine
 import dllm_jax.runtime.slots
-from conftest import tiny_config
 from dllm_jax import DecodeConfig, Engine
 from dllm_jax.models.transformer import init_params
 
@@ -18,10 +18,15 @@ def test_a_zero_iteration_run_steps_nothing_and_changes_no_answer():
     prompts = [[3, 4, 5], [6, 7]]
     expected = [r.token_ids for r in engine.generate(prompts, decode_config=decode).results]
     compiled = engine.compile(decode, 3)
-    empty = compiled.init(jnp.zeros((compiled.queue_capacity, compiled.prompt_width), jnp.int32),
-                          jnp.zeros((compiled.queue_capacity,), jnp.int32),
-                          jax.tree.map(jnp.asarray, dllm_jax.runtime.slots.zero_sampling((compiled.queue_capacity,))), jnp.int32(0))
+    empty = compiled.init(
+        jnp.zeros((compiled.queue_capacity, compiled.prompt_width), jnp.int32),
+        jnp.zeros((compiled.queue_capacity,), jnp.int32),
+        jax.tree.map(jnp.asarray, dllm_jax.runtime.slots.zero_sampling((compiled.queue_capacity,))),
+        jnp.int32(0),
+    )
     after = compiled.run(engine.weights, empty, jnp.int32(0), jnp.bool_(False))
     assert int(after.iteration) == 0 and not bool(jnp.any(after.slots.active))
-    dllm_jax.engine.engine._first_execution(engine.weights, compiled.init, compiled.run, compiled.queue_capacity, compiled.prompt_width)
+    dllm_jax.engine.engine._first_execution(
+        engine.weights, compiled.init, compiled.run, compiled.queue_capacity, compiled.prompt_width
+    )
     assert [r.token_ids for r in engine.generate(prompts, decode_config=decode).results] == expected

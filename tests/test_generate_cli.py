@@ -50,7 +50,11 @@ def run(args, capsys):
 def run_subprocess(args, **kwargs):
     return subprocess.run(
         [sys.executable, "-m", "dllm_jax.cli.generate", *map(str, args)],
-        capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=300, **kwargs,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=300,
+        **kwargs,
     )
 
 
@@ -61,8 +65,24 @@ def run_subprocess(args, **kwargs):
 def test_generates_and_writes_jsonl(model_dir, tmp_path, capsys, method_args):
     out = tmp_path / "answers.jsonl"
     code, stdout, stderr = run(
-        ["--model", model_dir, "--prompt", "What is 2 + 2?", "--prompt", "Name a fox.", "--gen-length", "16",
-         "--block-length", "8", "--batch-size", "2", "--output", out, "--no-progress", *method_args],
+        [
+            "--model",
+            model_dir,
+            "--prompt",
+            "What is 2 + 2?",
+            "--prompt",
+            "Name a fox.",
+            "--gen-length",
+            "16",
+            "--block-length",
+            "8",
+            "--batch-size",
+            "2",
+            "--output",
+            out,
+            "--no-progress",
+            *method_args,
+        ],
         capsys,
     )
     assert code == 0
@@ -81,7 +101,8 @@ def test_prompts_file_keeps_every_input_field(model_dir, tmp_path, capsys):
     prompts.write_text(json.dumps(lines[0]) + "\n\n" + json.dumps(lines[1]) + "\n")
     out = tmp_path / "a.jsonl"
     code, stdout, stderr = run(
-        ["--model", model_dir, "--prompts-file", prompts, "--gen-length", "16", "--no-progress", "--output", out], capsys
+        ["--model", model_dir, "--prompts-file", prompts, "--gen-length", "16", "--no-progress", "--output", out],
+        capsys,
     )
     assert code == 0 and "2 requests" in stderr
     records = [json.loads(line) for line in out.read_text().splitlines()]
@@ -95,9 +116,37 @@ def test_prompts_file_keeps_every_input_field(model_dir, tmp_path, capsys):
 def test_sampling_flags_reach_the_requests(model_dir, tmp_path, capsys):
     out = tmp_path / "a.jsonl"
     code, stdout, _ = run(
-        ["--model", model_dir, "--prompt", "hello", "--method", "llada", "--max-new-tokens", "8", "--gen-length", "32",
-         "--block-length", "8", "--stop", "zzz", "--stop", "q", "--temperature", "0.7", "--top-k", "5", "--top-p", "0.9",
-         "--remasking", "random", "--seed", "3", "--no-progress", "--output", out],
+        [
+            "--model",
+            model_dir,
+            "--prompt",
+            "hello",
+            "--method",
+            "llada",
+            "--max-new-tokens",
+            "8",
+            "--gen-length",
+            "32",
+            "--block-length",
+            "8",
+            "--stop",
+            "zzz",
+            "--stop",
+            "q",
+            "--temperature",
+            "0.7",
+            "--top-k",
+            "5",
+            "--top-p",
+            "0.9",
+            "--remasking",
+            "random",
+            "--seed",
+            "3",
+            "--no-progress",
+            "--output",
+            out,
+        ],
         capsys,
     )
     assert code == 0
@@ -129,8 +178,14 @@ def test_default_gen_length_fits_the_model(model_dir, capsys):
         (["--prompt", "hi", "--output", ""], "--output: empty path"),
         (["--prompt", "hi", "--gamma", "0.5"], "gamma=0.5 applies only with verify=True"),
         (["--prompt", "hi", "--steps", "4"], "steps=4 does not apply to method='flash_cache'"),
-        (["--prompt", "hi", "--method", "llada", "--threshold", "0.5"], "threshold=0.5 does not apply to method='llada'"),
-        (["--prompt", "hi", "--method", "llada", "--cache", "prefix"], "cache='prefix' does not apply to method='llada'"),
+        (
+            ["--prompt", "hi", "--method", "llada", "--threshold", "0.5"],
+            "threshold=0.5 does not apply to method='llada'",
+        ),
+        (
+            ["--prompt", "hi", "--method", "llada", "--cache", "prefix"],
+            "cache='prefix' does not apply to method='llada'",
+        ),
         (["--prompt", "hi", "--cfg-scale", "1.5"], "--prompt 1: cfg_scale=1.5 is available with method='llada'"),
         (["--prompt", "hi", "--max-new-tokens", "600"], "--prompt 1:"),
         (["--prompt", "hi", "--output", "/"], "is a folder"),
@@ -158,7 +213,9 @@ def test_bad_input_exits_2_with_one_line(model_dir, capsys, no_model_load, args,
         ("[1, 2", "not valid JSON"),
     ],
 )
-def test_bad_prompt_lines_name_file_and_line_before_the_model_loads(model_dir, tmp_path, capsys, no_model_load, line, message):
+def test_bad_prompt_lines_name_file_and_line_before_the_model_loads(
+    model_dir, tmp_path, capsys, no_model_load, line, message
+):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\n' + line + "\n")
     out = tmp_path / "out.jsonl"
@@ -218,16 +275,36 @@ def _wait_for(proc, text: str, seconds: float) -> str:
     return seen
 
 
-@pytest.mark.parametrize("signum,status,message", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")])
+@pytest.mark.parametrize(
+    "signum,status,message", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")]
+)
 def test_a_signal_mid_run_leaves_the_output_as_it_was(model_dir, tmp_path, signum, status, message):
     prompts = tmp_path / "many.jsonl"
     prompts.write_text("".join(json.dumps({"id": i, "prompt": f"fox {i}"}) + "\n" for i in range(256)))
     out = tmp_path / "answers.jsonl"
     out.write_text("the previous run\n")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dllm_jax.cli.generate", "--model", str(model_dir), "--prompts-file", str(prompts),
-         "--output", str(out), "--method", "llada", "--gen-length", "32", "--batch-size", "1", "--no-progress"],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        [
+            sys.executable,
+            "-m",
+            "dllm_jax.cli.generate",
+            "--model",
+            str(model_dir),
+            "--prompts-file",
+            str(prompts),
+            "--output",
+            str(out),
+            "--method",
+            "llada",
+            "--gen-length",
+            "32",
+            "--batch-size",
+            "1",
+            "--no-progress",
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
     )
     try:
         seen = _wait_for(proc, "generating", 120)
@@ -268,13 +345,30 @@ def test_console_script_runs_as_installed(model_dir):
     script = "import sys; from dllm_jax.cli.generate import main; sys.argv[0] = 'dllm-generate'; sys.exit(main())"
     result = subprocess.run([sys.executable, "-c", script, "--help"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.startswith("usage: dllm-generate")
-    wrapper = subprocess.run([sys.executable, str(ROOT / "scripts" / "generate.py"), "--help"], capture_output=True, text=True, timeout=120)
+    wrapper = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "generate.py"), "--help"], capture_output=True, text=True, timeout=120
+    )
     assert wrapper.returncode == 0 and "--prompts-file" in wrapper.stdout
 
 
 def test_batch_invariant_flag_reaches_the_engine(model_dir, capsys, monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # restored after the test
-    code, _, stderr = run(["--model", model_dir, "--prompt", "What is 2 + 2?", "--gen-length", "16", "--block-length", "8",
-                           "--batch-size", "2", "--no-progress", "--batch-invariant"], capsys)
+    code, _, stderr = run(
+        [
+            "--model",
+            model_dir,
+            "--prompt",
+            "What is 2 + 2?",
+            "--gen-length",
+            "16",
+            "--block-length",
+            "8",
+            "--batch-size",
+            "2",
+            "--no-progress",
+            "--batch-invariant",
+        ],
+        capsys,
+    )
     assert code == 0 and "+invariant" in stderr
     assert "--xla_gpu_deterministic_ops=true" in os.environ["XLA_FLAGS"]

@@ -8,20 +8,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import tiny_config
+from cuda_lowering import lower_for_cuda
+from tolerances import assert_close
 
 import dllm_jax.common.platform
 import dllm_jax.models.layers
-from conftest import tiny_config
-from cuda_lowering import lower_for_cuda
-from dllm_jax.models.transformer import forward, init_params
 from dllm_jax.models.quantization import INT8_KERNEL_MAX_ROWS, quantize_kernel, quantize_params, quantized_matmul
+from dllm_jax.models.transformer import forward, init_params
 from pallas_kernels.matmul.int8_matmul import (
     Int8MatmulBlockSizes,
     default_int8_block_sizes,
     int8_weight_matmul,
     int8_weight_matmul_reference,
 )
-from tolerances import assert_close
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 
@@ -87,8 +87,11 @@ def test_quantized_matmul_through_the_kernel_equals_the_xla_path():
 
 
 def _lowered(fn, rows, d_in, d_out):
-    args = (jax.ShapeDtypeStruct((rows, d_in), jnp.bfloat16), jax.ShapeDtypeStruct((d_out, d_in), jnp.int8),
-            jax.ShapeDtypeStruct((d_out,), jnp.float32))
+    args = (
+        jax.ShapeDtypeStruct((rows, d_in), jnp.bfloat16),
+        jax.ShapeDtypeStruct((d_out, d_in), jnp.int8),
+        jax.ShapeDtypeStruct((d_out,), jnp.float32),
+    )
     return lower_for_cuda(jax.jit(lambda *a: fn(*a)), *args)  # a fresh function: no cached trace
 
 
@@ -107,7 +110,9 @@ def test_auto_routes_to_the_kernel_only_below_its_row_limit(monkeypatch):
     monkeypatch.setattr(dllm_jax.common.platform, "on_nvidia_gpu", lambda: True)
     # the measured default: the kernel lost to XLA's int8 fusion at every row count on the H200
     assert INT8_KERNEL_MAX_ROWS == 0 and TRITON not in _lowered(matmul, 128, 4096, 4096)
-    assert TRITON in _lowered(lambda x, q, s: quantized_matmul(x, q, s, jnp.bfloat16, int8_gemm="pallas"), 128, 4096, 4096)
+    assert TRITON in _lowered(
+        lambda x, q, s: quantized_matmul(x, q, s, jnp.bfloat16, int8_gemm="pallas"), 128, 4096, 4096
+    )
     monkeypatch.setattr(dllm_jax.models.quantization, "INT8_KERNEL_MAX_ROWS", 1024)
     assert TRITON in _lowered(matmul, 128, 4096, 4096)
     assert TRITON in _lowered(matmul, 1024, 4096, 12288)

@@ -5,9 +5,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cuda_lowering import lower_for_cuda
 from jax.experimental import pallas as pl
 
-from cuda_lowering import lower_for_cuda
 from pallas_kernels.matmul.invariant_matmul import MatmulBlockSizes, invariant_matmul, invariant_matmul_reference
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
@@ -28,15 +28,20 @@ def test_interpret_outputs_start_as_nan():
     def writes_nothing(x_ref, o_ref):
         pass
 
-    out = pl.pallas_call(writes_nothing, out_shape=jax.ShapeDtypeStruct((4, 4), jnp.float32), interpret=True)(jnp.ones((4, 4)))
+    out = pl.pallas_call(writes_nothing, out_shape=jax.ShapeDtypeStruct((4, 4), jnp.float32), interpret=True)(
+        jnp.ones((4, 4))
+    )
     assert np.isnan(np.asarray(out)).all()
 
 
-@pytest.mark.parametrize("m,k,n,dtype,out_dtype", [
-    (37, 48, 96, jnp.float32, None),
-    (50, 64, 32, jnp.bfloat16, None),
-    (16, 32, 64, jnp.bfloat16, jnp.float32),
-])
+@pytest.mark.parametrize(
+    "m,k,n,dtype,out_dtype",
+    [
+        (37, 48, 96, jnp.float32, None),
+        (50, 64, 32, jnp.bfloat16, None),
+        (16, 32, 64, jnp.bfloat16, jnp.float32),
+    ],
+)
 @pytest.mark.parametrize("impl", [invariant_matmul, invariant_matmul_reference], ids=["kernel", "reference"])
 def test_rows_do_not_depend_on_the_row_count(impl, m, k, n, dtype, out_dtype):
     x, w = _inputs(m, m, k, n, dtype)

@@ -5,8 +5,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from cuda_lowering import lower_for_cuda
+
 from dllm_jax.models.layers import RMSNorm
 from pallas_kernels.norm.invariant_rms_norm import RMSNormBlockSizes, invariant_rms_norm, invariant_rms_norm_reference
 
@@ -49,8 +49,9 @@ def test_kernel_and_reference_match_the_model_norm(m, d, dtype):
 def test_reference_is_the_model_math_bit_for_bit_on_a_whole_tile():
     """One [block_m, D] tile: the reference is the model's RMSNorm on the same shape."""
     x, weight = _inputs(3, 16, 256, jnp.bfloat16)
-    np.testing.assert_array_equal(_f32(invariant_rms_norm_reference(x, weight, EPS, block_sizes=SMALL)),
-                                  _f32(_model_norm(x, weight)))
+    np.testing.assert_array_equal(
+        _f32(invariant_rms_norm_reference(x, weight, EPS, block_sizes=SMALL)), _f32(_model_norm(x, weight))
+    )
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
@@ -75,7 +76,9 @@ def test_interpret_outputs_start_as_nan_and_every_row_is_written():
     def writes_half(x_ref, o_ref):
         o_ref[:, :8] = x_ref[:, :8]
 
-    out = pl.pallas_call(writes_half, out_shape=jax.ShapeDtypeStruct((4, 16), jnp.float32), interpret=True)(jnp.ones((4, 16)))
+    out = pl.pallas_call(writes_half, out_shape=jax.ShapeDtypeStruct((4, 16), jnp.float32), interpret=True)(
+        jnp.ones((4, 16))
+    )
     assert np.isnan(np.asarray(out[:, 8:])).all() and not np.isnan(np.asarray(out[:, :8])).any()
     x, weight = _inputs(5, 33, 128, jnp.float32)
     assert np.isfinite(np.asarray(invariant_rms_norm(x, weight, EPS, interpret=True, block_sizes=SMALL))).all()
@@ -95,6 +98,9 @@ def test_bad_inputs_are_named():
 @pytest.mark.parametrize("m", [128, 4096])
 def test_lowers_for_cuda_at_llada_8b_width(m):
     text = lower_for_cuda(
-        invariant_rms_norm, jax.ShapeDtypeStruct((m, 4096), jnp.bfloat16), jax.ShapeDtypeStruct((4096,), jnp.bfloat16), EPS
+        invariant_rms_norm,
+        jax.ShapeDtypeStruct((m, 4096), jnp.bfloat16),
+        jax.ShapeDtypeStruct((4096,), jnp.bfloat16),
+        EPS,
     )
     assert "invariant_rms_norm" in text and "__gpu$xla.gpu.triton" in text

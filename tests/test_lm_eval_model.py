@@ -22,11 +22,11 @@ from lm_eval.tasks import TaskManager
 
 from dllm_jax import SamplingParams
 from dllm_jax.evaluation import tiny_tasks
-from dllm_jax.models.embedded import tiny_model_path
 from dllm_jax.evaluation.lm_eval_model import DLLMJaxLM, GenerationKwargsError, LoglikelihoodRollingError
 from dllm_jax.evaluation.mc_loglikelihood import MonteCarloLoglikelihood
 from dllm_jax.evaluation.model_args import ModelArgsError, parse_model_args
 from dllm_jax.evaluation.tiny_task_files import GEN_TASK, MC_TASK, write_tiny_tasks
+from dllm_jax.models.embedded import tiny_model_path
 from dllm_jax.models.transformer import forward, predictions
 from tests.conftest import compilation_cache_env
 
@@ -54,8 +54,15 @@ def _eval_script():
 
 
 def make_lm(setting: str) -> DLLMJaxLM:
-    return DLLMJaxLM(pretrained=MODEL, backend="xla", gen_length=GEN_LENGTH, batch_size=BATCH,
-                     mc_num=MC_NUM, mc_batch_size=MC_BATCH, **SETTINGS[setting])
+    return DLLMJaxLM(
+        pretrained=MODEL,
+        backend="xla",
+        gen_length=GEN_LENGTH,
+        batch_size=BATCH,
+        mc_num=MC_NUM,
+        mc_batch_size=MC_BATCH,
+        **SETTINGS[setting],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +95,9 @@ def task_manager(task_dir):
 
 
 def evaluate_tasks(lm, task_manager, tasks, limit=None):
-    return simple_evaluate(model=lm, tasks=tasks, apply_chat_template=True, log_samples=True, limit=limit,
-                           task_manager=task_manager)
+    return simple_evaluate(
+        model=lm, tasks=tasks, apply_chat_template=True, log_samples=True, limit=limit, task_manager=task_manager
+    )
 
 
 def check_generation_matches_script(results: dict, script: dict) -> None:
@@ -118,11 +126,27 @@ def test_lm_eval_command_line_scores_what_eval_script_scores(flash_script, task_
     args = ",".join(f"{k}={v}" for k, v in SETTINGS["flash-track4-t0.9"].items())
     stats = tmp_path / "stats.json"
     result = subprocess.run(
-        [sys.executable, "-m", "dllm_jax.evaluation", "--model", "dllm_jax", "--model_args",
-         f"pretrained={MODEL},{args},gen_length={GEN_LENGTH},batch_size={BATCH},backend=xla,stats_path={stats}",
-         "--tasks", GEN_TASK, "--include_path", str(task_dir), "--apply_chat_template",
-         "--output_path", str(tmp_path / "out")],
-        capture_output=True, text=True, stdin=subprocess.DEVNULL, cwd=ROOT, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "dllm_jax.evaluation",
+            "--model",
+            "dllm_jax",
+            "--model_args",
+            f"pretrained={MODEL},{args},gen_length={GEN_LENGTH},batch_size={BATCH},backend=xla,stats_path={stats}",
+            "--tasks",
+            GEN_TASK,
+            "--include_path",
+            str(task_dir),
+            "--apply_chat_template",
+            "--output_path",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        cwd=ROOT,
+        timeout=600,
         env={**os.environ, **compilation_cache_env()},  # the loop flash_lm compiled is read back
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -152,7 +176,11 @@ def plain_estimate(config, params, prefix, target, masks, batch, cfg_scale=0.0) 
                 blind = [config.mask_token_id] * P + noisy[P:]
                 un = run(blind)
                 logits = un + (cfg_scale + 1) * (logits - un)
-            logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
+            logp = (
+                logits
+                - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
+                - logits.max(-1, keepdims=True)
+            )
             share = sum(row) / L
             total += sum(-logp[P + j, target[j]] / share for j in range(L) if row[j])
         losses.append(total / batch)
@@ -190,10 +218,16 @@ def test_loglikelihood_picks_the_right_answer_where_the_model_solves_it(flash_lm
 
 
 def test_guided_estimate_equals_the_plain_computation(flash_lm):
-    guided = MonteCarloLoglikelihood(flash_lm.config, flash_lm.engine.weights, mc_num=8, mc_batch_size=4, cfg_scale=0.5, seed=3)
-    prefix, target = flash_lm.encode_pair(flash_lm.apply_chat_template([{"role": "user", "content": "sort: 3 1 2"}]), "1 2 3\n#### 123")
+    guided = MonteCarloLoglikelihood(
+        flash_lm.config, flash_lm.engine.weights, mc_num=8, mc_batch_size=4, cfg_scale=0.5, seed=3
+    )
+    prefix, target = flash_lm.encode_pair(
+        flash_lm.apply_chat_template([{"role": "user", "content": "sort: 3 1 2"}]), "1 2 3\n#### 123"
+    )
     estimate = guided.estimate(prefix, target)
-    plain = plain_estimate(flash_lm.config, flash_lm.engine.weights, prefix, target, estimate.masks.tolist(), 4, cfg_scale=0.5)
+    plain = plain_estimate(
+        flash_lm.config, flash_lm.engine.weights, prefix, target, estimate.masks.tolist(), 4, cfg_scale=0.5
+    )
     assert estimate.value == pytest.approx(plain, rel=1e-4)
     assert guided.estimate(prefix, target).value == estimate.value  # same request, same masks
 
@@ -201,8 +235,15 @@ def test_guided_estimate_equals_the_plain_computation(flash_lm):
 def test_a_dream_folder_is_scored_like_a_llada_one():
     """pretrained=tiny-dream (the embedded Dream model, by name): the estimator reads Dream's
     shifted predictions, so it equals the plain computation and prefers the right answer."""
-    lm = DLLMJaxLM(pretrained="tiny-dream", backend="xla", gen_length=GEN_LENGTH, batch_size=4, mc_num=8,
-                   mc_batch_size=4, **SETTINGS["flash-track4-t0.9"])
+    lm = DLLMJaxLM(
+        pretrained="tiny-dream",
+        backend="xla",
+        gen_length=GEN_LENGTH,
+        batch_size=4,
+        mc_num=8,
+        mc_batch_size=4,
+        **SETTINGS["flash-track4-t0.9"],
+    )
     assert lm.config.family == "dream"
     context = lm.apply_chat_template([{"role": "user", "content": "sort: 3 1 2"}])
     prefix, target = lm.encode_pair(context, "1 2 3\n#### 123")
@@ -212,8 +253,13 @@ def test_a_dream_folder_is_scored_like_a_llada_one():
     wrong = lm.scorer.estimate(*lm.encode_pair(context, "1 3 2\n#### 132"))
     assert estimate.value > wrong.value
     (answer,) = lm.generate_until([request(context, until=[])])
-    ids = lm.engine.generate([lm.encode(context)], SamplingParams(threshold=lm.args.threshold),
-                             decode_config=lm.decode_config).results[0].token_ids
+    ids = (
+        lm.engine.generate(
+            [lm.encode(context)], SamplingParams(threshold=lm.args.threshold), decode_config=lm.decode_config
+        )
+        .results[0]
+        .token_ids
+    )
     assert answer == lm.tokenizer.decode(ids, skip_special_tokens=True) and "####" in answer
 
 
@@ -223,10 +269,14 @@ def request(context: str, **gen_kwargs) -> Instance:
 
 def test_generation_kwargs_are_honoured_or_refused_by_name(flash_lm):
     context = flash_lm.apply_chat_template([{"role": "user", "content": "sort: 5 3 9 1"}])
-    full, short, stopped, sampled = flash_lm.generate_until([
-        request(context, until=[]), request(context, until=[], max_gen_toks=3), request(context, until="#"),
-        request(context, until=[], do_sample=True, temperature=0.5, top_k=2),
-    ])
+    full, short, stopped, sampled = flash_lm.generate_until(
+        [
+            request(context, until=[]),
+            request(context, until=[], max_gen_toks=3),
+            request(context, until="#"),
+            request(context, until=[], do_sample=True, temperature=0.5, top_k=2),
+        ]
+    )
     assert full.startswith("1 3 5 9") and len(flash_lm.encode(short)) <= 3 and stopped == full.split("#")[0]
     assert tiny_tasks.extract_final(sampled) is not None
     with pytest.raises(GenerationKwargsError, match="repetition_penalty=1.2"):
@@ -276,13 +326,26 @@ def test_model_args_types_and_the_harness_batch_size():
 def test_command_line_names_a_bad_model_arg_in_one_line(task_dir, monkeypatch, capsys):
     from dllm_jax.evaluation.__main__ import main
 
-    monkeypatch.setattr(sys, "argv", [
-        "dllm_jax.evaluation", "--model", "dllm_jax", "--model_args", f"pretrained={MODEL},trak_num=2",
-        "--tasks", GEN_TASK, "--include_path", str(task_dir),
-    ])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "dllm_jax.evaluation",
+            "--model",
+            "dllm_jax",
+            "--model_args",
+            f"pretrained={MODEL},trak_num=2",
+            "--tasks",
+            GEN_TASK,
+            "--include_path",
+            str(task_dir),
+        ],
+    )
     assert main() == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("error: model_args: unknown key 'trak_num'") and not any("Traceback" in line for line in err)
+    assert err[-1].startswith("error: model_args: unknown key 'trak_num'") and not any(
+        "Traceback" in line for line in err
+    )
 
 
 def test_greedy_check_is_llada_suffix_greedy_prediction(flash_lm):
@@ -293,12 +356,14 @@ def test_greedy_check_is_llada_suffix_greedy_prediction(flash_lm):
     L = 12
     seq = prefix + [config.mask_token_id] * L
     for _ in range(L):
-        logits = np.asarray(forward(config, params, jnp.asarray([seq])), np.float64)[0, len(prefix):]
+        logits = np.asarray(forward(config, params, jnp.asarray([seq])), np.float64)[0, len(prefix) :]
         probs = np.exp(logits - logits.max(-1, keepdims=True))
-        confidence = np.where(np.asarray(seq[len(prefix):]) == config.mask_token_id, (probs / probs.sum(-1, keepdims=True)).max(-1), -1)
+        confidence = np.where(
+            np.asarray(seq[len(prefix) :]) == config.mask_token_id, (probs / probs.sum(-1, keepdims=True)).max(-1), -1
+        )
         j = int(np.argmax(confidence))
         seq[len(prefix) + j] = int(np.argmax(logits[j]))
-    greedy = seq[len(prefix):]
+    greedy = seq[len(prefix) :]
     other = greedy[:-1] + [(greedy[-1] + 1) % config.vocab_size]
     assert flash_lm.scorer.greedy_reproduces(prefix, greedy) and not flash_lm.scorer.greedy_reproduces(prefix, other)
 
@@ -309,6 +374,8 @@ def test_the_registered_model_is_the_entry_point_of_the_package():
 
     from lm_eval.api.registry import get_model
 
-    target = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["lm_eval.models"]["dllm_jax"]
+    target = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["lm_eval.models"][
+        "dllm_jax"
+    ]
     module, _, name = target.partition(":")
     assert getattr(importlib.import_module(module), name) is DLLMJaxLM is get_model("dllm_jax")

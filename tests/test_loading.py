@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import huggingface_hub.constants
 import pytest
@@ -27,9 +26,20 @@ def hub_cache(tmp_path_factory):
     snapshot = repo / "snapshots" / COMMIT
     snapshot.parent.mkdir(parents=True)
     subprocess.run(  # the converter's command line, as a user would fill a cache by hand
-        [sys.executable, "-m", "convert.hf_to_jax", "--hf-dir", str(tiny_model_path()), "--out", str(snapshot),
-         "--dtype", "float32"],
-        check=True, capture_output=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "convert.hf_to_jax",
+            "--hf-dir",
+            str(tiny_model_path()),
+            "--out",
+            str(snapshot),
+            "--dtype",
+            "float32",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
     )
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(COMMIT)
@@ -87,7 +97,11 @@ def _cli(args, hub_cache):
     env = {**os.environ, "HF_HUB_CACHE": str(hub_cache), "HF_HUB_OFFLINE": "1"}
     return subprocess.run(
         [sys.executable, "-m", "dllm_jax.cli.generate", *args, "--no-progress"],
-        capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=300, env=env,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=300,
+        env=env,
     )
 
 
@@ -102,4 +116,6 @@ def test_the_cli_runs_a_cached_hub_model_with_default_options(hub_cache):
 def test_the_cli_names_a_hub_model_missing_from_the_cache(hub_cache):
     result = _cli(["--model", "tiny-org/not-downloaded", "--prompt", "hi"], hub_cache)
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert result.stderr.startswith("error: tiny-org/not-downloaded: not a local folder and not in the Hugging Face cache")
+    assert result.stderr.startswith(
+        "error: tiny-org/not-downloaded: not a local folder and not in the Hugging Face cache"
+    )

@@ -12,10 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from dllm_jax import DecodeConfig, Engine
-from dllm_jax.models.embedded import tiny_model_path
+from dllm_jax import DecodeConfig, Engine, InsufficientMemoryError
 from dllm_jax.common.errors import GenerationError
-from dllm_jax import InsufficientMemoryError
+from dllm_jax.models.embedded import tiny_model_path
 from dllm_jax.runtime.memory_estimate import MEMORY_ENV, device_memory, parse_bytes
 
 ENOUGH_FOR_4_NOT_16 = "20MiB"  # the tiny model's loop needs ~5 MiB a slot beyond the weights (x1.1 margin)
@@ -34,16 +33,32 @@ def prompts(n: int) -> list[list[int]]:
 @pytest.mark.parametrize(
     "available,requests,batch_size,message",
     [
-        ("1MiB", 1, 16, rf"^batch size 1 with \d+ positions per slot needs about .* \${MEMORY_ENV} has 1\.0 MiB free: "
-                        r"even one slot does not fit: lower the generation length"),
-        (ENOUGH_FOR_4_NOT_16, 16, 16, r"^batch size 16 .* has 20\.0 MiB free: lower the batch size to 4 or less, "
-                                      r"or the generation length or the longest prompt"),
+        (
+            "1MiB",
+            1,
+            16,
+            rf"^batch size 1 with \d+ positions per slot needs about .* \${MEMORY_ENV} has 1\.0 MiB free: "
+            r"even one slot does not fit: lower the generation length",
+        ),
+        (
+            ENOUGH_FOR_4_NOT_16,
+            16,
+            16,
+            r"^batch size 16 .* has 20\.0 MiB free: lower the batch size to 4 or less, "
+            r"or the generation length or the longest prompt",
+        ),
         ("0", 2, 2, r"^batch size 2 .* has 0\.0 MiB free"),
-        (None, 1, HUGE_BATCH, rf"^batch size {HUGE_BATCH} .* (host RAM|cpu:0)[^:]* has .* free: lower the batch size to \d+"),
+        (
+            None,
+            1,
+            HUGE_BATCH,
+            rf"^batch size {HUGE_BATCH} .* (host RAM|cpu:0)[^:]* has .* free: lower the batch size to \d+",
+        ),
     ],
 )
-def test_the_engine_refuses_a_loop_that_does_not_fit_before_compiling_it(engine, monkeypatch, available, requests,
-                                                                          batch_size, message):
+def test_the_engine_refuses_a_loop_that_does_not_fit_before_compiling_it(
+    engine, monkeypatch, available, requests, batch_size, message
+):
     if available is None:
         monkeypatch.delenv(MEMORY_ENV, raising=False)
     else:
@@ -88,8 +103,15 @@ def run_cli(module: str, args: list[str], available: str | None, cwd: Path) -> s
     """`python -m module args` with $DLLM_MEMORY_AVAILABLE set to `available` (None: unset)."""
     env = {k: v for k, v in os.environ.items() if k != MEMORY_ENV}
     env.update({"JAX_PLATFORMS": "cpu", **({MEMORY_ENV: available} if available is not None else {})})
-    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, env=env, cwd=cwd,
-                          stdin=subprocess.DEVNULL, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd,
+        stdin=subprocess.DEVNULL,
+        timeout=300,
+    )
 
 
 def error_lines(stderr: str, prefix: str) -> list[str]:
@@ -110,8 +132,21 @@ def test_dllm_generate_exits_2_with_one_line_and_writes_nothing(tmp_path, availa
     work.mkdir()
     questions = work / "prompts.jsonl"
     questions.write_text("".join(f'{{"prompt": "sort: {i} 3 1"}}\n' for i in range(16)))
-    result = run_cli("dllm_jax.cli.generate", ["--prompts-file", str(questions), "--output", str(work / "out.jsonl"),
-                                                "--gen-length", "32", "--no-progress", *args], available, work)
+    result = run_cli(
+        "dllm_jax.cli.generate",
+        [
+            "--prompts-file",
+            str(questions),
+            "--output",
+            str(work / "out.jsonl"),
+            "--gen-length",
+            "32",
+            "--no-progress",
+            *args,
+        ],
+        available,
+        work,
+    )
     errors = error_lines(result.stderr, "error:")
     assert result.returncode == 2 and len(errors) == 1 and message in errors[0], result.stderr
     assert errors[0] == result.stderr.rstrip().splitlines()[-1]

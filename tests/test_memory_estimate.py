@@ -4,9 +4,10 @@ import dataclasses
 
 import jax
 import pytest
-
 from conftest import tiny_config
+
 from dllm_jax.models.config import llada_8b_config
+from dllm_jax.policies.factory import make_policy
 from dllm_jax.runtime.decode_config import DecodeConfig
 from dllm_jax.runtime.decode_loop import DecodeLoop
 from dllm_jax.runtime.flat_cache import cache_bytes
@@ -22,7 +23,6 @@ from dllm_jax.runtime.memory_estimate import (
     fits,
     host_memory,
 )
-from dllm_jax.policies.factory import make_policy
 
 GIB = 2**30
 SHAPE = dict(max_len=256, num_candidates=16, gen_length=64, queue_capacity=64, prompt_width=16)
@@ -83,8 +83,9 @@ def test_the_state_terms_match_the_decode_loop_state(method):
     assert exact.cache == formula.cache == cache_bytes(cfg, 8, 256)
     assert exact.state <= formula.state < 2 * exact.state  # the formula does not underestimate
     assert (exact.weights, exact.activations, exact.logits) == (formula.weights, formula.activations, formula.logits)
-    with_kernels = estimate_decode_loop(dataclasses.replace(loop, kernels=Kernels(attention=True)),
-                                        queue_capacity=32, prompt_width=16)
+    with_kernels = estimate_decode_loop(
+        dataclasses.replace(loop, kernels=Kernels(attention=True)), queue_capacity=32, prompt_width=16
+    )
     assert with_kernels.activations < exact.activations
 
 
@@ -106,8 +107,11 @@ def test_check_decode_loop_refuses_a_loop_too_large_for_the_device():
     cfg = tiny_config()
     decode = DecodeConfig(method="flash_cache", gen_length=64, batch_size=10000)
     loop = DecodeLoop(model=cfg, policy=make_policy(decode, cfg, 256), num_slots=10000, max_len=256, gen_length=64)
-    with pytest.raises(InsufficientMemoryError, match=r"^batch size 10000 with 256 positions per slot needs about .*"
-                                                      r"fake:0 has 1.0 GiB free: lower the batch size to \d+ or less"):
+    with pytest.raises(
+        InsufficientMemoryError,
+        match=r"^batch size 10000 with 256 positions per slot needs about .*"
+        r"fake:0 has 1.0 GiB free: lower the batch size to \d+ or less",
+    ):
         check_decode_loop(loop, queue_capacity=40000, prompt_width=16, memory=DeviceMemory(GIB, "fake:0"))
     small = dataclasses.replace(loop, num_slots=8)
     e = check_decode_loop(small, queue_capacity=32, prompt_width=16, memory=DeviceMemory(GIB, "fake:0"))
@@ -145,8 +149,7 @@ def test_the_suggestion_is_a_multiple_of_the_data_axis():
 def test_when_not_even_one_slot_fits_it_says_to_lower_the_length():
     memory = DeviceMemory(available=8 * GIB, name="fake:0", includes_resident=False)
     with pytest.raises(InsufficientMemoryError, match="even one slot does not fit: lower the generation length"):
-        check_memory(llada_8b_config(), memory, num_slots=4, weights_resident=False,
-                     **{**SHAPE, "max_len": 4096})
+        check_memory(llada_8b_config(), memory, num_slots=4, weights_resident=False, **{**SHAPE, "max_len": 4096})
 
 
 def test_resident_weights_are_not_counted_twice():
@@ -205,12 +208,25 @@ def write_meminfo(proc, available_kb):
         ({}, 8 * GIB, "host RAM"),
         ({"memory.max": "max\n", "memory.current": "1000\n"}, 8 * GIB, "host RAM"),
         # a container limit of 4 GiB with 1 GiB used, 0.5 GiB of it reclaimable page cache
-        ({"memory.max": f"{4 * GIB}\n", "memory.current": f"{GIB}\n", "memory.stat": f"anon 1\ninactive_file {GIB // 2}\n"},
-         4 * GIB - GIB // 2, "host RAM (cgroup limit)"),
-        ({"memory/memory.limit_in_bytes": f"{2 * GIB}\n", "memory/memory.usage_in_bytes": f"{GIB}\n"},
-         GIB, "host RAM (cgroup limit)"),
-        ({"memory/memory.limit_in_bytes": "9223372036854771712\n", "memory/memory.usage_in_bytes": "5\n"},
-         8 * GIB, "host RAM"),
+        (
+            {
+                "memory.max": f"{4 * GIB}\n",
+                "memory.current": f"{GIB}\n",
+                "memory.stat": f"anon 1\ninactive_file {GIB // 2}\n",
+            },
+            4 * GIB - GIB // 2,
+            "host RAM (cgroup limit)",
+        ),
+        (
+            {"memory/memory.limit_in_bytes": f"{2 * GIB}\n", "memory/memory.usage_in_bytes": f"{GIB}\n"},
+            GIB,
+            "host RAM (cgroup limit)",
+        ),
+        (
+            {"memory/memory.limit_in_bytes": "9223372036854771712\n", "memory/memory.usage_in_bytes": "5\n"},
+            8 * GIB,
+            "host RAM",
+        ),
         # a limit above the available RAM does not raise what is available
         ({"memory.max": f"{64 * GIB}\n", "memory.current": f"{GIB}\n"}, 8 * GIB, "host RAM"),
     ],

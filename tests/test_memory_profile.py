@@ -10,9 +10,23 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_memory_profile_of_the_tiny_model(tmp_path):
     result = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "memory_profile.py"), "--model-shape", "tiny", "--slots", "2",
-         "--methods", "flash_verify", "--peak-buffers", "--out", str(tmp_path)],
-        capture_output=True, text=True, stdin=subprocess.DEVNULL, cwd=ROOT,
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "memory_profile.py"),
+            "--model-shape",
+            "tiny",
+            "--slots",
+            "2",
+            "--methods",
+            "flash_verify",
+            "--peak-buffers",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        cwd=ROOT,
         env={"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -23,7 +37,10 @@ def test_memory_profile_of_the_tiny_model(tmp_path):
     # the arguments hold the weights and the decode state with its cache
     assert run["argument_size_in_bytes"] > run["weight_bytes"] + run["cache_bytes"] > 0
     assert run["temp_size_in_bytes"] > 0
-    assert run["peak_estimate_bytes"] >= run["argument_size_in_bytes"] + run["temp_size_in_bytes"] - run["alias_size_in_bytes"]
+    assert (
+        run["peak_estimate_bytes"]
+        >= run["argument_size_in_bytes"] + run["temp_size_in_bytes"] - run["alias_size_in_bytes"]
+    )
     sizes = [a["bytes"] for a in run["largest_arrays"]]
     assert len(sizes) == 12 and sizes == sorted(sizes, reverse=True)
     assert "| flash_verify | 2 |" in (tmp_path / "memory.md").read_text()

@@ -42,8 +42,14 @@ def test_scan_compiles_one_layer_body(tiny_cfg, tiny_params):
 
 @pytest.mark.parametrize(
     "key,value",
-    [("alibi", True), ("include_bias", True), ("attention_layer_norm", True), ("layer_norm_type", "default"),
-     ("include_qkv_bias", True), ("scale_logits", True)],
+    [
+        ("alibi", True),
+        ("include_bias", True),
+        ("attention_layer_norm", True),
+        ("layer_norm_type", "default"),
+        ("include_qkv_bias", True),
+        ("scale_logits", True),
+    ],
 )
 def test_unsupported_options_are_named(key, value):
     hf = llada_8b_config().to_hf_config()

@@ -11,12 +11,8 @@ import re
 
 import numpy as np
 import pytest
-from transformers import LlamaConfig, LlamaForCausalLM
-
 from conftest import tiny_config
-from convert.jax_to_hf import save_hf_checkpoint
-from dllm_jax.models.config import ModelConfig
-from dllm_jax.models.loading import load_model
+from transformers import LlamaConfig, LlamaForCausalLM
 from transformers_parity import (
     assert_the_loaded_model_matches,
     hf_decoder_fields,
@@ -25,6 +21,10 @@ from transformers_parity import (
     random_params,
     transformers_run,
 )
+
+from convert.jax_to_hf import save_hf_checkpoint
+from dllm_jax.models.config import ModelConfig
+from dllm_jax.models.loading import load_model
 
 # LLaDA tensor name -> transformers Llama tensor name.
 _LLAMA_NAMES = (

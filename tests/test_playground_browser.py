@@ -45,8 +45,24 @@ def _api_key() -> str:
 def _server_command(port_file: Path) -> list[str]:
     """The server on a port the OS picks (written to port_file once it serves)."""
     methods = [arg for m in METHODS for arg in ("--method", m)]
-    return [sys.executable, "-m", "dllm_jax.serve", "--host", "127.0.0.1", "--port", "0", "--port-file", str(port_file),
-            "--batch-size", "2", "--gen-length", str(GEN_LENGTH), "--api-key", API_KEY, *methods]
+    return [
+        sys.executable,
+        "-m",
+        "dllm_jax.serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--port-file",
+        str(port_file),
+        "--batch-size",
+        "2",
+        "--gen-length",
+        str(GEN_LENGTH),
+        "--api-key",
+        API_KEY,
+        *methods,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +85,9 @@ def server(tmp_path_factory) -> str:
             if proc.poll() is not None:
                 pytest.fail(f"the server exited with status {proc.returncode}:\n{log_path.read_text()[-3000:]}")
             if time.monotonic() > deadline:
-                pytest.fail(f"the server was not serving within {SERVER_START_SECONDS} s:\n{log_path.read_text()[-3000:]}")
+                pytest.fail(
+                    f"the server was not serving within {SERVER_START_SECONDS} s:\n{log_path.read_text()[-3000:]}"
+                )
             time.sleep(0.5)
         base = f"http://127.0.0.1:{int(port_file.read_text())}"
         assert httpx.get(f"{base}/health", timeout=10).status_code == 200
@@ -93,7 +111,13 @@ def browser():
         pytest.fail("chromium and chromedriver are needed (Debian: apt-get install chromium chromium-driver)")
     options = webdriver.ChromeOptions()
     options.binary_location = chromium
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1400,1000"):
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--window-size=1400,1000",
+    ):
         options.add_argument(arg)
     try:
         driver = webdriver.Chrome(service=Service(executable_path=driver_path), options=options)
@@ -123,7 +147,9 @@ def _open_page(browser, server: str, prompt_text: str = PROMPT) -> None:
 def _wait_for_panels(browser, count: int) -> list:
     def finished(b):
         panels = b.find_elements(By.CSS_SELECTOR, "[data-panel]")
-        return len(panels) == count and all(p.get_attribute("data-state") in ("done", "error", "stopped") for p in panels)
+        return len(panels) == count and all(
+            p.get_attribute("data-state") in ("done", "error", "stopped") for p in panels
+        )
 
     WebDriverWait(browser, ANSWER_SECONDS, poll_frequency=0.2).until(finished)
     panels = browser.find_elements(By.CSS_SELECTOR, "[data-panel]")
@@ -162,7 +188,9 @@ def _save_screenshot(browser, default_path: Path) -> Path:
         path = REPO_ROOT / path
     size = browser.execute_cdp_cmd("Page.getLayoutMetrics", {})["cssContentSize"]
     clip = {"x": 0, "y": 0, "width": size["width"], "height": size["height"], "scale": 1}
-    shot = browser.execute_cdp_cmd("Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True, "clip": clip})
+    shot = browser.execute_cdp_cmd(
+        "Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True, "clip": clip}
+    )
     png = base64.b64decode(shot["data"])
     assert png.startswith(b"\x89PNG") and len(png) > 10_000, "chromium returned no real screenshot"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -171,7 +199,11 @@ def _save_screenshot(browser, default_path: Path) -> Path:
 
 
 def test_the_pages_files_and_nothing_else_are_served_without_the_key(server):
-    for path, media_type in (("/", "text/html"), ("/static/app.js", "text/javascript"), ("/static/style.css", "text/css")):
+    for path, media_type in (
+        ("/", "text/html"),
+        ("/static/app.js", "text/javascript"),
+        ("/static/style.css", "text/css"),
+    ):
         r = httpx.get(server + path, timeout=10)
         assert r.status_code == 200 and r.headers["content-type"].startswith(media_type), (path, r.status_code)
     for path in ("/static/index.html", "/static/", "/v1/models"):
@@ -217,8 +249,10 @@ def test_compare_mode_shows_each_settings_step_count(server, browser, tmp_path):
     _open_page(browser, server, COMPARE_PROMPT)
     browser.find_element(By.ID, "compare").click()
     WebDriverWait(browser, 10).until(lambda b: len(b.find_elements(By.CSS_SELECTOR, "[data-setting]")) == 3)
-    methods = [Select(f.find_element(By.CSS_SELECTOR, "[data-field=method]")).first_selected_option.get_attribute("value")
-               for f in browser.find_elements(By.CSS_SELECTOR, "[data-setting]")]
+    methods = [
+        Select(f.find_element(By.CSS_SELECTOR, "[data-field=method]")).first_selected_option.get_attribute("value")
+        for f in browser.find_elements(By.CSS_SELECTOR, "[data-setting]")
+    ]
     assert methods == list(METHODS)
     browser.find_element(By.ID, "run").click()
     panels = _wait_for_panels(browser, 3)
@@ -230,7 +264,9 @@ def test_compare_mode_shows_each_settings_step_count(server, browser, tmp_path):
         api_text, api_stats = _api_answer(server, streamed)
         assert browser.execute_script("return arguments[0].textContent", _role(panel, "final-text")) == api_text
         steps = int(_role(panel, "steps").text)
-        assert steps == api_stats["steps"], f"{method}: the panel shows {steps} steps, the API says {api_stats['steps']}"
+        assert steps == api_stats["steps"], (
+            f"{method}: the panel shows {steps} steps, the API says {api_stats['steps']}"
+        )
         passes = _role(panel, "forward-passes").text
         if api_stats.get("forward_passes") is not None:
             assert passes == str(api_stats["forward_passes"]), f"{method}: {passes} forward passes shown"

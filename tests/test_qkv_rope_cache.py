@@ -10,15 +10,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from cuda_lowering import lower_for_cuda
+from tolerances import assert_close
+
 from pallas_kernels.projection.qkv_rope_cache import (
     QKVBlockSizes,
     default_qkv_block_sizes,
     qkv_rope_cache,
     qkv_rope_cache_reference,
 )
-from tolerances import assert_close
 
 THETA = 500000.0
 
@@ -43,9 +43,15 @@ class Case:
     def args(self, layer: int):
         as_dev = lambda a: jnp.asarray(a, self.dtype)  # noqa: E731
         return (
-            as_dev(self.x), as_dev(self.wq), as_dev(self.wk), as_dev(self.wv),
-            jnp.asarray(self.positions), jnp.asarray(self.cache_rows),
-            as_dev(self.cache), as_dev(self.cache), jnp.int32(layer),
+            as_dev(self.x),
+            as_dev(self.wq),
+            as_dev(self.wk),
+            as_dev(self.wv),
+            jnp.asarray(self.positions),
+            jnp.asarray(self.cache_rows),
+            as_dev(self.cache),
+            as_dev(self.cache),
+            jnp.int32(layer),
         )
 
     @property
@@ -53,8 +59,9 @@ class Case:
         return dict(n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, rope_theta=THETA)
 
 
-def make_case(seed, *, n_rows, d_model, n_heads, n_kv_heads, head_dim, dtype, n_layers=2, n_slots=3,
-              max_len=48, n_padding=3) -> Case:
+def make_case(
+    seed, *, n_rows, d_model, n_heads, n_kv_heads, head_dim, dtype, n_layers=2, n_slots=3, max_len=48, n_padding=3
+) -> Case:
     """Rows scattered over every slot of a flat cache (M = slots * max_len + 1), the last
     n_padding rows pointing at the trash row. Half the cache rows hold old finite values, the
     others (and the trash row) NaN, so a stray or missing write shows."""
@@ -69,9 +76,15 @@ def make_case(seed, *, n_rows, d_model, n_heads, n_kv_heads, head_dim, dtype, n_
     cache[:, -1] = np.nan
     return Case(
         x=rng.standard_normal((n_rows, d_model)).astype(np.float32),
-        wq=weight(n_heads * head_dim), wk=weight(kv_width), wv=weight(kv_width),
+        wq=weight(n_heads * head_dim),
+        wk=weight(kv_width),
+        wv=weight(kv_width),
         positions=rng.integers(0, 4096, n_rows).astype(np.int32),
-        cache_rows=rows, cache=cache, dtype=jnp.dtype(dtype), n_heads=n_heads, n_kv_heads=n_kv_heads,
+        cache_rows=rows,
+        cache=cache,
+        dtype=jnp.dtype(dtype),
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
     )
 
 
@@ -108,23 +121,25 @@ def check_against_reference(case: Case, layer: int, block_sizes: QKVBlockSizes |
         ("bfloat16", 2, 2, 32, 128, 24, None),
     ],
 )
-def test_kernel_matches_reference_and_writes_only_named_rows(dtype, n_heads, n_kv_heads, head_dim, d_model,
-                                                             n_rows, blocks):
-    case = make_case(0, n_rows=n_rows, d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads,
-                     head_dim=head_dim, dtype=dtype)
+def test_kernel_matches_reference_and_writes_only_named_rows(
+    dtype, n_heads, n_kv_heads, head_dim, d_model, n_rows, blocks
+):
+    case = make_case(
+        0, n_rows=n_rows, d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, dtype=dtype
+    )
     check_against_reference(case, layer=1, block_sizes=blocks)
 
 
 def test_layer_zero_of_three_leaves_the_other_layers_alone():
-    case = make_case(1, n_rows=16, d_model=64, n_heads=2, n_kv_heads=1, head_dim=64, dtype="float32",
-                     n_layers=3, n_padding=0)
+    case = make_case(
+        1, n_rows=16, d_model=64, n_heads=2, n_kv_heads=1, head_dim=64, dtype="float32", n_layers=3, n_padding=0
+    )
     check_against_reference(case, layer=0, block_sizes=QKVBlockSizes(16, 32, 64, num_warps=4, num_stages=2))
 
 
 def test_inside_a_layer_scan_each_layer_writes_its_own_rows():
     """The engine's use: lax.scan over layers, full stacked weights and caches, int32 layer index."""
-    case = make_case(2, n_rows=16, d_model=64, n_heads=2, n_kv_heads=2, head_dim=32, dtype="float32",
-                     n_padding=1)
+    case = make_case(2, n_rows=16, d_model=64, n_heads=2, n_kv_heads=2, head_dim=32, dtype="float32", n_padding=1)
     blocks = QKVBlockSizes(16, 16, 32, num_warps=4, num_stages=2)
 
     def run(fn, interpret):
@@ -182,9 +197,18 @@ def test_triton_lowering_at_llada_8b_shapes(n_rows):
     cache = spec((n_layers, n_cache_rows, heads * head_dim), bf16)
     text = lower_for_cuda(
         qkv_rope_cache,
-        spec((n_rows, d_model), bf16), weight, weight, weight, spec((n_rows,), i32), spec((n_rows,), i32),
-        cache, cache, spec((), i32),
-        n_heads=heads, n_kv_heads=heads, rope_theta=THETA,
+        spec((n_rows, d_model), bf16),
+        weight,
+        weight,
+        weight,
+        spec((n_rows,), i32),
+        spec((n_rows,), i32),
+        cache,
+        cache,
+        spec((), i32),
+        n_heads=heads,
+        n_kv_heads=heads,
+        rope_theta=THETA,
     )
     assert text.count("__gpu$xla.gpu.triton") == 1
     assert 'name = "qkv_rope_cache"' in text

@@ -14,18 +14,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from cuda_lowering import lower_for_cuda
+from test_qkv_rope_cache import THETA, Case, f32, make_case
+from tolerances import assert_close
+
 from dllm_jax.models.quantization import quantize_kernel
+from pallas_kernels.projection.qkv_rope_cache import qkv_rope_cache_reference
 from pallas_kernels.projection.qkv_rope_cache_mosaic import (
     MosaicQKVBlockSizes,
     qkv_rope_cache_mosaic,
     qkv_rope_cache_mosaic_fp8,
     qkv_rope_cache_mosaic_fp8_reference,
 )
-from pallas_kernels.projection.qkv_rope_cache import qkv_rope_cache_reference
-from test_qkv_rope_cache import THETA, Case, f32, make_case
-from tolerances import assert_close
 
 JAX_0_10 = tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 11)
 needs_jax_0_11 = pytest.mark.skipif(JAX_0_10, reason="jax 0.10's Mosaic GPU interpreter cannot run this variant")
@@ -78,8 +78,9 @@ def check_outputs(case: Case, layer: int, got, want) -> None:
         assert np.array_equal(got_cache[~touched], before[~touched], equal_nan=True), f"{name}: a row not named changed"
 
 
-@pytest.mark.parametrize("blocks", [SINGLE, TALL, pytest.param(SPECIALIZED, marks=needs_jax_0_11)],
-                         ids=["1wg", "1wg-128rows", "2wg"])
+@pytest.mark.parametrize(
+    "blocks", [SINGLE, TALL, pytest.param(SPECIALIZED, marks=needs_jax_0_11)], ids=["1wg", "1wg-128rows", "2wg"]
+)
 @pytest.mark.parametrize(
     "n_heads, n_kv_heads, head_dim, d_model, n_rows, biased",
     [
@@ -87,8 +88,9 @@ def check_outputs(case: Case, layer: int, got, want) -> None:
         (2, 2, 128, 192, 72, True),  # biases, rows past one tile (padding), three reduction steps
     ],
 )
-def test_bf16_kernel_matches_reference_and_writes_only_named_rows(blocks, n_heads, n_kv_heads, head_dim, d_model,
-                                                                  n_rows, biased):
+def test_bf16_kernel_matches_reference_and_writes_only_named_rows(
+    blocks, n_heads, n_kv_heads, head_dim, d_model, n_rows, biased
+):
     case = bf16_case(0, n_rows=n_rows, d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim)
     biases = random_biases(case, 1) if biased else None
     layer = 1
@@ -106,8 +108,9 @@ def test_inside_a_layer_scan_each_layer_writes_its_own_rows():
 
         def layer_step(caches, layer):
             # a different input per layer, so a wrong layer index shows in the written rows
-            q, k, v = fn((x * (layer + 1.0)).astype(x.dtype), wq, wk, wv, positions, rows, *caches, layer,
-                         **case.kwargs, **extra)
+            q, k, v = fn(
+                (x * (layer + 1.0)).astype(x.dtype), wq, wk, wv, positions, rows, *caches, layer, **case.kwargs, **extra
+            )
             return (k, v), q
 
         return jax.jit(lambda c: jax.lax.scan(layer_step, c, jnp.arange(2, dtype=jnp.int32)))((k_cache, v_cache))
@@ -173,8 +176,9 @@ LLADA = dict(n_layers=32, d_model=4096, heads=32, head_dim=128, cache_rows=32 * 
 
 
 def _lowered(fp8: bool, n_rows: int, blocks) -> str:
-    n_layers, d_model, heads, head_dim, n_cache = (LLADA[k] for k in ("n_layers", "d_model", "heads", "head_dim",
-                                                                      "cache_rows"))
+    n_layers, d_model, heads, head_dim, n_cache = (
+        LLADA[k] for k in ("n_layers", "d_model", "heads", "head_dim", "cache_rows")
+    )
     spec = jax.ShapeDtypeStruct
     i32, width = jnp.int32, heads * head_dim
     cache = spec((n_layers, n_cache, width), jnp.bfloat16)

@@ -12,21 +12,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import tiny_config, tiny_dream_config
+
+import dllm_jax.common.platform
 from convert.conversion import convert_checkpoint
 from convert.jax_to_hf import save_hf_checkpoint
-import dllm_jax.common.platform
 from dllm_jax import DecodeConfig, Engine
+from dllm_jax.common.errors import GenerationError
 from dllm_jax.evaluation import tiny_tasks
-from dllm_jax.models.embedded import tiny_model_path
-from dllm_jax.models.config import dream_7b_config, llada_8b_config
 from dllm_jax.models.checkpoint.converted import METADATA_FILE
 from dllm_jax.models.checkpoint.errors import ConversionError
-from dllm_jax.common.errors import GenerationError
+from dllm_jax.models.config import dream_7b_config, llada_8b_config
+from dllm_jax.models.embedded import tiny_model_path
 from dllm_jax.models.loading import load_model
-from dllm_jax.runtime.memory_estimate import estimate_memory
-from dllm_jax.models.transformer import Transformer, abstract_params, forward, init_params, init_params_per_layer, unstack_layers
 from dllm_jax.models.quantization import (
     QUANTIZED_MODULES,
     compiler_options,
@@ -39,6 +37,15 @@ from dllm_jax.models.quantization import (
     quantized_matmul,
     weight_bytes,
 )
+from dllm_jax.models.transformer import (
+    Transformer,
+    abstract_params,
+    forward,
+    init_params,
+    init_params_per_layer,
+    unstack_layers,
+)
+from dllm_jax.runtime.memory_estimate import estimate_memory
 from dllm_jax.runtime.sharding import parse_mesh
 
 MODES = ("fp8", "int8-weights")
@@ -98,7 +105,9 @@ def test_fp8_projection_is_one_float8_dot():
     dots = [line for line in text.splitlines() if "dot_general" in line]
     assert len(dots) == 1 and dots[0].count("f8E4M3FN") >= 2, dots
     assert dots[0].rstrip().endswith("tensor<8x32xbf16>"), "a bf16 projection's GEMM writes bf16, not a float32 product"
-    as_f32 = jax.jit(lambda x, k, s: quantized_matmul(x, k, s, jnp.float32)).lower(x, q["qkernel"], q["scale"]).as_text()
+    as_f32 = (
+        jax.jit(lambda x, k, s: quantized_matmul(x, k, s, jnp.float32)).lower(x, q["qkernel"], q["scale"]).as_text()
+    )
     assert [line for line in as_f32.splitlines() if "dot_general" in line][0].rstrip().endswith("tensor<8x32xf32>")
 
 
@@ -178,7 +187,10 @@ def test_8_bit_weights_of_the_full_size_models_fit_their_target_computed_without
     with the int8 embedding too (the issue's target: about 8.5 GB). Shapes only (jax.eval_shape)."""
     config = dataclasses.replace(make_config(), quantization=mode)
     abstract = abstract_params(config)
-    assert abstract["wte"]["qembedding"].dtype == jnp.int8 and abstract["wte"]["qembedding"].shape == (config.vocab_size, config.d_model)
+    assert abstract["wte"]["qembedding"].dtype == jnp.int8 and abstract["wte"]["qembedding"].shape == (
+        config.vocab_size,
+        config.d_model,
+    )
     assert abstract["lm_head"]["kernel"].dtype == jnp.bfloat16
     total = weight_bytes(abstract)
     assert total < bound and total < 0.55 * weight_bytes(abstract_params(make_config()))
@@ -189,7 +201,9 @@ def test_8_bit_weights_of_the_full_size_models_fit_their_target_computed_without
 
 @pytest.mark.parametrize("make_config", [tiny_config, tiny_dream_config])
 def test_the_bench_quantizes_on_the_device_into_the_tree_quantize_params_builds(make_config, monkeypatch):
-    spec = importlib.util.spec_from_file_location("bench_script", Path(__file__).resolve().parent.parent / "scripts" / "bench.py")
+    spec = importlib.util.spec_from_file_location(
+        "bench_script", Path(__file__).resolve().parent.parent / "scripts" / "bench.py"
+    )
     bench = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, bench)  # its dataclasses look their module up there
     spec.loader.exec_module(bench)
@@ -264,14 +278,18 @@ def test_fp8_engine_solves_held_out_problems_about_as_often(tiny_model):
     }
     solved = {}
     for name, engine in engines.items():
-        out = engine.generate([p.prompt for p in problems], DecodeConfig(gen_length=64, batch_size=4, verify=True), chat=True)
+        out = engine.generate(
+            [p.prompt for p in problems], DecodeConfig(gen_length=64, batch_size=4, verify=True), chat=True
+        )
         solved[name] = sum(tiny_tasks.is_correct(p, r.text) for p, r in zip(problems, out.results))
     assert solved["plain"] >= 9 and solved["fp8"] >= solved["plain"] - 2, solved
 
 
 def test_the_fused_projection_kernel_refuses_quantized_weights(tiny_model):
     config = dataclasses.replace(tiny_model.config, quantization="fp8")
-    engine = Engine(config, quantize_params(tiny_model.params, "fp8"), tiny_model.tokenizer, backend="pallas", interpret=True)
+    engine = Engine(
+        config, quantize_params(tiny_model.params, "fp8"), tiny_model.tokenizer, backend="pallas", interpret=True
+    )
     with pytest.raises(ValueError, match="fused projection kernel reads float32 kernels, not quantization='fp8'"):
         engine.generate(PROMPTS[:1], DECODES["flash_cache"], chat=True)
 
@@ -311,14 +329,19 @@ def test_a_converted_quantized_checkpoint_is_half_the_projections_and_loads_as_s
         # which flips a few values at a rounding boundary (the quantization error itself is ~7e-3)
         assert other.config == stored.config
         for name in QUANTIZED_MODULES:
-            assert rel(dequantize_kernel(other.params["layers"][name]), dequantize_kernel(stored.params["layers"][name])) < 1e-3
+            assert (
+                rel(dequantize_kernel(other.params["layers"][name]), dequantize_kernel(stored.params["layers"][name]))
+                < 1e-3
+            )
         np.testing.assert_array_equal(other.params["lm_head"]["kernel"], stored.params["lm_head"]["kernel"])
         # the embedding: the converter's numpy blocks of rows and the device's whole table, exactly
         assert stored.params["wte"]["qembedding"].dtype == jnp.int8
         for leaf in ("qembedding", "scale"):
             np.testing.assert_array_equal(other.params["wte"][leaf], stored.params["wte"][leaf])
     assert load_model(plain, dtype="float32").config.quantization == "none"
-    with pytest.raises(ConversionError, match="stored with quantization='int8-weights'.*cannot be loaded as quantization='fp8'"):
+    with pytest.raises(
+        ConversionError, match="stored with quantization='int8-weights'.*cannot be loaded as quantization='fp8'"
+    ):
         load_model(int8, dtype="float32", quantization="fp8")
     with pytest.raises(ConversionError, match="quantization='int4'"):
         load_model(hf, dtype="float32", quantization="int4")
@@ -326,8 +349,11 @@ def test_a_converted_quantized_checkpoint_is_half_the_projections_and_loads_as_s
     # before the embedding was stored in int8): the leaves that differ, by name
     metadata = json.loads((plain / METADATA_FILE).read_text())
     (plain / METADATA_FILE).write_text(json.dumps({**metadata, "quantization": "int8-weights"}))
-    with pytest.raises(ConversionError, match=r"not the tree .* quantization='int8-weights' \(missing .*wte/qembedding, "
-                       r"wte/scale; not expected .*wte/embedding\): convert the original checkpoint again"):
+    with pytest.raises(
+        ConversionError,
+        match=r"not the tree .* quantization='int8-weights' \(missing .*wte/qembedding, "
+        r"wte/scale; not expected .*wte/embedding\): convert the original checkpoint again",
+    ):
         load_model(plain, dtype="float32")
 
 
@@ -336,14 +362,29 @@ def test_the_generate_command_line_loads_quantized_weights(tmp_path):
 
     out = tmp_path / "answers.jsonl"
     run = subprocess.run(
-        [sys.executable, "-m", "dllm_jax.cli.generate", "--prompt", "sort: 3 9 1 4", "--quantization", "int8-weights",
-         "--output", str(out)],
-        capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "dllm_jax.cli.generate",
+            "--prompt",
+            "sort: 3 9 1 4",
+            "--quantization",
+            "int8-weights",
+            "--output",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert run.returncode == 0, run.stderr
     assert json.loads(out.read_text())["text"].split("####")[-1].strip() == "1349"
-    bad = subprocess.run([sys.executable, "-m", "dllm_jax.cli.generate", "--prompt", "x", "--quantization", "int4"],
-                         capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "-m", "dllm_jax.cli.generate", "--prompt", "x", "--quantization", "int4"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "--quantization" in bad.stderr and "Traceback" not in bad.stderr
 
 

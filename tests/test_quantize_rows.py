@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from cuda_lowering import lower_for_cuda
+
 from dllm_jax.models.quantization import quantize_kernel, quantized_matmul
 from pallas_kernels.projection.quantize_rows import (
     QuantizeBlockSizes,

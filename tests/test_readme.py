@@ -84,8 +84,11 @@ SECTIONS = [
 
 def test_the_pages_have_the_blocks_this_test_runs():
     assert {
-        ("README.md", "Quick start"), ("README.md", "Generating"), ("README.md", "The library"),
-        ("docs/conversion.md", "Converting a checkpoint"), ("docs/kernels.md", "Several devices"),
+        ("README.md", "Quick start"),
+        ("README.md", "Generating"),
+        ("README.md", "The library"),
+        ("docs/conversion.md", "Converting a checkpoint"),
+        ("docs/kernels.md", "Several devices"),
     } <= set(SECTIONS)
     quick = page_blocks(ROOT / "README.md")["Quick start"][0]["code"].splitlines()
     assert quick[0].startswith(INSTALL_PREFIX) and ".venv/bin/dllm-generate" in quick[0]
@@ -97,7 +100,9 @@ def test_every_skipped_block_says_what_it_needs():
         for title, blocks in page_blocks(page).items():
             for block in blocks:
                 if block["lang"] in RUN and block["code"].startswith(NEEDS):
-                    assert len(block["code"].splitlines()[0]) > len(NEEDS) + 10, f"{page.name}, {title}: say what the block needs"
+                    assert len(block["code"].splitlines()[0]) > len(NEEDS) + 10, (
+                        f"{page.name}, {title}: say what the block needs"
+                    )
 
 
 def as_run(code: str) -> str:
@@ -152,7 +157,9 @@ def test_section_runs_as_printed(page, section, workdir):
             continue
         code = as_run(block["code"])
         command = ["bash", "-euo", "pipefail", "-c", code] if block["lang"] == "bash" else [sys.executable, "-c", code]
-        result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=600)
+        result = subprocess.run(
+            command, cwd=cwd, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=600
+        )
         assert result.returncode == 0, f"{page}, {section}: {code}\n{result.stderr[-3000:]}"
         assert "Traceback" not in result.stderr, result.stderr
         if block["expected"] is not None:

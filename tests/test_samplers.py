@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from dllm_jax import DecodeConfig, Engine, GenerationError, SamplingParams
-from dllm_jax.runtime.kernel_routing import Kernels
 from dllm_jax.models.transformer import forward
+from dllm_jax.runtime.kernel_routing import Kernels
 from dllm_jax.sampling.samplers import filter_top_p_top_k, guided_logits, sample_tokens
 
 FLOAT32_MIN = np.finfo(np.float32).min
@@ -45,7 +45,9 @@ def dream_filter(logits: np.ndarray, temperature: float, top_p: float, top_k: in
 def test_top_p_top_k_keep_dreams_sets(temperature, top_p, top_k):
     rng = np.random.RandomState(int(temperature * 10) + top_k)
     logits = (rng.randn(6, 50) * 3).astype(np.float32)
-    out = np.asarray(filter_top_p_top_k(jnp.asarray(logits), jnp.float32(temperature), jnp.float32(top_p), jnp.int32(top_k)))
+    out = np.asarray(
+        filter_top_p_top_k(jnp.asarray(logits), jnp.float32(temperature), jnp.float32(top_p), jnp.int32(top_k))
+    )
     keep = dream_filter(logits, temperature, top_p, top_k)
     np.testing.assert_array_equal(out > FLOAT32_MIN, keep)
     np.testing.assert_array_equal(out[keep], logits[keep])  # kept logits untouched
@@ -162,7 +164,7 @@ def test_random_remasking_matches_llada_generate(engine):
         return np.asarray(jax.random.uniform(rng, (count,), jnp.float32), np.float64)
 
     low = engine.generate(PROMPTS, decode=decode)
-    for prompt, result, greedy in zip(PROMPTS, out.results, low.results):
+    for prompt, result in zip(PROMPTS, out.results):
         ref = llada_generate(cfg, engine.weights, prompt, 16, 8, 8, uniforms=uniforms)
         assert result.token_ids == _answer(ref, cfg.eos_token_id)
     assert [r.token_ids for r in out.results] != [r.token_ids for r in low.results]

@@ -1,5 +1,6 @@
 """SamplingParams and DecodeConfig validation: every bad value is named, nothing is coerced."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -16,7 +17,7 @@ def test_defaults_and_normalisation():
     assert SamplingParams(stop="END").stop == ("END",)
     assert SamplingParams().remasking == "low_confidence"
     assert isinstance(SamplingParams(), SamplingParams) and issubclass(SamplingParamsError, GenerationError)
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         SamplingParams().temperature = 1.0  # frozen
 
 

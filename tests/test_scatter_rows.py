@@ -4,8 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from cuda_lowering import lower_for_cuda
+
 from pallas_kernels.projection.scatter_rows import ScatterBlockSizes, scatter_kv_rows, scatter_kv_rows_reference
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
@@ -13,9 +13,11 @@ pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is dep
 
 @pytest.mark.parametrize(
     "n_rows,width,dtype,blocks",
-    [(40, 64, jnp.float32, ScatterBlockSizes(block_rows=16, block_cols=32)),
-     (64, 128, jnp.bfloat16, None),
-     (7, 32, jnp.float32, ScatterBlockSizes(block_rows=4, block_cols=16))],
+    [
+        (40, 64, jnp.float32, ScatterBlockSizes(block_rows=16, block_cols=32)),
+        (64, 128, jnp.bfloat16, None),
+        (7, 32, jnp.float32, ScatterBlockSizes(block_rows=4, block_cols=16)),
+    ],
 )
 def test_scatter_writes_exactly_the_named_rows(n_rows, width, dtype, blocks):
     rng = np.random.RandomState(n_rows)
@@ -48,7 +50,12 @@ def test_lowers_for_cuda_at_llada_8b_shapes():
     cache = jax.ShapeDtypeStruct((32, 32 * 640, 4096), jnp.bfloat16)
     rows = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)
     text = lower_for_cuda(
-        scatter_kv_rows, cache, cache, rows, rows, jax.ShapeDtypeStruct((4096,), jnp.int32),
+        scatter_kv_rows,
+        cache,
+        cache,
+        rows,
+        rows,
+        jax.ShapeDtypeStruct((4096,), jnp.int32),
         jax.ShapeDtypeStruct((), jnp.int32),
     )
     assert "scatter_kv_rows" in text and "__gpu$xla.gpu.triton" in text

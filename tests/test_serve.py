@@ -16,9 +16,9 @@ import openai
 import pytest
 
 from dllm_jax import DecodeConfig, Engine
-from dllm_jax.sampling.params import SamplingParams
-from dllm_jax.models.embedded import tiny_model_path
 from dllm_jax.evaluation.tiny_tasks import held_out_problems
+from dllm_jax.models.embedded import tiny_model_path
+from dllm_jax.sampling.params import SamplingParams
 from tests.server_process import ServerProcess
 
 KEY = "test-key-0123456789"
@@ -33,8 +33,20 @@ SLOW_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def server():
-    proc = ServerProcess(["--api-key", KEY, "--batch-size", str(SLOTS), "--max-waiting", str(MAX_WAITING),
-                          "--shutdown-grace", "20", "--log-level", "warning"])
+    proc = ServerProcess(
+        [
+            "--api-key",
+            KEY,
+            "--batch-size",
+            str(SLOTS),
+            "--max-waiting",
+            str(MAX_WAITING),
+            "--shutdown-grace",
+            "20",
+            "--log-level",
+            "warning",
+        ]
+    )
     try:
         yield proc
     finally:
@@ -100,13 +112,18 @@ def test_openai_client_chat_stream_equals_answer_equals_engine(server, client, e
     Engine.generate agree on the text and the counts."""
     asks = [("sort: 7 2 9 4", {}), ("(12+3)*2-5", {"stop": ["*2"]})]
     sampled = {"temperature": 0.8, "seed": 3}
-    expected = alone_results(engine, [q for q, _ in asks],
-                             [SamplingParams(**sampled, stop=tuple(kw.get("stop", ()))) for _, kw in asks], chat=True)
+    expected = alone_results(
+        engine,
+        [q for q, _ in asks],
+        [SamplingParams(**sampled, stop=tuple(kw.get("stop", ()))) for _, kw in asks],
+        chat=True,
+    )
     for (question, kw), reference in zip(asks, expected):
         messages = [{"role": "user", "content": question}]
         answer = client.chat.completions.create(model=MODEL, messages=messages, **sampled, **kw)
-        stream = client.chat.completions.create(model=MODEL, messages=messages, **sampled, **kw, stream=True,
-                                                stream_options={"include_usage": True})
+        stream = client.chat.completions.create(
+            model=MODEL, messages=messages, **sampled, **kw, stream=True, stream_options={"include_usage": True}
+        )
         chunks = list(stream)
         streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert answer.choices[0].message.content == streamed == reference.text
@@ -144,11 +161,16 @@ def test_completions_take_a_string_a_list_and_token_ids(server, client, engine):
 
 
 def test_canvas_stream_carries_each_steps_commits(server):
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "(12+3)*2-5"}], "stream": True,
-            "dllm": {"canvas": True}}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "(12+3)*2-5"}],
+        "stream": True,
+        "dllm": {"canvas": True},
+    }
     chunks = []
-    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body,
-                      headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as r:
+    with httpx.stream(
+        "POST", f"{server.url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60
+    ) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -162,8 +184,11 @@ def test_canvas_stream_carries_each_steps_commits(server):
     eos = canvas[-1]["eos_position"]
     assert eos is not None and all(p in tokens for p in range(eos)), "the answer before EOS was not all committed"
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
-    assert text == "".join(p["text"] for p in sorted((p for c in canvas for p in c["commits"]),
-                                                        key=lambda p: p["position"]) if p["position"] < eos)
+    assert text == "".join(
+        p["text"]
+        for p in sorted((p for c in canvas for p in c["commits"]), key=lambda p: p["position"])
+        if p["position"] < eos
+    )
 
 
 def test_64_requests_from_16_clients_each_answered_once_as_alone(server, engine):
@@ -173,13 +198,18 @@ def test_64_requests_from_16_clients_each_answered_once_as_alone(server, engine)
     asks = []
     for i, p in enumerate(problems):
         sampled = rng.random() < 0.4
-        asks.append({
-            "prompt": p.prompt, "chat": rng.random() < 0.7, "stream": rng.random() < 0.5,
-            "max_tokens": rng.choice([16, 40, GEN]),
-            "temperature": 0.8 if sampled else None, "seed": i if sampled else None,
-            "top_k": 5 if sampled and rng.random() < 0.5 else None,
-            "threshold": rng.choice([None, 0.6, 0.95]),
-        })
+        asks.append(
+            {
+                "prompt": p.prompt,
+                "chat": rng.random() < 0.7,
+                "stream": rng.random() < 0.5,
+                "max_tokens": rng.choice([16, 40, GEN]),
+                "temperature": 0.8 if sampled else None,
+                "seed": i if sampled else None,
+                "top_k": 5 if sampled and rng.random() < 0.5 else None,
+                "threshold": rng.choice([None, 0.6, 0.95]),
+            }
+        )
 
     def ask(a):
         body = {"model": MODEL, "max_tokens": a["max_tokens"], "dllm": {}}
@@ -198,8 +228,13 @@ def test_64_requests_from_16_clients_each_answered_once_as_alone(server, engine)
             choice = r.json()["choices"][0]
             return choice["message"]["content"] if a["chat"] else choice["text"]
         text = ""
-        with httpx.stream("POST", f"{server.url}{path}", json={**body, "stream": True},
-                          headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as r:
+        with httpx.stream(
+            "POST",
+            f"{server.url}{path}",
+            json={**body, "stream": True},
+            headers={"Authorization": f"Bearer {KEY}"},
+            timeout=120,
+        ) as r:
             assert r.status_code == 200
             for line in r.iter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
@@ -212,8 +247,13 @@ def test_64_requests_from_16_clients_each_answered_once_as_alone(server, engine)
         answers = list(pool.map(ask, asks))
 
     def params(a):
-        return SamplingParams(max_new_tokens=a["max_tokens"], temperature=a["temperature"] or 0.0, seed=a["seed"],
-                              top_k=a["top_k"] or 0, threshold=a["threshold"])
+        return SamplingParams(
+            max_new_tokens=a["max_tokens"],
+            temperature=a["temperature"] or 0.0,
+            seed=a["seed"],
+            top_k=a["top_k"] or 0,
+            threshold=a["threshold"],
+        )
 
     expected = {}
     for chat in (True, False):
@@ -240,8 +280,13 @@ def test_cancelled_stream_frees_its_slot_for_the_next_request(server):
         others = [pool.submit(post, server, "/v1/chat/completions", slow) for _ in range(SLOTS - 1)]
         # the canvas stream sends a chunk every step: the first one comes after step 1 of 16
         body = {**slow, "stream": True, "dllm": {**SLOW, "canvas": True}}
-        with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body,
-                          headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as r:
+        with httpx.stream(
+            "POST",
+            f"{server.url}/v1/chat/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {KEY}"},
+            timeout=60,
+        ) as r:
             lines = (json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: "))
             first = next(c for c in lines if "dllm" in c)
             assert first["dllm"]["step"] == 1 and first["choices"][0]["finish_reason"] is None
@@ -258,8 +303,11 @@ def test_cancelled_stream_frees_its_slot_for_the_next_request(server):
 
 
 def test_deadline_ends_a_request_with_504(server):
-    r = post(server, "/v1/completions", {"model": MODEL, "prompt": "sort: 5 3 8 1 9 2", "max_tokens": SLOW_TOKENS,
-                                         "dllm": {**SLOW, "timeout": 0.2}})
+    r = post(
+        server,
+        "/v1/completions",
+        {"model": MODEL, "prompt": "sort: 5 3 8 1 9 2", "max_tokens": SLOW_TOKENS, "dllm": {**SLOW, "timeout": 0.2}},
+    )
     assert r.status_code == 504 and r.json()["error"]["code"] == "deadline_exceeded"
     wait_until_idle(server)
 
@@ -289,13 +337,31 @@ def test_full_queue_answers_429_and_serves_the_rest(server):
         ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2.5}, None, 400, "max_tokens", "integer"),
         ("/v1/completions", {"model": MODEL}, None, 400, "prompt", "missing"),
         ("/v1/chat/completions", {"model": MODEL, "messages": []}, None, 400, "messages", "at least 1"),
-        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, None, 400,
-         "messages[0].role", "'user'"),
-        ("/v1/completions", {"model": MODEL, "prompt": "x", "dllm": {"treshold": 0.5}}, None, 400, "dllm.treshold",
-         "unrecognized"),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]},
+            None,
+            400,
+            "messages[0].role",
+            "'user'",
+        ),
+        (
+            "/v1/completions",
+            {"model": MODEL, "prompt": "x", "dllm": {"treshold": 0.5}},
+            None,
+            400,
+            "dllm.treshold",
+            "unrecognized",
+        ),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "dllm": {"gamma": 3}}, None, 400, "dllm.gamma", "1"),
-        ("/v1/completions", {"model": MODEL, "prompt": "x", "dllm": {"method": "ar"}}, None, 400, "dllm.method",
-         "flash_cache"),
+        (
+            "/v1/completions",
+            {"model": MODEL, "prompt": "x", "dllm": {"method": "ar"}},
+            None,
+            400,
+            "dllm.method",
+            "flash_cache",
+        ),
         ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, None, 404, "model", "tiny-llada"),
         ("/v1/completions", {"model": MODEL, "prompt": "x" * 100}, None, 400, "prompt", "at most 64 prompt tokens"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 65}, None, 400, "max_tokens", "(64)"),
@@ -329,8 +395,10 @@ def test_api_key_is_required_everywhere_but_health(server):
 def test_metrics_count_the_work_of_each_request_and_no_compilation_while_serving(server, client):
     """Counted from this test's own requests (a difference of two scrapes): it holds in any order."""
     before = wait_until_idle(server)
-    answers = [client.completions.create(model=MODEL, prompt="sort: 3 1 2"),
-               client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "sort: 9 8"}])]
+    answers = [
+        client.completions.create(model=MODEL, prompt="sort: 3 1 2"),
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "sort: 9 8"}]),
+    ]
     after = wait_until_idle(server)
 
     def added(name: str) -> float:
@@ -351,8 +419,9 @@ def test_sigterm_lets_a_running_stream_finish_then_exits(server):
     """Last test of the module: it stops the server."""
     body = chat_body("sort: 5 3 8 1 9 2", stream=True, max_tokens=SLOW_TOKENS, dllm=SLOW)
     text, done, signalled = "", False, False
-    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body,
-                      headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as r:
+    with httpx.stream(
+        "POST", f"{server.url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60
+    ) as r:
         for line in r.iter_lines():
             if not signalled and line.startswith("data: "):
                 server.terminate()  # once: a second signal makes uvicorn exit at once

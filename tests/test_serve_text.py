@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dllm_jax.serve.protocol import ChatCompletionRequest, CompletionRequest
 from dllm_jax.engine.results import first_stop
+from dllm_jax.serve.protocol import ChatCompletionRequest, CompletionRequest
 from dllm_jax.serve.stable_text import StableText, stable_prefix_length, stop_prefix_holdback
 
 EOS = 0
@@ -64,7 +64,7 @@ def test_text_appears_only_once_the_prefix_before_it_is_decoded():
 def test_stop_string_is_held_back_then_cut():
     text = StableText(decode, 8, end_ids=[EOS], stops=["##"])
     text.commit([0, 1, 2], [1, 2, 4])  # "ab#": "#" may start "##"
-    assert text.advance() .text == "ab"
+    assert text.advance().text == "ab"
     text.commit([3], [4])
     delta = text.advance()
     assert (delta.text, delta.finish_reason) == ("", "stop")
@@ -117,8 +117,9 @@ def test_request_models_name_the_bad_field():
     with pytest.raises(ValueError, match="top_k and dllm.top_k disagree"):
         CompletionRequest(model="m", prompt="x", top_k=2, dllm={"top_k": 3})
     with pytest.raises(ValueError, match="max_tokens and max_completion_tokens disagree"):
-        ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], max_tokens=2,
-                              max_completion_tokens=3)
+        ChatCompletionRequest(
+            model="m", messages=[{"role": "user", "content": "x"}], max_tokens=2, max_completion_tokens=3
+        )
     with pytest.raises(ValueError, match="stream_options"):
         CompletionRequest(model="m", prompt="x", stream_options={"include_usage": True})
     with pytest.raises(ValueError, match="gamma"):
@@ -134,8 +135,11 @@ def test_completion_prompts_in_every_openai_form():
     assert CompletionRequest(model="m", prompt=[[1], [2, 3]]).prompts() == [[1], [2, 3]]
     with pytest.raises(ValueError, match="empty"):
         CompletionRequest(model="m", prompt=[]).prompts()
-    chat = ChatCompletionRequest(model="m", messages=[
-        {"role": "developer", "content": "be brief"},
-        {"role": "user", "content": [{"type": "text", "text": "1+"}, {"type": "text", "text": "2"}]},
-    ])
+    chat = ChatCompletionRequest(
+        model="m",
+        messages=[
+            {"role": "developer", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "1+"}, {"type": "text", "text": "2"}]},
+        ],
+    )
     assert chat.conversation() == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "1+2"}]

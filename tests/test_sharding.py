@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from dllm_jax.runtime.decode_config import DecodeConfig
 from dllm_jax.engine.engine import Engine
 from dllm_jax.models.transformer import init_params
+from dllm_jax.runtime.decode_config import DecodeConfig
 from dllm_jax.runtime.sharding import MeshError, parse_mesh
 from tests.conftest import tiny_config
 from tests.engine_checks import random_prompts
@@ -20,8 +20,14 @@ MESHES = ("data=2", "tensor=2", "data=2,tensor=2")
 DECODES = {
     "flash": DecodeConfig(method="flash_cache", gen_length=32, batch_size=4, threshold=0.3, mask_num=2, track_num=1),
     "flash_verify": DecodeConfig(
-        method="flash_cache", gen_length=32, batch_size=4, threshold=0.7, mask_num=2, track_num=1,
-        verify=True, gamma=0.3,
+        method="flash_cache",
+        gen_length=32,
+        batch_size=4,
+        threshold=0.7,
+        mask_num=2,
+        track_num=1,
+        verify=True,
+        gamma=0.3,
     ),
     "fast_dllm": DecodeConfig(method="fast_dllm", gen_length=32, block_length=16, threshold=0.5, batch_size=4),
 }
@@ -105,8 +111,8 @@ def test_weights_cache_and_slots_are_split_as_intended(engines, prompts):
 
     decode = DECODES["flash"]
     compiled = engine.compile(decode, max(map(len, prompts)))
-    B, L, Q, W = decode.batch_size, compiled.loop.max_len, compiled.queue_capacity, compiled.prompt_width
-    state = compiled.initial_state([[0, 0, 0]] * B, decode)
+    B, L = decode.batch_size, compiled.loop.max_len
+    state = compiled.initial_state([[0, 0, 0]] * B)
     state = compiled.run(engine.weights, state, jnp.int32(2), jnp.bool_(False))
     for cache in (state.cache.k, state.cache.v):
         assert cache.sharding.spec == P(None, "data", "tensor")

@@ -17,11 +17,16 @@ def test_special_tokens_are_single_ids_and_skippable():
     ids = [tok.convert_tokens_to_ids(s) for s in tt.SPECIAL_TOKENS]
     assert len(set(ids)) == len(ids) and min(ids) >= len(tt.CHARACTERS)
     assert tok(tt.MASK + tt.EOT + tt.EOS, add_special_tokens=False)["input_ids"] == [
-        tok.mask_token_id, tok.convert_tokens_to_ids(tt.EOT), tok.eos_token_id]
+        tok.mask_token_id,
+        tok.convert_tokens_to_ids(tt.EOT),
+        tok.eos_token_id,
+    ]
     assert tok.pad_token_id == tok.eos_token_id
     assert tok.convert_ids_to_tokens(tok.bos_token_id) == tt.BOS
-    assert tok.decode(tok("1+1=2" + tt.EOT + tt.EOS * 3, add_special_tokens=False)["input_ids"],
-                      skip_special_tokens=True) == "1+1=2"
+    assert (
+        tok.decode(tok("1+1=2" + tt.EOT + tt.EOS * 3, add_special_tokens=False)["input_ids"], skip_special_tokens=True)
+        == "1+1=2"
+    )
     # a character outside the vocabulary becomes <|unk|>, never a silent drop
     assert tok("é", add_special_tokens=False)["input_ids"] == [tok.unk_token_id]
     # plain encoding adds nothing (add_bos_token false, as LLaDA)
@@ -36,8 +41,11 @@ def test_saved_tokenizer_loads_offline_with_the_llada_chat_template(tmp_path):
     for token in tt.SPECIAL_TOKENS:
         assert tok.convert_tokens_to_ids(token) == built.convert_tokens_to_ids(token)
     text = tok.apply_chat_template([{"role": "user", "content": "  (7+5)*3 \n"}], tokenize=False)
-    assert text == ("<|startoftext|><|start_header_id|>user<|end_header_id|>\n\n(7+5)*3<|eot_id|>"
-                    "<|start_header_id|>assistant<|end_header_id|>\n\n")
+    assert text == (
+        "<|startoftext|><|start_header_id|>user<|end_header_id|>\n\n(7+5)*3<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
     two_turns = tok.apply_chat_template(
-        [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], tokenize=False)
+        [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], tokenize=False
+    )
     assert two_turns.count(tt.BOS) == 1 and two_turns.endswith("assistant<|end_header_id|>\n\n")

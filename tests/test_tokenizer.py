@@ -3,8 +3,8 @@ import socket
 import numpy as np
 import pytest
 import tokenizers
-
 from conftest import save_tiny_tokenizer
+
 from dllm_jax.text.tokenizer import Tokenizer, TokenizerError, has_tokenizer_files
 
 

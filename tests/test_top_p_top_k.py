@@ -6,8 +6,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from cuda_lowering import lower_for_cuda
+from test_samplers import dream_filter
+
 from pallas_kernels.sampling.top_p_top_k import (
     REMOVED,
     CutoffBlockSizes,
@@ -15,7 +16,6 @@ from pallas_kernels.sampling.top_p_top_k import (
     top_p_top_k_cutoff,
     top_p_top_k_cutoff_reference,
 )
-from test_samplers import dream_filter
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 
@@ -28,12 +28,22 @@ def _rows(seed: int, n: int, vocab: int, dtype):
     top_p = rng.choice([1.0, 0.95, 0.5, 0.05, 1e-6], n).astype(np.float32)
     top_k = rng.choice([0, 1, 7, 10**6], n).astype(np.int32)
     wants = rng.rand(n) < 0.75
-    return jnp.asarray(logits, dtype), jnp.asarray(temperature), jnp.asarray(top_p), jnp.asarray(top_k), jnp.asarray(wants)
+    return (
+        jnp.asarray(logits, dtype),
+        jnp.asarray(temperature),
+        jnp.asarray(top_p),
+        jnp.asarray(top_k),
+        jnp.asarray(wants),
+    )
 
 
 @pytest.mark.parametrize(
     "vocab,dtype,blocks",
-    [(300, jnp.float32, CutoffBlockSizes(block_v=64)), (256, jnp.bfloat16, None), (37, jnp.float32, CutoffBlockSizes(block_v=16))],
+    [
+        (300, jnp.float32, CutoffBlockSizes(block_v=64)),
+        (256, jnp.bfloat16, None),
+        (37, jnp.float32, CutoffBlockSizes(block_v=16)),
+    ],
 )
 def test_kernel_cutoffs_equal_the_reference(vocab, dtype, blocks):
     args = _rows(vocab, 24, vocab, dtype)
@@ -52,8 +62,13 @@ def test_the_kernels_kept_sets_are_dreams(temperature):
     for top_p, top_k in [(0.9, 0), (0.3, 5), (1.0, 3), (1e-6, 0)]:
         n = logits.shape[0]
         cutoff = top_p_top_k_cutoff(
-            jnp.asarray(logits), jnp.full((n,), temperature), jnp.full((n,), top_p), jnp.full((n,), top_k, jnp.int32),
-            jnp.ones((n,), bool), interpret=True, block_sizes=CutoffBlockSizes(block_v=32),
+            jnp.asarray(logits),
+            jnp.full((n,), temperature),
+            jnp.full((n,), top_p),
+            jnp.full((n,), top_k, jnp.int32),
+            jnp.ones((n,), bool),
+            interpret=True,
+            block_sizes=CutoffBlockSizes(block_v=32),
         )
         out = np.asarray(apply_cutoff(jnp.asarray(logits), cutoff))
         keep = dream_filter(logits, temperature, top_p, top_k)
@@ -65,8 +80,11 @@ def test_a_non_finite_row_ends_and_leaves_the_others_alone():
     logits, temperature, top_p, top_k, _ = _rows(1, 4, 50, jnp.float32)
     logits = logits.at[1, 3].set(jnp.nan).at[2].set(jnp.inf)
     wants = jnp.ones((4,), bool)
-    got = np.asarray(top_p_top_k_cutoff(logits, temperature, top_p, top_k, wants, interpret=True,
-                                        block_sizes=CutoffBlockSizes(block_v=16)))
+    got = np.asarray(
+        top_p_top_k_cutoff(
+            logits, temperature, top_p, top_k, wants, interpret=True, block_sizes=CutoffBlockSizes(block_v=16)
+        )
+    )
     want = np.asarray(top_p_top_k_cutoff_reference(logits, temperature, top_p, top_k, wants))
     np.testing.assert_array_equal(got[[0, 3]], want[[0, 3]])
 
@@ -86,7 +104,11 @@ def test_lowers_for_cuda_at_llada_vocabulary():
     n, vocab = 32 * 16, 126464
     spec = jax.ShapeDtypeStruct
     text = lower_for_cuda(
-        top_p_top_k_cutoff, spec((n, vocab), jnp.bfloat16), spec((n,), jnp.float32), spec((n,), jnp.float32),
-        spec((n,), jnp.int32), spec((n,), jnp.bool_),
+        top_p_top_k_cutoff,
+        spec((n, vocab), jnp.bfloat16),
+        spec((n,), jnp.float32),
+        spec((n,), jnp.float32),
+        spec((n,), jnp.int32),
+        spec((n,), jnp.bool_),
     )
     assert "top_p_top_k_cutoff" in text

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from dllm_jax.evaluation import tiny_tasks
-from dllm_jax.models.embedded import tiny_model_path
-from dllm_jax.runtime.decode_config import DecodeConfig
-from dllm_jax.models.transformer import init_params
 from dllm_jax.evaluation.tiny_tasks import Problem
+from dllm_jax.models.embedded import tiny_model_path
+from dllm_jax.models.transformer import init_params
+from dllm_jax.runtime.decode_config import DecodeConfig
 from dllm_jax.text.tiny_tokenizer import EOT, build_tiny_tokenizer
 from scripts import train_tiny as tr
 
@@ -56,8 +56,9 @@ def test_loss_falls_after_a_few_training_steps(tok):
 
 def test_masking_spares_the_prompt_and_follows_the_ratio(tok):
     tokens, prompt_len = tr.encode_training_batch(tok, list(itertools.islice(tiny_tasks.problems("train", 1), 64)))
-    noisy, masked, p_mask = jax.jit(tr.corrupt, static_argnums=2)(tokens, prompt_len, tok.mask_token_id,
-                                                                   jax.random.key(5))
+    noisy, masked, p_mask = jax.jit(tr.corrupt, static_argnums=2)(
+        tokens, prompt_len, tok.mask_token_id, jax.random.key(5)
+    )
     noisy, masked, p_mask = map(np.asarray, (noisy, masked, p_mask))
     answer = np.arange(tokens.shape[1])[None] >= prompt_len[:, None]
     assert not masked[~answer].any()
@@ -88,22 +89,29 @@ def test_the_held_out_metric_is_the_engine_on_swapped_weights():
     assert untrained["all"] == 0.0 and trained["all"] >= 0.75, (untrained, trained)
     # the same answers as the engine's exact one-per-step decode over one block, scored alike
     decode = DecodeConfig(method="llada", gen_length=64, block_length=64, steps=64, batch_size=4)
-    texts = [r.text for r in Engine(tiny.config, tiny.params, tiny.tokenizer).generate(
-        [p.prompt for p in problems], decode=decode, chat=True).results]
+    texts = [
+        r.text
+        for r in Engine(tiny.config, tiny.params, tiny.tokenizer)
+        .generate([p.prompt for p in problems], decode=decode, chat=True)
+        .results
+    ]
     assert trained["all"] == sum(tiny_tasks.is_correct(p, t) for p, t in zip(problems, texts)) / len(problems)
     bad = dict(tiny.params, lm_head={"kernel": tiny.params["lm_head"]["kernel"][:, :-1]})
     with pytest.raises(GenerationError, match=r"swap_params: \['lm_head'\]\['kernel'\] is"):
         engine.swap_weights(bad)
 
 
-@pytest.mark.parametrize("argv", [
-    ["--steps", "0"],
-    ["--steps", "3", "--mix", "poetry=1"],
-    ["--steps", "3", "--mix", "arith"],
-    ["--steps", "3", "--lr", "-1"],
-    ["--steps", "3", "--d-model", "30", "--n-heads", "4"],
-    ["--steps", "3", "--resume"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--steps", "0"],
+        ["--steps", "3", "--mix", "poetry=1"],
+        ["--steps", "3", "--mix", "arith"],
+        ["--steps", "3", "--lr", "-1"],
+        ["--steps", "3", "--d-model", "30", "--n-heads", "4"],
+        ["--steps", "3", "--resume"],
+    ],
+)
 def test_bad_command_lines_exit_with_code_2(tmp_path, argv, capsys):
     with pytest.raises(SystemExit) as exc:
         tr.main(argv + ["--out", str(tmp_path / "run")])
@@ -112,9 +120,32 @@ def test_bad_command_lines_exit_with_code_2(tmp_path, argv, capsys):
 
 
 def test_an_interrupted_run_resumes_to_the_same_weights(tmp_path):
-    common = ["--steps", "3", "--batch-size", "4", "--d-model", "16", "--n-layers", "1", "--n-heads", "2",
-              "--mlp-hidden", "32", "--ckpt-every", "1", "--eval-every", "1000", "--eval-problems", "1",
-              "--final-eval-problems", "2", "--gen-length", "40", "--out", str(tmp_path / "run")]
+    common = [
+        "--steps",
+        "3",
+        "--batch-size",
+        "4",
+        "--d-model",
+        "16",
+        "--n-layers",
+        "1",
+        "--n-heads",
+        "2",
+        "--mlp-hidden",
+        "32",
+        "--ckpt-every",
+        "1",
+        "--eval-every",
+        "1000",
+        "--eval-problems",
+        "1",
+        "--final-eval-problems",
+        "2",
+        "--gen-length",
+        "40",
+        "--out",
+        str(tmp_path / "run"),
+    ]
     assert tr.main(common + ["--export", str(tmp_path / "straight")]) == 0
     # forget the last step, as if the run had been killed after step 2
     shutil.rmtree(tmp_path / "run" / "checkpoints" / "3")
@@ -133,7 +164,10 @@ def test_dream_rows_use_chatml_and_im_end():
     tok = build_tiny_tokenizer(family="dream")
     problem = Problem("sort", "sort: 3 1 2", "1 2 3\n#### 123", "123")
     tokens, prompt_len = tr.encode_training_batch(tok, [problem], seq_len=64)
-    assert tok.decode(tokens[0, : prompt_len[0]].tolist()) == "<|im_start|>user\nsort: 3 1 2<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        tok.decode(tokens[0, : prompt_len[0]].tolist())
+        == "<|im_start|>user\nsort: 3 1 2<|im_end|>\n<|im_start|>assistant\n"
+    )
     n = len(problem.answer)
     assert tokens[0, prompt_len[0] + n] == tok.convert_tokens_to_ids("<|im_end|>")
     assert (tokens[0, prompt_len[0] + n + 1 :] == tok.eos_token_id).all()
@@ -159,10 +193,36 @@ def test_dream_loss_falls_after_a_few_training_steps():
 def test_dream_run_exports_a_dream_folder_the_engine_loads(tmp_path):
     from dllm_jax import DecodeConfig, Engine
 
-    argv = ["--family", "dream", "--n-kv-heads", "1", "--steps", "2", "--batch-size", "4", "--d-model", "32",
-            "--n-layers", "1", "--n-heads", "2", "--mlp-hidden", "32", "--eval-every", "1000", "--eval-problems", "1",
-            "--final-eval-problems", "2", "--gen-length", "40", "--out", str(tmp_path / "run"),
-            "--export", str(tmp_path / "tiny-dream")]
+    argv = [
+        "--family",
+        "dream",
+        "--n-kv-heads",
+        "1",
+        "--steps",
+        "2",
+        "--batch-size",
+        "4",
+        "--d-model",
+        "32",
+        "--n-layers",
+        "1",
+        "--n-heads",
+        "2",
+        "--mlp-hidden",
+        "32",
+        "--eval-every",
+        "1000",
+        "--eval-problems",
+        "1",
+        "--final-eval-problems",
+        "2",
+        "--gen-length",
+        "40",
+        "--out",
+        str(tmp_path / "run"),
+        "--export",
+        str(tmp_path / "tiny-dream"),
+    ]
     assert tr.main(argv) == 0
     engine = Engine.from_pretrained(str(tmp_path / "tiny-dream"), dtype="float32", backend="xla")
     assert engine.config.family == "dream" and engine.config.n_kv_heads == 1

@@ -7,16 +7,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dllm_jax.engine.engine import Engine
+from dllm_jax.models.transformer import forward, init_params
+from dllm_jax.policies.flash_verify import WindowDraft, accepted_count, plan_verify
 from dllm_jax.runtime.cached_forward import PassSpec, VerifyKeys, cached_forward
 from dllm_jax.runtime.decode_config import DecodeConfig
-from dllm_jax.engine.engine import Engine
 from dllm_jax.runtime.flat_cache import allocate_cache
-from dllm_jax.models.transformer import forward, init_params
 from dllm_jax.runtime.slots import commit_tokens, empty_slots, install, zero_sampling
-from dllm_jax.policies.flash_verify import WindowDraft, accepted_count, plan_verify
 from tests.conftest import tiny_config
-from tests.reference_decoder import ReferenceDecoder
 from tests.engine_checks import answer, random_prompts
+from tests.reference_decoder import ReferenceDecoder
 
 
 def test_acceptance_rules_on_the_explainers_toy():
@@ -43,8 +43,15 @@ def _one_slot_after_stage1(cfg, W, L, key_len, num_committed, seed):
     prompt = jnp.asarray(rng.randint(0, 100, P), jnp.int32)
     sampling = zero_sampling(()).replace(max_new_tokens=jnp.int32(G))
     slot = install(
-        jax.tree_util.tree_map(lambda x: x[0], empty_slots(1, L)), prompt, jnp.int32(P), jnp.int32(0), sampling,
-        jnp.int32(key_len), cfg.mask_token_id, cfg.eos_token_id, jnp.int32(0),
+        jax.tree_util.tree_map(lambda x: x[0], empty_slots(1, L)),
+        prompt,
+        jnp.int32(P),
+        jnp.int32(0),
+        sampling,
+        jnp.int32(key_len),
+        cfg.mask_token_id,
+        cfg.eos_token_id,
+        jnp.int32(0),
     )
     slot = slot.replace(scores=jnp.asarray(rng.randn(L), jnp.float32), pinned=jnp.arange(L) == 3)
     window = jnp.arange(P, P + W, dtype=jnp.int32)
@@ -68,16 +75,34 @@ def test_mask_view_equals_an_exact_forward_of_the_drafted_sequence(num_committed
     spec = PassSpec(max_len=L)
     positions = jnp.arange(L, dtype=jnp.int32)[None]
     _, _, cache = cached_forward(
-        cfg, spec, params, allocate_cache(cfg, 1, L), old.tokens[None], positions, positions < key_len,
-        None, jnp.array([key_len]), jnp.zeros((1, 1), jnp.int32),
+        cfg,
+        spec,
+        params,
+        allocate_cache(cfg, 1, L),
+        old.tokens[None],
+        positions,
+        positions < key_len,
+        None,
+        jnp.array([key_len]),
+        jnp.zeros((1, 1), jnp.int32),
     )
     plan = plan_verify(old, new, draft, cfg.mask_token_id)
     S = int(plan.num_search)
     assert S == min(W - num_committed, W // 2)
     batched = jax.tree_util.tree_map(lambda x: x[None], plan)
     logits, _, cache_after = cached_forward(
-        cfg, spec, params, cache, batched.tokens, batched.positions, batched.row_valid, None,
-        jnp.array([key_len]), batched.mask_rows, None, VerifyKeys(batched.key_exclude, batched.extra_mask),
+        cfg,
+        spec,
+        params,
+        cache,
+        batched.tokens,
+        batched.positions,
+        batched.row_valid,
+        None,
+        jnp.array([key_len]),
+        batched.mask_rows,
+        None,
+        VerifyKeys(batched.key_exclude, batched.extra_mask),
     )
     for i in range(S):
         sequence = new.tokens
@@ -87,7 +112,9 @@ def test_mask_view_equals_an_exact_forward_of_the_drafted_sequence(num_committed
         exact = forward(cfg, params, sequence[None, :key_len])[0, plan.search_positions[i]]
         np.testing.assert_allclose(logits[0, i], exact, rtol=2e-4, atol=2e-4)
     # the verify pass reads the cache and never writes it
-    assert all(jnp.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(cache), jax.tree_util.tree_leaves(cache_after)))
+    assert all(
+        jnp.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(cache), jax.tree_util.tree_leaves(cache_after))
+    )
 
 
 @pytest.fixture(scope="module")
@@ -100,15 +127,21 @@ def lively_engine():
     return Engine(cfg, params, backend="xla")
 
 
-@pytest.mark.parametrize(
-    "accept,pin", [("cumprod", "all_commits"), ("paper", "all_commits"), ("paper", "reference")]
-)
+@pytest.mark.parametrize("accept,pin", [("cumprod", "all_commits"), ("paper", "all_commits"), ("paper", "reference")])
 def test_verify_matches_the_python_reference(lively_engine, accept, pin):
     engine = lively_engine
     prompts = random_prompts()
     decode = DecodeConfig(
-        method="flash_cache", gen_length=32, batch_size=2, threshold=0.7, mask_num=2, track_num=1,
-        verify=True, gamma=0.3, accept=accept, pin=pin,
+        method="flash_cache",
+        gen_length=32,
+        batch_size=2,
+        threshold=0.7,
+        mask_num=2,
+        track_num=1,
+        verify=True,
+        gamma=0.3,
+        accept=accept,
+        pin=pin,
     )
     out = engine.generate(prompts, decode)
     ref = ReferenceDecoder(engine.config, engine.weights, decode, engine.decode_loop(decode, 15).max_len)
@@ -128,7 +161,9 @@ def test_verify_keeps_batch_invariance_and_continuous_batching(lively_engine):
     engine = lively_engine
     rng = np.random.RandomState(1)
     many = [list(rng.randint(0, 100, n)) for n in (5, 14, 8, 11, 3, 16, 9)]
-    decode = DecodeConfig(method="flash_cache", gen_length=32, batch_size=3, threshold=0.7, verify=True, gamma=0.5, accept="paper")
+    decode = DecodeConfig(
+        method="flash_cache", gen_length=32, batch_size=3, threshold=0.7, verify=True, gamma=0.5, accept="paper"
+    )
     together = engine.generate(many, decode)
     fewer_slots = engine.generate(many, dataclasses.replace(decode, batch_size=2))
     assert [r.token_ids for r in together.results] == [r.token_ids for r in fewer_slots.results]

@@ -15,15 +15,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import dllm_jax.models.quantization
 from cuda_lowering import lower_for_cuda
-from dllm_jax.models.quantization import WEIGHT_ONLY_MAX_ROWS, quantize_kernel, quantized_matmul
-from pallas_kernels.matmul import weight_only_matmul as wo
 from tolerances import assert_close
 
+import dllm_jax.models.quantization
+from dllm_jax.models.quantization import WEIGHT_ONLY_MAX_ROWS, quantize_kernel, quantized_matmul
+from pallas_kernels.matmul import weight_only_matmul as wo
+
 MOSAIC = "mosaic_gpu"
-needs_jax_011 = pytest.mark.skipif(not wo.available(), reason=f"jax {jax.__version__} cannot build the Mosaic GPU kernel")
+needs_jax_011 = pytest.mark.skipif(
+    not wo.available(), reason=f"jax {jax.__version__} cannot build the Mosaic GPU kernel"
+)
 
 
 def random_case(rng, m, n, k):
@@ -40,7 +42,9 @@ def test_reference_equals_float64_on_the_dequantized_weights(out_dtype):
     got = wo.weight_only_matmul_reference(x, qkernel, scale, out_dtype=out_dtype)
     exact = np.asarray(x, np.float64) @ (np.asarray(qkernel, np.float64) * np.asarray(scale, np.float64)[:, None]).T
     assert got.shape == (24, 40) and got.dtype == out_dtype
-    assert_close(got, exact, jnp.bfloat16 if out_dtype == jnp.bfloat16 else jnp.float32, "weight-only reference vs float64")
+    assert_close(
+        got, exact, jnp.bfloat16 if out_dtype == jnp.bfloat16 else jnp.float32, "weight-only reference vs float64"
+    )
 
 
 def test_bad_arguments_are_named():
@@ -59,8 +63,17 @@ def test_bad_arguments_are_named():
         wo.weight_only_matmul(x, q, s, config=wo.WeightOnlyConfig(split_k=4))
 
 
-@pytest.mark.parametrize("m, n, k", [(128, 4096, 4096), (128, 12288, 4096), (128, 4096, 12288), (640, 4096, 4096),
-                                     (1024, 12288, 4096), (16, 126464, 4096)])
+@pytest.mark.parametrize(
+    "m, n, k",
+    [
+        (128, 4096, 4096),
+        (128, 12288, 4096),
+        (128, 4096, 12288),
+        (640, 4096, 4096),
+        (1024, 12288, 4096),
+        (16, 126464, 4096),
+    ],
+)
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
 def test_default_tiling_fits_llada_8b_shapes_and_fills_the_sms(m, n, k, out_dtype):
     config = wo.default_config(m, n, k, out_dtype)
@@ -75,37 +88,66 @@ def test_default_tiling_fits_llada_8b_shapes_and_fills_the_sms(m, n, k, out_dtyp
 def test_supports_rejects_what_it_cannot_tile():
     assert not wo.supports(100, 4096, 4096)  # rows not a multiple of 8
     assert not wo.supports(128, 4104, 4096)  # channels not a multiple of 128
-    assert not wo.supports(128, 4096, 4096, wo.WeightOnlyConfig(tile_m=128, tile_k=128, max_concurrent_steps=8))  # shared memory
+    assert not wo.supports(
+        128, 4096, 4096, wo.WeightOnlyConfig(tile_m=128, tile_k=128, max_concurrent_steps=8)
+    )  # shared memory
 
 
 @needs_jax_011
-@pytest.mark.parametrize("m, n, k, out_dtype, config", [
-    (128, 4096, 4096, jnp.bfloat16, None),  # split K, float32 partial products
-    (128, 4096, 4096, jnp.float32, None),
-    (128, 12288, 4096, jnp.bfloat16, None),  # y stored through the transposed shared-memory view
-    (128, 12288, 4096, jnp.float32, None),  # float32 y, written transposed
-    (1024, 12288, 4096, jnp.bfloat16, None),  # 256-row tiles
-    (16, 126464, 4096, jnp.bfloat16, None),  # the LM head's window rows
-    (128, 4096, 4096, jnp.bfloat16, wo.WeightOnlyConfig(tile_m=128, tile_n=64, tile_k=128, max_concurrent_steps=4, transposed_out=True)),
-    (128, 4096, 4096, jnp.bfloat16, wo.WeightOnlyConfig(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4, split_k=2)),
-])
+@pytest.mark.parametrize(
+    "m, n, k, out_dtype, config",
+    [
+        (128, 4096, 4096, jnp.bfloat16, None),  # split K, float32 partial products
+        (128, 4096, 4096, jnp.float32, None),
+        (128, 12288, 4096, jnp.bfloat16, None),  # y stored through the transposed shared-memory view
+        (128, 12288, 4096, jnp.float32, None),  # float32 y, written transposed
+        (1024, 12288, 4096, jnp.bfloat16, None),  # 256-row tiles
+        (16, 126464, 4096, jnp.bfloat16, None),  # the LM head's window rows
+        (
+            128,
+            4096,
+            4096,
+            jnp.bfloat16,
+            wo.WeightOnlyConfig(tile_m=128, tile_n=64, tile_k=128, max_concurrent_steps=4, transposed_out=True),
+        ),
+        (
+            128,
+            4096,
+            4096,
+            jnp.bfloat16,
+            wo.WeightOnlyConfig(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4, split_k=2),
+        ),
+    ],
+)
 def test_lowers_for_cuda_at_llada_8b_shapes(m, n, k, out_dtype, config):
     assert wo.supports(m, n, k, config, out_dtype)
-    args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((n, k), jnp.int8), jax.ShapeDtypeStruct((n,), jnp.float32))
-    text = lower_for_cuda(jax.jit(lambda x, q, s: wo.weight_only_matmul(x, q, s, out_dtype=out_dtype, config=config)), *args)
+    args = (
+        jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
+        jax.ShapeDtypeStruct((n, k), jnp.int8),
+        jax.ShapeDtypeStruct((n,), jnp.float32),
+    )
+    text = lower_for_cuda(
+        jax.jit(lambda x, q, s: wo.weight_only_matmul(x, q, s, out_dtype=out_dtype, config=config)), *args
+    )
     assert MOSAIC in text
 
 
 def _lowered_matmul(rows, d_in, d_out, dtype=jnp.bfloat16, out_dtype=jnp.bfloat16):
-    args = (jax.ShapeDtypeStruct((rows, d_in), dtype), jax.ShapeDtypeStruct((d_out, d_in), jnp.int8),
-            jax.ShapeDtypeStruct((d_out,), jnp.float32))
+    args = (
+        jax.ShapeDtypeStruct((rows, d_in), dtype),
+        jax.ShapeDtypeStruct((d_out, d_in), jnp.int8),
+        jax.ShapeDtypeStruct((d_out,), jnp.float32),
+    )
     return lower_for_cuda(jax.jit(lambda x, q, s: quantized_matmul(x, q, s, out_dtype)), *args)
 
 
 def test_auto_routes_to_the_kernel_only_where_it_measured_faster_and_builds(monkeypatch):
     monkeypatch.setattr(wo, "on_hopper_gpu", lambda: True)
     assert WEIGHT_ONLY_MAX_ROWS == 128  # the measured limit (dllm_jax.models.quantization)
-    routed = (MOSAIC in _lowered_matmul(128, 4096, 12288), MOSAIC in _lowered_matmul(128, 4096, 4096, out_dtype=jnp.float32))
+    routed = (
+        MOSAIC in _lowered_matmul(128, 4096, 12288),
+        MOSAIC in _lowered_matmul(128, 4096, 4096, out_dtype=jnp.float32),
+    )
     # the version check is not patched: jax 0.10 must never route to a kernel it cannot build
     assert routed == ((True, True) if wo.available() else (False, False))
     assert MOSAIC not in _lowered_matmul(640, 4096, 4096)  # past the limit: XLA
@@ -120,8 +162,14 @@ def test_forcing_the_kernel_names_the_jax_that_cannot_build_it():
     q = quantize_kernel(rng.standard_normal((256, 256)).astype(np.float32), "int8-weights")
     x = jnp.zeros((128, 256), jnp.bfloat16)
     if wo.available():
-        args = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct((256, 256), jnp.int8), jax.ShapeDtypeStruct((256,), jnp.float32))
-        text = lower_for_cuda(jax.jit(lambda x, q, s: quantized_matmul(x, q, s, jnp.bfloat16, int8_gemm="mosaic")), *args)
+        args = (
+            jax.ShapeDtypeStruct(x.shape, x.dtype),
+            jax.ShapeDtypeStruct((256, 256), jnp.int8),
+            jax.ShapeDtypeStruct((256,), jnp.float32),
+        )
+        text = lower_for_cuda(
+            jax.jit(lambda x, q, s: quantized_matmul(x, q, s, jnp.bfloat16, int8_gemm="mosaic")), *args
+        )
         assert MOSAIC in text
     else:
         with pytest.raises(ValueError, match=jax.__version__):
@@ -133,19 +181,24 @@ def test_int8_decode_loop_lowers_for_cuda_with_the_kernel_on_one_slot(monkeypatc
     """The 1-slot flash_cache loop at LLaDA-8B shape: the sparse step's 7 projections per layer
     run the kernel, the 640-row full pass stays with XLA."""
     from cuda_lowering import GPU_AUTO
-    from dllm_jax.models.config import llada_8b_config
-    from dllm_jax.runtime.decode_config import DecodeConfig
+
     from dllm_jax.engine.engine import Engine
+    from dllm_jax.models.config import llada_8b_config
     from dllm_jax.models.transformer import abstract_params, unstack_layers
+    from dllm_jax.runtime.decode_config import DecodeConfig
     from dllm_jax.runtime.slots import zero_sampling
 
     monkeypatch.setattr(wo, "on_hopper_gpu", lambda: True)
     config = dataclasses.replace(llada_8b_config(), n_layers=2, quantization="int8-weights")
-    engine = Engine(config, jax.eval_shape(unstack_layers, abstract_params(config)), backend=GPU_AUTO, full_pass_lanes=())
+    engine = Engine(
+        config, jax.eval_shape(unstack_layers, abstract_params(config)), backend=GPU_AUTO, full_pass_lanes=()
+    )
     loop = engine.decode_loop(DecodeConfig(method="flash_cache", gen_length=256, batch_size=1), 256)
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
     state = jax.eval_shape(loop.init_state, i32(16, 256), i32(16), jax.eval_shape(lambda: zero_sampling((16,))), i32())
-    text = lower_for_cuda(jax.jit(loop.run, donate_argnums=1), engine.weights, state, i32(), jax.ShapeDtypeStruct((), jnp.bool_))
+    text = lower_for_cuda(
+        jax.jit(loop.run, donate_argnums=1), engine.weights, state, i32(), jax.ShapeDtypeStruct((), jnp.bool_)
+    )
     # each call of the jitted kernel function is a call of its lowered function
     assert len(re.findall(r"call @weight_only_matmul", text)) == 7 * config.n_layers
 

@@ -7,8 +7,8 @@ before normalisation in the flash loop), so outputs are compared by relative L2 
 
 from __future__ import annotations
 
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 
 REL_L2 = {
     jnp.dtype(jnp.bfloat16): 1e-2,

@@ -9,8 +9,8 @@ and the comparison of the two.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -19,8 +19,8 @@ import torch
 from safetensors.torch import load_file
 
 from dllm_jax.models.config import ModelConfig
-from dllm_jax.models.loading import LoadedModel, load_model
 from dllm_jax.models.families import block_class, model_class
+from dllm_jax.models.loading import LoadedModel, load_model
 from dllm_jax.models.transformer import abstract_params, forward, predictions
 
 # relative L2 error allowed between the two implementations, per dtype
@@ -76,8 +76,14 @@ def hf_decoder_fields(cfg: ModelConfig) -> dict:
     )
 
 
-def transformers_run(model: torch.nn.Module, checkpoint: Path, dtype: str, tokens, key_valid,
-                     hf_name: Callable[[str], str] = lambda name: name):
+def transformers_run(
+    model: torch.nn.Module,
+    checkpoint: Path,
+    dtype: str,
+    tokens,
+    key_valid,
+    hf_name: Callable[[str], str] = lambda name: name,
+):
     """The transformers model, loaded (strictly) from the folder's model.safetensors under the
     names hf_name gives, run bidirectionally in dtype: float32 numpy hidden states
     [n_layers + 1] x [B, T, D] and logits [B, T, V], the logits unshifted."""
@@ -115,8 +121,9 @@ def relative_error(actual: np.ndarray, expected: np.ndarray) -> float:
     return float(np.linalg.norm(actual.astype(np.float64) - expected) / np.linalg.norm(expected.astype(np.float64)))
 
 
-def assert_the_loaded_model_matches(checkpoint: Path, dtype: str, inputs, torch_run: Callable, *,
-                                    padding_queries: bool) -> LoadedModel:
+def assert_the_loaded_model_matches(
+    checkpoint: Path, dtype: str, inputs, torch_run: Callable, *, padding_queries: bool
+) -> LoadedModel:
     """load_model(checkpoint, dtype) against ``torch_run(checkpoint, config, tokens, key_valid)``
     on inputs (tokens, key_valid): every hidden state and the logits (of the padding queries too
     if padding_queries) within TOLERANCE[dtype]; in float32 the same argmax too. Returns the

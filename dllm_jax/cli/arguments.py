@@ -22,7 +22,9 @@ def _number(text: str, kind: type) -> int | float:
     try:
         value = kind(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected {'an integer' if kind is int else 'a number'}, got {text!r}"
+        ) from None
     if kind is float and not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
     return value
@@ -49,8 +51,14 @@ def float_in(low: float, high: float | None = None, *, low_open: bool = False) -
     def parse(text: str) -> float:
         value = _number(text, float)
         if value < low or (low_open and value == low) or (high is not None and value > high):
-            bound = f"{'(' if low_open else '['}{low:g}, {high:g}]" if high is not None else f"{'>' if low_open else '>='} {low:g}"
-            raise argparse.ArgumentTypeError(f"{value:g} is out of range: expected a number {'in ' if high is not None else ''}{bound}")
+            bound = (
+                f"{'(' if low_open else '['}{low:g}, {high:g}]"
+                if high is not None
+                else f"{'>' if low_open else '>='} {low:g}"
+            )
+            raise argparse.ArgumentTypeError(
+                f"{value:g} is out of range: expected a number {'in ' if high is not None else ''}{bound}"
+            )
         return value
 
     parse.__name__ = "number"
@@ -75,8 +83,9 @@ def add_knob_flags(group: argparse._ArgumentGroup) -> None:
             group.add_argument(flag, dest=name, type=int_in(int(spec.low), high), default=default, help=spec.help)
         else:
             high = FLOAT32_MAX if spec.high is None else spec.high
-            group.add_argument(flag, dest=name, type=float_in(spec.low, high, low_open=spec.low_open), default=default,
-                               help=spec.help)
+            group.add_argument(
+                flag, dest=name, type=float_in(spec.low, high, low_open=spec.low_open), default=default, help=spec.help
+            )
 
 
 def knob_values(args: argparse.Namespace) -> dict[str, Any]:

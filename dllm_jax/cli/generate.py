@@ -25,10 +25,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dllm_jax.models.checkpoint.dtypes import QUANTIZATIONS
 from dllm_jax.cli import arguments, running
 from dllm_jax.cli.output import check_output_path
 from dllm_jax.cli.prompts import PromptRecord, encode_all, from_flags, read_jsonl
+from dllm_jax.models.checkpoint.dtypes import QUANTIZATIONS
 from dllm_jax.runtime.decode_config import ACCEPT_RULES, CACHES, DREAM_ALGORITHMS, METHODS, PIN_POLICIES, DecodeConfig
 from dllm_jax.sampling.params import SamplingParams
 
@@ -50,14 +50,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dllm-generate", description=__doc__.split("\n\n", 1)[1].rstrip(), formatter_class=arguments.HelpFormatter
     )
-    p.add_argument("--model", help="model folder, converted folder, Hugging Face Hub id, or an embedded tiny model "
-                   "(tiny-llada, tiny-dream; default: tiny-llada)")
+    p.add_argument(
+        "--model",
+        help="model folder, converted folder, Hugging Face Hub id, or an embedded tiny model "
+        "(tiny-llada, tiny-dream; default: tiny-llada)",
+    )
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
     source.add_argument("--prompts-file", type=Path, help='JSONL file, one {"prompt": ...} object per line')
     p.add_argument("--output", help="write one JSON object per request to this file (atomically, at the end)")
     p.add_argument(
-        "--chat", action=argparse.BooleanOptionalAction, default=None,
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="apply the tokenizer's chat template to each prompt; default: when the tokenizer has one. "
         "The embedded tiny model was trained on chat-formatted questions, so its default is --chat. "
         "Use --no-chat for prompts that are already templated (as the LLaDA reference code passes them)",
@@ -66,57 +71,114 @@ def build_parser() -> argparse.ArgumentParser:
     method = p.add_argument_group("decoding method (what the compiled program does)")
     method.add_argument("--method", choices=METHODS, default=_default("method"), help="decoding method")
     method.add_argument(
-        "--gen-length", type=arguments.int_in(1),
+        "--gen-length",
+        type=arguments.int_in(1),
         help="generation bucket: the most positions a request may generate; default: --max-new-tokens rounded up "
         f"to the block length, else the largest power of two up to {DEFAULT_MAX_GEN_LENGTH} that fits in the "
         "model's max_sequence_length after the longest prompt",
     )
-    method.add_argument("--block-length", type=arguments.int_in(1),
-                        help="block (llada, fast_dllm) or window (flash_cache) length; default: "
-                        + ", ".join(f"{_default('window', method=m)} ({m})" for m in METHODS if m != "dream")
-                        + " (dream: the whole generation is one block)")
-    method.add_argument("--steps", type=arguments.int_in(1),
-                        help="llada / fast_dllm fixed schedule, dream's timestep schedule: total denoising steps; "
-                        "default: one token per step")
-    method.add_argument("--cache", choices=CACHES, help=f"fast_dllm cache; default: {_default('cache', method='fast_dllm')}")
-    method.add_argument("--mask-num", type=arguments.int_in(1),
-                        help=f"flash_cache: masked blocks recomputed per step; default: {_default('mask_num')}")
-    method.add_argument("--track-num", type=int,
-                        help=f"flash_cache: tracked blocks per step (<0: refresh all); default: {_default('track_num')}")
+    method.add_argument(
+        "--block-length",
+        type=arguments.int_in(1),
+        help="block (llada, fast_dllm) or window (flash_cache) length; default: "
+        + ", ".join(f"{_default('window', method=m)} ({m})" for m in METHODS if m != "dream")
+        + " (dream: the whole generation is one block)",
+    )
+    method.add_argument(
+        "--steps",
+        type=arguments.int_in(1),
+        help="llada / fast_dllm fixed schedule, dream's timestep schedule: total denoising steps; "
+        "default: one token per step",
+    )
+    method.add_argument(
+        "--cache", choices=CACHES, help=f"fast_dllm cache; default: {_default('cache', method='fast_dllm')}"
+    )
+    method.add_argument(
+        "--mask-num",
+        type=arguments.int_in(1),
+        help=f"flash_cache: masked blocks recomputed per step; default: {_default('mask_num')}",
+    )
+    method.add_argument(
+        "--track-num",
+        type=int,
+        help=f"flash_cache: tracked blocks per step (<0: refresh all); default: {_default('track_num')}",
+    )
     method.add_argument("--verify", action="store_true", help="flash_cache: add Flash-Verify")
-    method.add_argument("--accept", choices=ACCEPT_RULES,
-                        help=f"verify acceptance rule; default: {_default('accept', verify=True)}")
-    method.add_argument("--pin", choices=PIN_POLICIES,
-                        help=f"verify: which commits are refreshed next step; default: {_default('pin', verify=True)}")
-    method.add_argument("--alg", choices=DREAM_ALGORITHMS,
-                        help=f"dream: which masked positions a step unmasks; default: {_default('alg', method='dream')}")
-    method.add_argument("--eps", type=arguments.float_in(0.0, 1.0, low_open=True),
-                        help=f"dream: end of the timestep schedule, in (0, 1); default: {_default('eps', method='dream')}")
-    method.add_argument("--batch-size", type=arguments.int_in(1), default=_default("batch_size"),
-                        help="slots decoded together (at most the number of prompts)")
+    method.add_argument(
+        "--accept", choices=ACCEPT_RULES, help=f"verify acceptance rule; default: {_default('accept', verify=True)}"
+    )
+    method.add_argument(
+        "--pin",
+        choices=PIN_POLICIES,
+        help=f"verify: which commits are refreshed next step; default: {_default('pin', verify=True)}",
+    )
+    method.add_argument(
+        "--alg",
+        choices=DREAM_ALGORITHMS,
+        help=f"dream: which masked positions a step unmasks; default: {_default('alg', method='dream')}",
+    )
+    method.add_argument(
+        "--eps",
+        type=arguments.float_in(0.0, 1.0, low_open=True),
+        help=f"dream: end of the timestep schedule, in (0, 1); default: {_default('eps', method='dream')}",
+    )
+    method.add_argument(
+        "--batch-size",
+        type=arguments.int_in(1),
+        default=_default("batch_size"),
+        help="slots decoded together (at most the number of prompts)",
+    )
 
     sampling = p.add_argument_group("sampling (run-time values: changing them never recompiles)")
-    sampling.add_argument("--max-new-tokens", type=arguments.int_in(1),
-                          help="generated tokens per request at most; default: the generation bucket, "
-                          "capped by the model's max_sequence_length minus the prompt")
-    sampling.add_argument("--stop", action="append", type=arguments.non_empty, default=[],
-                          help="a string that ends the answer, cut before it (repeat for several)")
+    sampling.add_argument(
+        "--max-new-tokens",
+        type=arguments.int_in(1),
+        help="generated tokens per request at most; default: the generation bucket, "
+        "capped by the model's max_sequence_length minus the prompt",
+    )
+    sampling.add_argument(
+        "--stop",
+        action="append",
+        type=arguments.non_empty,
+        default=[],
+        help="a string that ends the answer, cut before it (repeat for several)",
+    )
     arguments.add_knob_flags(sampling)
-    sampling.add_argument("--seed", type=arguments.seed, default=0,
-                          help=f"random seed, in [0, {arguments.SEED_MAX}]; each request draws its own stream from it")
+    sampling.add_argument(
+        "--seed",
+        type=arguments.seed,
+        default=0,
+        help=f"random seed, in [0, {arguments.SEED_MAX}]; each request draws its own stream from it",
+    )
 
     run = p.add_argument_group("devices")
-    run.add_argument("--backend", choices=("auto", "xla", "pallas"), default="auto",
-                     help="per-layer kernels: auto picks what measured fastest on the device")
-    run.add_argument("--mesh", help='decode over several devices, e.g. "data=2,tensor=2": slots split over data, '
-                     "heads and MLP over tensor; the sizes multiply to the number of devices")
-    run.add_argument("--dtype", choices=("bfloat16", "float32"),
-                     help="params dtype; default: float32 on the CPU, bfloat16 on accelerators")
-    run.add_argument("--quantization", choices=QUANTIZATIONS,
-                     help="8-bit block projections and an int8 embedding (fp8: W8A8, int8-weights: weight-only); default: as the "
-                          "checkpoint stores them (none for a Hugging Face folder)")
-    run.add_argument("--batch-invariant", action="store_true",
-                     help="answers independent of the batch (and, with XLA's deterministic ops, of the run); slower")
+    run.add_argument(
+        "--backend",
+        choices=("auto", "xla", "pallas"),
+        default="auto",
+        help="per-layer kernels: auto picks what measured fastest on the device",
+    )
+    run.add_argument(
+        "--mesh",
+        help='decode over several devices, e.g. "data=2,tensor=2": slots split over data, '
+        "heads and MLP over tensor; the sizes multiply to the number of devices",
+    )
+    run.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        help="params dtype; default: float32 on the CPU, bfloat16 on accelerators",
+    )
+    run.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        help="8-bit block projections and an int8 embedding (fp8: W8A8, int8-weights: weight-only); default: as the "
+        "checkpoint stores them (none for a Hugging Face folder)",
+    )
+    run.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="answers independent of the batch (and, with XLA's deterministic ops, of the run); slower",
+    )
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     running.add_logging_flags(p)
     return p
@@ -126,10 +188,19 @@ def decode_options(args: argparse.Namespace) -> dict[str, Any]:
     """The DecodeConfig keyword arguments the user gave. Unset flags keep DecodeConfig's
     defaults, so an option of another method is an error only when it is given."""
     given = {
-        "method": args.method, "gen_length": args.gen_length, "block_length": args.block_length, "steps": args.steps,
-        "cache": args.cache, "mask_num": args.mask_num, "track_num": args.track_num,
-        "batch_size": args.batch_size, "verify": args.verify or None,
-        "accept": args.accept, "pin": args.pin, "alg": args.alg, "eps": args.eps,
+        "method": args.method,
+        "gen_length": args.gen_length,
+        "block_length": args.block_length,
+        "steps": args.steps,
+        "cache": args.cache,
+        "mask_num": args.mask_num,
+        "track_num": args.track_num,
+        "batch_size": args.batch_size,
+        "verify": args.verify or None,
+        "accept": args.accept,
+        "pin": args.pin,
+        "alg": args.alg,
+        "eps": args.eps,
         # the llada loop with the unconditional pass; other methods are told by slot_values
         "cfg": (args.cfg_scale > 0 and args.method == "llada") or None,
     }
@@ -199,10 +270,10 @@ def _main(argv: Sequence[str] | None) -> int:
 
         os.environ["XLA_FLAGS"] = deterministic_xla_flags()  # before JAX starts its backend
 
-    from dllm_jax.runtime import sharding
     from dllm_jax.engine.engine import Engine
-    from dllm_jax.models.loading import default_dtype, load_model, load_tokenizer, read_model_config, resolve_model_path
     from dllm_jax.engine.request import slot_values
+    from dllm_jax.models.loading import default_dtype, load_model, load_tokenizer, read_model_config, resolve_model_path
+    from dllm_jax.runtime import sharding
     from dllm_jax.runtime.memory_estimate import memory_override
 
     memory_override()  # a bad $DLLM_MEMORY_AVAILABLE is an input error before the model loads
@@ -223,18 +294,34 @@ def _main(argv: Sequence[str] | None) -> int:
     decode_config = DecodeConfig(**options)
     if mesh is not None:
         sharding.check_batch(mesh, decode_config.batch_size)  # the engine may use fewer slots, always a multiple
-    for i, (record, ids) in enumerate(zip(records, encoded)):  # what the engine checks per request, before the weights load
-        slot_values(sampling, len(ids), decode_config, cfg=decode_config.cfg, max_sequence_length=config.max_sequence_length,
-                    order=i, where=record.where)
+    for i, (record, ids) in enumerate(
+        zip(records, encoded)
+    ):  # what the engine checks per request, before the weights load
+        slot_values(
+            sampling,
+            len(ids),
+            decode_config,
+            cfg=decode_config.cfg,
+            max_sequence_length=config.max_sequence_length,
+            order=i,
+            where=record.where,
+        )
 
     log.info("loading %s (%s)", path, dtype)
     loaded = load_model(path, dtype=dtype, quantization=args.quantization)
-    engine = Engine(loaded.config, loaded.weights, tokenizer, backend=args.backend, mesh=mesh,
-                    batch_invariant=args.batch_invariant)
-    log.info("generating %d request(s): %s, gen_length=%d, chat=%s", len(encoded), decode_config.method,
-             decode_config.gen_length, chat)
-    output = engine.generate(encoded, sampling, decode_config=decode_config, seed=args.seed,
-                             progress=not (args.no_progress or args.quiet))
+    engine = Engine(
+        loaded.config, loaded.weights, tokenizer, backend=args.backend, mesh=mesh, batch_invariant=args.batch_invariant
+    )
+    log.info(
+        "generating %d request(s): %s, gen_length=%d, chat=%s",
+        len(encoded),
+        decode_config.method,
+        decode_config.gen_length,
+        chat,
+    )
+    output = engine.generate(
+        encoded, sampling, decode_config=decode_config, seed=args.seed, progress=not (args.no_progress or args.quiet)
+    )
     failed = 0
     for record, result in zip(records, output.results):
         print(f"### [{result.index}] {record.prompt}\n{result.text}\n")
@@ -245,8 +332,18 @@ def _main(argv: Sequence[str] | None) -> int:
     log.info(
         "%d requests, %d completion tokens (%d as the reference code counts) in %.2f s (%.1f tokens/s; compile %.1f s) "
         "| %.2f tokens/step | %d steps, %d forward passes, %d loop iterations | method=%s backend=%s%s",
-        s.num_requests, s.completion_tokens, s.reference_num_tokens, s.wall_seconds, s.tokens_per_second,
-        s.compile_seconds, s.tokens_per_step, s.steps, s.forward_passes, s.iterations, decode_config.method, engine.backend,
+        s.num_requests,
+        s.completion_tokens,
+        s.reference_num_tokens,
+        s.wall_seconds,
+        s.tokens_per_second,
+        s.compile_seconds,
+        s.tokens_per_step,
+        s.steps,
+        s.forward_passes,
+        s.iterations,
+        decode_config.method,
+        engine.backend,
         f" mesh={args.mesh}" if args.mesh else "",
     )
     if output_path is not None:

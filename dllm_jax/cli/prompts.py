@@ -64,7 +64,9 @@ def read_jsonl(path: Path, *, reserved: Iterable[str] = ()) -> list[PromptRecord
             raise ValueError(f'{where}: "prompt" is {type(record["prompt"]).__name__}, expected a string')
         clash = sorted(reserved & record.keys())
         if clash:
-            raise ValueError(f"{where}: {', '.join(map(repr, clash))} would be overwritten by the output's field of that name; rename the key")
+            raise ValueError(
+                f"{where}: {', '.join(map(repr, clash))} would be overwritten by the output's field of that name; rename the key"
+            )
         records.append(PromptRecord(record["prompt"], record, where))
     if not records:
         raise ValueError(f"{path}: no prompts")

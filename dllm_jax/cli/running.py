@@ -62,8 +62,13 @@ def run(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None 
 def add_logging_flags(parser: argparse.ArgumentParser) -> None:
     """-v/--verbose (repeatable) and -q/--quiet."""
     group = parser.add_mutually_exclusive_group()
-    group.add_argument("-v", "--verbose", action="count", default=0,
-                       help="log more: -v dllm_jax's debug messages, -vv also the libraries'")
+    group.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=0,
+        help="log more: -v dllm_jax's debug messages, -vv also the libraries'",
+    )
     group.add_argument("-q", "--quiet", action="store_true", help="log errors only, no progress bar")
 
 
@@ -72,6 +77,5 @@ def setup_logging(args: argparse.Namespace) -> None:
     messages and the libraries' warnings by default."""
     level = logging.ERROR if args.quiet else (logging.DEBUG if args.verbose else logging.INFO)
     third_party = logging.ERROR if args.quiet else (logging.DEBUG if args.verbose >= 2 else logging.WARNING)
-    logging.basicConfig(level=third_party,
-                        format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr, force=True)
+    logging.basicConfig(level=third_party, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr, force=True)
     logging.getLogger("dllm_jax").setLevel(level)

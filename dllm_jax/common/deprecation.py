@@ -19,6 +19,8 @@ def renamed_argument(new_name: str, new: Any, old_name: str, old: Any, where: st
     if old is None:
         return new
     if new is not None:
-        raise GenerationError(f"{where}: {old_name}= and {new_name}= both given; {old_name}= is the deprecated name of {new_name}=")
+        raise GenerationError(
+            f"{where}: {old_name}= and {new_name}= both given; {old_name}= is the deprecated name of {new_name}="
+        )
     warn_renamed(f"{where}({old_name}=...)", f"{new_name}=", stacklevel=4)
     return old

@@ -16,8 +16,15 @@ def _describe(value: Any) -> str:
     return f"{value!r} ({type(value).__name__})"
 
 
-def check_int(name: str, value: Any, error: Callable[[str], Exception], *, low: int | None = None,
-              high: int | None = None, optional: bool = False) -> int | None:
+def check_int(
+    name: str,
+    value: Any,
+    error: Callable[[str], Exception],
+    *,
+    low: int | None = None,
+    high: int | None = None,
+    optional: bool = False,
+) -> int | None:
     """An int (not a bool) in [low, high] (bounds inclusive, None = unbounded)."""
     if value is None and optional:
         return None
@@ -26,12 +33,22 @@ def check_int(name: str, value: Any, error: Callable[[str], Exception], *, low: 
         raise error(f"{name}={_describe(value)}: expected {kind}")
     value = int(value)
     if (low is not None and value < low) or (high is not None and value > high):
-        raise error(f"{name}={value}: expected an int in [{'-inf' if low is None else low}, {'inf' if high is None else high}]")
+        raise error(
+            f"{name}={value}: expected an int in [{'-inf' if low is None else low}, {'inf' if high is None else high}]"
+        )
     return value
 
 
-def check_float(name: str, value: Any, error: Callable[[str], Exception], *, low: float | None = None,
-                high: float | None = None, low_open: bool = False, optional: bool = False) -> float | None:
+def check_float(
+    name: str,
+    value: Any,
+    error: Callable[[str], Exception],
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    optional: bool = False,
+) -> float | None:
     """A finite real number (int or float, not a bool) in [low, high] ((low, high] with low_open)."""
     if value is None and optional:
         return None
@@ -44,7 +61,9 @@ def check_float(name: str, value: Any, error: Callable[[str], Exception], *, low
     too_low = low is not None and (value <= low if low_open else value < low)
     if too_low or (high is not None and value > high):
         lo = "-inf" if low is None else low
-        raise error(f"{name}={value}: expected a number in {'(' if low_open else '['}{lo}, {'inf' if high is None else high}]")
+        raise error(
+            f"{name}={value}: expected a number in {'(' if low_open else '['}{lo}, {'inf' if high is None else high}]"
+        )
     return value
 
 

@@ -42,8 +42,15 @@ class CompiledLoop:
         ring = HostRing(self.queue_capacity, self.prompt_width)
         limit = self.loop.model.max_sequence_length
         for g, ids in enumerate(prompts):
-            values = slot_values(sampling, len(ids), self.decode_config, cfg=self.loop.cfg, max_sequence_length=limit,
-                                 order=g, where=f"prompt {g}")
+            values = slot_values(
+                sampling,
+                len(ids),
+                self.decode_config,
+                cfg=self.loop.cfg,
+                max_sequence_length=limit,
+                order=g,
+                where=f"prompt {g}",
+            )
             ring.put(Request(g, g, list(ids), sampling, values, ring_index=g))
         tokens, lengths, slot_sampling = ring.arrays()
         return self.init(tokens, lengths, slot_sampling, jnp.int32(len(prompts)))

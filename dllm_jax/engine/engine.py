@@ -122,14 +122,20 @@ class Engine:
         check_bool("batch_invariant", batch_invariant, GenerationError)
         if compiler_options is not None and not isinstance(compiler_options, dict):
             raise GenerationError(f"compiler_options={compiler_options!r}: expected a dict of XLA options or None")
-        self.compiler_options = quantization_compiler_options(config.quantization) if compiler_options is None else compiler_options
+        self.compiler_options = (
+            quantization_compiler_options(config.quantization) if compiler_options is None else compiler_options
+        )
         check_bool("unroll_layers", unroll_layers, GenerationError)
         check_int("chunk_iterations", chunk_iterations, GenerationError, low=1)
         check_int("queue_capacity", queue_capacity, GenerationError, low=1, optional=True)
         if full_pass_lanes is not None:
             if not isinstance(full_pass_lanes, (tuple, list)):
-                raise GenerationError(f"full_pass_lanes={full_pass_lanes!r}: expected a tuple of ints (() = only all B slots) or None")
-            full_pass_lanes = tuple(check_int("full_pass_lanes entry", n, GenerationError, low=1) for n in full_pass_lanes)
+                raise GenerationError(
+                    f"full_pass_lanes={full_pass_lanes!r}: expected a tuple of ints (() = only all B slots) or None"
+                )
+            full_pass_lanes = tuple(
+                check_int("full_pass_lanes entry", n, GenerationError, low=1) for n in full_pass_lanes
+            )
         self.config = config
         self.weights = weights
         self.tokenizer = tokenizer
@@ -140,7 +146,9 @@ class Engine:
         except ValueError as e:
             raise GenerationError(str(e)) from None
         if batch_invariant and self.kernels.matmul and sharding.axis_size(mesh, sharding.TENSOR) > 1:
-            raise GenerationError("batch_invariant=True with the Pallas matmul does not shard over a tensor axis; use a data-only mesh")
+            raise GenerationError(
+                "batch_invariant=True with the Pallas matmul does not shard over a tensor axis; use a data-only mesh"
+            )
         self._unroll_layers = unroll_layers
         if unroll_layers:
             self.weights = weights = unstack_layers(weights)
@@ -154,7 +162,9 @@ class Engine:
         self._executables: dict[tuple, CompiledLoop] = {}
 
     @classmethod
-    def from_pretrained(cls, path: str, *, dtype: str | None = None, quantization: str | None = None, **kwargs) -> Engine:
+    def from_pretrained(
+        cls, path: str, *, dtype: str | None = None, quantization: str | None = None, **kwargs
+    ) -> Engine:
         """Loads a Hugging Face LLaDA or Dream folder, a converted checkpoint or a cached Hub id
         (dllm_jax.load_model; dtype None: float32 on the CPU, bfloat16 on accelerators;
         quantization: dllm_jax.models.quantization, None = as stored)."""
@@ -246,7 +256,11 @@ class Engine:
         tokenizer's chat template, ending with the assistant's header."""
         if self.tokenizer is None:
             raise GenerationError("chat needs a tokenizer (the engine has none)")
-        if isinstance(conversations, (str, bytes, dict)) or not isinstance(conversations, Sequence) or not conversations:
+        if (
+            isinstance(conversations, (str, bytes, dict))
+            or not isinstance(conversations, Sequence)
+            or not conversations
+        ):
             raise GenerationError(
                 f"conversations: expected a non-empty list of message lists, got {type(conversations).__name__}"
             )
@@ -318,7 +332,9 @@ class Engine:
             if wanted % data or wanted > B:
                 wanted = B
         width = _next_power_of_two(longest_prompt, _MIN_PROMPT_BUCKET)
-        larger = sorted({key[0].num_slots for key in self._executables if key[2] == width and wanted < key[0].num_slots <= B})
+        larger = sorted(
+            {key[0].num_slots for key in self._executables if key[2] == width and wanted < key[0].num_slots <= B}
+        )
         for n in [wanted, *larger]:
             loop = self.decode_loop(decode_config, longest_prompt, n)
             if any(key[0] == loop and key[2] == width for key in self._executables):
@@ -358,7 +374,11 @@ class Engine:
             init_layout, run_layout = self._layouts(state)
             options = self.compiler_options or None
             init = jax.jit(loop.init_state, **init_layout).lower(prompts, lengths, sampling, count).compile(options)
-            run = jax.jit(loop.run, donate_argnums=1, **run_layout).lower(self.weights, state, scalar, flag).compile(options)
+            run = (
+                jax.jit(loop.run, donate_argnums=1, **run_layout)
+                .lower(self.weights, state, scalar, flag)
+                .compile(options)
+            )
             if not abstract and jax.devices()[0].platform == "gpu":
                 _first_execution(self.weights, init, run, capacity, width)
             self._executables[key] = CompiledLoop(
@@ -383,8 +403,13 @@ class Engine:
     # ----- generation ------------------------------------------------------------------------
 
     def session(
-        self, decode_config: DecodeConfig | None = None, *, max_prompt_len: int, num_slots: int | None = None,
-        stream: bool = False, decode: DecodeConfig | None = None,
+        self,
+        decode_config: DecodeConfig | None = None,
+        *,
+        max_prompt_len: int,
+        num_slots: int | None = None,
+        stream: bool = False,
+        decode: DecodeConfig | None = None,
     ) -> GenerationSession:
         """A GenerationSession over a loop compiled for `decode_config` (None: the default), this
         prompt-length bucket and slot count (None: decode_config.batch_size); see
@@ -395,8 +420,14 @@ class Engine:
         check_int("num_slots", num_slots, GenerationError, low=1, optional=True)
         check_bool("stream", stream, GenerationError)
         compiled = self.compile(decode_config, max_prompt_len, num_slots=num_slots)
-        return GenerationSession(compiled, self.weights, tokenizer=self.tokenizer, max_prompt_len=max_prompt_len,
-                                 stream=stream, chunk_iterations=self.chunk_iterations)
+        return GenerationSession(
+            compiled,
+            self.weights,
+            tokenizer=self.tokenizer,
+            max_prompt_len=max_prompt_len,
+            stream=stream,
+            chunk_iterations=self.chunk_iterations,
+        )
 
     def generate(
         self,
@@ -456,14 +487,28 @@ class Engine:
         if decode_config.method == "llada" and not decode_config.cfg and any(p.cfg_scale > 0 for p in per_request):
             decode_config = dataclasses.replace(decode_config, cfg=True)  # the guided variant, compiled on demand
         for i, (ids, p) in enumerate(zip(encoded, per_request)):  # every request checked before compiling
-            slot_values(p, len(ids), decode_config, cfg=decode_config.cfg,
-                        max_sequence_length=self.config.max_sequence_length, order=i, where=f"request {i}", base_seed=seed)
+            slot_values(
+                p,
+                len(ids),
+                decode_config,
+                cfg=decode_config.cfg,
+                max_sequence_length=self.config.max_sequence_length,
+                order=i,
+                where=f"request {i}",
+                base_seed=seed,
+            )
         longest = max(len(p) for p in encoded)
         compiled_before = self.num_compilations
         compiled = self.compile(decode_config, longest, num_slots=self.slots_for(decode_config, len(encoded), longest))
         compile_seconds = compiled.compile_seconds if self.num_compilations > compiled_before else 0.0
-        session = GenerationSession(compiled, self.weights, tokenizer=self.tokenizer, max_prompt_len=longest,
-                                    chunk_iterations=self.chunk_iterations, seed=seed)
+        session = GenerationSession(
+            compiled,
+            self.weights,
+            tokenizer=self.tokenizer,
+            max_prompt_len=longest,
+            chunk_iterations=self.chunk_iterations,
+            seed=seed,
+        )
         for i, (ids, p) in enumerate(zip(encoded, per_request)):
             session.add(i, ids, p)
         results: dict[int, GenerationResult] = {}
@@ -507,7 +552,9 @@ def _sampling_list(sampling: Any, count: int, decode_config: DecodeConfig) -> li
         return [sampling] * count
     if isinstance(sampling, (list, tuple)):
         if len(sampling) != count:
-            raise GenerationError(f"sampling: {len(sampling)} SamplingParams for {count} prompts; expected one per prompt")
+            raise GenerationError(
+                f"sampling: {len(sampling)} SamplingParams for {count} prompts; expected one per prompt"
+            )
         for i, p in enumerate(sampling):
             if not isinstance(p, SamplingParams):
                 raise GenerationError(f"sampling[{i}]={p!r} ({type(p).__name__}): expected a SamplingParams")

@@ -56,8 +56,15 @@ class Request:
 
 
 def slot_values(
-    sampling: SamplingParams, prompt_len: int, decode_config: DecodeConfig, *, cfg: bool, max_sequence_length: int,
-    order: int, where: str, base_seed: int | None = None,
+    sampling: SamplingParams,
+    prompt_len: int,
+    decode_config: DecodeConfig,
+    *,
+    cfg: bool,
+    max_sequence_length: int,
+    order: int,
+    where: str,
+    base_seed: int | None = None,
 ) -> dict[str, Any]:
     """The per-slot values of one request (SLOT_FIELDS names), or GenerationError naming `where`.
 

@@ -70,8 +70,15 @@ class GenerationSession:
     """
 
     def __init__(
-        self, compiled: CompiledLoop, weights: Any, *, tokenizer: Any = None, max_prompt_len: int,
-        stream: bool = False, chunk_iterations: int = 64, seed: int | None = None,
+        self,
+        compiled: CompiledLoop,
+        weights: Any,
+        *,
+        tokenizer: Any = None,
+        max_prompt_len: int,
+        stream: bool = False,
+        chunk_iterations: int = 64,
+        seed: int | None = None,
     ):
         if max_prompt_len > compiled.prompt_width:
             raise GenerationError(
@@ -136,9 +143,16 @@ class GenerationSession:
             raise GenerationError(f"{where}: stop_token_ids {bad[:5]} are outside [0, {vocab})")
         if sampling.stop and self.tokenizer is None:
             raise GenerationError(f"{where}: stop strings need a tokenizer (the engine has none); use stop_token_ids")
-        return slot_values(sampling, len(prompt_ids), self.decode_config, cfg=self.compiled.loop.cfg,
-                           max_sequence_length=self.model.max_sequence_length, order=self._next_order, where=where,
-                           base_seed=self.seed)
+        return slot_values(
+            sampling,
+            len(prompt_ids),
+            self.decode_config,
+            cfg=self.compiled.loop.cfg,
+            max_sequence_length=self.model.max_sequence_length,
+            order=self._next_order,
+            where=where,
+            base_seed=self.seed,
+        )
 
     def add(self, request_id: Hashable, prompt_ids: list[int], sampling: SamplingParams | None = None) -> None:
         """Queues a request (validated prompt ids); it enters the device at the next `step`."""
@@ -218,7 +232,9 @@ class GenerationSession:
         elif pushed:
             tokens, lengths, sampling = self._ring.arrays()
             self._state = self._state.replace(
-                queue=self._state.queue.replace(tokens=tokens, lengths=lengths, sampling=sampling, count=jnp.int32(self._count))
+                queue=self._state.queue.replace(
+                    tokens=tokens, lengths=lengths, sampling=sampling, count=jnp.int32(self._count)
+                )
             )
         if not self._pushed:
             return []
@@ -262,18 +278,28 @@ class GenerationSession:
         out = []
         for s in np.unique(steps[steps > request.reported_step]):
             where = np.nonzero(steps == s)[0]
-            out.append(StepCommits(
-                step=int(s), positions=tuple(int(p) for p in where), tokens=tuple(int(tokens[p]) for p in where),
-                verified=tuple(bool(verified[p]) for p in where),
-            ))
+            out.append(
+                StepCommits(
+                    step=int(s),
+                    positions=tuple(int(p) for p in where),
+                    tokens=tuple(int(tokens[p]) for p in where),
+                    verified=tuple(bool(verified[p]) for p in where),
+                )
+            )
         if out:
             request.reported_step = out[-1].step
         return tuple(out)
 
     def _running_updates(self, state) -> list[RequestUpdate]:
         slots = jax.device_get(
-            (state.slots.active, state.slots.request, state.slots.prompt_len, state.slots.tokens,
-             state.slots.commit_step, state.slots.verified)
+            (
+                state.slots.active,
+                state.slots.request,
+                state.slots.prompt_len,
+                state.slots.tokens,
+                state.slots.commit_step,
+                state.slots.verified,
+            )
         )
         updates = []
         for active, g, p, tokens, steps, verified in zip(*slots):

@@ -49,11 +49,11 @@ from lm_eval.utils import simple_parse_args_string
 from tqdm.auto import tqdm
 
 from dllm_jax.common.atomic_write import write_text_atomically
-from dllm_jax.runtime.decode_config import DecodeConfig
 from dllm_jax.engine.engine import Engine
 from dllm_jax.evaluation.mc_loglikelihood import MonteCarloLoglikelihood
 from dllm_jax.evaluation.model_args import ModelArgsError, ParsedArgs, parse_model_args
 from dllm_jax.models.loading import load_model
+from dllm_jax.runtime.decode_config import DecodeConfig
 from dllm_jax.sampling.params import MAX_SEED, SamplingParams, SamplingParamsError
 
 logger = logging.getLogger(__name__)
@@ -84,15 +84,24 @@ class EngineCall:
     compile_seconds: float
 
 
-def run_engine(engine: Engine, prompts: list[list[int]], sampling: list[SamplingParams], decode_config: DecodeConfig) -> EngineCall:
+def run_engine(
+    engine: Engine, prompts: list[list[int]], sampling: list[SamplingParams], decode_config: DecodeConfig
+) -> EngineCall:
     """All requests through one Engine.generate call; the only place this module calls the engine."""
     out = engine.generate(prompts, sampling, decode_config=decode_config)
     failed = [r for r in out.results if r.finish_reason == "error"]
     if failed:
         raise RuntimeError(f"dllm_jax engine: request {failed[0].index} failed: {failed[0].error}")
     s = out.stats
-    return EngineCall([r.token_ids for r in out.results], s.reference_num_tokens, s.steps, s.forward_passes,
-                      s.iterations, s.wall_seconds, s.compile_seconds)
+    return EngineCall(
+        [r.token_ids for r in out.results],
+        s.reference_num_tokens,
+        s.steps,
+        s.forward_passes,
+        s.iterations,
+        s.wall_seconds,
+        s.compile_seconds,
+    )
 
 
 def _load_hf_tokenizer(path: str):
@@ -105,7 +114,9 @@ def _load_hf_tokenizer(path: str):
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:  # transformers raises OSError, ValueError and JSON errors alike
-        raise ModelArgsError(f"model_args: pretrained={path}: cannot load its tokenizer ({type(e).__name__}: {e})") from None
+        raise ModelArgsError(
+            f"model_args: pretrained={path}: cannot load its tokenizer ({type(e).__name__}: {e})"
+        ) from None
     finally:
         hf_logging.set_verbosity(verbosity)
 
@@ -133,9 +144,12 @@ class DLLMJaxLM(LM):
         self.tokenizer = _load_hf_tokenizer(str(loaded.path))  # the folder found (an embedded name, a Hub id)
         self.engine = Engine(loaded.config, loaded.weights, loaded.tokenizer, backend=a.backend)
         self.scorer = MonteCarloLoglikelihood(
-            loaded.config, loaded.weights, mc_num=a.mc_num,
+            loaded.config,
+            loaded.weights,
+            mc_num=a.mc_num,
             mc_batch_size=a.mc_batch_size if a.mc_batch_size is not None else self.decode_config.batch_size,
-            cfg_scale=a.cfg_scale, seed=a.seed,
+            cfg_scale=a.cfg_scale,
+            seed=a.seed,
         )
         self.dtype = dtype
         self.generation_calls: list[dict[str, Any]] = []
@@ -164,8 +178,12 @@ class DLLMJaxLM(LM):
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         if not self.tokenizer.chat_template:
-            raise ValueError(f"{self.args.pretrained}: the tokenizer has no chat template; run without --apply_chat_template")
-        return self.tokenizer.apply_chat_template(chat_history, tokenize=False, add_generation_prompt=add_generation_prompt)
+            raise ValueError(
+                f"{self.args.pretrained}: the tokenizer has no chat template; run without --apply_chat_template"
+            )
+        return self.tokenizer.apply_chat_template(
+            chat_history, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
 
     def encode(self, text: str) -> list[int]:
         """Token ids of text; special-token strings (from a chat template) become their ids."""
@@ -206,7 +224,9 @@ class DLLMJaxLM(LM):
         G = self.decode_config.gen_length
         max_new = kwargs.get("max_gen_toks")
         if max_new is not None and (not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1):
-            raise GenerationKwargsError(f"{where}: generation kwarg max_gen_toks={max_new!r}: expected a positive integer")
+            raise GenerationKwargsError(
+                f"{where}: generation kwarg max_gen_toks={max_new!r}: expected a positive integer"
+            )
         temperature = kwargs.get("temperature", 0.0)
         if not isinstance(temperature, (int, float)) or isinstance(temperature, bool):
             raise GenerationKwargsError(f"{where}: generation kwarg temperature={temperature!r}: expected a number")
@@ -277,7 +297,7 @@ class DLLMJaxLM(LM):
             context, continuation = context[:-spaces], context[-spaces:] + continuation
         whole = self.encode(context + continuation)
         prefix = self.encode(context)
-        return prefix, whole[len(prefix):]
+        return prefix, whole[len(prefix) :]
 
     def loglikelihood(self, requests: list[Instance], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         start = time.perf_counter()
@@ -295,11 +315,13 @@ class DLLMJaxLM(LM):
             greedy = self.scorer.greedy_reproduces(prefix, target) if self.args.is_check_greedy else False
             out.append((value, greedy))
             self.cache_hook.add_partial("loglikelihood", req.args, (value, greedy))
-        self.loglikelihood_calls.append({
-            "requests": len(requests),
-            "forward_passes": self.scorer.forward_passes - passes,
-            "wall_seconds": time.perf_counter() - start,
-        })
+        self.loglikelihood_calls.append(
+            {
+                "requests": len(requests),
+                "forward_passes": self.scorer.forward_passes - passes,
+                "wall_seconds": time.perf_counter() - start,
+            }
+        )
         self._write_stats()
         return out
 

@@ -29,7 +29,7 @@ import numpy as np
 
 from dllm_jax.models.config import ModelConfig
 from dllm_jax.models.families import model_class
-from dllm_jax.models.transformer import Weights, Transformer
+from dllm_jax.models.transformer import Transformer, Weights
 
 _MIN_BUCKET = 16
 
@@ -82,8 +82,16 @@ class MonteCarloLoglikelihood:
       seed: base of the per-request mask generators.
     """
 
-    def __init__(self, config: ModelConfig, params: Weights, *, mc_num: int, mc_batch_size: int,
-                 cfg_scale: float = 0.0, seed: int = 0):
+    def __init__(
+        self,
+        config: ModelConfig,
+        params: Weights,
+        *,
+        mc_num: int,
+        mc_batch_size: int,
+        cfg_scale: float = 0.0,
+        seed: int = 0,
+    ):
         if mc_num % mc_batch_size:
             raise ValueError(f"mc_num={mc_num} is not a multiple of mc_batch_size={mc_batch_size}")
         self.config = config
@@ -127,7 +135,11 @@ class MonteCarloLoglikelihood:
         labels = np.zeros((target_width,), np.int32)
         labels[:L] = target
         logp = self._score(
-            self.params, jnp.asarray(tokens), jnp.asarray(labels), jnp.int32(P), jnp.int32(P + L),
+            self.params,
+            jnp.asarray(tokens),
+            jnp.asarray(labels),
+            jnp.int32(P),
+            jnp.int32(P + L),
             jnp.float32(self.cfg_scale),
         )
         self.forward_passes += 1
@@ -144,7 +156,9 @@ class MonteCarloLoglikelihood:
         tokens[0, :P] = prefix
         tokens[0, P : P + L] = self.config.mask_token_id
         for _ in range(L):
-            best, confidence = self._greedy(self.params, jnp.asarray(tokens), jnp.int32(P), jnp.int32(P + L), rows=target_width)
+            best, confidence = self._greedy(
+                self.params, jnp.asarray(tokens), jnp.int32(P), jnp.int32(P + L), rows=target_width
+            )
             self.forward_passes += 1
             best, confidence = np.asarray(best)[:L], np.asarray(confidence, np.float64)[:L]
             masked = tokens[0, P : P + L] == self.config.mask_token_id

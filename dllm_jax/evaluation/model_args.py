@@ -144,7 +144,9 @@ def parse_model_args(args: dict[str, Any], *, harness_batch_size: Any = None) ->
             known = sorted(set(adapter_types) | set(decode_types) - set(_REQUEST_LEVEL))
             raise ModelArgsError(f"model_args: unknown key {key!r} (known keys: {', '.join(known)})")
         if not _accepts(annotation, value):
-            raise ModelArgsError(f"model_args: {key}={value!r} ({type(value).__name__}): expected {_describe(annotation)}")
+            raise ModelArgsError(
+                f"model_args: {key}={value!r} ({type(value).__name__}): expected {_describe(annotation)}"
+            )
         target[key] = _coerce(annotation, value)
     if "batch_size" not in decode and harness_batch_size is not None:
         size = harness_batch_size
@@ -154,7 +156,9 @@ def parse_model_args(args: dict[str, Any], *, harness_batch_size: Any = None) ->
             raise ModelArgsError(f"batch_size={size!r}: dllm_jax needs an integer number of decode slots")
         decode["batch_size"] = size
     if adapter.get("pretrained") is None:
-        raise ModelArgsError("model_args: pretrained=PATH is required (a Hugging Face LLaDA or Dream folder or a converted checkpoint)")
+        raise ModelArgsError(
+            "model_args: pretrained=PATH is required (a Hugging Face LLaDA or Dream folder or a converted checkpoint)"
+        )
     try:
         decode_config = DecodeConfig(**decode)
     except DecodeConfigError as e:

@@ -25,8 +25,8 @@ import re
 import sys
 from pathlib import Path
 
-from dllm_jax.evaluation import tiny_tasks
 from dllm_jax.common.atomic_write import write_text_atomically
+from dllm_jax.evaluation import tiny_tasks
 
 GEN_TASK = "tiny_gen"
 MC_TASK = "tiny_mc"
@@ -121,8 +121,16 @@ def problem_records(problems: int, seed: int = tiny_tasks.HELD_OUT_SEED) -> list
         choices = [a + END_OF_TURN for a in wrong_answers(p, rng)]
         label = rng.randrange(len(choices) + 1)
         choices.insert(label, p.answer + END_OF_TURN)
-        records.append({"task": p.task, "prompt": p.prompt, "answer": p.answer, "final": p.final,
-                        "choices": choices, "label": label})
+        records.append(
+            {
+                "task": p.task,
+                "prompt": p.prompt,
+                "answer": p.answer,
+                "final": p.final,
+                "choices": choices,
+                "label": label,
+            }
+        )
     return records
 
 
@@ -135,7 +143,9 @@ def write_tiny_tasks(folder: str | Path, problems: int, seed: int = tiny_tasks.H
     records = problem_records(problems, seed)
     write_text_atomically(data, "".join(json.dumps(r) + "\n" for r in records))
     write_text_atomically(folder / "tiny_task_scoring.py", _SCORING)
-    write_text_atomically(folder / f"{GEN_TASK}.yaml", _GEN_YAML.format(task=GEN_TASK, data=json.dumps(str(data)), eot=END_OF_TURN))
+    write_text_atomically(
+        folder / f"{GEN_TASK}.yaml", _GEN_YAML.format(task=GEN_TASK, data=json.dumps(str(data)), eot=END_OF_TURN)
+    )
     write_text_atomically(folder / f"{MC_TASK}.yaml", _MC_YAML.format(task=MC_TASK, data=json.dumps(str(data))))
     return folder
 

@@ -152,8 +152,15 @@ class ModelConfig:
 
         if self.family not in FAMILIES:
             raise ConfigError(f"family={self.family!r}: expected one of {FAMILIES}")
-        for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "mlp_hidden_size", "vocab_size",
-                     "max_sequence_length"):
+        for name in (
+            "d_model",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "mlp_hidden_size",
+            "vocab_size",
+            "max_sequence_length",
+        ):
             check(name, _size_problem(getattr(self, name)))
         if self.d_model % self.n_heads:
             raise ConfigError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
@@ -247,10 +254,16 @@ class ModelConfig:
         if family == "dream":
             return _dream_config(keys, dtype)
         if family != "llada":
-            raise ConfigError(f"{source}: model_type={_show(model_type)} is not supported (expected \"llada\" or \"Dream\")")
+            raise ConfigError(
+                f'{source}: model_type={_show(model_type)} is not supported (expected "llada" or "Dream")'
+            )
         keys.require_values(_REQUIRED_VALUES)
-        fail, need, given, size, positive_real, flag = (
-            keys.fail, keys.need, keys.given, keys.size, keys.positive_real, keys.flag
+        fail, given, size, positive_real, flag = (
+            keys.fail,
+            keys.given,
+            keys.size,
+            keys.positive_real,
+            keys.flag,
         )
         if given("multi_query_attention") and flag("multi_query_attention"):
             raise ConfigError(f"{source}: unsupported option multi_query_attention=true; use n_kv_heads instead")
@@ -429,7 +442,9 @@ class _ConfigKeys:
         return float(self.checked(key, _positive_real_problem(self.hf[key]))) if key in self.hf else default
 
     def flag(self, key: str) -> bool:
-        return key in self.hf and self.checked(key, None if isinstance(self.hf[key], bool) else "expected true or false")
+        return key in self.hf and self.checked(
+            key, None if isinstance(self.hf[key], bool) else "expected true or false"
+        )
 
     def require_values(self, required: dict[str, Any]) -> None:
         """Each key of ``required`` that is present holds exactly its value there."""
@@ -463,7 +478,9 @@ def _dream_config(keys: _ConfigKeys, dtype: str) -> ModelConfig:
     n_heads = size("num_attention_heads")
     n_kv_heads = size("num_key_value_heads") if given("num_key_value_heads") else n_heads
     if given("head_dim") and size("head_dim") * n_heads != d_model:
-        keys.fail("head_dim", f"head_dim * num_attention_heads = {hf['head_dim'] * n_heads}: expected hidden_size={d_model}")
+        keys.fail(
+            "head_dim", f"head_dim * num_attention_heads = {hf['head_dim'] * n_heads}: expected hidden_size={d_model}"
+        )
     vocab = size("vocab_size")
 
     def token_id(key: str, default: int | None) -> int | None:

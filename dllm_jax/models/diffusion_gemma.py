@@ -159,11 +159,15 @@ class EncoderCache:
 
 def init_cache(config: DiffusionGemmaConfig, batch: int, max_length: int) -> EncoderCache:
     """An empty cache of max_length positions (zeros, never uninitialised memory)."""
-    shapes = {kind.value: (config.layers_of(kind), batch, max_length, config.kv_heads(kind), config.head_dim(kind))
-              for kind in AttentionKind if config.layers_of(kind)}
+    shapes = {
+        kind.value: (config.layers_of(kind), batch, max_length, config.kv_heads(kind), config.head_dim(kind))
+        for kind in AttentionKind
+        if config.layers_of(kind)
+    }
     zeros = {name: jnp.zeros(shape, config.jnp_dtype) for name, shape in shapes.items()}
-    return EncoderCache(keys=zeros, values=dict(zeros), valid=jnp.zeros((batch, max_length), bool),
-                        length=jnp.zeros((), jnp.int32))
+    return EncoderCache(
+        keys=zeros, values=dict(zeros), valid=jnp.zeros((batch, max_length), bool), length=jnp.zeros((), jnp.int32)
+    )
 
 
 def init_params(config: DiffusionGemmaConfig, rng: jax.Array) -> Weights:
@@ -250,8 +254,15 @@ def final_logits(config: DiffusionGemmaConfig, params: Weights, h: jax.Array) ->
     return jnp.tanh(logits / cap) * cap
 
 
-def encode(config: DiffusionGemmaConfig, params: Weights, tokens: jax.Array, cache: EncoderCache,
-           token_valid: jax.Array | None = None, *, return_hidden: bool = False):
+def encode(
+    config: DiffusionGemmaConfig,
+    params: Weights,
+    tokens: jax.Array,
+    cache: EncoderCache,
+    token_valid: jax.Array | None = None,
+    *,
+    return_hidden: bool = False,
+):
     """The encoder over new tokens, written into the cache after its ``length`` positions.
 
     Query row i (position length + i) attends causally: to the valid keys at positions <= its
@@ -275,8 +286,10 @@ def encode(config: DiffusionGemmaConfig, params: Weights, tokens: jax.Array, cac
     key_positions = jnp.arange(cache.valid.shape[1], dtype=jnp.int32)
     # [B, T, S] True = may attend
     causal = valid[:, None, :] & (key_positions[None, :] <= positions[:, None])[None]
-    masks = {AttentionKind.FULL: causal,
-             AttentionKind.SLIDING: causal & (key_positions[None, :] > positions[:, None] - config.sliding_window)}
+    masks = {
+        AttentionKind.FULL: causal,
+        AttentionKind.SLIDING: causal & (key_positions[None, :] > positions[:, None] - config.sliding_window),
+    }
     keys, values = dict(cache.keys), dict(cache.values)
     h = embed(config, params, tokens)
     hidden = [h]
@@ -297,9 +310,16 @@ def encode(config: DiffusionGemmaConfig, params: Weights, tokens: jax.Array, cac
     return (cache, out, hidden) if return_hidden else (cache, out)
 
 
-def decode(config: DiffusionGemmaConfig, params: Weights, canvas: jax.Array, cache: EncoderCache,
-           self_conditioning_logits: jax.Array | None = None, self_conditioning_mask: jax.Array | None = None,
-           *, return_hidden: bool = False):
+def decode(
+    config: DiffusionGemmaConfig,
+    params: Weights,
+    canvas: jax.Array,
+    cache: EncoderCache,
+    self_conditioning_logits: jax.Array | None = None,
+    self_conditioning_mask: jax.Array | None = None,
+    *,
+    return_hidden: bool = False,
+):
     """The decoder over one canvas at positions [cache.length, cache.length + L).
 
     Every canvas row attends to every canvas row and to the valid cached keys: all of them in
@@ -322,8 +342,10 @@ def decode(config: DiffusionGemmaConfig, params: Weights, canvas: jax.Array, cac
     window = cached & (key_positions >= start - (config.sliding_window - 1))[None]
     canvas_keys = jnp.ones((B, L, L), bool)
     # [B, L, S + L] True = may attend: the cached keys, then the canvas
-    masks = {kind: jnp.concatenate([jnp.broadcast_to(m[:, None, :], (B, L, m.shape[1])), canvas_keys], axis=-1)
-             for kind, m in ((AttentionKind.FULL, cached), (AttentionKind.SLIDING, window))}
+    masks = {
+        kind: jnp.concatenate([jnp.broadcast_to(m[:, None, :], (B, L, m.shape[1])), canvas_keys], axis=-1)
+        for kind, m in ((AttentionKind.FULL, cached), (AttentionKind.SLIDING, window))
+    }
     embeddings = embed(config, params, canvas)
     if self_conditioning_logits is None:
         soft = jnp.zeros_like(embeddings)

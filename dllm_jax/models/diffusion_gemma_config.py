@@ -140,9 +140,22 @@ class DiffusionGemmaConfig:
     dtype: str = "bfloat16"
 
     def __post_init__(self):
-        for name in ("d_model", "n_heads", "sliding_head_dim", "sliding_kv_heads", "full_head_dim", "full_kv_heads",
-                     "mlp_hidden_size", "n_experts", "top_k_experts", "expert_hidden_size", "vocab_size",
-                     "sliding_window", "canvas_length", "max_sequence_length"):
+        for name in (
+            "d_model",
+            "n_heads",
+            "sliding_head_dim",
+            "sliding_kv_heads",
+            "full_head_dim",
+            "full_kv_heads",
+            "mlp_hidden_size",
+            "n_experts",
+            "top_k_experts",
+            "expert_hidden_size",
+            "vocab_size",
+            "sliding_window",
+            "canvas_length",
+            "max_sequence_length",
+        ):
             problem = _size_problem(getattr(self, name))
             if problem:
                 raise ConfigError(f"{name}={getattr(self, name)!r}: {problem}")
@@ -152,8 +165,9 @@ class DiffusionGemmaConfig:
             raise ConfigError("layer_types: the last layer must be full_attention (transformers forces it)")
         for kind in AttentionKind:
             if self.n_heads % self.kv_heads(kind):
-                raise ConfigError(f"n_heads={self.n_heads} is not a multiple of the {kind.value} kv heads "
-                                  f"({self.kv_heads(kind)})")
+                raise ConfigError(
+                    f"n_heads={self.n_heads} is not a multiple of the {kind.value} kv heads ({self.kv_heads(kind)})"
+                )
             if self.head_dim(kind) % 2:
                 raise ConfigError(f"{kind.value} head_dim={self.head_dim(kind)} must be even for rotate-half RoPE")
         if self.top_k_experts > self.n_experts:
@@ -196,8 +210,9 @@ class DiffusionGemmaConfig:
         return sum(k is kind for k in self.layer_types[:layer])
 
     @classmethod
-    def from_hf_config(cls, hf: dict[str, Any], *, dtype: str = "bfloat16",
-                       source: str = "config.json") -> DiffusionGemmaConfig:
+    def from_hf_config(
+        cls, hf: dict[str, Any], *, dtype: str = "bfloat16", source: str = "config.json"
+    ) -> DiffusionGemmaConfig:
         """The text model of a parsed DiffusionGemma ``config.json``.
 
         Keys a config.json may omit take transformers' defaults; every present value is checked
@@ -213,7 +228,7 @@ class DiffusionGemmaConfig:
             raise ConfigError(f"{source}: expected a JSON object, got {type(hf).__name__}")
         top = _ConfigKeys(hf, source)
         if hf.get("model_type") != MODEL_TYPE:
-            raise ConfigError(f"{source}: model_type={_show(hf.get('model_type'))}: expected \"{MODEL_TYPE}\"")
+            raise ConfigError(f'{source}: model_type={_show(hf.get("model_type"))}: expected "{MODEL_TYPE}"')
         for key in ("quantization_config", "quantization"):
             if key in hf:
                 top.fail(key, "a pre-quantized checkpoint is not supported (quantize at load time instead)")
@@ -224,7 +239,7 @@ class DiffusionGemmaConfig:
         keys = _ConfigKeys(text, f"{source}: text_config")
         keys.require_values(_TEXT_REQUIRED_VALUES)
         if text.get("use_bidirectional_attention") not in _BIDIRECTIONAL_VALUES:
-            keys.fail("use_bidirectional_attention", "only null or \"vision\" (a causal text encoder) is supported")
+            keys.fail("use_bidirectional_attention", 'only null or "vision" (a causal text encoder) is supported')
 
         size = keys.size
         vocab = size("vocab_size")
@@ -264,8 +279,9 @@ class DiffusionGemmaConfig:
                 rms_norm_eps=keys.positive_real("rms_norm_eps", 1e-6),
                 final_logit_softcap=keys.positive_real("final_logit_softcapping", _DEFAULT_SOFTCAP),
                 canvas_length=top.size("canvas_length") if top.given("canvas_length") else _DEFAULT_CANVAS_LENGTH,
-                max_sequence_length=(size("max_position_embeddings") if "max_position_embeddings" in text
-                                     else _DEFAULT_MAX_POSITIONS),
+                max_sequence_length=(
+                    size("max_position_embeddings") if "max_position_embeddings" in text else _DEFAULT_MAX_POSITIONS
+                ),
                 pad_token_id=token_id(keys, "pad_token_id", 0),
                 bos_token_id=token_id(keys, "bos_token_id", None),
                 eos_token_ids=eos_ids,
@@ -278,8 +294,9 @@ def _layer_types(keys: _ConfigKeys, n_layers: int) -> tuple[AttentionKind, ...]:
     """layer_types as AttentionKinds; null means transformers' default (five sliding, one full,
     repeated; the last forced full)."""
     if not keys.given("layer_types"):
-        kinds = [AttentionKind.SLIDING if (i + 1) % _SLIDING_WINDOW_PATTERN else AttentionKind.FULL
-                 for i in range(n_layers)]
+        kinds = [
+            AttentionKind.SLIDING if (i + 1) % _SLIDING_WINDOW_PATTERN else AttentionKind.FULL for i in range(n_layers)
+        ]
         kinds[-1] = AttentionKind.FULL
         return tuple(kinds)
     names = keys.hf["layer_types"]
@@ -291,8 +308,9 @@ def _layer_types(keys: _ConfigKeys, n_layers: int) -> tuple[AttentionKind, ...]:
     return tuple(values[name] for name in names)
 
 
-def _full_layer_shape(keys: _ConfigKeys, layer_types: tuple[AttentionKind, ...], head_dim: int,
-                      kv_heads: int) -> tuple[int, int]:
+def _full_layer_shape(
+    keys: _ConfigKeys, layer_types: tuple[AttentionKind, ...], head_dim: int, kv_heads: int
+) -> tuple[int, int]:
     """(head_dim, kv heads) of the full layers: from per_layer_config when present (what
     transformers writes; it must override the full layers alike and nothing else), else from
     global_head_dim / num_global_key_value_heads (the published config.json)."""
@@ -313,8 +331,10 @@ def _full_layer_shape(keys: _ConfigKeys, layer_types: tuple[AttentionKind, ...],
                 keys.fail("per_layer_config", f"layer {index}: {key}={_show(value)}: {_size_problem(value)}")
         shape = (override.get("head_dim", head_dim), override.get("num_key_value_heads", kv_heads))
         if kind is AttentionKind.SLIDING and shape != (head_dim, kv_heads):
-            keys.fail("per_layer_config", f"layer {index} is sliding: its shape comes from head_dim and "
-                                          "num_key_value_heads only")
+            keys.fail(
+                "per_layer_config",
+                f"layer {index} is sliding: its shape comes from head_dim and num_key_value_heads only",
+            )
         if kind is AttentionKind.FULL:
             shapes.add(shape)
     unknown = [k for k in overrides if not (str(k).isdigit() and int(k) < len(layer_types))]
@@ -347,16 +367,18 @@ def _rope_settings(keys: _ConfigKeys) -> tuple[RopeSettings, RopeSettings]:
         if unknown:
             keys.fail("rope_parameters", f"{where}: unsupported key(s) {_show(unknown)}")
         if rope_type not in ("default", "proportional"):
-            keys.fail("rope_parameters", f"{where}: rope_type={_show(rope_type)}: expected \"default\" or "
-                                         "\"proportional\"")
+            keys.fail("rope_parameters", f'{where}: rope_type={_show(rope_type)}: expected "default" or "proportional"')
         for name, value in (("rope_theta", theta), ("factor", factor)):
             if not _is_positive(value):
                 keys.fail("rope_parameters", f"{where}: {name}={_show(value)}: expected a finite positive number")
         if not (_is_positive(fraction) and fraction <= 1):
             keys.fail("rope_parameters", f"{where}: partial_rotary_factor={_show(fraction)}: expected in (0, 1]")
         if rope_type == "default" and (fraction != 1 or factor != 1):
-            keys.fail("rope_parameters", f"{where}: default RoPE rotates every pair, unscaled "
-                                         "(partial_rotary_factor and factor need rope_type \"proportional\")")
+            keys.fail(
+                "rope_parameters",
+                f"{where}: default RoPE rotates every pair, unscaled "
+                '(partial_rotary_factor and factor need rope_type "proportional")',
+            )
         settings.append(RopeSettings(float(theta), rotated_fraction=float(fraction), factor=float(factor)))
     return settings[0], settings[1]
 
@@ -411,8 +433,11 @@ def diffusion_gemma_26b_a4b_config(dtype: str = "bfloat16") -> DiffusionGemmaCon
                 "rms_norm_eps": 1e-6,
                 "final_logit_softcapping": 30.0,
                 "rope_parameters": {
-                    "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0,
-                                       "rope_type": "proportional"},
+                    "full_attention": {
+                        "partial_rotary_factor": 0.25,
+                        "rope_theta": 1000000.0,
+                        "rope_type": "proportional",
+                    },
                     "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"},
                 },
                 "pad_token_id": 0,

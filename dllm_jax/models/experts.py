@@ -72,8 +72,9 @@ class Experts(nn.Module):
         return grouped_expert_mlp(x, weights, experts, self.gate_up_proj, self.down_proj)
 
 
-def grouped_expert_mlp(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up: jax.Array,
-                       down: jax.Array) -> jax.Array:
+def grouped_expert_mlp(
+    x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up: jax.Array, down: jax.Array
+) -> jax.Array:
     """The routed experts' output per row, as two grouped GEMMs.
 
     Args:
@@ -92,7 +93,7 @@ def grouped_expert_mlp(x: jax.Array, weights: jax.Array, experts: jax.Array, gat
     group_sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
     # [T * K, 2F]
     gate_up_out = jax.lax.ragged_dot_general(rows, gate_up, group_sizes, _BY_EXPERT, preferred_element_type=jnp.float32)
-    hidden = (gelu_tanh(gate_up_out[:, :F].astype(x.dtype)) * gate_up_out[:, F:].astype(x.dtype))
+    hidden = gelu_tanh(gate_up_out[:, :F].astype(x.dtype)) * gate_up_out[:, F:].astype(x.dtype)
     # [T * K, D]
     out = jax.lax.ragged_dot_general(hidden, down, group_sizes, _BY_EXPERT, preferred_element_type=jnp.float32)
     out = out.astype(x.dtype)
@@ -102,8 +103,9 @@ def grouped_expert_mlp(x: jax.Array, weights: jax.Array, experts: jax.Array, gat
     return jnp.sum(unsorted.reshape(T, K, -1), axis=1).astype(x.dtype)
 
 
-def dense_expert_mlp(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up: jax.Array,
-                     down: jax.Array) -> jax.Array:
+def dense_expert_mlp(
+    x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up: jax.Array, down: jax.Array
+) -> jax.Array:
     """grouped_expert_mlp's reference, same signature: every expert on every row, one at a
     time, kept where the row routed to it."""
     E, F = gate_up.shape[0], down.shape[2]

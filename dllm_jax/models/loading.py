@@ -11,14 +11,14 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from dllm_jax.models.embedded import model_folder
+from dllm_jax.common.deprecation import warn_renamed
 from dllm_jax.models.checkpoint.converted import METADATA_FILE, is_converted, load_converted, move_to_jax, read_metadata
 from dllm_jax.models.checkpoint.errors import ConversionError
 from dllm_jax.models.checkpoint.hf_reader import CONFIG_FILE, read_checkpoint, read_config
 from dllm_jax.models.config import ConfigError, ModelConfig
-from dllm_jax.models.transformer import Weights
-from dllm_jax.common.deprecation import warn_renamed
+from dllm_jax.models.embedded import model_folder
 from dllm_jax.models.quantization import QUANTIZATIONS, quantize_params
+from dllm_jax.models.transformer import Weights
 from dllm_jax.text.tokenizer import Tokenizer, has_tokenizer_files
 
 
@@ -117,7 +117,9 @@ def read_model_config(path: str | Path, *, dtype: str | None = None) -> ModelCon
     path, dtype = Path(path), dtype or default_dtype()
     if is_converted(path):
         try:
-            return ModelConfig.from_hf_config(read_metadata(path)["hf_config"], dtype=dtype, source=str(path / METADATA_FILE))
+            return ModelConfig.from_hf_config(
+                read_metadata(path)["hf_config"], dtype=dtype, source=str(path / METADATA_FILE)
+            )
         except ConfigError as e:
             raise ConversionError(str(e)) from None
     if (path / CONFIG_FILE).is_file():

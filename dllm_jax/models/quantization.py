@@ -127,8 +127,10 @@ def quantize_embedding(table: Any) -> dict[str, Any]:
     paths store the same numbers. A numpy table is converted a block of rows at a time.
     """
     if isinstance(table, np.ndarray):
-        blocks = [quantize_kernel(table[i : i + _HOST_EMBEDDING_ROWS].T, "int8-weights")
-                  for i in range(0, table.shape[0], _HOST_EMBEDDING_ROWS)]
+        blocks = [
+            quantize_kernel(table[i : i + _HOST_EMBEDDING_ROWS].T, "int8-weights")
+            for i in range(0, table.shape[0], _HOST_EMBEDDING_ROWS)
+        ]
         q = {key: np.concatenate([block[key] for block in blocks]) for key in ("qkernel", "scale")}
     else:
         q = quantize_kernel(table.T, "int8-weights")
@@ -166,7 +168,8 @@ def quantize_params(params: Any, mode: str) -> Any:
         # a projection's other leaves (Dream's q/k/v biases) stay as they are
         return {
             name: {**{k: v for k, v in sub.items() if k != "kernel"}, **quantize_kernel(sub["kernel"], mode)}
-            if name in QUANTIZED_MODULES and "kernel" in sub else sub
+            if name in QUANTIZED_MODULES and "kernel" in sub
+            else sub
             for name, sub in tree.items()
         }
 
@@ -178,7 +181,9 @@ def quantize_params(params: Any, mode: str) -> Any:
     return quantized
 
 
-def quantized_matmul(x: jax.Array, qkernel: jax.Array, scale: jax.Array, out_dtype: Any, *, int8_gemm: str = "auto") -> jax.Array:
+def quantized_matmul(
+    x: jax.Array, qkernel: jax.Array, scale: jax.Array, out_dtype: Any, *, int8_gemm: str = "auto"
+) -> jax.Array:
     """x [..., in] @ the quantized kernel -> [..., out] in out_dtype (accumulated in float32).
 
     The mode follows from qkernel's dtype: float8_e4m3fn = W8A8, int8 = weight-only (int8_gemm
@@ -205,7 +210,9 @@ def quantized_matmul(x: jax.Array, qkernel: jax.Array, scale: jax.Array, out_dty
     if gemm == "triton":
         from pallas_kernels.matmul.int8_matmul import int8_weight_matmul
 
-        y = int8_weight_matmul(x.reshape(-1, k), qkernel, scale, out_dtype=jnp.dtype(out_dtype), interpret=int8_gemm == "interpret")
+        y = int8_weight_matmul(
+            x.reshape(-1, k), qkernel, scale, out_dtype=jnp.dtype(out_dtype), interpret=int8_gemm == "interpret"
+        )
         return y.reshape(*lead, n)
     y = jax.lax.dot_general(x, qkernel.astype(x.dtype), contract, preferred_element_type=jnp.float32)
     return (y * scale).astype(out_dtype)
@@ -217,16 +224,18 @@ def _int8_gemm(int8_gemm: str, x: jax.Array, qkernel: jax.Array, out_dtype: Any)
         raise ValueError(f"int8_gemm={int8_gemm!r}: expected one of {INT8_GEMMS}")
     if int8_gemm == "xla":
         return "xla"
-    from pallas_kernels.matmul.int8_matmul import supports
     from pallas_kernels.matmul import weight_only_matmul as mosaic
+    from pallas_kernels.matmul.int8_matmul import supports
 
     rows = math.prod(x.shape[:-1])
     mosaic_fits = mosaic.supports(rows, *qkernel.shape, out_dtype=out_dtype) and x.dtype == jnp.bfloat16
     triton_fits = supports(rows, *qkernel.shape) and jnp.issubdtype(x.dtype, jnp.floating)
     if int8_gemm == "mosaic":
         if not mosaic_fits or not mosaic.available():
-            raise ValueError(f"int8_gemm='mosaic': the kernel does not take x {x.shape} {x.dtype} @ qkernel {qkernel.shape} "
-                             f"with this JAX ({jax.__version__})")
+            raise ValueError(
+                f"int8_gemm='mosaic': the kernel does not take x {x.shape} {x.dtype} @ qkernel {qkernel.shape} "
+                f"with this JAX ({jax.__version__})"
+            )
         return "mosaic"
     if int8_gemm != "auto":
         if not triton_fits:

@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 
 from dllm_jax.policies.commit_rules import count_commit, threshold_commit
-from dllm_jax.sampling.samplers import random_confidence, sample_tokens
 from dllm_jax.runtime.slots import Slots, answer_length, commit_tokens
+from dllm_jax.sampling.samplers import random_confidence, sample_tokens
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,8 +14,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from dllm_jax.policies.dream_unmasking import sample_and_confidence, transfer_mask
 from dllm_jax.policies.block import BlockPolicy
+from dllm_jax.policies.dream_unmasking import sample_and_confidence, transfer_mask
 from dllm_jax.runtime.slots import Slots, commit_tokens
 
 
@@ -31,7 +31,9 @@ class DreamSamplerPolicy(BlockPolicy):
         token_rng, transfer_rng = jax.random.split(rng)
         tokens, confidence = sample_and_confidence(logits, self.alg, slot.sampling.temperature, token_rng)
         masked = valid & ~slot.decoded[safe]
-        commit = transfer_mask(self.alg, confidence, masked, slot.block_step, self.steps, self.eps, slot.sampling.alg_temp, transfer_rng)
+        commit = transfer_mask(
+            self.alg, confidence, masked, slot.block_step, self.steps, self.eps, slot.sampling.alg_temp, transfer_rng
+        )
         slot = commit_tokens(slot, safe, tokens, commit, self.eos_id, stop_at_eos=False)
         done = ~jnp.any(valid & ~slot.decoded[safe])
         slot = slot.replace(

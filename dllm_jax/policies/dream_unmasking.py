@@ -70,7 +70,9 @@ def transfer_mask(
     if alg == "origin":
         return masked & (jax.random.uniform(rng, masked.shape) < ratio)
     num_masked = jnp.sum(masked)
-    count = jnp.where(step >= steps - 1, num_masked, jnp.floor(num_masked.astype(jnp.float32) * ratio).astype(jnp.int32))
+    count = jnp.where(
+        step >= steps - 1, num_masked, jnp.floor(num_masked.astype(jnp.float32) * ratio).astype(jnp.int32)
+    )
     gumbel = jax.random.gumbel(rng, confidence.shape)
     # alg_temp > 0: Gumbel-top-k = `count` draws without replacement from softmax(confidence / alg_temp)
     key = jnp.where(alg_temp > 0, confidence / jnp.where(alg_temp > 0, alg_temp, 1.0) + gumbel, confidence)

@@ -99,8 +99,9 @@ def initial_canvas(key: jax.Array, batch: int, length: int, vocab_size: int) -> 
     return jax.random.randint(jax.random.fold_in(key, 0), (batch, length), 0, vocab_size, jnp.int32)
 
 
-def step_noise(key: jax.Array, step: jax.Array | int, batch: int, length: int,
-               vocab_size: int) -> tuple[jax.Array, jax.Array]:
+def step_noise(
+    key: jax.Array, step: jax.Array | int, batch: int, length: int, vocab_size: int
+) -> tuple[jax.Array, jax.Array]:
     """Step ``step``'s (0-based) draws from the canvas_key: Gumbel noise float32 [B, L, V] for
     the sample and renoising tokens int32 [B, L]."""
     sample_key, renoise_key = jax.random.split(jax.random.fold_in(key, step + 1))
@@ -140,8 +141,14 @@ def sample(logits: jax.Array, gumbel: jax.Array) -> jax.Array:
     return jnp.argmax(logp + gumbel, axis=-1).astype(jnp.int32)
 
 
-def denoise_update(settings: DenoiseSettings, state: CanvasState, logits: jax.Array, step: jax.Array | int,
-                   gumbel: jax.Array, noise_tokens: jax.Array) -> CanvasState:
+def denoise_update(
+    settings: DenoiseSettings,
+    state: CanvasState,
+    logits: jax.Array,
+    step: jax.Array | int,
+    gumbel: jax.Array,
+    noise_tokens: jax.Array,
+) -> CanvasState:
     """One denoising step (steps 1-4 of the module doc) from the decoder's logits float32
     [B, L, V] of state.canvas; rows already done keep their state."""
     processed = logits.astype(jnp.float32) / step_temperature(settings, step)

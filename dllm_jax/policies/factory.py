@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from dllm_jax.models.config import ModelConfig
-from dllm_jax.runtime.decode_config import DecodeConfig
-from dllm_jax.runtime.policy import DecodePolicy
 from dllm_jax.policies.block import BlockPolicy
 from dllm_jax.policies.dream_sampler import DreamSamplerPolicy
 from dllm_jax.policies.flash_cache import FlashCachePolicy
+from dllm_jax.runtime.decode_config import DecodeConfig
+from dllm_jax.runtime.policy import DecodePolicy
 
 
 def make_policy(decode_config: DecodeConfig, model: ModelConfig, max_len: int) -> DecodePolicy:
@@ -46,4 +46,3 @@ def make_policy(decode_config: DecodeConfig, model: ModelConfig, max_len: int) -
         steps_per_block=decode_config.total_steps // blocks if decode_config.fixed_schedule else None,
         eos_id=model.eos_token_id,
     )
-

@@ -27,9 +27,9 @@ import jax
 import jax.numpy as jnp
 
 from dllm_jax.policies.commit_rules import threshold_commit
-from dllm_jax.sampling.samplers import random_confidence, sample_tokens
-from dllm_jax.runtime.slots import Slots, answer_remaining, commit_tokens, smallest_undecoded
 from dllm_jax.policies.flash_verify import VerifyPlan, WindowDraft, plan_verify, verify_commit
+from dllm_jax.runtime.slots import Slots, answer_remaining, commit_tokens, smallest_undecoded
+from dllm_jax.sampling.samplers import random_confidence, sample_tokens
 
 # Key lengths are rounded up to this (the published kernels' key tile): each slot attends to
 # its canvas plus 1..128 EOS padding positions, as in the reference.
@@ -96,8 +96,10 @@ class FlashCachePolicy:
         if self.full_refresh:
             window, window_valid = self.candidates(slot)
             pos = jnp.arange(L, dtype=jnp.int32)
-            slot_in_window = jnp.full((L,), L, jnp.int32).at[jnp.where(window_valid, window, L)].set(
-                jnp.arange(self.window, dtype=jnp.int32), mode="drop"
+            slot_in_window = (
+                jnp.full((L,), L, jnp.int32)
+                .at[jnp.where(window_valid, window, L)]
+                .set(jnp.arange(self.window, dtype=jnp.int32), mode="drop")
             )
             # window first (in window order), then every other position ascending
             order = jnp.argsort(jnp.where(slot_in_window < L, slot_in_window - L, pos), stable=True)
@@ -134,8 +136,10 @@ class FlashCachePolicy:
         return plan_verify(old, new, draft, self.mask_id, self.logit_shift)
 
     def verify_commit(self, slot: Slots, plan: VerifyPlan, logits: jax.Array, draft: WindowDraft) -> Slots:
-        stage1 = jnp.zeros((self.max_len,), bool).at[jnp.where(draft.committed, draft.positions, self.max_len)].set(
-            True, mode="drop"
+        stage1 = (
+            jnp.zeros((self.max_len,), bool)
+            .at[jnp.where(draft.committed, draft.positions, self.max_len)]
+            .set(True, mode="drop")
         )
         return verify_commit(slot, plan, logits, stage1, slot.sampling.gamma, self.accept, self.pin, self.eos_id)
 

@@ -123,8 +123,19 @@ def plan_verify(old: Slots, new: Slots, draft: WindowDraft, mask_id: int, logit_
     mask_rows = jnp.minimum(num_context + num_search + jnp.arange(s_max), rows - 1).astype(jnp.int32)
     if logit_shift:
         tokens, positions, row_valid, extra_mask, mask_rows = _with_predictor_rows(
-            tokens, positions, row_valid, extra_mask, m_row, is_m, i, new.tokens, search_positions, search_drafts,
-            num_search, mask_id, logit_shift,
+            tokens,
+            positions,
+            row_valid,
+            extra_mask,
+            m_row,
+            is_m,
+            i,
+            new.tokens,
+            search_positions,
+            search_drafts,
+            num_search,
+            mask_id,
+            logit_shift,
         )
     return VerifyPlan(
         tokens=tokens.astype(jnp.int32),
@@ -140,8 +151,19 @@ def plan_verify(old: Slots, new: Slots, draft: WindowDraft, mask_id: int, logit_
 
 
 def _with_predictor_rows(
-    tokens, positions, row_valid, extra_mask, m_row, is_m, i, canvas, search_positions, search_drafts, num_search,
-    mask_id: int, shift: int,
+    tokens,
+    positions,
+    row_valid,
+    extra_mask,
+    m_row,
+    is_m,
+    i,
+    canvas,
+    search_positions,
+    search_drafts,
+    num_search,
+    mask_id: int,
+    shift: int,
 ):
     """Appends the S_max predictor rows P_i (position search_positions[i] - shift) to the 2W
     rows; returns the query's tokens, positions, validity, [N, N] mask and the P rows."""
@@ -168,7 +190,9 @@ def _with_predictor_rows(
     )
 
 
-def accepted_count(draft_prob: jax.Array, top_is_draft: jax.Array, num_search: jax.Array, gamma: jax.Array, rule: str) -> jax.Array:
+def accepted_count(
+    draft_prob: jax.Array, top_is_draft: jax.Array, num_search: jax.Array, gamma: jax.Array, rule: str
+) -> jax.Array:
     """Drafts accepted, a prefix of the search set in verify order.
 
     draft_prob: float32 [S_max] mask view's probability of each draft; top_is_draft: bool

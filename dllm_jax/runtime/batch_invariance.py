@@ -55,8 +55,21 @@ DETERMINISTIC_XLA_FLAGS = ("--xla_gpu_deterministic_ops=true", "--xla_gpu_autotu
 
 # The order of a layer's taps in a pass (the first differing op is the first in this order).
 LAYER_TAP_ORDER = (
-    "attn_norm", "q_proj", "k_proj", "v_proj", "q", "k", "v", "attention", "attention_scores",
-    "attn_out", "ff_norm", "ff_proj", "up_proj", "ff_out", "residual",
+    "attn_norm",
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "q",
+    "k",
+    "v",
+    "attention",
+    "attention_scores",
+    "attn_out",
+    "ff_norm",
+    "ff_proj",
+    "up_proj",
+    "ff_out",
+    "residual",
 )
 
 

@@ -19,12 +19,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from dllm_jax.models.config import ModelConfig
+from dllm_jax.models.transformer import Block, Transformer, Weights
 from dllm_jax.runtime.batch_invariance import INVARIANT_BLOCK_K, LAYER_TAP_ORDER, LayerTaps, invariant_ops, map_groups
 from dllm_jax.runtime.chunked_attention import chunked_cache_attention
-from dllm_jax.models.config import ModelConfig
 from dllm_jax.runtime.flat_cache import FlatCache, flat_rows
 from dllm_jax.runtime.kernel_routing import Kernels
-from dllm_jax.models.transformer import Block, Weights, Transformer
 
 # The published code accumulates tracking scores from the third layer up (block_idx > 1).
 SCORE_START_LAYER = 2
@@ -58,10 +58,12 @@ def output_and_mlp_in_chunks(block: Block, lp: Weights, h: jax.Array, attn: jax.
     per_chunk = mlp_chunk_groups(S, R)
     if per_chunk == S:
         return block.apply(lp, h, attn, method=Block.output_and_mlp)
-    return jnp.concatenate([
-        block.apply(lp, h[g : g + per_chunk], attn[g : g + per_chunk], method=Block.output_and_mlp)
-        for g in range(0, S, per_chunk)
-    ])
+    return jnp.concatenate(
+        [
+            block.apply(lp, h[g : g + per_chunk], attn[g : g + per_chunk], method=Block.output_and_mlp)
+            for g in range(0, S, per_chunk)
+        ]
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,12 +110,29 @@ def _xla_layer_attention(config, spec, q, k_cache, v_cache, layer, group_slot, k
 
     def attend(q, slots, key_len, score_rows, key_exclude, extra):
         return chunked_cache_attention(
-            q, k_cache, v_cache, layer, slots, key_len, score_rows,
-            n_heads=config.n_heads, n_kv_heads=config.n_kv_heads, max_len=spec.max_len,
-            key_exclude=key_exclude, extra=extra, block_sizes=INVARIANT_BLOCK_K if invariant else None,
+            q,
+            k_cache,
+            v_cache,
+            layer,
+            slots,
+            key_len,
+            score_rows,
+            n_heads=config.n_heads,
+            n_kv_heads=config.n_kv_heads,
+            max_len=spec.max_len,
+            key_exclude=key_exclude,
+            extra=extra,
+            block_sizes=INVARIANT_BLOCK_K if invariant else None,
         )
 
-    args = (q.reshape(S, R, -1), slots, key_len, score_rows if spec.score_scale is not None else None, key_exclude, extra)
+    args = (
+        q.reshape(S, R, -1),
+        slots,
+        key_len,
+        score_rows if spec.score_scale is not None else None,
+        key_exclude,
+        extra,
+    )
     # batch-invariant: one group at a time and a fixed key chunk, so that neither the number
     # of groups nor max_len (the prompt bucket) changes a row's online-softmax order
     out, scores = map_groups(attend, *args) if invariant else attend(*args)
@@ -217,10 +236,18 @@ def cached_forward(
                 h = block.apply(lp, h, out.reshape(S, R, -1), method=Block.output_and_mlp)
         if layer_taps is None:
             return (h, k_cache, v_cache, scores), {}
-        for name, value in (("q", q), ("k", None if spec.kernels.qkv else k), ("v", None if spec.kernels.qkv else v),
-                            ("attention", out), ("attention_scores", layer_scores), ("residual", h)):
+        for name, value in (
+            ("q", q),
+            ("k", None if spec.kernels.qkv else k),
+            ("v", None if spec.kernels.qkv else v),
+            ("attention", out),
+            ("attention_scores", layer_scores),
+            ("residual", h),
+        ):
             layer_taps.put(name, value)
-        return (h, k_cache, v_cache, scores), {n: layer_taps.values[n] for n in LAYER_TAP_ORDER if n in layer_taps.values}
+        return (h, k_cache, v_cache, scores), {
+            n: layer_taps.values[n] for n in LAYER_TAP_ORDER if n in layer_taps.values
+        }
 
     carry = (h, cache.k, cache.v, None if spec.score_scale is None else jnp.zeros((S, spec.max_len), jnp.float32))
     if per_layer:
@@ -244,6 +271,10 @@ def cached_forward(
     if scores is not None:
         scores = scores * spec.score_scale
     if taps:
-        return logits, scores, FlatCache(k=k_cache, v=v_cache), {"embed": h_embed, "layers": stacked_taps, "logits": logits}
+        return (
+            logits,
+            scores,
+            FlatCache(k=k_cache, v=v_cache),
+            {"embed": h_embed, "layers": stacked_taps, "logits": logits},
+        )
     return logits, scores, FlatCache(k=k_cache, v=v_cache)
-

@@ -12,9 +12,8 @@ that does not apply to the chosen method is an error rather than silently ignore
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
-
 import warnings
+from typing import Literal
 
 from dllm_jax.common.validate import check_bool, check_choice, check_float, check_int
 from dllm_jax.sampling.params import DEFAULT_GAMMA, DEFAULT_THRESHOLD
@@ -136,7 +135,9 @@ class DecodeConfig:
         if given:
             warnings.warn(
                 f"DecodeConfig({', '.join(f'{n}=...' for n in given)}): request defaults in DecodeConfig are "
-                "deprecated; set them per request in SamplingParams", DeprecationWarning, stacklevel=3,
+                "deprecated; set them per request in SamplingParams",
+                DeprecationWarning,
+                stacklevel=3,
             )
         check_int("seed", self.seed, _fail, low=0, high=MAX_SEED - 1, optional=True)
         put("temperature", check_float("temperature", self.temperature, _fail, low=0.0, optional=True))
@@ -152,11 +153,16 @@ class DecodeConfig:
         put("schedule", self._resolved_schedule())
         if self.method == "dream":
             if self.block_length not in (None, self.gen_length):
-                raise _fail(f"block_length={self.block_length} does not apply to method='dream' (the whole generation is one block)")
+                raise _fail(
+                    f"block_length={self.block_length} does not apply to method='dream' (the whole generation is one block)"
+                )
             if self.total_steps > self.gen_length:
                 raise _fail(f"steps={self.steps}: expected at most gen_length={self.gen_length}")
             put("alg", "entropy" if self.alg is None else check_choice("alg", self.alg, DREAM_ALGORITHMS, _fail))
-            put("eps", 1e-3 if self.eps is None else check_float("eps", self.eps, _fail, low=0.0, high=1.0, low_open=True))
+            put(
+                "eps",
+                1e-3 if self.eps is None else check_float("eps", self.eps, _fail, low=0.0, high=1.0, low_open=True),
+            )
             if self.eps == 1.0:
                 raise _fail("eps=1.0: expected a number in (0, 1) (the schedule runs from 1 down to eps)")
 
@@ -174,12 +180,16 @@ class DecodeConfig:
                 steps = self.total_steps
                 blocks = self.gen_length // W
                 if steps > self.gen_length or steps % blocks:
-                    raise _fail(f"steps={steps}: expected a multiple of the {blocks} blocks and at most gen_length={self.gen_length}")
+                    raise _fail(
+                        f"steps={steps}: expected a multiple of the {blocks} blocks and at most gen_length={self.gen_length}"
+                    )
         if self.verify:
             if self.method != "flash_cache":
                 raise _fail(f"verify=True is available with method='flash_cache', not {self.method!r}")
             put("gamma", check_float("gamma", self.gamma, _fail, low=0.0, high=1.0, low_open=True, optional=True))
-            put("accept", "cumprod" if self.accept is None else check_choice("accept", self.accept, ACCEPT_RULES, _fail))
+            put(
+                "accept", "cumprod" if self.accept is None else check_choice("accept", self.accept, ACCEPT_RULES, _fail)
+            )
             put("pin", "all_commits" if self.pin is None else check_choice("pin", self.pin, PIN_POLICIES, _fail))
             if self.window < 2:
                 raise _fail("verify needs a window of at least 2 positions")
@@ -188,7 +198,9 @@ class DecodeConfig:
         """The schedule, checked against the method, steps and the deprecated threshold."""
         only = {"llada": "fixed", "dream": "fixed", "flash_cache": "threshold"}.get(self.method)
         if self.threshold is not None and only == "fixed":
-            raise _fail(f"threshold does not apply to method={self.method!r} (it commits by its fixed schedule: set steps)")
+            raise _fail(
+                f"threshold does not apply to method={self.method!r} (it commits by its fixed schedule: set steps)"
+            )
         if self.method == "flash_cache" and self.steps is not None:
             raise _fail("steps does not apply to method='flash_cache' (it commits by threshold)")
         if only is not None:

@@ -28,16 +28,16 @@ import jax.numpy as jnp
 from flax import struct
 from jax.sharding import Mesh
 
-from dllm_jax.runtime.cached_forward import PassSpec, VerifyKeys, cached_forward
 from dllm_jax.models.config import ModelConfig
-from dllm_jax.runtime.flat_cache import FlatCache, allocate_cache
-from dllm_jax.runtime.kernel_routing import Kernels
 from dllm_jax.models.logit_alignment import predictor_positions, with_predictor_rows
 from dllm_jax.models.transformer import Weights
+from dllm_jax.runtime.cached_forward import PassSpec, VerifyKeys, cached_forward
+from dllm_jax.runtime.flat_cache import FlatCache, allocate_cache
+from dllm_jax.runtime.kernel_routing import Kernels
 from dllm_jax.runtime.policy import DecodePolicy
 from dllm_jax.runtime.sharding import CACHE_ROWS, DATA, REPLICATED, SLOTS, axis_size, per_data_shard
-from dllm_jax.sampling.samplers import all_finite, filter_top_p_top_k, guided_logits
 from dllm_jax.runtime.slots import ERROR_NON_FINITE, ERROR_STEP_LIMIT, Slots, SlotSampling, empty_slots, install
+from dllm_jax.sampling.samplers import all_finite, filter_top_p_top_k, guided_logits
 from pallas_kernels.sampling.top_p_top_k import apply_cutoff, top_p_top_k_cutoff
 
 
@@ -154,7 +154,9 @@ class DecodeLoop:
 
     # ----- state -------------------------------------------------------------------------
 
-    def init_state(self, prompts: jax.Array, lengths: jax.Array, sampling: SlotSampling, count: jax.Array) -> DecodeState:
+    def init_state(
+        self, prompts: jax.Array, lengths: jax.Array, sampling: SlotSampling, count: jax.Array
+    ) -> DecodeState:
         """Empty slots, a zero cache, the queue; the first requests are installed.
 
         prompts: int32 [Q, P_max]; lengths: int32 [Q]; sampling: SlotSampling [Q]; count: requests
@@ -166,7 +168,9 @@ class DecodeLoop:
         state = DecodeState(
             slots=empty_slots(self.num_slots, self.max_len),
             cache=allocate_cache(self.model, self.num_slots, self.max_len),
-            queue=RequestQueue(tokens=prompts, lengths=lengths, sampling=sampling, count=jnp.int32(count), next=jnp.int32(0)),
+            queue=RequestQueue(
+                tokens=prompts, lengths=lengths, sampling=sampling, count=jnp.int32(count), next=jnp.int32(0)
+            ),
             results=Results(
                 tokens=jnp.zeros((Q, self.gen_length), jnp.int32),
                 request=zeros,
@@ -228,15 +232,34 @@ class DecodeLoop:
             predictors, predictor_valid
         )
         logits, scores, cache, *pass_taps = cached_forward(
-            self.model, self._spec, weights, cache, lane.tokens, positions, row_valid,
-            safe_slot, lane.key_len, predictors, score_rows, taps=taps,
+            self.model,
+            self._spec,
+            weights,
+            cache,
+            lane.tokens,
+            positions,
+            row_valid,
+            safe_slot,
+            lane.key_len,
+            predictors,
+            score_rows,
+            taps=taps,
         )
         if self.cfg:
             # LLaDA's un_x: the prompt positions masked (prompt_index = the initial non-mask tokens)
             unconditional = jnp.where(positions < lane.prompt_len[:, None], self.model.mask_token_id, lane.tokens)
             uncond_logits, _, cache = cached_forward(
-                self.model, self._spec, weights, cache, unconditional, positions, row_valid,
-                safe_slot, lane.key_len, candidates, score_rows,
+                self.model,
+                self._spec,
+                weights,
+                cache,
+                unconditional,
+                positions,
+                row_valid,
+                safe_slot,
+                lane.key_len,
+                candidates,
+                score_rows,
             )
             logits = jax.vmap(guided_logits)(logits, uncond_logits, lane.sampling.cfg_scale).astype(logits.dtype)
         V = logits.shape[-1]
@@ -265,8 +288,18 @@ class DecodeLoop:
         candidate_rows = jnp.broadcast_to(jnp.arange(C, dtype=jnp.int32), (B, C))
         score_rows = row_valid & (jnp.arange(R) < C)[None, :]
         logits, scores, cache, *pass_taps = cached_forward(
-            self.model, self._spec, weights, cache, tokens, positions, row_valid,
-            None, slots.key_len, candidate_rows, score_rows, taps=taps,
+            self.model,
+            self._spec,
+            weights,
+            cache,
+            tokens,
+            positions,
+            row_valid,
+            None,
+            slots.key_len,
+            candidate_rows,
+            score_rows,
+            taps=taps,
         )
         if scores is None:
             scores = jnp.zeros((B, L), jnp.float32)
@@ -326,7 +359,9 @@ class DecodeLoop:
         state = state.replace(slots=slots, cache=cache, results=results, iteration=state.iteration + 1)
         return self._refill(state)
 
-    def _step_slots(self, weights, slots: Slots, cache: FlatCache, branch, any_sparse, any_ran) -> tuple[Slots, FlatCache]:
+    def _step_slots(
+        self, weights, slots: Slots, cache: FlatCache, branch, any_sparse, any_ran
+    ) -> tuple[Slots, FlatCache]:
         """One step of the active slots (of one data shard under a mesh): model passes, commits
         and Flash-Verify. The branch choices are made over all slots (see _step)."""
         run_full = slots.active & slots.needs_full
@@ -382,8 +417,17 @@ class DecodeLoop:
 
         def verify_pass(_):
             logits, _, _ = cached_forward(
-                self.model, spec, weights, cache, plan.tokens, plan.positions, plan.row_valid & ran[:, None],
-                None, new.key_len, plan.mask_rows, None,
+                self.model,
+                spec,
+                weights,
+                cache,
+                plan.tokens,
+                plan.positions,
+                plan.row_valid & ran[:, None],
+                None,
+                new.key_len,
+                plan.mask_rows,
+                None,
                 VerifyKeys(key_exclude=plan.key_exclude, extra_mask=plan.extra_mask),
             )
             return logits
@@ -397,6 +441,7 @@ class DecodeLoop:
     def _record(self, results: Results, slots: Slots, finished: jax.Array, iteration: jax.Array) -> Results:
         Q = results.tokens.shape[0]
         target = jnp.where(finished, slots.request % Q, Q)  # Q is out of range: dropped
+
         def answer(canvas):
             return jax.vmap(lambda t, p: jax.lax.dynamic_slice(t, (p,), (self.gen_length,)))(canvas, slots.prompt_len)
 

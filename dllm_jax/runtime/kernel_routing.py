@@ -112,7 +112,16 @@ def pallas_qkv_to_cache(config: ModelConfig, spec, stacked, x, positions, rows, 
 
     def project(x, wq, wk, wv, positions, rows, k_cache, v_cache, layer, biases):
         return qkv_rope_cache(
-            x, wq, wk, wv, positions, rows, k_cache, v_cache, layer, biases,
+            x,
+            wq,
+            wk,
+            wv,
+            positions,
+            rows,
+            k_cache,
+            v_cache,
+            layer,
+            biases,
             n_heads=config.n_heads // tensor,
             n_kv_heads=config.n_kv_heads // tensor,
             rope_theta=config.rope_theta,
@@ -122,8 +131,18 @@ def pallas_qkv_to_cache(config: ModelConfig, spec, stacked, x, positions, rows, 
     project = per_tensor_shard(
         project,
         spec.mesh,
-        in_specs=(REPLICATED, HEADS, HEADS, HEADS, REPLICATED, REPLICATED, HEADS, HEADS, REPLICATED,
-                  None if biases is None else (FLAT_HEADS,) * 3),
+        in_specs=(
+            REPLICATED,
+            HEADS,
+            HEADS,
+            HEADS,
+            REPLICATED,
+            REPLICATED,
+            HEADS,
+            HEADS,
+            REPLICATED,
+            None if biases is None else (FLAT_HEADS,) * 3,
+        ),
         out_specs=(FLAT_HEADS, HEADS, HEADS),
     )
     q, k_cache, v_cache = project(
@@ -158,7 +177,9 @@ def pallas_scatter_kv(spec, k_cache, v_cache, k, v, rows, layer):
     return scatter(k_cache, v_cache, k.reshape(n, -1), v.reshape(n, -1), rows.reshape(n), jnp.int32(layer))
 
 
-def pallas_layer_attention(config: ModelConfig, spec, q, k_cache, v_cache, layer, group_slot, key_len, score_rows, verify, extra_kv):
+def pallas_layer_attention(
+    config: ModelConfig, spec, q, k_cache, v_cache, layer, group_slot, key_len, score_rows, verify, extra_kv
+):
     """Attention of each group's rows over its slot's cache rows (plus verify's in-query keys)."""
     if spec.kernels.mosaic:
         from pallas_kernels.attention.cache_attention_tpu import cache_attention_tpu as cache_attention
@@ -188,7 +209,13 @@ def pallas_layer_attention(config: ModelConfig, spec, q, k_cache, v_cache, layer
 
     def attend(q, k_cache, v_cache, layer, slots, key_len, score_rows, key_exclude, extra):
         out, scores = cache_attention(
-            q, k_cache, v_cache, layer, slots, key_len, score_rows,
+            q,
+            k_cache,
+            v_cache,
+            layer,
+            slots,
+            key_len,
+            score_rows,
             n_heads=config.n_heads // tensor,
             n_kv_heads=config.n_kv_heads // tensor,
             max_len=spec.max_len,

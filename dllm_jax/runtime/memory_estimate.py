@@ -39,10 +39,10 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from dllm_jax.common.errors import GenerationError
+from dllm_jax.models.config import ModelConfig
 from dllm_jax.runtime.cached_forward import mlp_chunk_groups
 from dllm_jax.runtime.chunked_attention import default_block_k
-from dllm_jax.models.config import ModelConfig
-from dllm_jax.common.errors import GenerationError
 from dllm_jax.runtime.flat_cache import cache_bytes
 from dllm_jax.runtime.sharding import DATA, TENSOR, axis_size
 from dllm_jax.runtime.slots import zero_sampling
@@ -64,8 +64,18 @@ _SLOT_POSITION_BYTES = 20
 _SLOT_BYTES = 256
 _GIB = 2**30
 MEMORY_ENV = "DLLM_MEMORY_AVAILABLE"
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 class InsufficientMemoryError(GenerationError):
@@ -95,8 +105,13 @@ class MemoryEstimate:
     def describe(self) -> str:
         """e.g. 'weights 14.9 GiB, K/V cache 4.0 GiB, activations 1.2 GiB, logits 0.9 GiB, state 12.0 MiB'
         (the total counts the larger of activations and logits)."""
-        terms = [("weights", self.weights), ("K/V cache", self.cache), ("activations", self.activations),
-                 ("logits", self.logits), ("state", self.state)]
+        terms = [
+            ("weights", self.weights),
+            ("K/V cache", self.cache),
+            ("activations", self.activations),
+            ("logits", self.logits),
+            ("state", self.state),
+        ]
         return ", ".join(f"{name} {_gib(value)}" for name, value in terms)
 
 
@@ -168,9 +183,11 @@ def estimate_memory(
         cache=cache_bytes(config, num_slots, max_len) // (data * tensor),
         activations=activations,
         logits=logit_rows * config.vocab_size * (_LOGITS_COPIES * itemsize + _SAMPLER_F32_COPIES * 4),
-        state=(shard_slots * (max_len * _SLOT_POSITION_BYTES + _SLOT_BYTES)
-               # request ring: prompt and SlotSampling; result ring: tokens, commit_step, verified, counters
-               + queue_capacity * ((prompt_width + 2 * gen_length + 24) * 4 + gen_length)),
+        state=(
+            shard_slots * (max_len * _SLOT_POSITION_BYTES + _SLOT_BYTES)
+            # request ring: prompt and SlotSampling; result ring: tokens, commit_step, verified, counters
+            + queue_capacity * ((prompt_width + 2 * gen_length + 24) * 4 + gen_length)
+        ),
     )
 
 
@@ -208,7 +225,11 @@ def estimate_decode_loop(loop, *, queue_capacity: int, prompt_width: int) -> Mem
 
 
 def check_decode_loop(
-    loop, *, queue_capacity: int, prompt_width: int, memory: DeviceMemory | None = None,
+    loop,
+    *,
+    queue_capacity: int,
+    prompt_width: int,
+    memory: DeviceMemory | None = None,
     weights_resident: bool = True,
 ) -> MemoryEstimate:
     """check_memory for a DecodeLoop about to be compiled and run (the call the engine makes
@@ -219,8 +240,13 @@ def check_decode_loop(
     if memory is None:
         devices = axis_size(loop.mesh, DATA) * axis_size(loop.mesh, TENSOR)
         memory = device_memory(devices=devices)
-    return check_memory(loop.model, memory, num_slots=loop.num_slots, weights_resident=weights_resident,
-                        **_loop_shape(loop, queue_capacity, prompt_width))
+    return check_memory(
+        loop.model,
+        memory,
+        num_slots=loop.num_slots,
+        weights_resident=weights_resident,
+        **_loop_shape(loop, queue_capacity, prompt_width),
+    )
 
 
 def _nbytes(tree) -> int:
@@ -296,8 +322,12 @@ def _cgroup_available(root: Path) -> int | None:
     cannot be reclaimed (page cache of inactive files is given back under pressure)."""
     for limit_file, usage_file, stat_file, inactive in (
         (root / "memory.max", root / "memory.current", root / "memory.stat", "inactive_file"),
-        (root / "memory" / "memory.limit_in_bytes", root / "memory" / "memory.usage_in_bytes",
-         root / "memory" / "memory.stat", "total_inactive_file"),
+        (
+            root / "memory" / "memory.limit_in_bytes",
+            root / "memory" / "memory.usage_in_bytes",
+            root / "memory" / "memory.stat",
+            "total_inactive_file",
+        ),
     ):
         try:
             limit_text = limit_file.read_text().strip()
@@ -345,11 +375,15 @@ def check_memory(
     data = shape.get("data", 1)
     fitting = _largest_fitting_batch(config, memory, num_slots, data, weights_resident, margin, shape)
     if fitting:
-        advice = (f"lower the batch size to {fitting} or less, or the generation length or the longest prompt "
-                  "(the max model length)")
+        advice = (
+            f"lower the batch size to {fitting} or less, or the generation length or the longest prompt "
+            "(the max model length)"
+        )
     else:
-        advice = ("even one slot does not fit: lower the generation length or the longest prompt (the max "
-                  "model length), use bfloat16 or 8-bit weights, or spread the model over more devices")
+        advice = (
+            "even one slot does not fit: lower the generation length or the longest prompt (the max "
+            "model length), use bfloat16 or 8-bit weights, or spread the model over more devices"
+        )
     needed = _needed(estimate, memory, weights_resident)
     raise InsufficientMemoryError(
         f"batch size {num_slots} with {shape['max_len']} positions per slot needs about {_gib(needed)} more "

@@ -46,12 +46,18 @@ SLOT_FIELDS: tuple[tuple[str, type], ...] = _slot_fields()
 """(name, numpy dtype) of each per-slot value of a request, in leaf order: the SamplingParams knobs
 (dllm_jax.sampling.params.knob) and the ENGINE_VALUES after the knob each derives from."""
 
-SlotSampling = struct.dataclass(type("SlotSampling", (), {
-    "__module__": __name__,
-    "__annotations__": {name: "jax.Array" for name, _ in SLOT_FIELDS},
-    "__doc__": "One request's sampling values as the device holds them, one field per SLOT_FIELDS entry;\n"
-               "each leaf is one scalar per request: [B] in Slots, [Q] in the request ring.",
-}))
+SlotSampling = struct.dataclass(
+    type(
+        "SlotSampling",
+        (),
+        {
+            "__module__": __name__,
+            "__annotations__": {name: "jax.Array" for name, _ in SLOT_FIELDS},
+            "__doc__": "One request's sampling values as the device holds them, one field per SLOT_FIELDS entry;\n"
+            "each leaf is one scalar per request: [B] in Slots, [Q] in the request ring.",
+        },
+    )
+)
 
 
 def zero_sampling(shape: tuple[int, ...]) -> SlotSampling:

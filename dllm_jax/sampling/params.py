@@ -123,39 +123,72 @@ class SamplingParams:
 
     max_new_tokens: int | None = knob(None, np.int32, low=1, optional=True, flag=False)
     temperature: float = knob(0.0, np.float32, low=0.0, help="0 decodes greedily, > 0 samples (Gumbel-max)")
-    top_p: float = knob(1.0, np.float32, low=0.0, high=1.0, low_open=True,
-                        help="nucleus sampling: keep the smallest set of tokens of this total probability (1: off)")
+    top_p: float = knob(
+        1.0,
+        np.float32,
+        low=0.0,
+        high=1.0,
+        low_open=True,
+        help="nucleus sampling: keep the smallest set of tokens of this total probability (1: off)",
+    )
     top_k: int = knob(0, np.int32, low=0, server=True, help="sample among the k most likely tokens (0: off)")
     seed: int | None = knob(None, np.int32, low=0, high=MAX_SEED - 1, optional=True, flag=False)
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     threshold: float | None = knob(
-        None, np.float32, low=0.0, optional=True, server=True,
+        None,
+        np.float32,
+        low=0.0,
+        optional=True,
+        server=True,
         help=f"confidence threshold for parallel commits (fast_dllm, flash_cache); default: {DEFAULT_THRESHOLD} "
         "(llada and fast_dllm --steps commit a fixed number per step)",
         # a fixed schedule never reads it: 2.0 would commit one token per step
         unset=lambda decode: decode.default_threshold if _threshold_schedule(decode) else 2.0,
-        applies=(lambda decode, cfg: _threshold_schedule(decode),
-                 "does not apply to method={method} with schedule={schedule} (it commits a fixed number of tokens "
-                 "per step, set by steps); threshold commits are fast_dllm's and flash_cache's schedule='threshold'"),
+        applies=(
+            lambda decode, cfg: _threshold_schedule(decode),
+            "does not apply to method={method} with schedule={schedule} (it commits a fixed number of tokens "
+            "per step, set by steps); threshold commits are fast_dllm's and flash_cache's schedule='threshold'",
+        ),
     )
     gamma: float | None = knob(
-        None, np.float32, low=0.0, high=1.0, low_open=True, optional=True, server=True,
+        None,
+        np.float32,
+        low=0.0,
+        high=1.0,
+        low_open=True,
+        optional=True,
+        server=True,
         help=f"Flash-Verify's acceptance threshold; default: {DEFAULT_GAMMA}",
         unset=lambda decode: decode.default_gamma if decode.verify else 1.0,
         applies=(lambda decode, cfg: decode.verify, "applies only with verify=True (Flash-Verify)"),
     )
     cfg_scale: float = knob(
-        0.0, np.float32, low=0.0, server=True,
+        0.0,
+        np.float32,
+        low=0.0,
+        server=True,
         help="llada: classifier-free guidance scale (a second, unconditional pass per step; 0: off)",
-        applies=(lambda decode, cfg: cfg, "is available with method='llada' compiled with DecodeConfig(cfg=True) "
-                 "(a second, unconditional full pass per step), not {method} (cfg={cfg})"),
+        applies=(
+            lambda decode, cfg: cfg,
+            "is available with method='llada' compiled with DecodeConfig(cfg=True) "
+            "(a second, unconditional full pass per step), not {method} (cfg={cfg})",
+        ),
     )
-    remasking: str = knob("low_confidence", np.bool_, choices=REMASKING, slot_name="random_remasking",
-                          encode=lambda value: value == "random", server=True,
-                          help="which predictions commit first: the most confident, or random ones (LLaDA's options)")
+    remasking: str = knob(
+        "low_confidence",
+        np.bool_,
+        choices=REMASKING,
+        slot_name="random_remasking",
+        encode=lambda value: value == "random",
+        server=True,
+        help="which predictions commit first: the most confident, or random ones (LLaDA's options)",
+    )
     alg_temp: float = knob(
-        0.0, np.float32, low=0.0, server=True,
+        0.0,
+        np.float32,
+        low=0.0,
+        server=True,
         help="dream: 0 unmasks the most confident positions, > 0 draws them from softmax(confidence / alg_temp)",
         applies=(lambda decode, cfg: decode.method == "dream", "applies only to method='dream', not {method}"),
     )
@@ -179,7 +212,9 @@ class SamplingParams:
                 continue
             holds, why = spec.applies
             if not holds(decode, cfg):
-                return f"{name}={value} " + why.format(method=repr(decode.method), schedule=repr(decode.schedule), cfg=cfg)
+                return f"{name}={value} " + why.format(
+                    method=repr(decode.method), schedule=repr(decode.schedule), cfg=cfg
+                )
         return None
 
 

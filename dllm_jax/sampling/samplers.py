@@ -34,6 +34,7 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, rng: jax.Array) -> 
 
 # ----- the reference samplers' options (per slot values; shapes in each docstring) -------------
 
+
 def filter_top_p_top_k(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k: jax.Array) -> jax.Array:
     """Dream's top_p_logits then top_k_logits, on the logits a sampler at `temperature` sees.
 

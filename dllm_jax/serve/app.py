@@ -119,8 +119,9 @@ def create_app(
             prompts = body.prompts()
         except ValueError as e:
             raise APIError(400, str(e), param="prompt", code="invalid_value") from None
-        return await serving.respond(request, body, [serving.encode_text(p, i) for i, p in enumerate(prompts)],
-                                     chat=False)
+        return await serving.respond(
+            request, body, [serving.encode_text(p, i) for i, p in enumerate(prompts)], chat=False
+        )
 
     return app
 
@@ -128,8 +129,14 @@ def create_app(
 class _Serving:
     """The request handling behind the routes."""
 
-    def __init__(self, worker: EngineWorker, tokenizer, settings: ServerSettings, metrics: ServerMetrics,
-                 make_params: ParamsBuilder):
+    def __init__(
+        self,
+        worker: EngineWorker,
+        tokenizer,
+        settings: ServerSettings,
+        metrics: ServerMetrics,
+        make_params: ParamsBuilder,
+    ):
         self.worker = worker
         self.tokenizer = tokenizer
         self.settings = settings
@@ -137,15 +144,24 @@ class _Serving:
         self.make_params = make_params
 
     def model_card(self) -> dict:
-        return {"id": self.settings.model_name, "object": "model", "created": self.settings.created,
-                "owned_by": "dllm-jax", "max_model_len": self.settings.max_model_len,
-                "methods": list(self.worker.sessions)}
+        return {
+            "id": self.settings.model_name,
+            "object": "model",
+            "created": self.settings.created,
+            "owned_by": "dllm-jax",
+            "max_model_len": self.settings.max_model_len,
+            "methods": list(self.worker.sessions),
+        }
 
     def check_model(self, name: str, param: str | None = "model") -> None:
         if name != self.settings.model_name:
             self.metrics.errors.labels("unknown_model").inc()
-            raise APIError(404, f"the model '{name}' does not exist; this server serves '{self.settings.model_name}'",
-                           param=param, code="model_not_found")
+            raise APIError(
+                404,
+                f"the model '{name}' does not exist; this server serves '{self.settings.model_name}'",
+                param=param,
+                code="model_not_found",
+            )
 
     # ----- prompts -------------------------------------------------------------------------
 
@@ -164,8 +180,12 @@ class _Serving:
             return self._checked(self.tokenizer.encode(prompt), param)
         bad = [t for t in prompt if not 0 <= t < self.settings.vocab_size]
         if bad:
-            raise APIError(400, f"prompt[{index}] has token ids outside [0, {self.settings.vocab_size}): {bad[:5]}",
-                           param=param, code="invalid_value")
+            raise APIError(
+                400,
+                f"prompt[{index}] has token ids outside [0, {self.settings.vocab_size}): {bad[:5]}",
+                param=param,
+                code="invalid_value",
+            )
         return self._checked(list(prompt), param)
 
     def _checked(self, ids: list[int], param: str) -> list[int]:
@@ -176,7 +196,8 @@ class _Serving:
                 400,
                 f"the prompt has {len(ids)} tokens; this server accepts at most {limit} prompt tokens "
                 f"(max_model_len {self.settings.max_model_len} minus gen_length {self.settings.gen_length})",
-                param=param, code="context_length_exceeded",
+                param=param,
+                code="context_length_exceeded",
             )
         if not ids:
             raise APIError(400, "the prompt is empty", param=param, code="invalid_value")
@@ -188,15 +209,23 @@ class _Serving:
         asked = body.requested_max_tokens()
         G = self.settings.gen_length
         if asked is not None and asked > G:
-            raise APIError(400, f"max_tokens={asked} is more than this server generates per answer ({G})",
-                           param="max_tokens", code="invalid_value")
+            raise APIError(
+                400,
+                f"max_tokens={asked} is more than this server generates per answer ({G})",
+                param="max_tokens",
+                code="invalid_value",
+            )
         return G if asked is None else asked
 
     def _method(self, body: _Sampling) -> str:
         method = body.dllm.method or self.worker.default_method
         if method not in self.worker.sessions:
-            raise APIError(400, f"dllm.method={method!r}: this server runs {list(self.worker.sessions)}",
-                           param="dllm.method", code="invalid_value")
+            raise APIError(
+                400,
+                f"dllm.method={method!r}: this server runs {list(self.worker.sessions)}",
+                param="dllm.method",
+                code="invalid_value",
+            )
         return method
 
     async def respond(self, request: Request, body: _Sampling, prompts: list[list[int]], *, chat: bool):
@@ -214,10 +243,24 @@ class _Serving:
         try:
             for i, ids in enumerate(prompts):
                 handle = self.worker.submit(Work(f"{response_id}-{i}", method, ids, sampling, deadline))
-                text = StableText(self.tokenizer.decode, length, end_ids=self.settings.end_ids,
-                                  stops=body.stop_list, max_tokens=length)
-                runs.append(ChoiceRun(handle, text, i, token_text=self._token_text, canvas=body.dllm.canvas,
-                                      deadline=deadline, metrics=self.metrics))
+                text = StableText(
+                    self.tokenizer.decode,
+                    length,
+                    end_ids=self.settings.end_ids,
+                    stops=body.stop_list,
+                    max_tokens=length,
+                )
+                runs.append(
+                    ChoiceRun(
+                        handle,
+                        text,
+                        i,
+                        token_text=self._token_text,
+                        canvas=body.dllm.canvas,
+                        deadline=deadline,
+                        metrics=self.metrics,
+                    )
+                )
         except APIError:
             for run in runs:
                 run.handle.close()
@@ -225,8 +268,9 @@ class _Serving:
         head = {"id": response_id, "created": int(time.time()), "model": self.settings.model_name}
         if body.stream:
             chunks = self._stream(runs, head, chat=chat, include_usage=body.include_usage)
-            return StreamingResponse(chunks, media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return StreamingResponse(
+                chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            )
         return await self._complete(request, runs, head, chat=chat)
 
     def _token_text(self, token_id: int) -> str:
@@ -243,21 +287,43 @@ class _Serving:
                 self.metrics.errors.labels("disconnected").inc()
                 return {}
         if chat:
-            choices = [{"index": 0, "message": {"role": "assistant", "content": texts[0]},
-                        "finish_reason": runs[0].finish_reason, "logprobs": None}]
+            choices = [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": texts[0]},
+                    "finish_reason": runs[0].finish_reason,
+                    "logprobs": None,
+                }
+            ]
         else:
-            choices = [{"index": r.index, "text": texts[r.index], "finish_reason": r.finish_reason, "logprobs": None}
-                       for r in runs]
+            choices = [
+                {"index": r.index, "text": texts[r.index], "finish_reason": r.finish_reason, "logprobs": None}
+                for r in runs
+            ]
         stats = [r.stats for r in runs]
         kind = "chat.completion" if chat else "text_completion"
         return {**head, "object": kind, "choices": choices, "usage": usage(stats), "dllm": diffusion_stats(stats)}
 
-    async def _stream(self, runs: list[ChoiceRun], head: dict, *, chat: bool, include_usage: bool) -> AsyncIterator[str]:
+    async def _stream(
+        self, runs: list[ChoiceRun], head: dict, *, chat: bool, include_usage: bool
+    ) -> AsyncIterator[str]:
         kind = "chat.completion.chunk" if chat else "text_completion"
         try:
             if chat:
-                yield _sse({**head, "object": kind, "choices": [
-                    {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}]})
+                yield _sse(
+                    {
+                        **head,
+                        "object": kind,
+                        "choices": [
+                            {
+                                "index": 0,
+                                "delta": {"role": "assistant", "content": ""},
+                                "finish_reason": None,
+                                "logprobs": None,
+                            }
+                        ],
+                    }
+                )
             async for piece, received in _merged(runs):
                 chunk = {**head, "object": kind, "choices": [self._choice(piece, chat)]}
                 if piece.canvas is not None:
@@ -266,7 +332,9 @@ class _Serving:
                 yield _sse(chunk)
             if include_usage:
                 stats = [r.stats for r in runs]
-                yield _sse({**head, "object": kind, "choices": [], "usage": usage(stats), "dllm": diffusion_stats(stats)})
+                yield _sse(
+                    {**head, "object": kind, "choices": [], "usage": usage(stats), "dllm": diffusion_stats(stats)}
+                )
         except APIError as e:
             self.metrics.errors.labels(e.code or "error").inc()
             yield _sse(e.body())
@@ -278,8 +346,12 @@ class _Serving:
     @staticmethod
     def _choice(piece: Piece, chat: bool) -> dict:
         if chat:
-            return {"index": piece.index, "delta": {"content": piece.text}, "finish_reason": piece.finish_reason,
-                    "logprobs": None}
+            return {
+                "index": piece.index,
+                "delta": {"content": piece.text},
+                "finish_reason": piece.finish_reason,
+                "logprobs": None,
+            }
         return {"index": piece.index, "text": piece.text, "finish_reason": piece.finish_reason, "logprobs": None}
 
 

@@ -57,8 +57,13 @@ def decode_config(spec: str, options: ServeOptions) -> DecodeConfig:
         raise ValueError(f"method {spec!r}: expected one of {METHOD_SPECS}")
     method, _, extra = spec.partition("+")
     verify = extra == "verify"
-    return DecodeConfig(method=method, gen_length=options.gen_length, batch_size=options.batch_size,
-                        verify=verify, block_length=options.block_length)
+    return DecodeConfig(
+        method=method,
+        gen_length=options.gen_length,
+        batch_size=options.batch_size,
+        verify=verify,
+        block_length=options.block_length,
+    )
 
 
 def request_defaults(decode_config: DecodeConfig, options: ServeOptions) -> dict[str, Any]:
@@ -80,14 +85,21 @@ def assemble(engine: Engine, tokenizer: Any, options: ServeOptions) -> Server:
         raise ValueError(f"max_model_len={max_model_len}: expected 1 to the model's {limit}")
     max_prompt = max_model_len - options.gen_length
     if max_prompt < 1:
-        raise ValueError(f"gen_length={options.gen_length} leaves no room for a prompt in max_model_len={max_model_len}")
+        raise ValueError(
+            f"gen_length={options.gen_length} leaves no room for a prompt in max_model_len={max_model_len}"
+        )
     configs = {spec: decode_config(spec, options) for spec in options.methods}
     metrics = ServerMetrics()
     sessions = {}
     start = time.perf_counter()
     for spec, decode in configs.items():
-        log.info("compiling %s (%d slots, gen_length %d, prompts up to %d tokens)", spec, options.batch_size,
-                 options.gen_length, max_prompt)
+        log.info(
+            "compiling %s (%d slots, gen_length %d, prompts up to %d tokens)",
+            spec,
+            options.batch_size,
+            options.gen_length,
+            max_prompt,
+        )
         # Engine.compile checks the loop's memory against the device's before compiling it
         session = engine.session(decode, max_prompt_len=max_prompt, stream=True)
         memory = session.compiled.memory
@@ -109,11 +121,13 @@ def assemble(engine: Engine, tokenizer: Any, options: ServeOptions) -> Server:
         api_key=options.api_key,
         max_body_bytes=options.max_body_bytes,
     )
-    worker = EngineWorker(sessions, metrics, max_waiting=options.max_waiting,
-                          max_iterations=options.iterations_per_call)
+    worker = EngineWorker(
+        sessions, metrics, max_waiting=options.max_waiting, max_iterations=options.iterations_per_call
+    )
     defaults = {spec: request_defaults(config, options) for spec, config in configs.items()}
-    app = create_app(worker, tokenizer, settings, metrics,
-                     lambda body, length, method: make_params(body, length, defaults[method]))
+    app = create_app(
+        worker, tokenizer, settings, metrics, lambda body, length, method: make_params(body, length, defaults[method])
+    )
     return Server(app, worker, metrics, settings, warmup)
 
 

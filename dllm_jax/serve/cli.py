@@ -34,37 +34,66 @@ class UsageError(ValueError):
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="dllm-serve", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", help="Hugging Face LLaDA or Dream folder, converted checkpoint, or an embedded tiny model "
-                   "(tiny-llada, tiny-dream; default: tiny-llada)")
+    p.add_argument(
+        "--model",
+        help="Hugging Face LLaDA or Dream folder, converted checkpoint, or an embedded tiny model "
+        "(tiny-llada, tiny-dream; default: tiny-llada)",
+    )
     p.add_argument("--served-model-name", help="the name clients send as 'model' (default: the folder's name)")
-    p.add_argument("--method", action="append", choices=METHOD_SPECS,
-                   help="decoding method; repeat to serve several (clients pick one with dllm.method; "
-                        "the first is the default). Default: flash_cache")
+    p.add_argument(
+        "--method",
+        action="append",
+        choices=METHOD_SPECS,
+        help="decoding method; repeat to serve several (clients pick one with dllm.method; "
+        "the first is the default). Default: flash_cache",
+    )
     p.add_argument("--batch-size", type=int, default=8, help="decode slots per method (default 8)")
-    p.add_argument("--gen-length", type=int, help="answer positions, the largest max_tokens (default: 64 for a model "
-                   "of at most 512 positions, else 256)")
+    p.add_argument(
+        "--gen-length",
+        type=int,
+        help="answer positions, the largest max_tokens (default: 64 for a model of at most 512 positions, else 256)",
+    )
     p.add_argument("--max-model-len", type=int, help="prompt + answer positions (default: the model's)")
     p.add_argument("--threshold", type=float, help="default confidence threshold (default: the method's)")
-    p.add_argument("--gamma", type=float, help="default Flash-Verify threshold of +verify methods (default: the engine's)")
+    p.add_argument(
+        "--gamma", type=float, help="default Flash-Verify threshold of +verify methods (default: the engine's)"
+    )
     p.add_argument("--block-length", type=int, help="block / window length (default: the method's)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
-    p.add_argument("--api-key", default=os.environ.get("DLLM_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: $DLLM_API_KEY)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("DLLM_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: $DLLM_API_KEY)",
+    )
     p.add_argument("--max-waiting", type=int, default=256, help="requests waiting for a slot before 429 (default 256)")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may take (default 600)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit (default 1 MiB)")
-    p.add_argument("--iterations-per-call", type=int, default=1,
-                   help="loop iterations per device call (1: every step is streamed as it happens; default 1)")
-    p.add_argument("--shutdown-grace", type=float, default=30.0,
-                   help="seconds running requests may finish after SIGTERM (default 30)")
+    p.add_argument(
+        "--iterations-per-call",
+        type=int,
+        default=1,
+        help="loop iterations per device call (1: every step is streamed as it happens; default 1)",
+    )
+    p.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=30.0,
+        help="seconds running requests may finish after SIGTERM (default 30)",
+    )
     p.add_argument("--dtype", choices=("bfloat16", "float32"), help="default: float32 on the CPU, else bfloat16")
-    p.add_argument("--quantization", choices=QUANTIZATIONS,
-                   help="8-bit block projections and an int8 embedding (fp8: W8A8, int8-weights: weight-only); "
-                        "default: as the checkpoint stores them")
+    p.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        help="8-bit block projections and an int8 embedding (fp8: W8A8, int8-weights: weight-only); "
+        "default: as the checkpoint stores them",
+    )
     p.add_argument("--backend", choices=("auto", "xla", "pallas"), default="auto", help="kernels (default auto)")
-    p.add_argument("--batch-invariant", action="store_true",
-                   help="answers independent of the load (and, with XLA's deterministic ops, of the run); slower")
+    p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="answers independent of the load (and, with XLA's deterministic ops, of the run); slower",
+    )
     p.add_argument("--port-file", type=Path, help="write the bound port here once serving (for scripts and tests)")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info", help="default info")
     return p.parse_args(argv)
@@ -94,17 +123,22 @@ def build(args: argparse.Namespace):
         os.environ["XLA_FLAGS"] = deterministic_xla_flags()  # before JAX starts its backend
     import jax
 
+    from dllm_jax.engine.engine import Engine
     from dllm_jax.models.embedded import model_folder, tiny_model_path
     from dllm_jax.runtime.decode_config import DecodeConfigError
-    from dllm_jax.engine.engine import Engine
     from dllm_jax.serve.assemble import ServeOptions, assemble
 
     path = model_folder(args.model) if args.model else tiny_model_path()
     if not path.is_dir():
         raise UsageError(f"--model {path}: not a folder")
     dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
-    engine = Engine.from_pretrained(str(path), dtype=dtype, quantization=args.quantization, backend=args.backend,
-                                    batch_invariant=args.batch_invariant)
+    engine = Engine.from_pretrained(
+        str(path),
+        dtype=dtype,
+        quantization=args.quantization,
+        backend=args.backend,
+        batch_invariant=args.batch_invariant,
+    )
     if engine.tokenizer is None:
         raise UsageError(f"--model {path}: the folder has no tokenizer files; the server needs them")
     limit = engine.config.max_sequence_length
@@ -142,16 +176,27 @@ def serve(server, args: argparse.Namespace) -> None:
                 self.draining = True
                 log.info("signal %s: finishing running requests (up to %.0f s), then exiting", sig, args.shutdown_grace)
                 server.worker.stop_accepting()
-                timer = threading.Timer(args.shutdown_grace, server.worker.stop,
-                                        kwargs={"reason": "the server shut down before this request finished"})
+                timer = threading.Timer(
+                    args.shutdown_grace,
+                    server.worker.stop,
+                    kwargs={"reason": "the server shut down before this request finished"},
+                )
                 timer.daemon = True
                 timer.start()
             super().handle_exit(sig, frame)
 
-    config = uvicorn.Config(server.app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                            timeout_graceful_shutdown=int(args.shutdown_grace) + 5, lifespan="on")
+    config = uvicorn.Config(
+        server.app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=int(args.shutdown_grace) + 5,
+        lifespan="on",
+    )
     uv = Server(config)
     if args.port_file is not None:
+
         def report_port():
             while not uv.started and not uv.should_exit:
                 time.sleep(0.05)
@@ -160,6 +205,7 @@ def serve(server, args: argparse.Namespace) -> None:
                 tmp = args.port_file.with_name(f".{args.port_file.name}.{uuid.uuid4().hex}")
                 tmp.write_text(str(port))
                 tmp.replace(args.port_file)
+
         threading.Thread(target=report_port, daemon=True).start()
     uv.run()
 

@@ -73,8 +73,11 @@ def validation_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
     first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
     if first.get("type") == "json_invalid":
-        return APIError(400, f"the request body is not valid JSON ({first.get('ctx', {}).get('error', 'parse error')})",
-                        code="invalid_json")
+        return APIError(
+            400,
+            f"the request body is not valid JSON ({first.get('ctx', {}).get('error', 'parse error')})",
+            code="invalid_json",
+        )
     field = _location(tuple(first.get("loc", ())))
     kind = first.get("type", "")
     msg = first.get("msg", "invalid value").removeprefix("Value error, ")
@@ -86,8 +89,9 @@ def validation_error(exc: RequestValidationError) -> APIError:
         # model validators: the message names the field itself
         return APIError(400, msg, code="invalid_value")
     if kind == "model_attributes_type" or kind == "dict_type":
-        return APIError(400, f"{field or 'the request body'}: expected a JSON object", param=field or None,
-                        code="invalid_type")
+        return APIError(
+            400, f"{field or 'the request body'}: expected a JSON object", param=field or None, code="invalid_type"
+        )
     return APIError(400, f"{field}: {msg}", param=field, code="invalid_value")
 
 
@@ -108,7 +112,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
-        message = {404: f"no route {request.url.path}", 405: f"method {request.method} not allowed on {request.url.path}"}
+        message = {
+            404: f"no route {request.url.path}",
+            405: f"method {request.method} not allowed on {request.url.path}",
+        }
         return APIError(exc.status_code, message.get(exc.status_code, str(exc.detail))).response()
 
     @app.exception_handler(Exception)

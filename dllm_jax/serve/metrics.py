@@ -22,38 +22,53 @@ class ServerMetrics:
         self.slots_busy = Gauge("dllm_slots_busy", "Decode slots holding a request", registry=r)
         self.slots_total = Gauge("dllm_slots_total", "Decode slots of the engine", registry=r)
         self.requests = Counter("dllm_requests", "Requests answered, by finish reason", ["finish_reason"], registry=r)
-        self.cancelled = Counter("dllm_requests_cancelled", "Requests abandoned before their end (client gone, stop "
-                                 "string or max_tokens reached early, deadline)", registry=r)
+        self.cancelled = Counter(
+            "dllm_requests_cancelled",
+            "Requests abandoned before their end (client gone, stop string or max_tokens reached early, deadline)",
+            registry=r,
+        )
         self.errors = Counter("dllm_errors", "Requests failed, by kind", ["kind"], registry=r)
         self.tokens_generated = Counter("dllm_tokens_generated", "Completion tokens returned", registry=r)
         self.prompt_tokens = Counter("dllm_prompt_tokens", "Prompt tokens of answered requests", registry=r)
         self.steps = Counter("dllm_steps", "Denoising steps of answered requests", registry=r)
         self.loop_iterations = Counter("dllm_loop_iterations", "Decode loop iterations run", registry=r)
         self.tokens_per_step = Histogram(
-            "dllm_tokens_per_step", "Tokens per denoising step of each answered request",
-            buckets=_TOKENS_PER_STEP_BUCKETS, registry=r,
+            "dllm_tokens_per_step",
+            "Tokens per denoising step of each answered request",
+            buckets=_TOKENS_PER_STEP_BUCKETS,
+            registry=r,
         )
         self.step_seconds = Histogram(
-            "dllm_step_seconds", "Wall time of one decode loop iteration (device call / iterations)",
-            buckets=_LATENCY_BUCKETS, registry=r,
+            "dllm_step_seconds",
+            "Wall time of one decode loop iteration (device call / iterations)",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.queue_wait_seconds = Histogram(
             "dllm_queue_wait_seconds", "Time from arrival to the first step", buckets=_LATENCY_BUCKETS, registry=r
         )
         self.first_text_seconds = Histogram(
-            "dllm_time_to_first_text_seconds", "Time from arrival to the first stable text",
-            buckets=_LATENCY_BUCKETS, registry=r,
+            "dllm_time_to_first_text_seconds",
+            "Time from arrival to the first stable text",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.answer_seconds = Histogram(
-            "dllm_time_to_answer_seconds", "Time from arrival to the complete answer", buckets=_LATENCY_BUCKETS, registry=r
+            "dllm_time_to_answer_seconds",
+            "Time from arrival to the complete answer",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.commit_to_chunk_seconds = Histogram(
-            "dllm_commit_to_chunk_seconds", "Time from the loop call that returned a commit to its chunk being sent",
-            buckets=_LATENCY_BUCKETS, registry=r,
+            "dllm_commit_to_chunk_seconds",
+            "Time from the loop call that returned a commit to its chunk being sent",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.warmup_seconds = Gauge("dllm_warmup_seconds", "Compile time of the warm-up at start", registry=r)
         self.compilations_after_warmup = Gauge(
-            "dllm_compilations_after_warmup", "XLA compilations since the warm-up ended (0 when every loop was warmed up)",
+            "dllm_compilations_after_warmup",
+            "XLA compilations since the warm-up ended (0 when every loop was warmed up)",
             registry=r,
         )
 

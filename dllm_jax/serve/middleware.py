@@ -39,8 +39,11 @@ class GuardMiddleware:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         if self.api_key is not None and scope["path"] not in PUBLIC_PATHS:
             if not bearer_token_matches(headers.get("authorization"), self.api_key):
-                message = "missing API key (send Authorization: Bearer KEY)" if "authorization" not in headers \
+                message = (
+                    "missing API key (send Authorization: Bearer KEY)"
+                    if "authorization" not in headers
                     else "invalid API key"
+                )
                 await APIError(401, message, code="invalid_api_key").response()(scope, receive, send)
                 return
         limit = self.max_body_bytes
@@ -73,6 +76,9 @@ class GuardMiddleware:
         await self.app(scope, replay, send)
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
-        error = APIError(413, f"the request body is larger than this server's limit of {self.max_body_bytes} bytes",
-                         code="body_too_large")
+        error = APIError(
+            413,
+            f"the request body is larger than this server's limit of {self.max_body_bytes} bytes",
+            code="body_too_large",
+        )
         await error.response()(scope, receive, send)

@@ -26,8 +26,10 @@ def _knob_type(spec: Knob) -> Any:
         low = -INT32_MAX - 1 if spec.low is None else spec.low
         high = INT32_MAX if spec.high is None else spec.high
         return Annotated[StrictInt, Field(ge=low, le=high)]
-    bounds = {"gt" if spec.low_open else "ge": -FLOAT32_MAX if spec.low is None else spec.low,
-              "le": FLOAT32_MAX if spec.high is None else spec.high}
+    bounds = {
+        "gt" if spec.low_open else "ge": -FLOAT32_MAX if spec.low is None else spec.low,
+        "le": FLOAT32_MAX if spec.high is None else spec.high,
+    }
     return Annotated[StrictFloat, Field(allow_inf_nan=False, **bounds)]
 
 

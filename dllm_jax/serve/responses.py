@@ -12,12 +12,12 @@ import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 
+from dllm_jax.engine.results import GenerationResult
+from dllm_jax.engine.session import StepCommits
 from dllm_jax.serve.errors import APIError
 from dllm_jax.serve.metrics import ServerMetrics
 from dllm_jax.serve.stable_text import StableText
-from dllm_jax.engine.results import GenerationResult
 from dllm_jax.serve.worker import RequestHandle
-from dllm_jax.engine.session import StepCommits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,8 +48,17 @@ class ChoiceRun:
     token_text: one token id -> its text (for canvas commits); canvas: stream the canvas;
     deadline: time.monotonic() after which waiting stops (the worker expires it first)."""
 
-    def __init__(self, handle: RequestHandle, text: StableText, index: int, *, token_text: Callable[[int], str],
-                 canvas: bool, deadline: float, metrics: ServerMetrics):
+    def __init__(
+        self,
+        handle: RequestHandle,
+        text: StableText,
+        index: int,
+        *,
+        token_text: Callable[[int], str],
+        canvas: bool,
+        deadline: float,
+        metrics: ServerMetrics,
+    ):
         self.handle = handle
         self.text = text
         self.index = index
@@ -72,7 +81,9 @@ class ChoiceRun:
                 event = await self.handle.next_event(timeout=max(wait, 0.0))
                 if event is None:
                     if time.monotonic() > self.deadline + 5.0:
-                        raise APIError(504, "the request's deadline passed before it finished", code="deadline_exceeded")
+                        raise APIError(
+                            504, "the request's deadline passed before it finished", code="deadline_exceeded"
+                        )
                     if poll is not None and await poll():
                         return
                     continue

@@ -126,7 +126,7 @@ class StableText:
     def _emit(self, text: str, reason: str | None) -> TextDelta:
         # append-only: text that disagrees with what was sent (a tokenizer that rewrites a
         # decoded prefix) is held until it agrees again
-        new = text[len(self.emitted):] if text.startswith(self.emitted) else ""
+        new = text[len(self.emitted) :] if text.startswith(self.emitted) else ""
         self.emitted += new
         self.finish_reason = reason
         return TextDelta(new, reason)

@@ -93,7 +93,7 @@ class RequestHandle:
         """The next event, or None after `timeout` seconds without one."""
         try:
             return await asyncio.wait_for(self._events.get(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return None
 
     def close(self) -> None:
@@ -114,8 +114,14 @@ class EngineWorker:
         steps after its commit; 1 = every step).
     """
 
-    def __init__(self, sessions: Mapping[str, Session], metrics: ServerMetrics, *, max_waiting: int = 256,
-                 max_iterations: int = 1):
+    def __init__(
+        self,
+        sessions: Mapping[str, Session],
+        metrics: ServerMetrics,
+        *,
+        max_waiting: int = 256,
+        max_iterations: int = 1,
+    ):
         if not sessions:
             raise ValueError("no sessions")
         self.sessions = dict(sessions)
@@ -156,13 +162,21 @@ class EngineWorker:
         handle = RequestHandle(self, work, asyncio.get_running_loop())
         with self._lock:
             if not self._accepting or self.failure is not None:
-                raise APIError(503, "the server is shutting down" if self.failure is None else
-                               "the engine has failed; restart the server", code="unavailable")
+                raise APIError(
+                    503,
+                    "the server is shutting down"
+                    if self.failure is None
+                    else "the engine has failed; restart the server",
+                    code="unavailable",
+                )
             # beyond the slots, at most max_waiting requests wait
             if len(self._live) - self._num_slots >= self.max_waiting:
                 self.metrics.errors.labels("queue_full").inc()
-                raise APIError(429, f"too many requests waiting (the server's limit is {self.max_waiting}); retry later",
-                               code="queue_full")
+                raise APIError(
+                    429,
+                    f"too many requests waiting (the server's limit is {self.max_waiting}); retry later",
+                    code="queue_full",
+                )
             if work.request_id in self._live:
                 raise APIError(400, f"request id {work.request_id} is already in use", code="duplicate_id")
             self._waiting += 1
@@ -207,8 +221,7 @@ class EngineWorker:
         try:
             while True:
                 with self._lock:
-                    while (self._stopping is None and not self._inbox and not self._aborts
-                           and not self._in_engine):
+                    while self._stopping is None and not self._inbox and not self._aborts and not self._in_engine:
                         self._wake.wait(timeout=0.5)
                     if self._stopping is not None:
                         break
@@ -237,7 +250,9 @@ class EngineWorker:
                 self.sessions[work.method].add(work.request_id, work.prompt_ids, work.sampling)
             except Exception as e:  # a request the session refuses fails alone
                 self.metrics.errors.labels("rejected").inc()
-                handle.deliver(Event(error=APIError(400, f"request rejected by the engine: {e}", code="invalid_request")))
+                handle.deliver(
+                    Event(error=APIError(400, f"request rejected by the engine: {e}", code="invalid_request"))
+                )
                 continue
             self._in_engine[work.request_id] = handle
 
@@ -254,11 +269,12 @@ class EngineWorker:
         expired = [h for h in self._in_engine.values() if h.work.deadline <= now]
         for handle in expired:
             self.metrics.errors.labels("deadline").inc()
-            self._abort([(handle, APIError(504, "the request's deadline passed before it finished",
-                                           code="deadline_exceeded"))])
+            self._abort(
+                [(handle, APIError(504, "the request's deadline passed before it finished", code="deadline_exceeded"))]
+            )
 
     def _step_sessions(self) -> None:
-        for method, session in self.sessions.items():
+        for session in self.sessions.values():
             if not (session.num_running or session.num_waiting):
                 continue
             start = time.perf_counter()

@@ -29,7 +29,9 @@ def _check_unicode(text: str, what: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise TokenizerError(f"{what}not valid Unicode text: {e.reason} at character {e.start} ({text[e.start:e.end]!r})") from None
+        raise TokenizerError(
+            f"{what}not valid Unicode text: {e.reason} at character {e.start} ({text[e.start : e.end]!r})"
+        ) from None
 
 
 class Tokenizer:
@@ -85,12 +87,20 @@ class Tokenizer:
         if not self.has_chat_template:
             raise TokenizerError("the tokenizer has no chat template; encode the prompt with chat=False")
         if isinstance(messages, (str, Mapping)) or not isinstance(messages, Sequence) or not messages:
-            raise TokenizerError(f"messages: expected a non-empty list of {{'role', 'content'}} dicts, got {type(messages).__name__}")
+            raise TokenizerError(
+                f"messages: expected a non-empty list of {{'role', 'content'}} dicts, got {type(messages).__name__}"
+            )
         for i, message in enumerate(messages):
-            if not isinstance(message, Mapping) or not all(isinstance(message.get(k), str) for k in ("role", "content")):
-                raise TokenizerError(f"message {i}: expected a dict with 'role' and 'content' strings, got {message!r:.80}")
+            if not isinstance(message, Mapping) or not all(
+                isinstance(message.get(k), str) for k in ("role", "content")
+            ):
+                raise TokenizerError(
+                    f"message {i}: expected a dict with 'role' and 'content' strings, got {message!r:.80}"
+                )
         try:
-            return self._tok.apply_chat_template([dict(m) for m in messages], tokenize=False, add_generation_prompt=True)
+            return self._tok.apply_chat_template(
+                [dict(m) for m in messages], tokenize=False, add_generation_prompt=True
+            )
         except Exception as e:  # jinja2 errors raised by the template itself (raise_exception)
             raise TokenizerError(f"the chat template rejects these messages ({type(e).__name__}: {e})") from None
 

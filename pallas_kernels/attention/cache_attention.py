@@ -42,8 +42,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.attention.reference import dense_attention
 from pallas_kernels.attention.cache_attention_kernel import KernelLayout, active_splits, attention_kernel
+from pallas_kernels.attention.reference import dense_attention
 from pallas_kernels.common import (
     NUM_SMS,
     as_bool,
@@ -101,7 +101,9 @@ def default_attention_block_sizes(
     splits = 1
     while programs * splits < NUM_SMS and max_len // (2 * splits) >= 128:
         splits *= 2
-    return AttentionBlockSizes(block_q, 64, splits, num_warps=8 if block_q >= 64 else 4, num_stages=3 if block_q >= 64 else 2)
+    return AttentionBlockSizes(
+        block_q, 64, splits, num_warps=8 if block_q >= 64 else 4, num_stages=3 if block_q >= 64 else 2
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,8 +116,9 @@ class _Args:
     head_dim: int
 
 
-def _check_args(q, k_cache, v_cache, layer, group_slot, key_len, score_rows, n_heads, n_kv_heads,
-                max_len, key_exclude, extra) -> _Args:
+def _check_args(
+    q, k_cache, v_cache, layer, group_slot, key_len, score_rows, n_heads, n_kv_heads, max_len, key_exclude, extra
+) -> _Args:
     check_float("q", q)
     if q.ndim != 3:
         raise ValueError(f"q.shape={q.shape}: expected [S, R, H*Dh]")
@@ -123,8 +126,10 @@ def _check_args(q, k_cache, v_cache, layer, group_slot, key_len, score_rows, n_h
     if not isinstance(n_heads, int) or not isinstance(n_kv_heads, int) or n_heads <= 0 or n_kv_heads <= 0:
         raise ValueError(f"n_heads={n_heads!r}, n_kv_heads={n_kv_heads!r}: expected positive ints")
     if n_heads % n_kv_heads or width % n_heads:
-        raise ValueError(f"q.shape={q.shape}, n_heads={n_heads}, n_kv_heads={n_kv_heads}: expected "
-                         "H*Dh columns with H a multiple of KVH")
+        raise ValueError(
+            f"q.shape={q.shape}, n_heads={n_heads}, n_kv_heads={n_kv_heads}: expected "
+            "H*Dh columns with H a multiple of KVH"
+        )
     head_dim = width // n_heads
     kv_width = n_kv_heads * head_dim
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -233,8 +238,9 @@ def cache_attention(
       value) and scores float32 [S, max_len]: scores[s, j] = sum over score rows r and heads h
       of q[s, r, h] . k[slot * max_len + j, h // G] (raw, unscaled) for visible keys, else 0.
     """
-    args = _check_args(q, k_cache, v_cache, layer, group_slot, key_len, score_rows, n_heads, n_kv_heads,
-                       max_len, key_exclude, extra)
+    args = _check_args(
+        q, k_cache, v_cache, layer, group_slot, key_len, score_rows, n_heads, n_kv_heads, max_len, key_exclude, extra
+    )
     n_groups, n_rows, _ = q.shape
     group = n_heads // n_kv_heads
     blocks = block_sizes or default_attention_block_sizes(n_groups, n_rows, n_heads, n_kv_heads, max_len)
@@ -254,9 +260,17 @@ def cache_attention(
     n_splits = min(blocks.num_splits, cdiv(max_len, 2 * blocks.block_k))
     extra_width = 0 if extra is None else max(16, next_power_of_two(extra[0].shape[1]))
     lay = KernelLayout(
-        group=group, head_dim=args.head_dim, block_q=block_q, block_k=blocks.block_k, q_tiles=q_tiles,
-        n_splits=n_splits, max_len=max_len, split_output=n_splits > 1, scores=score_rows is not None,
-        exclude=key_exclude is not None, extra_width=extra_width,
+        group=group,
+        head_dim=args.head_dim,
+        block_q=block_q,
+        block_k=blocks.block_k,
+        q_tiles=q_tiles,
+        n_splits=n_splits,
+        max_len=max_len,
+        split_output=n_splits > 1,
+        scores=score_rows is not None,
+        exclude=key_exclude is not None,
+        extra_width=extra_width,
     )
 
     inputs = [args.layer.reshape(1), args.group_slot, args.key_len, q, k_cache, v_cache]
@@ -320,8 +334,9 @@ def cache_attention_reference(
     and the score from materialised raw logits. ``interpret`` and ``block_sizes`` are accepted
     for signature parity and ignored."""
     del interpret, block_sizes
-    args = _check_args(q, k_cache, v_cache, layer, group_slot, key_len, score_rows, n_heads, n_kv_heads,
-                       max_len, key_exclude, extra)
+    args = _check_args(
+        q, k_cache, v_cache, layer, group_slot, key_len, score_rows, n_heads, n_kv_heads, max_len, key_exclude, extra
+    )
     n_groups, n_rows, _ = q.shape
     head_dim = args.head_dim
     positions = jnp.arange(max_len)

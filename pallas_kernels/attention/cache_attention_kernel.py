@@ -19,9 +19,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import dot_t
 from pallas_kernels.attention.online_softmax import initial_state, online_softmax_weights
 from pallas_kernels.attention.reference import MASKED_LOGIT
+from pallas_kernels.common import dot_t
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,9 +37,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.common import cdiv, dot_t
 from pallas_kernels.attention.cache_attention import _STATIC, Extra, _check_args
 from pallas_kernels.attention.reference import MASKED_LOGIT
+from pallas_kernels.common import cdiv, dot_t
 
 ROW_PADDING = 16  # bf16 packs 16 rows per (8, 128) tile
 MAX_BLOCK_Q = 512
@@ -188,8 +188,9 @@ def cache_attention_tpu(
     v_extra [S, R2, KVH*Dh], extra_mask bool [S, R, R2]). Returns out [S, R, H*Dh] in q.dtype
     and scores float32 [S, max_len]. block_sizes: ``TpuBlockSizes`` (None: defaults).
     """
-    args = _check_args(q, k_cache, v_cache, layer, group_slot, key_len, score_rows, n_heads, n_kv_heads,
-                       max_len, key_exclude, extra)
+    args = _check_args(
+        q, k_cache, v_cache, layer, group_slot, key_len, score_rows, n_heads, n_kv_heads, max_len, key_exclude, extra
+    )
     blocks = block_sizes or TpuBlockSizes()
     n_groups, n_rows, width = q.shape
     head_dim, group = args.head_dim, n_heads // n_kv_heads
@@ -205,13 +206,23 @@ def cache_attention_tpu(
 
     def per_kv_head(x):
         """[S, R, H*Dh] -> [S, KVH, tiled rows, Dh], row f = g * Rp + r."""
-        x = jnp.pad(x.reshape(n_groups, n_rows, n_kv_heads, group, -1), ((0, 0), (0, padded_rows - n_rows), (0, 0), (0, 0), (0, 0)))
+        x = jnp.pad(
+            x.reshape(n_groups, n_rows, n_kv_heads, group, -1),
+            ((0, 0), (0, padded_rows - n_rows), (0, 0), (0, 0), (0, 0)),
+        )
         x = x.transpose(0, 2, 3, 1, 4).reshape(n_groups, n_kv_heads, flat_rows, -1)
         return jnp.pad(x, ((0, 0), (0, 0), (0, tiled_rows - flat_rows), (0, 0)))
 
-    lay = _Layout(block_q=block_q, block_k=block_k, head_dim=head_dim, n_kb=n_kb, n_qt=n_qt,
-                  scores=score_rows is not None, exclude=key_exclude is not None,
-                  n_extra=0 if extra is None else extra[0].shape[1])
+    lay = _Layout(
+        block_q=block_q,
+        block_k=block_k,
+        head_dim=head_dim,
+        n_kb=n_kb,
+        n_qt=n_qt,
+        scores=score_rows is not None,
+        exclude=key_exclude is not None,
+        n_extra=0 if extra is None else extra[0].shape[1],
+    )
 
     def kv_index(s, h, qt, kb, slot_ref, len_ref, layer_ref):
         last = jnp.maximum((len_ref[s] + block_k - 1) // block_k - 1, 0)
@@ -222,7 +233,9 @@ def cache_attention_tpu(
     in_specs = [pl.BlockSpec((None, None, block_q, head_dim), lambda s, h, qt, kb, *_: (s, h, qt, 0)), kv_spec, kv_spec]
     if lay.scores:
         weights = score_rows.astype(jnp.float32)
-        q_sum = jnp.einsum("srkgd,sr->skd", q.reshape(n_groups, n_rows, n_kv_heads, group, head_dim).astype(jnp.float32), weights)
+        q_sum = jnp.einsum(
+            "srkgd,sr->skd", q.reshape(n_groups, n_rows, n_kv_heads, group, head_dim).astype(jnp.float32), weights
+        )
         inputs.append(q_sum[:, :, None, :])
         in_specs.append(pl.BlockSpec((None, None, 1, head_dim), lambda s, h, qt, kb, *_: (s, h, 0, 0)))
     if lay.exclude:
@@ -240,13 +253,19 @@ def cache_attention_tpu(
         mask = jnp.pad(jnp.tile(mask, (1, group, 1)), ((0, 0), (0, tiled_rows - flat_rows), (0, 0)))
         extra_spec = pl.BlockSpec((None, n_extra, head_dim), lambda s, h, qt, kb, *_: (s, 0, h))
         inputs += [k_extra, v_extra, mask]
-        in_specs += [extra_spec, extra_spec, pl.BlockSpec((None, block_q, n_extra), lambda s, h, qt, kb, *_: (s, qt, 0))]
+        in_specs += [
+            extra_spec,
+            extra_spec,
+            pl.BlockSpec((None, block_q, n_extra), lambda s, h, qt, kb, *_: (s, qt, 0)),
+        ]
 
     out_shape = [jax.ShapeDtypeStruct((n_groups, n_kv_heads, tiled_rows, head_dim), q.dtype)]
     out_specs = [pl.BlockSpec((None, None, block_q, head_dim), lambda s, h, qt, kb, *_: (s, h, qt, 0))]
     if lay.scores:
         out_shape.append(jax.ShapeDtypeStruct((n_groups, n_kv_heads * n_qt * n_kb, 1, block_k), jnp.float32))
-        out_specs.append(pl.BlockSpec((None, None, 1, block_k), lambda s, h, qt, kb, *_: (s, (h * n_qt + qt) * n_kb + kb, 0, 0)))
+        out_specs.append(
+            pl.BlockSpec((None, None, 1, block_k), lambda s, h, qt, kb, *_: (s, (h * n_qt + qt) * n_kb + kb, 0, 0))
+        )
 
     results = pl.pallas_call(
         functools.partial(_kernel, lay=lay),

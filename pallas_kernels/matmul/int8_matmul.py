@@ -47,7 +47,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import NUM_SMS, cdiv, check_float, check_launch, check_power_of_two, compiler_params, next_power_of_two
+from pallas_kernels.common import (
+    NUM_SMS,
+    cdiv,
+    check_float,
+    check_launch,
+    check_power_of_two,
+    compiler_params,
+    next_power_of_two,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +147,9 @@ def _int8_matmul_kernel(x_ref, w_ref, scale_ref, o_ref, *, m: int, blocks: Int8M
     def step(t, acc):
         k0 = pl.multiple_of(k_start + t * bk, bk)
         if ragged:
-            x = plgpu.load(x_ref.at[pl.ds(row0, bm), pl.ds(k0, bk)], mask=jnp.broadcast_to(row_ok[:, None], (bm, bk)), other=0)
+            x = plgpu.load(
+                x_ref.at[pl.ds(row0, bm), pl.ds(k0, bk)], mask=jnp.broadcast_to(row_ok[:, None], (bm, bk)), other=0
+            )
         else:
             x = x_ref[pl.ds(row0, bm), pl.ds(k0, bk)]
         w = w_ref[pl.ds(col0, bn), pl.ds(k0, bk)].astype(x.dtype)  # int8 -> x's dtype, exact for |q| <= 127
@@ -153,7 +163,11 @@ def _int8_matmul_kernel(x_ref, w_ref, scale_ref, o_ref, *, m: int, blocks: Int8M
         acc = acc.T
     out = (acc * scale_ref[pl.ds(col0, bn)][None, :]).astype(o_ref.dtype)
     # split_k > 1: this program's float32 partial product, in its own [M, N] plane
-    target = o_ref.at[pl.program_id(2), pl.ds(row0, bm), pl.ds(col0, bn)] if blocks.split_k > 1 else o_ref.at[pl.ds(row0, bm), pl.ds(col0, bn)]
+    target = (
+        o_ref.at[pl.program_id(2), pl.ds(row0, bm), pl.ds(col0, bn)]
+        if blocks.split_k > 1
+        else o_ref.at[pl.ds(row0, bm), pl.ds(col0, bn)]
+    )
     if ragged:
         plgpu.store(target, out, mask=jnp.broadcast_to(row_ok[:, None], (bm, bn)))
     else:
@@ -188,7 +202,9 @@ def int8_weight_matmul(
     out = pl.pallas_call(
         kernel,
         grid=(cdiv(m, blocks.block_m), n // blocks.block_n, split),
-        out_shape=jax.ShapeDtypeStruct((split, m, n), jnp.float32) if split > 1 else jax.ShapeDtypeStruct((m, n), jnp.dtype(out_dtype)),
+        out_shape=jax.ShapeDtypeStruct((split, m, n), jnp.float32)
+        if split > 1
+        else jax.ShapeDtypeStruct((m, n), jnp.dtype(out_dtype)),
         compiler_params=compiler_params(blocks.num_warps, blocks.num_stages),
         interpret=interpret,
         name="int8_weight_matmul",

@@ -25,7 +25,14 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import check_float, check_launch, check_power_of_two, compiler_params, dividing_block, pad_rows
+from pallas_kernels.common import (
+    check_float,
+    check_launch,
+    check_power_of_two,
+    compiler_params,
+    dividing_block,
+    pad_rows,
+)
 
 
 @dataclasses.dataclass(frozen=True)

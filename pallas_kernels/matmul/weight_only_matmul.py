@@ -44,9 +44,18 @@ try:
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    _API = all(hasattr(plgpu, name) for name in (
-        "kernel", "emit_pipeline_warp_specialized", "nd_loop", "ACC", "wgmma", "find_swizzle", "copy_smem_to_gmem",
-    ))
+    _API = all(
+        hasattr(plgpu, name)
+        for name in (
+            "kernel",
+            "emit_pipeline_warp_specialized",
+            "nd_loop",
+            "ACC",
+            "wgmma",
+            "find_swizzle",
+            "copy_smem_to_gmem",
+        )
+    )
 except ImportError:  # pragma: no cover - depends on the installed jaxlib
     _API = False
 
@@ -268,7 +277,7 @@ def _weight_only_call(x, qkernel, scale, config: WeightOnlyConfig, out_dtype):
                         for i in range(tn // epi_n):
                             for j in range(tm // epi_m):
                                 slot = (i * (tm // epi_m) + j) % 2
-                                tile = y_t[i * epi_n:(i + 1) * epi_n, j * epi_m:(j + 1) * epi_m]
+                                tile = y_t[i * epi_n : (i + 1) * epi_n, j * epi_m : (j + 1) * epi_m]
                                 c_slice = pl.ds(n_idx * cta_n + wg * tn + i * epi_n, epi_n)
                                 r_slice = pl.ds(m_idx * tm + j * epi_m, epi_m)
                                 plgpu.wait_smem_to_gmem(1, wait_read_only=True)

@@ -41,7 +41,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.projection.rope import apply_rope, rope_cos_sin, rope_frequencies
 from pallas_kernels.common import (
     NUM_SMS,
     as_int32,
@@ -53,6 +52,7 @@ from pallas_kernels.common import (
     compiler_params,
     next_power_of_two,
 )
+from pallas_kernels.projection.rope import apply_rope, rope_cos_sin, rope_frequencies
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,8 +99,27 @@ def default_qkv_block_sizes(n_rows: int, d_model: int, head_dim: int, n_columns:
 
 
 def _qkv_kernel(
-    layer_ref, pos_ref, rows_ref, inv_freq_ref, x_ref, wq_ref, wk_ref, wv_ref, bq_ref, bk_ref, bv_ref, _k_in, _v_in,
-    q_ref, k_ref, v_ref, *, n_q_chunks: int, n_kv_chunks: int, head_dim: int, blocks: QKVBlockSizes,
+    layer_ref,
+    pos_ref,
+    rows_ref,
+    inv_freq_ref,
+    x_ref,
+    wq_ref,
+    wk_ref,
+    wv_ref,
+    bq_ref,
+    bk_ref,
+    bv_ref,
+    _k_in,
+    _v_in,
+    q_ref,
+    k_ref,
+    v_ref,
+    *,
+    n_q_chunks: int,
+    n_kv_chunks: int,
+    head_dim: int,
+    blocks: QKVBlockSizes,
 ):
     """One (row tile, column chunk) program; column chunks are [q heads | k heads | v heads]."""
     bm, bh, bk = blocks.block_rows, blocks.block_pairs, blocks.block_d
@@ -207,7 +226,9 @@ def _check_args(x, wq, wk, wv, k_cache, v_cache, n_heads, n_kv_heads):
         if cache.ndim != 3 or cache.shape[0] != n_layers or cache.shape[2] != kv_width:
             raise ValueError(f"{name}.shape={cache.shape}: expected [{n_layers}, M, {kv_width}]")
     if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"v_cache {v_cache.shape} {v_cache.dtype} differs from k_cache {k_cache.shape} {k_cache.dtype}")
+        raise ValueError(
+            f"v_cache {v_cache.shape} {v_cache.dtype} differs from k_cache {k_cache.shape} {k_cache.dtype}"
+        )
     return d_model, head_dim
 
 

@@ -115,10 +115,12 @@ def default_mosaic_block_sizes(dtype, n_rows: int) -> MosaicQKVBlockSizes:
     228 / 912 and 155 / 570 us)."""
     block_d = 128 if jnp.dtype(dtype) == FP8 else 64
     if n_rows <= 128:
-        return MosaicQKVBlockSizes(block_rows=64, block_d=block_d, max_concurrent_steps=4, compute_wgs=2,
-                                   wgmma_in_flight=0)
-    return MosaicQKVBlockSizes(block_rows=128, block_d=block_d, max_concurrent_steps=3, compute_wgs=2,
-                               wgmma_in_flight=1)
+        return MosaicQKVBlockSizes(
+            block_rows=64, block_d=block_d, max_concurrent_steps=4, compute_wgs=2, wgmma_in_flight=0
+        )
+    return MosaicQKVBlockSizes(
+        block_rows=128, block_d=block_d, max_concurrent_steps=3, compute_wgs=2, wgmma_in_flight=1
+    )
 
 
 def interpret_params():
@@ -156,8 +158,16 @@ def _swizzled(block_cols: int, dtype) -> tuple:
     return plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
-def _kernel(*refs, fp8: bool, interpreted: bool, n_heads: int, n_kv_heads: int, head_dim: int, d_model: int,
-            blocks: MosaicQKVBlockSizes):
+def _kernel(
+    *refs,
+    fp8: bool,
+    interpreted: bool,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    d_model: int,
+    blocks: MosaicQKVBlockSizes,
+):
     """One (row tile, head) program; heads are [q heads | k heads | v heads]."""
     refs = iter(refs)
     layer_ref, rows_ref, cos_ref, sin_ref, x_ref = (next(refs) for _ in range(5))
@@ -181,13 +191,22 @@ def _kernel(*refs, fp8: bool, interpreted: bool, n_heads: int, n_kv_heads: int, 
     def specs(which: int, local_head):
         w = w_refs[which].at[layer]
         if fp8:  # w: [out, in], K-major tiles
-            w_spec = plgpu.BlockSpec((head_dim, bk), lambda k: (local_head, k), transforms=_swizzled(bk, w.dtype),
-                                     delay_release=in_flight)
+            w_spec = plgpu.BlockSpec(
+                (head_dim, bk), lambda k: (local_head, k), transforms=_swizzled(bk, w.dtype), delay_release=in_flight
+            )
         else:  # w: [in, out]
-            w_spec = plgpu.BlockSpec((bk, head_dim), lambda k: (k, local_head), transforms=_swizzled(head_dim, w.dtype),
-                                     delay_release=in_flight)
-        x_spec = plgpu.BlockSpec((blocks.program_rows, bk), lambda k: (row_tile, k),
-                                 transforms=_swizzled(bk, x_ref.dtype), delay_release=in_flight)
+            w_spec = plgpu.BlockSpec(
+                (bk, head_dim),
+                lambda k: (k, local_head),
+                transforms=_swizzled(head_dim, w.dtype),
+                delay_release=in_flight,
+            )
+        x_spec = plgpu.BlockSpec(
+            (blocks.program_rows, bk),
+            lambda k: (row_tile, k),
+            transforms=_swizzled(bk, x_ref.dtype),
+            delay_release=in_flight,
+        )
         return [x_spec, w_spec], w
 
     def load_tables(row0):
@@ -242,8 +261,9 @@ def _kernel(*refs, fp8: bool, interpreted: bool, n_heads: int, n_kv_heads: int, 
                 plgpu.wgmma(acc_ref, x_tile, _transposed(w_tile) if fp8 else w_tile)
                 plgpu.wgmma_wait(in_flight)  # the tiles released by this step are no longer read
 
-            plgpu.emit_pipeline(step, grid=(d_model // bk,), in_specs=in_specs,
-                                max_concurrent_steps=blocks.max_concurrent_steps)(x_ref, w)
+            plgpu.emit_pipeline(
+                step, grid=(d_model // bk,), in_specs=in_specs, max_concurrent_steps=blocks.max_concurrent_steps
+            )(x_ref, w)
             return acc_ref[...]
 
         epilogue(which, local_head, pl.run_scoped(accumulate, plgpu.ACC((bm, head_dim), jnp.float32)), tables, 0)
@@ -265,12 +285,16 @@ def _kernel(*refs, fp8: bool, interpreted: bool, n_heads: int, n_kv_heads: int, 
                 run_pipeline(acc_ref)
                 return acc_ref[...]
 
-            epilogue(which, local_head, pl.run_scoped(accumulate, plgpu.ACC((bm, head_dim), jnp.float32)), tables,
-                     wg)
+            epilogue(which, local_head, pl.run_scoped(accumulate, plgpu.ACC((bm, head_dim), jnp.float32)), tables, wg)
 
         plgpu.emit_pipeline_warp_specialized(
-            step, grid=(d_model // bk,), memory_registers=40, in_specs=in_specs, wg_axis="wg",
-            num_compute_wgs=blocks.compute_wgs, max_concurrent_steps=blocks.max_concurrent_steps,
+            step,
+            grid=(d_model // bk,),
+            memory_registers=40,
+            in_specs=in_specs,
+            wg_axis="wg",
+            num_compute_wgs=blocks.compute_wgs,
+            max_concurrent_steps=blocks.max_concurrent_steps,
             compute_context=compute_context,
         )(x_ref, w)
 
@@ -290,8 +314,26 @@ def _check_mosaic_args(x, head_dim, d_model, blocks):
         raise ValueError(f"x.dtype={x.dtype}: the Mosaic GPU kernel takes bfloat16 or float8_e4m3fn operands")
 
 
-def _run(x, x_scale, weights, w_scales, biases, positions, cache_rows, k_cache, v_cache, layer, *, n_heads, n_kv_heads,
-         head_dim, rope_theta, out_dtype, interpret, blocks):
+def _run(
+    x,
+    x_scale,
+    weights,
+    w_scales,
+    biases,
+    positions,
+    cache_rows,
+    k_cache,
+    v_cache,
+    layer,
+    *,
+    n_heads,
+    n_kv_heads,
+    head_dim,
+    rope_theta,
+    out_dtype,
+    interpret,
+    blocks,
+):
     """Pads the rows to whole tiles, builds the cos / sin tables and launches the kernel."""
     fp8 = x_scale is not None
     n_rows, d_model = x.shape
@@ -316,8 +358,17 @@ def _run(x, x_scale, weights, w_scales, biases, positions, cache_rows, k_cache, 
 
     def entry(*refs):
         pl.run_scoped(
-            lambda *scratch: _kernel(*refs, *scratch, fp8=fp8, interpreted=interpret, n_heads=n_heads,
-                                     n_kv_heads=n_kv_heads, head_dim=head_dim, d_model=d_model, blocks=blocks),
+            lambda *scratch: _kernel(
+                *refs,
+                *scratch,
+                fp8=fp8,
+                interpreted=interpret,
+                n_heads=n_heads,
+                n_kv_heads=n_kv_heads,
+                head_dim=head_dim,
+                d_model=d_model,
+                blocks=blocks,
+            ),
             plgpu.SMEM((wgs, blocks.block_rows, head_dim), out_dtype),
             **(dict(collective_axes="wg") if wgs > 1 else {}),
         )
@@ -326,8 +377,9 @@ def _run(x, x_scale, weights, w_scales, biases, positions, cache_rows, k_cache, 
     q = pl.kernel(
         entry,
         out_type=jax.ShapeDtypeStruct((padded, n_heads * head_dim), out_dtype),
-        mesh=plgpu.Mesh(grid=(padded // blocks.program_rows, n_heads + 2 * n_kv_heads), grid_names=("rows", "heads"),
-                        **threads),
+        mesh=plgpu.Mesh(
+            grid=(padded // blocks.program_rows, n_heads + 2 * n_kv_heads), grid_names=("rows", "heads"), **threads
+        ),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=interpret_params() if interpret else False,
         name="qkv_rope_cache_mosaic",
@@ -372,9 +424,25 @@ def qkv_rope_cache_mosaic(
         raise ValueError("x.dtype=float8_e4m3fn: use qkv_rope_cache_mosaic_fp8 (it takes the scales)")
     if k_cache.dtype != x.dtype:
         raise ValueError(f"k_cache.dtype={k_cache.dtype}: expected x.dtype={x.dtype}")
-    return _run(x, None, (wq, wk, wv), (), _biases(wq, wk, wv, biases), positions, cache_rows, k_cache, v_cache, layer,
-                n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, rope_theta=rope_theta, out_dtype=x.dtype,
-                interpret=interpret, blocks=blocks)
+    return _run(
+        x,
+        None,
+        (wq, wk, wv),
+        (),
+        _biases(wq, wk, wv, biases),
+        positions,
+        cache_rows,
+        k_cache,
+        v_cache,
+        layer,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
+        rope_theta=rope_theta,
+        out_dtype=x.dtype,
+        interpret=interpret,
+        blocks=blocks,
+    )
 
 
 def _check_fp8_args(x, x_scale, weights, w_scales, k_cache, v_cache, n_heads, n_kv_heads):
@@ -401,8 +469,10 @@ def _check_fp8_args(x, x_scale, weights, w_scales, k_cache, v_cache, n_heads, n_
         if cache.ndim != 3 or cache.shape[0] != n_layers or cache.shape[2] != kv_width:
             raise ValueError(f"{name}.shape={cache.shape}: expected [{n_layers}, M, {kv_width}]")
     if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype or k_cache.dtype != jnp.bfloat16:
-        raise ValueError(f"k_cache {k_cache.shape} {k_cache.dtype} / v_cache {v_cache.shape} {v_cache.dtype}: "
-                         "expected equal bfloat16 caches")
+        raise ValueError(
+            f"k_cache {k_cache.shape} {k_cache.dtype} / v_cache {v_cache.shape} {v_cache.dtype}: "
+            "expected equal bfloat16 caches"
+        )
     return d_model, head_dim
 
 
@@ -458,15 +528,45 @@ def qkv_rope_cache_mosaic_fp8(
     d_model, head_dim = _check_fp8_args(x, x_scale, weights, w_scales, k_cache, v_cache, n_heads, n_kv_heads)
     blocks = block_sizes or default_mosaic_block_sizes(x.dtype, x.shape[0])
     _check_mosaic_args(x, head_dim, d_model, blocks)
-    return _run(x, x_scale, tuple(weights), tuple(w_scales), _fp8_biases(weights, biases, jnp.float32), positions,
-                cache_rows, k_cache, v_cache, layer, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
-                rope_theta=rope_theta, out_dtype=k_cache.dtype, interpret=interpret, blocks=blocks)
+    return _run(
+        x,
+        x_scale,
+        tuple(weights),
+        tuple(w_scales),
+        _fp8_biases(weights, biases, jnp.float32),
+        positions,
+        cache_rows,
+        k_cache,
+        v_cache,
+        layer,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
+        rope_theta=rope_theta,
+        out_dtype=k_cache.dtype,
+        interpret=interpret,
+        blocks=blocks,
+    )
 
 
 @functools.partial(jax.jit, static_argnames=_FP8_STATIC, donate_argnames=("k_cache", "v_cache"))
 def qkv_rope_cache_mosaic_fp8_reference(
-    x, x_scale, weights, w_scales, positions, cache_rows, k_cache, v_cache, layer, biases=None, *,
-    n_heads, n_kv_heads, rope_theta, interpret=False, block_sizes=None,
+    x,
+    x_scale,
+    weights,
+    w_scales,
+    positions,
+    cache_rows,
+    k_cache,
+    v_cache,
+    layer,
+    biases=None,
+    *,
+    n_heads,
+    n_kv_heads,
+    rope_theta,
+    interpret=False,
+    block_sizes=None,
 ):
     """Plain jnp ``qkv_rope_cache_mosaic_fp8``: float8 dots with float32 results, scaled by the
     row and column scales, biased, rotated, rounded once, scattered into the cache rows.

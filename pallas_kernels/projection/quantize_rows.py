@@ -96,8 +96,9 @@ def _rms_norm_quantize_kernel(x_ref, w_ref, q_ref, s_ref, *, bm, bc, n_c, d, eps
         y = (x_ref[rows, cols].astype(jnp.float32) * inv_rms[:, None]).astype(x_ref.dtype)
         return (y * w_ref[cols].astype(x_ref.dtype)[None, :]).astype(jnp.float32)
 
-    amax = lax.fori_loop(0, n_c, lambda t, m: jnp.maximum(m, jnp.max(jnp.abs(normed(t)), axis=1)),
-                         jnp.zeros((bm,), jnp.float32))
+    amax = lax.fori_loop(
+        0, n_c, lambda t, m: jnp.maximum(m, jnp.max(jnp.abs(normed(t)), axis=1)), jnp.zeros((bm,), jnp.float32)
+    )
     scale = _scale_of(amax)
 
     def write(t, carry):
@@ -119,8 +120,9 @@ def _swiglu_quantize_kernel(g_ref, u_ref, q_ref, s_ref, *, bm, bc, n_c):
         silu = (g32 * jax.nn.sigmoid(g32)).astype(g.dtype)
         return (silu * u_ref[rows, cols]).astype(jnp.float32)
 
-    amax = lax.fori_loop(0, n_c, lambda t, m: jnp.maximum(m, jnp.max(jnp.abs(swiglu(t)), axis=1)),
-                         jnp.zeros((bm,), jnp.float32))
+    amax = lax.fori_loop(
+        0, n_c, lambda t, m: jnp.maximum(m, jnp.max(jnp.abs(swiglu(t)), axis=1)), jnp.zeros((bm,), jnp.float32)
+    )
     scale = _scale_of(amax)
 
     def write(t, carry):
@@ -170,8 +172,7 @@ def rms_norm_quantize(
     blocks = block_sizes or QuantizeBlockSizes()
     n, d = x.shape
     bc = dividing_block("D", d, blocks.block_cols, "rms_norm_quantize")
-    kernel = functools.partial(_rms_norm_quantize_kernel, bm=blocks.block_rows, bc=bc, n_c=d // bc, d=d,
-                               eps=float(eps))
+    kernel = functools.partial(_rms_norm_quantize_kernel, bm=blocks.block_rows, bc=bc, n_c=d // bc, d=d, eps=float(eps))
     return _launch(kernel, (pad_rows(x, blocks.block_rows), weight), n, d, blocks, interpret, "rms_norm_quantize")
 
 

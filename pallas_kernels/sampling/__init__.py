@@ -1,2 +1,1 @@
-"""Sampling kernels: the top-p/top-k cutoff (top_p_top_k.py) beside its jnp reference.
-"""
+"""Sampling kernels: the top-p/top-k cutoff (top_p_top_k.py) beside its jnp reference."""

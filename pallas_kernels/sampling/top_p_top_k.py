@@ -84,8 +84,12 @@ def _check(logits, temperature, top_p, top_k, wants):
     if logits.ndim != 2:
         raise ValueError(f"logits.shape={tuple(logits.shape)}: expected [N, V]")
     n = logits.shape[0]
-    kinds = {"temperature": (temperature, jnp.floating, "floating"), "top_p": (top_p, jnp.floating, "floating"),
-             "top_k": (top_k, jnp.integer, "integer"), "wants": (wants, jnp.bool_, "bool")}
+    kinds = {
+        "temperature": (temperature, jnp.floating, "floating"),
+        "top_p": (top_p, jnp.floating, "floating"),
+        "top_k": (top_k, jnp.integer, "integer"),
+        "wants": (wants, jnp.bool_, "bool"),
+    }
     for name, (x, kind, expected) in kinds.items():
         check_shape(name, x, (n,))
         if not jnp.issubdtype(x.dtype, kind):
@@ -157,8 +161,10 @@ def _cutoff_row(logits_ref, temperature_ref, top_p_ref, top_k_ref, out_ref, row,
     def extremes(b, carry):
         hi, lo = carry
         x, valid = load(b)
-        return (jnp.maximum(hi, jnp.max(jnp.where(valid, x, -jnp.inf))),
-                jnp.minimum(lo, jnp.min(jnp.where(valid, x, jnp.inf))))
+        return (
+            jnp.maximum(hi, jnp.max(jnp.where(valid, x, -jnp.inf))),
+            jnp.minimum(lo, jnp.min(jnp.where(valid, x, jnp.inf))),
+        )
 
     top, bottom = lax.fori_loop(0, n_blocks, extremes, (jnp.float32(-jnp.inf), jnp.float32(jnp.inf)))
 
@@ -184,8 +190,12 @@ def _cutoff_row(logits_ref, temperature_ref, top_p_ref, top_k_ref, out_ref, row,
 
         n, mass = lax.fori_loop(0, n_blocks, count, (jnp.int32(0), jnp.float32(0.0)))
         k_ok, p_ok = n >= kept_k, mass > mass_bound
-        return (jnp.where(k_ok, k_mid, k_lo), jnp.where(k_ok, k_hi, k_mid),
-                jnp.where(p_ok, p_mid, p_lo), jnp.where(p_ok, p_hi, p_mid))
+        return (
+            jnp.where(k_ok, k_mid, k_lo),
+            jnp.where(k_ok, k_hi, k_mid),
+            jnp.where(p_ok, p_mid, p_lo),
+            jnp.where(p_ok, p_hi, p_mid),
+        )
 
     # the answers lie in [key(bottom), key(top)]: lo always satisfies its test (or is the
     # keep-everything answer), hi never does
@@ -227,6 +237,9 @@ def top_p_top_k_cutoff(
         interpret=interpret,
         name="top_p_top_k_cutoff",
     )(
-        logits, temperature.astype(jnp.float32), top_p.astype(jnp.float32), top_k.astype(jnp.int32),
+        logits,
+        temperature.astype(jnp.float32),
+        top_p.astype(jnp.float32),
+        top_k.astype(jnp.int32),
         wants.astype(jnp.int32),
     )

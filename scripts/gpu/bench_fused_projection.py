@@ -41,6 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dllm_jax.models.quantization import compiler_options, quantize_kernel, quantized_matmul
+from pallas_kernels.norm.rms_norm import rms_norm
+from pallas_kernels.projection.qkv_rope_cache import qkv_rope_cache_reference
 from pallas_kernels.projection.qkv_rope_cache_mosaic import (
     MosaicQKVBlockSizes,
     default_mosaic_block_sizes,
@@ -55,8 +57,6 @@ from pallas_kernels.projection.quantize_rows import (
     swiglu_quantize,
     swiglu_quantize_reference,
 )
-from pallas_kernels.projection.qkv_rope_cache import qkv_rope_cache_reference
-from pallas_kernels.norm.rms_norm import rms_norm
 from pallas_kernels.projection.rope import apply_rope, rope_cos_sin
 from pallas_kernels.projection.scatter_rows import scatter_kv_rows
 
@@ -73,10 +73,17 @@ RUNS_PER_SAMPLE = 3
 # the one-warpgroup tilings were timed (at 1 slot, 2026-12-02): the runs' device time went to
 # the checks and the defaults.
 SWEEP = {
-    "bf16": [MosaicQKVBlockSizes(64, 64, 4, 2, 1), MosaicQKVBlockSizes(128, 64, 3, 2, 0),
-             MosaicQKVBlockSizes(64, 64, 2, 2, 1), MosaicQKVBlockSizes(64, 64, 4, 1, 1)],
-    "fp8": [MosaicQKVBlockSizes(64, 128, 4, 2, 1), MosaicQKVBlockSizes(128, 128, 3, 2, 0),
-            MosaicQKVBlockSizes(64, 128, 4, 1, 1)],
+    "bf16": [
+        MosaicQKVBlockSizes(64, 64, 4, 2, 1),
+        MosaicQKVBlockSizes(128, 64, 3, 2, 0),
+        MosaicQKVBlockSizes(64, 64, 2, 2, 1),
+        MosaicQKVBlockSizes(64, 64, 4, 1, 1),
+    ],
+    "fp8": [
+        MosaicQKVBlockSizes(64, 128, 4, 2, 1),
+        MosaicQKVBlockSizes(128, 128, 3, 2, 0),
+        MosaicQKVBlockSizes(64, 128, 4, 1, 1),
+    ],
 }
 FP8_OPTIONS = compiler_options("fp8") or None
 
@@ -104,8 +111,10 @@ def check_case(rng, *, n_rows, d_model, heads, kv_heads, head_dim, n_cache_rows,
     named row was not written or another row changed)."""
     kv_width = kv_heads * head_dim
     x = jnp.asarray(rng.standard_normal((n_rows, d_model)), jnp.bfloat16)
-    ws = [jnp.asarray(rng.standard_normal((LAYERS, d_model, w)) / np.sqrt(d_model), jnp.bfloat16)
-          for w in (heads * head_dim, kv_width, kv_width)]
+    ws = [
+        jnp.asarray(rng.standard_normal((LAYERS, d_model, w)) / np.sqrt(d_model), jnp.bfloat16)
+        for w in (heads * head_dim, kv_width, kv_width)
+    ]
     biases = tuple(jnp.asarray(rng.standard_normal((LAYERS, w.shape[2])), jnp.bfloat16) for w in ws) if biased else None
     positions = jnp.asarray(rng.integers(0, 4096, n_rows), jnp.int32)
     rows = rng.choice(n_cache_rows - 1, n_rows, replace=False).astype(np.int32)
@@ -121,12 +130,14 @@ def check_case(rng, *, n_rows, d_model, heads, kv_heads, head_dim, n_cache_rows,
         xq = (x32 / x_scale[:, None]).astype(jnp.float8_e4m3fn)
         quant = [quantize_kernel(w, "fp8") for w in ws]
         args = (xq, x_scale, tuple(q["qkernel"] for q in quant), tuple(q["scale"] for q in quant))
-        got = qkv_rope_cache_mosaic_fp8(*args, positions, rows, *caches(), layer, biases, **kw, block_sizes=tiling,
-                                        interpret=INTERPRET)
+        got = qkv_rope_cache_mosaic_fp8(
+            *args, positions, rows, *caches(), layer, biases, **kw, block_sizes=tiling, interpret=INTERPRET
+        )
         want = qkv_rope_cache_mosaic_fp8_reference(*args, positions, rows, *caches(), layer, biases, **kw)
     else:
-        got = qkv_rope_cache_mosaic(x, *ws, positions, rows, *caches(), layer, biases, **kw, block_sizes=tiling,
-                                    interpret=INTERPRET)
+        got = qkv_rope_cache_mosaic(
+            x, *ws, positions, rows, *caches(), layer, biases, **kw, block_sizes=tiling, interpret=INTERPRET
+        )
         want = qkv_rope_cache_reference(x, *ws, positions, rows, *caches(), layer, biases, **kw)
     got = [np.asarray(a.astype(jnp.float32)) for a in got]
     want = [np.asarray(a.astype(jnp.float32)) for a in want]
@@ -146,13 +157,33 @@ def run_checks(results: dict, quick: bool) -> None:
     """The default tiling of each case (and, unless quick, the single-warpgroup tiling too)
     against the reference; quick: 8 slots only."""
     rng = np.random.default_rng(0)
-    cases = [dict(n_rows=ROWS_PER_SLOT * s, d_model=D, heads=HEADS, kv_heads=HEADS, head_dim=HEAD_DIM,
-                  n_cache_rows=s * MAX_LEN + 1, biased=False, name=f"llada {s} slot(s)")
-             for s in (SLOTS[1:2] if quick else SLOTS[:2])]
+    cases = [
+        dict(
+            n_rows=ROWS_PER_SLOT * s,
+            d_model=D,
+            heads=HEADS,
+            kv_heads=HEADS,
+            head_dim=HEAD_DIM,
+            n_cache_rows=s * MAX_LEN + 1,
+            biased=False,
+            name=f"llada {s} slot(s)",
+        )
+        for s in (SLOTS[1:2] if quick else SLOTS[:2])
+    ]
     if not quick:
         small = 256 if INTERPRET else 1024
-        cases.append(dict(n_rows=200, d_model=small, heads=8, kv_heads=2, head_dim=128, n_cache_rows=4 * 512 + 1,
-                          biased=True, name="dream-like: biases, 8/2 heads, 200 rows"))
+        cases.append(
+            dict(
+                n_rows=200,
+                d_model=small,
+                heads=8,
+                kv_heads=2,
+                head_dim=128,
+                n_cache_rows=4 * 512 + 1,
+                biased=True,
+                name="dream-like: biases, 8/2 heads, 200 rows",
+            )
+        )
     for case in cases:
         name = case.pop("name")
         for fp8 in (False, True):
@@ -216,14 +247,16 @@ def xla_project_prequantized(xq, ws, positions, rows, k_cache, v_cache, layer):
     """The fp8 XLA path with the rows already quantized (x_scale = 1)."""
     n = xq.shape[0]
     contract = (((1,), (1,)), ((), ()))
-    proj = [jax.lax.dot_general(xq, w["qkernel"], contract, preferred_element_type=jnp.float32) * w["scale"]
-            for w in ws]
+    proj = [
+        jax.lax.dot_general(xq, w["qkernel"], contract, preferred_element_type=jnp.float32) * w["scale"] for w in ws
+    ]
     cos, sin = rope_cos_sin(positions, HEAD_DIM, THETA)
     cos, sin = cos[:, None, :], sin[:, None, :]
     q = apply_rope(proj[0].reshape(n, -1, HEAD_DIM), cos, sin).reshape(n, -1).astype(jnp.bfloat16)
     k = apply_rope(proj[1].reshape(n, -1, HEAD_DIM), cos, sin).reshape(n, -1).astype(jnp.bfloat16)
-    k_cache, v_cache = scatter_kv_rows(k_cache, v_cache, k, proj[2].astype(jnp.bfloat16), rows, jnp.int32(layer),
-                                       interpret=INTERPRET)
+    k_cache, v_cache = scatter_kv_rows(
+        k_cache, v_cache, k, proj[2].astype(jnp.bfloat16), rows, jnp.int32(layer), interpret=INTERPRET
+    )
     return q, k_cache, v_cache
 
 
@@ -231,8 +264,10 @@ def make_weights(key):
     """Per-layer bf16 weights [D, 4096] x 3 and their FP8 leaves, LAYERS layers, plus the
     stacked arrays the kernels read."""
     keys = jax.random.split(key, 3 * LAYERS)
-    per_layer = [[jax.random.normal(keys[3 * l + j], (D, HEADS * HEAD_DIM), jnp.bfloat16) / float(np.sqrt(D))
-                  for j in range(3)] for l in range(LAYERS)]
+    per_layer = [
+        [jax.random.normal(keys[3 * l + j], (D, HEADS * HEAD_DIM), jnp.bfloat16) / float(np.sqrt(D)) for j in range(3)]
+        for l in range(LAYERS)
+    ]
     fp8_layer = [[quantize_kernel(w, "fp8") for w in ws] for ws in per_layer]
     stacked = tuple(jnp.stack([per_layer[l][j] for l in range(LAYERS)]) for j in range(3))
     stacked_q = tuple(jnp.stack([fp8_layer[l][j]["qkernel"] for l in range(LAYERS)]) for j in range(3))
@@ -275,8 +310,10 @@ def bench_slots(results, slots, weights, caches, budget_end, extra: bool):
     def bf16_mosaic(tiling):
         def step(i, c, _):
             x, k, v = c
-            return qkv_rope_cache_mosaic(x, *stacked, positions, rows, k, v, i % LAYERS, **kw, block_sizes=tiling,
-                                         interpret=INTERPRET)
+            return qkv_rope_cache_mosaic(
+                x, *stacked, positions, rows, k, v, i % LAYERS, **kw, block_sizes=tiling, interpret=INTERPRET
+            )
+
         return step
 
     def fp8_xla(i, c, _):
@@ -293,9 +330,22 @@ def bench_slots(results, slots, weights, caches, budget_end, extra: bool):
     def fp8_mosaic(tiling):
         def step(i, c, _):
             xq, k, v = c
-            q, k, v = qkv_rope_cache_mosaic_fp8(xq, ones, stacked_q, stacked_s, positions, rows, k, v, i % LAYERS,
-                                                **kw, block_sizes=tiling, interpret=INTERPRET)
+            q, k, v = qkv_rope_cache_mosaic_fp8(
+                xq,
+                ones,
+                stacked_q,
+                stacked_s,
+                positions,
+                rows,
+                k,
+                v,
+                i % LAYERS,
+                **kw,
+                block_sizes=tiling,
+                interpret=INTERPRET,
+            )
             return q.astype(jnp.float8_e4m3fn), k, v
+
         return step
 
     xq = x.astype(jnp.float8_e4m3fn)
@@ -329,17 +379,26 @@ def check_producers(results) -> None:
     weight = jnp.asarray(1 + 0.1 * rng.standard_normal(D), jnp.bfloat16)
     gate, up = (jnp.asarray(rng.standard_normal((n, FF)) * 2, jnp.bfloat16) for _ in range(2))
     for name, got, want in (
-        ("rms_norm_quantize", lambda: rms_norm_quantize(x, weight, EPS, interpret=INTERPRET),
-         lambda: rms_norm_quantize_reference(x, weight, EPS)),
-        ("swiglu_quantize", lambda: swiglu_quantize(gate, up, interpret=INTERPRET),
-         lambda: swiglu_quantize_reference(gate, up)),
+        (
+            "rms_norm_quantize",
+            lambda: rms_norm_quantize(x, weight, EPS, interpret=INTERPRET),
+            lambda: rms_norm_quantize_reference(x, weight, EPS),
+        ),
+        (
+            "swiglu_quantize",
+            lambda: swiglu_quantize(gate, up, interpret=INTERPRET),
+            lambda: swiglu_quantize_reference(gate, up),
+        ),
     ):
         try:
             (q, scale), (q_ref, scale_ref) = got(), want()
             err = rel_l2(dequantize(q, scale, jnp.float32), dequantize(q_ref, scale_ref, jnp.float32))
             differ = float(np.mean(np.asarray(q.astype(jnp.float32)) != np.asarray(q_ref.astype(jnp.float32))))
-            results["checks"][f"{name} {n} rows"] = {"max_rel_l2": err, "fp8_elements_differing": differ,
-                                                     "ok": bool(err < 1e-2 and differ < 0.01)}
+            results["checks"][f"{name} {n} rows"] = {
+                "max_rel_l2": err,
+                "fp8_elements_differing": differ,
+                "ok": bool(err < 1e-2 and differ < 0.01),
+            }
         except Exception as e:  # noqa: BLE001
             results["checks"][f"{name} {n} rows"] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
             traceback.print_exc()
@@ -358,19 +417,41 @@ def bench_producers(results, slots) -> None:
     up = jax.random.normal(keys[3], (n, FF), jnp.bfloat16)
     entry = results["producers"].setdefault(str(slots), {})
     variants = (
-        ("rms_norm + quantize: xla", lambda i, c, w: dequantize(*quantize_rows_reference(rms_norm(c, w, EPS)), c.dtype),
-         x, weight),
-        ("rms_norm + quantize: kernel", lambda i, c, w: dequantize(*rms_norm_quantize(c, w, EPS, interpret=INTERPRET),
-                                                                   c.dtype), x, weight),
-        ("swiglu + quantize: xla", lambda i, c, u: dequantize(*quantize_rows_reference(jax.nn.silu(c) * u), c.dtype),
-         gate, up),
-        ("swiglu + quantize: kernel", lambda i, c, u: dequantize(*swiglu_quantize(c, u, interpret=INTERPRET), c.dtype),
-         gate, up),
+        (
+            "rms_norm + quantize: xla",
+            lambda i, c, w: dequantize(*quantize_rows_reference(rms_norm(c, w, EPS)), c.dtype),
+            x,
+            weight,
+        ),
+        (
+            "rms_norm + quantize: kernel",
+            lambda i, c, w: dequantize(*rms_norm_quantize(c, w, EPS, interpret=INTERPRET), c.dtype),
+            x,
+            weight,
+        ),
+        (
+            "swiglu + quantize: xla",
+            lambda i, c, u: dequantize(*quantize_rows_reference(jax.nn.silu(c) * u), c.dtype),
+            gate,
+            up,
+        ),
+        (
+            "swiglu + quantize: kernel",
+            lambda i, c, u: dequantize(*swiglu_quantize(c, u, interpret=INTERPRET), c.dtype),
+            gate,
+            up,
+        ),
     )
     for name, step, carry, consts in variants:
         try:
-            seconds, _ = time_chain(step, jnp.array(carry, copy=True), consts, inner=INNER[slots],
-                                    repeats=2 if INTERPRET else 5, options=FP8_OPTIONS)
+            seconds, _ = time_chain(
+                step,
+                jnp.array(carry, copy=True),
+                consts,
+                inner=INNER[slots],
+                repeats=2 if INTERPRET else 5,
+                options=FP8_OPTIONS,
+            )
             entry[name] = {"us": seconds * 1e6}
         except Exception as e:  # noqa: BLE001
             entry[name] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
@@ -395,8 +476,11 @@ def print_table(results) -> None:
         for name, r in entry.items():
             base = entry.get(name.replace("kernel", "xla"), {})
             ratio = f"{base['us'] / r['us']:.2f}" if "us" in r and "us" in base else "-"
-            print(f"| {slots} | {name} | {r['us']:.1f} | {ratio} |" if "us" in r else f"| {slots} | {name} | "
-                  f"{r.get('error', '?')[:80]} | |")
+            print(
+                f"| {slots} | {name} | {r['us']:.1f} | {ratio} |"
+                if "us" in r
+                else f"| {slots} | {name} | {r.get('error', '?')[:80]} | |"
+            )
     print("\n| check | max rel L2 | ok |")
     print("|---|---|---|")
     for name, r in results["checks"].items():
@@ -408,8 +492,12 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=200.0, help="start no sweep tiling after this many seconds")
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for bench_fused_projection.json")
     parser.add_argument("--skip-producers", action="store_true", help="do not time the FP8 producer kernels")
-    parser.add_argument("--checks", choices=("full", "quick", "none"), default="quick",
-                        help="full: default tilings at 1 and 8 slots + a Dream-like case; quick: 8 slots only")
+    parser.add_argument(
+        "--checks",
+        choices=("full", "quick", "none"),
+        default="quick",
+        help="full: default tilings at 1 and 8 slots + a Dream-like case; quick: 8 slots only",
+    )
     parser.add_argument("--sweep", action="store_true", help="also time the SWEEP tilings (within --budget-s)")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny shapes, kernels interpreted")
     args = parser.parse_args()
@@ -421,8 +509,13 @@ def main() -> int:
         SWEEP["fp8"][:] = SWEEP["fp8"][:1]
     start = time.time()
     budget_end = start + args.budget_s
-    results = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "checks": {}, "timings": {},
-               "producers": {}}
+    results = {
+        "device": str(jax.devices()[0].device_kind),
+        "jax": jax.__version__,
+        "checks": {},
+        "timings": {},
+        "producers": {},
+    }
     out = os.path.join(args.out, "bench_fused_projection.json")
 
     def save():
@@ -436,8 +529,9 @@ def main() -> int:
     print(f"checks done at {time.time() - start:.0f} s", flush=True)
     weights = make_weights(jax.random.key(0))
     n_cache = CACHE_SLOTS * MAX_LEN + 1
-    caches = tuple(jax.random.normal(jax.random.key(9 + i), (LAYERS, n_cache, HEADS * HEAD_DIM), jnp.bfloat16)
-                   for i in range(2))
+    caches = tuple(
+        jax.random.normal(jax.random.key(9 + i), (LAYERS, n_cache, HEADS * HEAD_DIM), jnp.bfloat16) for i in range(2)
+    )
     for extra in (False, True) if args.sweep else (False,):
         for slots in SLOTS[::-1] if extra else SLOTS:  # the sweep: the largest (compute-bound) case first
             caches = bench_slots(results, slots, weights, caches, budget_end, extra)

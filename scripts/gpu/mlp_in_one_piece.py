@@ -1,4 +1,5 @@
 """Run a script with the full pass's MLP in one piece (MLP_CHUNK_ROWS huge), to compare: python3 scripts/gpu/mlp_in_one_piece.py SCRIPT ARGS..."""
+
 import runpy
 import sys
 

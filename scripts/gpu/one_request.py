@@ -70,8 +70,13 @@ class Report:
 
     def __init__(self, out: Path, started: float, budget_s: float):
         self.out, self.started, self.budget_s = out, started, budget_s
-        self.data = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "date": time.strftime("%Y-%m-%d %H:%M"),
-                     "command": " ".join(sys.argv), "xla_flags": os.environ.get("XLA_FLAGS", "")}
+        self.data = {
+            "device": jax.devices()[0].device_kind,
+            "jax": jax.__version__,
+            "date": time.strftime("%Y-%m-%d %H:%M"),
+            "command": " ".join(sys.argv),
+            "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        }
         out.mkdir(parents=True, exist_ok=True)
 
     def over_budget(self) -> bool:
@@ -101,7 +106,7 @@ def sweep_configs(m: int, n: int, k: int) -> list[wo.WeightOnlyConfig]:
                 if split > 1 and (tiles * split > 2 * wo.NUM_SMS or tiles >= wo.NUM_SMS):
                     continue
                 for tk in (128, 64):
-                    for transposed in ((False, True) if split == 1 else (True,)):
+                    for transposed in (False, True) if split == 1 else (True,):
                         config = best_stages(wo.WeightOnlyConfig(tm, tn, tk, 4, split, transposed))
                         if config is not None and wo.supports(m, n, k, config) and config not in configs:
                             configs.append(config)
@@ -132,15 +137,31 @@ def gemm_part(report: Report, tiny: bool, sweep: bool, repeats: int, only: list[
         q = quantization.quantize_kernel(w, "int8-weights")
         for m in rows_list:
             x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32).astype(jnp.bfloat16)
-            cases.append({"shape": name, "m": m, "k": k, "n": n, "x": x, "q": q, "w": w.astype(jnp.bfloat16),
-                          "exact": x.astype(jnp.float32) @ quantization.dequantize_kernel(q), "bf16_s": None})
+            cases.append(
+                {
+                    "shape": name,
+                    "m": m,
+                    "k": k,
+                    "n": n,
+                    "x": x,
+                    "q": q,
+                    "w": w.astype(jnp.bfloat16),
+                    "exact": x.astype(jnp.float32) @ quantization.dequantize_kernel(q),
+                    "bf16_s": None,
+                }
+            )
 
     def variants(case, first: bool) -> dict:
         m, n, k, q = case["m"], case["n"], case["k"], case["q"]
         out = {}
         if first:
             out["bf16"] = (lambda x, wt: jnp.dot(x, wt, preferred_element_type=jnp.bfloat16), case["w"])
-            out["int8 xla"] = (lambda x, qq: quantization.quantized_matmul(x, qq["qkernel"], qq["scale"], jnp.bfloat16, int8_gemm="xla"), q)
+            out["int8 xla"] = (
+                lambda x, qq: quantization.quantized_matmul(
+                    x, qq["qkernel"], qq["scale"], jnp.bfloat16, int8_gemm="xla"
+                ),
+                q,
+            )
         if kernel:
             default = wo.default_config(m, n, k)
             configs = [default] if first else [c for c in sweep_configs(m, n, k) if c != default]
@@ -149,7 +170,11 @@ def gemm_part(report: Report, tiny: bool, sweep: bool, repeats: int, only: list[
                 out[label] = (lambda x, qq, c=config: wo.weight_only_matmul(x, qq["qkernel"], qq["scale"], config=c), q)
             if first:  # the float32 result q and k ask for (written transposed)
                 out["kernel default, f32 out"] = (
-                    lambda x, qq: wo.weight_only_matmul(x, qq["qkernel"], qq["scale"], out_dtype=jnp.float32).astype(jnp.bfloat16), q)
+                    lambda x, qq: wo.weight_only_matmul(x, qq["qkernel"], qq["scale"], out_dtype=jnp.float32).astype(
+                        jnp.bfloat16
+                    ),
+                    q,
+                )
         return out
 
     for first in (True, False) if sweep else (True,):
@@ -169,15 +194,31 @@ def gemm_part(report: Report, tiny: bool, sweep: bool, repeats: int, only: list[
 
                     seconds = time_chain(step, jnp.copy(case["x"]), weight, inner=4, repeats=repeats)
                 except Exception as e:  # a tiling that does not build is reported; the others still run
-                    report.add("gemm", {"shape": case["shape"], "rows": m, "variant": label, "error": f"{type(e).__name__}: {str(e)[:600]}"})
+                    report.add(
+                        "gemm",
+                        {
+                            "shape": case["shape"],
+                            "rows": m,
+                            "variant": label,
+                            "error": f"{type(e).__name__}: {str(e)[:600]}",
+                        },
+                    )
                     continue
                 case["bf16_s"] = seconds if label == "bf16" else case["bf16_s"]
                 weight_bytes = (2 if label == "bf16" else 1) * k * n
-                report.add("gemm", {
-                    "shape": case["shape"], "rows": m, "variant": label, "us": 1e6 * seconds,
-                    "tflops": 2 * m * k * n / seconds / 1e12, "weight_tbps": weight_bytes / seconds / 1e12,
-                    "over_bf16": seconds / case["bf16_s"] if case["bf16_s"] else None, "rel_error": error,
-                })
+                report.add(
+                    "gemm",
+                    {
+                        "shape": case["shape"],
+                        "rows": m,
+                        "variant": label,
+                        "us": 1e6 * seconds,
+                        "tflops": 2 * m * k * n / seconds / 1e12,
+                        "weight_tbps": weight_bytes / seconds / 1e12,
+                        "over_bf16": seconds / case["bf16_s"] if case["bf16_s"] else None,
+                        "rel_error": error,
+                    },
+                )
 
 
 # ----------------------------------------------------------------------------- flags
@@ -200,7 +241,9 @@ def flags_part(report: Report) -> None:
     for label, value in COMMAND_BUFFERS.items():
         env = {**os.environ, "XLA_FLAGS": f"--xla_gpu_enable_command_buffer={value}", **_CHILD_MEMORY}
         try:
-            done = subprocess.run([sys.executable, "-c", _FLAG_PROBE], env=env, capture_output=True, text=True, timeout=120)
+            done = subprocess.run(
+                [sys.executable, "-c", _FLAG_PROBE], env=env, capture_output=True, text=True, timeout=120
+            )
             ok = done.returncode == 0 and "ok" in done.stdout
             tail = (done.stdout + done.stderr).strip().splitlines()[-3:]
         except subprocess.TimeoutExpired:
@@ -213,8 +256,16 @@ def flags_part(report: Report) -> None:
             f.lower(x).compile({"xla_gpu_enable_command_buffer": value})(x).block_until_ready()
             report.add("flags", {"via": "compile options", "setting": label, "value": value, "accepted": True})
         except Exception as e:
-            report.add("flags", {"via": "compile options", "setting": label, "value": value, "accepted": False,
-                                 "error": f"{type(e).__name__}: {str(e)[:300]}"})
+            report.add(
+                "flags",
+                {
+                    "via": "compile options",
+                    "setting": label,
+                    "value": value,
+                    "accepted": False,
+                    "error": f"{type(e).__name__}: {str(e)[:300]}",
+                },
+            )
 
 
 # ----------------------------------------------------------------------------- steps
@@ -243,7 +294,8 @@ def traced(run, steps: int) -> dict:
     busy = sum(t for t, _ in per_kernel.values())
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:12]
     return {
-        "kernels_per_step": sum(n for _, n in per_kernel.values()) / steps, "device_busy_ms": busy,
+        "kernels_per_step": sum(n for _, n in per_kernel.values()) / steps,
+        "device_busy_ms": busy,
         "wall_ms_profiled": 1e3 * wall / steps,
         "top": [(name[:80], round(t, 3), n / steps) for name, (t, n) in top],
     }
@@ -259,8 +311,12 @@ def step_variant(report: Report, label: str, engine, cost, ceilings: dict, profi
     compiled = engine.compile(decode, 256)
     compile_s = time.perf_counter() - start
     weights = engine.weights
-    row = {"variant": label, "compile_s": compile_s, "compiler_options": engine.compiler_options,
-           "weight_only_max_rows": quantization.WEIGHT_ONLY_MAX_ROWS}
+    row = {
+        "variant": label,
+        "compile_s": compile_s,
+        "compiler_options": engine.compiler_options,
+        "weight_only_max_rows": quantization.WEIGHT_ONLY_MAX_ROWS,
+    }
     state = jax.block_until_ready(initial_state(compiled, prompts, schedule_sampling("flash_cache", "one")))
     start = time.perf_counter()
     state = jax.block_until_ready(compiled.run(weights, state, jnp.int32(1), no_more))
@@ -293,13 +349,17 @@ def step_variant(report: Report, label: str, engine, cost, ceilings: dict, profi
         holder = {"state": state, "stop": stop}
 
         def steps():
-            holder["state"] = jax.block_until_ready(compiled.run(weights, holder["state"], jnp.int32(holder["stop"] + 4), no_more))
+            holder["state"] = jax.block_until_ready(
+                compiled.run(weights, holder["state"], jnp.int32(holder["stop"] + 4), no_more)
+            )
 
         row["profile_step"] = traced(steps, 4)
         row["profile_step"]["gaps_ms"] = row["step_ms"] - row["profile_step"]["device_busy_ms"]
 
         fresh = jax.block_until_ready(initial_state(compiled, prompts, schedule_sampling("flash_cache", "one")))
-        row["profile_full_pass"] = traced(lambda: jax.block_until_ready(compiled.run(weights, fresh, jnp.int32(1), no_more)), 1)
+        row["profile_full_pass"] = traced(
+            lambda: jax.block_until_ready(compiled.run(weights, fresh, jnp.int32(1), no_more)), 1
+        )
         row["profile_full_pass"]["gaps_ms"] = row["later_pass_ms"] - row["profile_full_pass"]["device_busy_ms"]
     report.add("steps", row)
 
@@ -307,14 +367,27 @@ def step_variant(report: Report, label: str, engine, cost, ceilings: dict, profi
 def steps_part(report: Report, tiny: bool, variants: list[str], profile: bool) -> None:
     from bench import Cost, model_config, quantize_on_device
     from bench_kernels import Shapes, measure_ceilings
+
     import dllm_jax.engine.engine as engine_module
     from dllm_jax.engine.engine import Engine
     from dllm_jax.models.transformer import init_params_per_layer
 
     config = model_config("llada-8b", tiny)
-    shapes = Shapes(d_model=config.d_model, n_heads=config.n_heads, n_kv_heads=config.n_kv_heads, n_layers=1,
-                    rows_per_slot=128, max_len=128, cache_slots=1, slot_counts=(), key_lengths=(), verify_rows=32,
-                    matmul_size=256 if tiny else 8192, copy_elements=2**16 if tiny else 2**28, sweep_size=0)
+    shapes = Shapes(
+        d_model=config.d_model,
+        n_heads=config.n_heads,
+        n_kv_heads=config.n_kv_heads,
+        n_layers=1,
+        rows_per_slot=128,
+        max_len=128,
+        cache_slots=1,
+        slot_counts=(),
+        key_lengths=(),
+        verify_rows=32,
+        matmul_size=256 if tiny else 8192,
+        copy_elements=2**16 if tiny else 2**28,
+        sweep_size=0,
+    )
     ceilings = measure_ceilings(shapes, repeats=3)
     report.add("ceilings", ceilings)
     start = time.perf_counter()
@@ -322,8 +395,10 @@ def steps_part(report: Report, tiny: bool, variants: list[str], profile: bool) -
     if any(v.startswith("int8") for v in variants):
         params["int8-weights"] = jax.block_until_ready(quantize_on_device(params["none"], "int8-weights"))
     report.add("steps_setup", {"init_s": time.perf_counter() - start})
-    cmdbuf = {"xla_gpu_enable_command_buffer": COMMAND_BUFFERS["default+while+cond"],
-              "xla_enable_command_buffers_during_profiling": True}
+    cmdbuf = {
+        "xla_gpu_enable_command_buffer": COMMAND_BUFFERS["default+while+cond"],
+        "xla_enable_command_buffers_during_profiling": True,
+    }
     for variant in variants:
         if report.over_budget():
             report.add("steps", {"variant": variant, "skipped": "budget"})
@@ -353,12 +428,27 @@ def steps_part(report: Report, tiny: bool, variants: list[str], profile: bool) -
 
 def env_part(report: Report, tiny: bool, budget_s: float) -> None:
     """The bf16 step with command buffers set by XLA_FLAGS, in a child process of this script."""
-    flags = (f"--xla_gpu_enable_command_buffer={COMMAND_BUFFERS['default+while+cond']} "
-             "--xla_enable_command_buffers_during_profiling=true")
+    flags = (
+        f"--xla_gpu_enable_command_buffer={COMMAND_BUFFERS['default+while+cond']} "
+        "--xla_enable_command_buffers_during_profiling=true"
+    )
     env = {**os.environ, "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " " + flags).strip(), **_CHILD_MEMORY}
     with tempfile.TemporaryDirectory() as tmp:
-        args = [sys.executable, __file__, "--parts", "steps", "--variants", "bf16", "--out", tmp, "--budget-s", str(budget_s)]
-        done = subprocess.run(args + (["--tiny"] if tiny else []), env=env, capture_output=True, text=True, timeout=budget_s + 120)
+        args = [
+            sys.executable,
+            __file__,
+            "--parts",
+            "steps",
+            "--variants",
+            "bf16",
+            "--out",
+            tmp,
+            "--budget-s",
+            str(budget_s),
+        ]
+        done = subprocess.run(
+            args + (["--tiny"] if tiny else []), env=env, capture_output=True, text=True, timeout=budget_s + 120
+        )
         path = Path(tmp) / "one_request.json"
         child = json.loads(path.read_text()) if path.exists() else {}
     for row in child.get("steps", []):
@@ -373,14 +463,21 @@ def env_part(report: Report, tiny: bool, budget_s: float) -> None:
 def markdown(data: dict) -> str:
     lines = [f"Device: {data['device']} | jax {data['jax']} | {data['date']} | XLA_FLAGS={data['xla_flags']!r}", ""]
     if data.get("gemm"):
-        lines += ["| shape [K x N] | rows | variant | us | TFLOP/s | weight TB/s | time / bf16 | rel. error |", "|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "| shape [K x N] | rows | variant | us | TFLOP/s | weight TB/s | time / bf16 | rel. error |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for r in data["gemm"]:
             if "us" not in r:
-                lines.append(f"| {r['shape']} | {r['rows']} | {r.get('variant', '')} | {r.get('error', r.get('skipped', ''))[:150]} | | | | |")
+                lines.append(
+                    f"| {r['shape']} | {r['rows']} | {r.get('variant', '')} | {r.get('error', r.get('skipped', ''))[:150]} | | | | |"
+                )
                 continue
             ratio = f"{r['over_bf16']:.2f}" if r["over_bf16"] else ""
-            lines.append(f"| {r['shape']} | {r['rows']} | {r['variant']} | {r['us']:.1f} | {r['tflops']:.0f} | "
-                         f"{r['weight_tbps']:.2f} | {ratio} | {r['rel_error']:.1e} |")
+            lines.append(
+                f"| {r['shape']} | {r['rows']} | {r['variant']} | {r['us']:.1f} | {r['tflops']:.0f} | "
+                f"{r['weight_tbps']:.2f} | {ratio} | {r['rel_error']:.1e} |"
+            )
         lines.append("")
     if data.get("flags"):
         lines += ["| via | setting | value | accepted |", "|---|---|---|---|"]
@@ -388,42 +485,62 @@ def markdown(data: dict) -> str:
         lines.append("")
     rows = data.get("steps", []) + [{**r, "variant": "env: " + r.get("variant", "")} for r in data.get("env", [])]
     if rows:
-        lines += ["| 1-slot variant | step ms | step / weight floor | kernels/step | device busy ms | gaps ms | "
-                  "first request's full pass ms (/ FLOP floor) | later full pass ms (/ FLOP floor) | full pass device busy ms | compile s |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "| 1-slot variant | step ms | step / weight floor | kernels/step | device busy ms | gaps ms | "
+            "first request's full pass ms (/ FLOP floor) | later full pass ms (/ FLOP floor) | full pass device busy ms | compile s |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in rows:
             if "step_ms" not in r:
                 lines.append(f"| {r.get('variant')} | {r.get('error', r.get('skipped', ''))[:200]} | | | | | | | | |")
                 continue
             p, f = r.get("profile_step"), r.get("profile_full_pass")
             prof = f"{p['kernels_per_step']:.0f} | {p['device_busy_ms']:.2f} | {p['gaps_ms']:.2f}" if p else " | | "
-            lines.append(f"| {r['variant']} | {r['step_ms']:.2f} | {r['step_over_weight_floor']:.2f} | {prof} | "
-                         f"{r['first_request_pass_ms']:.1f} ({r['first_request_pass_over_flop_floor']:.2f}) | "
-                         f"{r['later_pass_ms']:.1f} ({r['later_pass_over_flop_floor']:.2f}) | "
-                         f"{f['device_busy_ms'] if f else float('nan'):.2f} | {r['compile_s']:.1f} |")
+            lines.append(
+                f"| {r['variant']} | {r['step_ms']:.2f} | {r['step_over_weight_floor']:.2f} | {prof} | "
+                f"{r['first_request_pass_ms']:.1f} ({r['first_request_pass_over_flop_floor']:.2f}) | "
+                f"{r['later_pass_ms']:.1f} ({r['later_pass_over_flop_floor']:.2f}) | "
+                f"{f['device_busy_ms'] if f else float('nan'):.2f} | {r['compile_s']:.1f} |"
+            )
         lines.append("")
         for r in rows:
             for key in ("profile_step", "profile_full_pass"):
                 if key in r:
                     p = r[key]
-                    lines += [f"{r['variant']}, {key}: {p['kernels_per_step']:.0f} kernels, busy {p['device_busy_ms']:.2f} ms, "
-                              f"untraced wall - busy {p['gaps_ms']:.2f} ms; top: " + "; ".join(f"{n} {t} ms x{c:.0f}" for n, t, c in p["top"][:8]), ""]
+                    lines += [
+                        f"{r['variant']}, {key}: {p['kernels_per_step']:.0f} kernels, busy {p['device_busy_ms']:.2f} ms, "
+                        f"untraced wall - busy {p['gaps_ms']:.2f} ms; top: "
+                        + "; ".join(f"{n} {t} ms x{c:.0f}" for n, t, c in p["top"][:8]),
+                        "",
+                    ]
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--parts", nargs="+", choices=("gemm", "flags", "steps", "env"), default=["gemm", "flags", "steps", "env"])
-    p.add_argument("--variants", nargs="+", default=["bf16 cold", "bf16", "int8 xla", "int8 kernel"],
-                   help="1-slot step variants: bf16 | int8 xla | int8 kernel | int8 kernel 1024, each optionally + "
-                        "' cmdbuf' (command buffers) / ' cold' (no zero-iteration first execution at compile time)")
+    p.add_argument(
+        "--parts", nargs="+", choices=("gemm", "flags", "steps", "env"), default=["gemm", "flags", "steps", "env"]
+    )
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        default=["bf16 cold", "bf16", "int8 xla", "int8 kernel"],
+        help="1-slot step variants: bf16 | int8 xla | int8 kernel | int8 kernel 1024, each optionally + "
+        "' cmdbuf' (command buffers) / ' cold' (no zero-iteration first execution at compile time)",
+    )
     p.add_argument("--sweep", action="store_true", help="time every tiling of sweep_configs, not only the default")
-    p.add_argument("--shapes", nargs="+", default=None, help="gemm: only the shapes whose name starts with one of these")
+    p.add_argument(
+        "--shapes", nargs="+", default=None, help="gemm: only the shapes whose name starts with one of these"
+    )
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--tiny", action="store_true")
-    p.add_argument("--budget-s", type=float, default=210.0,
-                   help="no new measurement starts after this (one started runs to its end: ~30 s)")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=210.0,
+        help="no new measurement starts after this (one started runs to its end: ~30 s)",
+    )
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
     opts = p.parse_args(argv)
     started = time.perf_counter()

@@ -51,8 +51,12 @@ def measure(bench, slots_list, gen_length: int, prompt_len: int, backend: str, s
     start = time.perf_counter()
     params = jax.block_until_ready(bench.init_params_per_layer(config, jax.random.key(0)))
     report = {
-        "device": jax.devices()[0].device_kind, "jax": jax.__version__, "tree": bench.__file__,
-        "date": time.strftime("%Y-%m-%d %H:%M"), "init_s": time.perf_counter() - start, "runs": [],
+        "device": jax.devices()[0].device_kind,
+        "jax": jax.__version__,
+        "tree": bench.__file__,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "init_s": time.perf_counter() - start,
+        "runs": [],
     }
     engine = bench.Engine(config, params, backend=backend, full_pass_lanes=())
     report["backend"] = engine.backend
@@ -63,9 +67,12 @@ def measure(bench, slots_list, gen_length: int, prompt_len: int, backend: str, s
         second = bench.steady_step_time(engine, decode, prompts, 8, 3)
         compiled = engine.compile(decode, prompt_len)
         run = {
-            "slots": slots, "compile_s": first["compile_s"],
-            "first_full_pass_cold_ms": 1e3 * first["prefill_s"], "first_full_pass_warm_ms": 1e3 * second["prefill_s"],
-            "step_ms": 1e3 * first["step_s"], "step_ms_again": 1e3 * second["step_s"],
+            "slots": slots,
+            "compile_s": first["compile_s"],
+            "first_full_pass_cold_ms": 1e3 * first["prefill_s"],
+            "first_full_pass_warm_ms": 1e3 * second["prefill_s"],
+            "step_ms": 1e3 * first["step_s"],
+            "step_ms_again": 1e3 * second["step_s"],
             "step_samples_ms": [1e3 * s for s in first["step_samples_s"] + second["step_samples_s"]],
             **control_flow(compiled.run),
         }
@@ -124,15 +131,25 @@ def compare(new_path: Path, old_path: Path) -> str:
     lines.append("")
     lines.append("step: the better of the two calls' medians (8 iterations x 3 samples each)")
     if new.get("cutoff_kernel"):
-        lines += ["", "top-p/top-k cutoff kernel (new): " + ", ".join(
-            f"{r['rows']} rows {'asking' if r['asking'] else 'not asking'} {r['ms']:.3f} ms" for r in new["cutoff_kernel"])]
+        lines += [
+            "",
+            "top-p/top-k cutoff kernel (new): "
+            + ", ".join(
+                f"{r['rows']} rows {'asking' if r['asking'] else 'not asking'} {r['ms']:.3f} ms"
+                for r in new["cutoff_kernel"]
+            ),
+        ]
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tree", type=Path, default=Path(__file__).resolve().parents[2],
-                   help="the code tree whose bench.py and dllm_jax run (default: this one)")
+    p.add_argument(
+        "--tree",
+        type=Path,
+        default=Path(__file__).resolve().parents[2],
+        help="the code tree whose bench.py and dllm_jax run (default: this one)",
+    )
     p.add_argument("--slots", nargs="+", type=int, default=None, help="default 1 8 32 (smoke: 1 2)")
     p.add_argument("--smoke", action="store_true", help="tiny model, backend xla: a CPU check of the script")
     p.add_argument("--out", type=Path, default=None, help="JSON report")
@@ -143,8 +160,9 @@ def main(argv=None) -> int:
         return 0
     bench = _import_tree(opts.tree)
     slots = opts.slots or ([1, 2] if opts.smoke else [1, 8, 32])
-    report = measure(bench, slots, 32 if opts.smoke else 256, 16 if opts.smoke else 256,
-                     "xla" if opts.smoke else "auto", opts.smoke)
+    report = measure(
+        bench, slots, 32 if opts.smoke else 256, 16 if opts.smoke else 256, "xla" if opts.smoke else "auto", opts.smoke
+    )
     if opts.out:
         opts.out.parent.mkdir(parents=True, exist_ok=True)
         opts.out.write_text(json.dumps(report, indent=1))

@@ -24,12 +24,12 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from dllm_jax.common.quiet_logs import quiet_logs
 from dllm_jax.models.checkpoint.dtypes import DTYPES
 from dllm_jax.models.checkpoint.errors import ConversionError
 from dllm_jax.models.config import ConfigError, ModelConfig
-from dllm_jax.models.transformer import Weights, abstract_params
 from dllm_jax.models.quantization import QUANTIZATIONS, quantize_params
-from dllm_jax.common.quiet_logs import quiet_logs
+from dllm_jax.models.transformer import Weights, abstract_params
 
 METADATA_FILE = "dllm_jax_metadata.json"
 PARAMS_DIR = "params"
@@ -140,8 +140,12 @@ def load_converted(folder: Path, *, dtype: str, quantization: str | None = None)
     params_dir = folder / PARAMS_DIR
     if not params_dir.is_dir():
         raise ConversionError(f"{params_dir}: params checkpoint folder not found")
-    params = _restore_params(params_dir, dataclasses.replace(config, quantization=stored), stored_dtype=metadata["dtype"])
-    return dataclasses.replace(config, quantization=wanted), quantize_params(params, wanted if stored == "none" else "none")
+    params = _restore_params(
+        params_dir, dataclasses.replace(config, quantization=stored), stored_dtype=metadata["dtype"]
+    )
+    return dataclasses.replace(config, quantization=wanted), quantize_params(
+        params, wanted if stored == "none" else "none"
+    )
 
 
 def _restore_params(path: Path, config: ModelConfig, *, stored_dtype: str) -> Weights:
@@ -183,8 +187,10 @@ def _tree_difference(path: Path, expected: Weights) -> str | None:
         return None
 
     def names(tree) -> set[str]:
-        return {"/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in keys)
-                for keys, _ in jax.tree_util.tree_leaves_with_path(tree)}
+        return {
+            "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in keys)
+            for keys, _ in jax.tree_util.tree_leaves_with_path(tree)
+        }
 
     missing, extra = sorted(names(expected) - names(stored)), sorted(names(stored) - names(expected))
     parts = [f"missing {', '.join(missing)}"] * bool(missing) + [f"not expected {', '.join(extra)}"] * bool(extra)

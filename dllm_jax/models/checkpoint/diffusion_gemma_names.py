@@ -56,24 +56,37 @@ def _layer_rules(kind: AttentionKind) -> tuple[TensorRule, ...]:
         rule("self_attn.o_proj.weight", ("o_proj", "kernel"), lambda c: (c.d_model, heads(c)), transpose=True),
         rule("self_attn.q_norm.weight", ("q_norm", "weight"), lambda c: (c.head_dim(kind),)),
         rule("self_attn.k_norm.weight", ("k_norm", "weight"), lambda c: (c.head_dim(kind),)),
-        rule("mlp.gate_proj.weight", ("mlp", "gate_proj", "kernel"), lambda c: (c.mlp_hidden_size, c.d_model),
-             transpose=True),
-        rule("mlp.up_proj.weight", ("mlp", "up_proj", "kernel"), lambda c: (c.mlp_hidden_size, c.d_model),
-             transpose=True),
-        rule("mlp.down_proj.weight", ("mlp", "down_proj", "kernel"), lambda c: (c.d_model, c.mlp_hidden_size),
-             transpose=True),
+        rule(
+            "mlp.gate_proj.weight",
+            ("mlp", "gate_proj", "kernel"),
+            lambda c: (c.mlp_hidden_size, c.d_model),
+            transpose=True,
+        ),
+        rule(
+            "mlp.up_proj.weight", ("mlp", "up_proj", "kernel"), lambda c: (c.mlp_hidden_size, c.d_model), transpose=True
+        ),
+        rule(
+            "mlp.down_proj.weight",
+            ("mlp", "down_proj", "kernel"),
+            lambda c: (c.d_model, c.mlp_hidden_size),
+            transpose=True,
+        ),
         rule("router.proj.weight", ("router", "proj", "kernel"), lambda c: (c.n_experts, c.d_model), transpose=True),
         rule("router.scale", ("router", "scale"), lambda c: (c.d_model,)),
         rule("router.per_expert_scale", ("router", "per_expert_scale"), lambda c: (c.n_experts,)),
-        rule("experts.gate_up_proj", ("experts", "gate_up_proj"),
-             lambda c: (c.n_experts, 2 * c.expert_hidden_size, c.d_model)),
+        rule(
+            "experts.gate_up_proj",
+            ("experts", "gate_up_proj"),
+            lambda c: (c.n_experts, 2 * c.expert_hidden_size, c.d_model),
+        ),
         rule("experts.down_proj", ("experts", "down_proj"), lambda c: (c.n_experts, c.d_model, c.expert_hidden_size)),
         rule("layer_scalar", ("layer_scalar",), lambda c: (1,)),
         rule("layer_scalar", ("encoder_layer_scalar",), lambda c: (1,), prefix=_ENCODER_LAYER),
     ]
     if kind is AttentionKind.SLIDING:
-        rules.append(rule("self_attn.v_proj.weight", ("v_proj", "kernel"), lambda c: (kv(c), c.d_model),
-                          transpose=True))
+        rules.append(
+            rule("self_attn.v_proj.weight", ("v_proj", "kernel"), lambda c: (kv(c), c.d_model), transpose=True)
+        )
     return tuple(rules)
 
 
@@ -81,12 +94,24 @@ def _self_conditioning_rules() -> tuple[TensorRule, ...]:
     prefix, path = _DECODER + "self_conditioning.", "self_conditioning"
     return (
         TensorRule(prefix + "pre_norm.weight", (path, "pre_norm", "weight"), lambda c: (c.d_model,)),
-        TensorRule(prefix + "gate_proj.weight", (path, "gate_proj", "kernel"), lambda c: (c.mlp_hidden_size, c.d_model),
-                   transpose=True),
-        TensorRule(prefix + "up_proj.weight", (path, "up_proj", "kernel"), lambda c: (c.mlp_hidden_size, c.d_model),
-                   transpose=True),
-        TensorRule(prefix + "down_proj.weight", (path, "down_proj", "kernel"), lambda c: (c.d_model, c.mlp_hidden_size),
-                   transpose=True),
+        TensorRule(
+            prefix + "gate_proj.weight",
+            (path, "gate_proj", "kernel"),
+            lambda c: (c.mlp_hidden_size, c.d_model),
+            transpose=True,
+        ),
+        TensorRule(
+            prefix + "up_proj.weight",
+            (path, "up_proj", "kernel"),
+            lambda c: (c.mlp_hidden_size, c.d_model),
+            transpose=True,
+        ),
+        TensorRule(
+            prefix + "down_proj.weight",
+            (path, "down_proj", "kernel"),
+            lambda c: (c.d_model, c.mlp_hidden_size),
+            transpose=True,
+        ),
     )
 
 

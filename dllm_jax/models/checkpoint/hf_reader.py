@@ -26,7 +26,8 @@ from tqdm import tqdm
 from dllm_jax.models.checkpoint.errors import ConversionError
 from dllm_jax.models.checkpoint.tensor_names import TensorEntry, is_skipped, leaf_shape, rules_for, tensor_entries
 from dllm_jax.models.config import ConfigError, ModelConfig, read_config_json
-from dllm_jax.models.diffusion_gemma_config import MODEL_TYPE as DIFFUSION_GEMMA, DiffusionGemmaConfig
+from dllm_jax.models.diffusion_gemma_config import MODEL_TYPE as DIFFUSION_GEMMA
+from dllm_jax.models.diffusion_gemma_config import DiffusionGemmaConfig
 
 log = logging.getLogger(__name__)
 
@@ -123,8 +124,9 @@ def read_checkpoint(hf_dir: str | Path, *, dtype: str = "bfloat16") -> tuple[HFC
         raise ConversionError(f"{hf_dir}: missing tensor(s) {_some(missing)}")
     if skipped:
         log.warning("%s: loaded the text model only; %d tensors of the vision tower not read", hf_dir, len(skipped))
-    info = HFCheckpointInfo(config=config, hf_config=hf_config, tensor_count=len(found), source=hf_dir.resolve(),
-                            skipped=tuple(skipped))
+    info = HFCheckpointInfo(
+        config=config, hf_config=hf_config, tensor_count=len(found), source=hf_dir.resolve(), skipped=tuple(skipped)
+    )
     return info, params
 
 
