@@ -15,7 +15,7 @@ import pytest
 from dllm_jax import DecodeConfig, Engine, GenerationError, SamplingParams
 from dllm_jax.models.transformer import forward
 from dllm_jax.runtime.kernel_routing import Kernels
-from dllm_jax.sampling.samplers import filter_top_p_top_k, guided_logits, sample_tokens
+from dllm_jax.sampling.samplers import filter_min_p, filter_top_p_top_k, guided_logits, sample_tokens
 
 FLOAT32_MIN = np.finfo(np.float32).min
 
@@ -53,6 +53,27 @@ def test_top_p_top_k_keep_dreams_sets(temperature, top_p, top_k):
     np.testing.assert_array_equal(out[keep], logits[keep])  # kept logits untouched
     if top_p == 1.0 and top_k in (0, 1000):
         assert keep.all()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.5])
+@pytest.mark.parametrize("min_p", [0.0, 0.05, 0.3, 1.0])
+def test_min_p_keeps_transformers_set(temperature, min_p):
+    """min_p is transformers' MinPLogitsWarper applied after its TemperatureLogitsWarper (softmax
+    of the logits themselves when greedy)."""
+    import torch
+    from transformers.generation.logits_process import MinPLogitsWarper
+
+    rng = np.random.RandomState(int(temperature * 10) + int(min_p * 100))
+    logits = (rng.randn(6, 50) * 3).astype(np.float32)
+    out = np.asarray(filter_min_p(jnp.asarray(logits), jnp.float32(temperature), jnp.float32(min_p)))
+    scaled = torch.from_numpy(logits.astype(np.float64) / (temperature if temperature > 0 else 1.0))
+    if min_p > 0:
+        want = MinPLogitsWarper(min_p)(None, scaled).numpy() > -np.inf
+    else:
+        want = np.ones_like(logits, bool)
+    np.testing.assert_array_equal(out > FLOAT32_MIN, want)
+    np.testing.assert_array_equal(out[want], logits[want])  # kept logits untouched
+    assert want.sum(axis=-1).min() >= 1  # the most likely token always stays
 
 
 def test_gumbel_sampling_draws_within_the_filtered_set():
@@ -181,11 +202,14 @@ def test_cfg_is_llada_only(engine):
 
 def test_top_k_one_draws_the_argmax_at_any_temperature(engine):
     """With one token kept, the Gumbel draw is the argmax (and its confidence 1, as Dream's
-    filtered probabilities give): temperature no longer matters; top_p tiny keeps the same set."""
+    filtered probabilities give): temperature no longer matters; top_p tiny and min_p 1 keep the
+    same set (one compiled loop: all are per-request values)."""
     decode = DecodeConfig(gen_length=16, batch_size=2, threshold=0.5)
     cold = engine.generate(PROMPTS, SamplingParams(top_k=1), decode=decode)
     hot = engine.generate(PROMPTS, SamplingParams(temperature=5.0, top_k=1, seed=1), decode=decode)
     nucleus = engine.generate(PROMPTS, SamplingParams(temperature=5.0, top_p=1e-6, seed=1), decode=decode)
+    only_the_likeliest = engine.generate(PROMPTS, SamplingParams(temperature=5.0, min_p=1.0, seed=1), decode=decode)
+    assert [r.token_ids for r in only_the_likeliest.results] == [r.token_ids for r in cold.results]
     unfiltered = engine.generate(PROMPTS, SamplingParams(temperature=5.0, seed=1), decode=decode)
     assert [r.token_ids for r in hot.results] == [r.token_ids for r in cold.results]
     assert [r.token_ids for r in nucleus.results] == [r.token_ids for r in cold.results]

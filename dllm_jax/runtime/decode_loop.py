@@ -37,7 +37,7 @@ from dllm_jax.runtime.kernel_routing import Kernels
 from dllm_jax.runtime.policy import DecodePolicy
 from dllm_jax.runtime.sharding import CACHE_ROWS, DATA, REPLICATED, SLOTS, axis_size, per_data_shard
 from dllm_jax.runtime.slots import ERROR_NON_FINITE, ERROR_STEP_LIMIT, Slots, SlotSampling, empty_slots, install
-from dllm_jax.sampling.samplers import all_finite, filter_top_p_top_k, guided_logits
+from dllm_jax.sampling.samplers import all_finite, filter_min_p, filter_top_p_top_k, guided_logits
 from pallas_kernels.sampling.top_p_top_k import apply_cutoff, top_p_top_k_cutoff
 
 
@@ -386,11 +386,17 @@ class DecodeLoop:
         return _where_tree(slots.active, committed, slots), cache
 
     def _filter(self, slots: Slots, logits: jax.Array) -> jax.Array:
-        """top_p / top_k filtering of the slots that ask for it: logits [B, C, V] -> the same,
-        removed entries at float32's lowest value (in logits.dtype). With the kernel, rows
-        that do not ask cost nothing and no conditional is needed (XLA:GPU would read its
-        predicate back to the host at every step); otherwise the sort is skipped by a cond
-        when no slot asks."""
+        """top_p / top_k, then min_p filtering of the slots that ask for it: logits [B, C, V] ->
+        the same, removed entries at float32's lowest value (in logits.dtype). min_p is one
+        elementwise pass after a row max (no sort, no conditional: min_p 0 keeps every entry)."""
+        p = slots.sampling
+        logits = self._filter_top_p_top_k(slots, logits)
+        return jax.vmap(filter_min_p)(logits, p.temperature, p.min_p)
+
+    def _filter_top_p_top_k(self, slots: Slots, logits: jax.Array) -> jax.Array:
+        """top_p / top_k filtering of the slots that ask for it. With the kernel, rows that do
+        not ask cost nothing and no conditional is needed (XLA:GPU would read its predicate back
+        to the host at every step); otherwise the sort is skipped by a cond when no slot asks."""
         p = slots.sampling
         wants = slots.active & ((p.top_p < 1.0) | (p.top_k > 0))
         if self.kernels.top_p_top_k:

@@ -106,6 +106,8 @@ class SamplingParams:
         add_gumbel_noise).
       top_p: nucleus filtering before sampling (Dream's top_p_logits), 1 = off.
       top_k: keep the k largest logits before sampling (Dream's top_k_logits), 0 = off.
+      min_p: keep the tokens whose probability is at least min_p times the most likely one's
+        (transformers' MinPLogitsWarper, at the request's temperature), 0 = off.
       seed: this request's random stream (same seed, same answer, wherever it runs); None =
         seed 0 and the request's index in its generate() call (its add order in a session).
       stop: strings that end the answer (cut before the first occurrence).
@@ -132,6 +134,14 @@ class SamplingParams:
         help="nucleus sampling: keep the smallest set of tokens of this total probability (1: off)",
     )
     top_k: int = knob(0, np.int32, low=0, server=True, help="sample among the k most likely tokens (0: off)")
+    min_p: float = knob(
+        0.0,
+        np.float32,
+        low=0.0,
+        high=1.0,
+        server=True,
+        help="sample among the tokens at least min_p times as likely as the most likely one (0: off)",
+    )
     seed: int | None = knob(None, np.int32, low=0, high=MAX_SEED - 1, optional=True, flag=False)
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.sampling.top_p_top_k import apply_cutoff, top_p_top_k_cutoff_reference
+from pallas_kernels.sampling.top_p_top_k import REMOVED, apply_cutoff, top_p_top_k_cutoff_reference
 
 
 def sample_tokens(logits: jax.Array, temperature: jax.Array, rng: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -50,6 +50,23 @@ def filter_top_p_top_k(logits: jax.Array, temperature: jax.Array, top_p: jax.Arr
         logits, rows(temperature), rows(top_p), rows(top_k), jnp.ones(logits.shape[:1], bool)
     )
     return apply_cutoff(logits, cutoff)
+
+
+def filter_min_p(logits: jax.Array, temperature: jax.Array, min_p: jax.Array) -> jax.Array:
+    """min_p filtering (transformers' MinPLogitsWarper after its temperature warper): keep the
+    entries whose probability under softmax(logits / temperature) is at least min_p times the
+    largest (softmax(logits) when temperature is 0, where it changes only the confidence).
+
+    logits: [C, V]; temperature, min_p: float32 scalars (min_p 0 keeps every entry, exactly).
+    Returns logits.dtype [C, V]: the logits with removed entries at float32's lowest value
+    (pallas_kernels.sampling.top_p_top_k.REMOVED) cast to logits.dtype.
+    """
+    x = logits.astype(jnp.float32)
+    scale = jnp.where(temperature > 0, temperature, 1.0)
+    # p_i >= min_p * p_max  <=>  x_i >= x_max + scale * log(min_p)
+    cutoff = jnp.max(x, axis=-1, keepdims=True) + scale * jnp.log(min_p)
+    keep = (min_p <= 0) | (x >= cutoff)
+    return jnp.where(keep, x, REMOVED).astype(logits.dtype)
 
 
 def random_confidence(rng: jax.Array, count: int) -> jax.Array:
