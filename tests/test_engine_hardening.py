@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dllm_jax.engine.session as session_module
-from dllm_jax import DecodeConfig, Engine, GenerationError, SamplingParams
+from dllm_jax import DecodeConfig, Engine, GenerationError, RequestStatus, SamplingParams
 
 POISON = 50  # the token whose embedding the poisoned model holds as non-finite
 
@@ -183,6 +183,27 @@ def test_session_abort_frees_the_slot_and_reports_nothing(engine):
                 finished[u.request_id] = u.result
     assert set(finished) == {"run", "after"}
     assert finished["after"].token_ids == finished["run"].token_ids
+
+
+def test_an_aborted_requests_slot_takes_the_next_request_within_two_calls(engine):
+    """step() dispatches the next call before it reads the last one's results. An abort takes
+    effect in the next call (the aborted request's last step, then its slot takes the waiting
+    request), the waiting request commits in the call after, and the host reads that one step()
+    later: three step() calls after the abort."""
+    session = engine.session(DECODES["flash"], max_prompt_len=16, num_slots=2, stream=True)
+    one_per_step = SamplingParams(threshold=2.0)
+    for name in ("a", "b", "next"):
+        session.add(name, [1, 2, 3], one_per_step)
+    seen = set()
+    for _ in range(2):  # the first call's report is read by the second step()
+        seen |= {u.request_id for u in session.step(1) if u.commits}
+    assert seen == {"a", "b"}
+    assert session.status("next") is RequestStatus.RUNNING  # in the device's ring, waiting for a slot
+    assert session.abort("a") and session.status("a") is None
+    later = [{u.request_id for u in session.step(1) if u.commits} for _ in range(3)]
+    assert later == [{"b"}, {"b"}, {"b", "next"}], later
+    while session.num_running:
+        session.step(8)
 
 
 def test_streamed_commits_rebuild_the_answer(engine):

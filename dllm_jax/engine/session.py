@@ -1,10 +1,14 @@
 """GenerationSession: the host side of one compiled decode loop, fed online.
 
-The session owns a DecodeState and the host's copy of the request ring. Between device calls
-it pushes requests added since the last call into the ring, frees the slots of aborted ones,
-collects finished results and (with ``stream=True``) reads the running slots' canvases to
-report what each step committed. ``Engine.generate`` is a loop over one session; a server keeps
-one session alive and calls ``step`` from its engine thread.
+The session owns a DecodeState and the host's copy of the request ring. Each ``step`` pushes
+the requests added since the last call into the ring, ends aborted ones, dispatches the next
+device call, and only then reads the previous call's results (finished requests and, with
+``stream=True``, the running slots' canvases), so the host's work overlaps the device's: JAX
+dispatches asynchronously, and what the host reads is a copy taken right after each call.
+Results therefore arrive one call after the call that produced them; admissions and aborts
+take effect at the next call boundary, and an aborted request's slot is free within two calls.
+``Engine.generate`` is a loop over one session; a server keeps one session alive and calls
+``step`` from its engine thread.
 
     session = engine.session(DecodeConfig(...), max_prompt_len=64)
     session.add("a", ids, SamplingParams(max_new_tokens=32))
@@ -31,6 +35,11 @@ from dllm_jax.engine.results import GenerationResult, finished_result
 from dllm_jax.models.config import ModelConfig
 from dllm_jax.runtime.decode_config import DecodeConfig
 from dllm_jax.sampling.params import SamplingParams
+
+# Reads in a row that show no step, no result and follow a call that pushed and aborted nothing,
+# before a session calls its loop stalled (a call dispatched before the host could push, because
+# it had not read the results that free the ring, legitimately does nothing).
+_MAX_IDLE_READS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +105,11 @@ class GenerationSession:
         self._pushed: dict[int, Request] = {}  # ring index -> RUNNING or ABORTED request whose entry is not free yet
         self._ids: dict[Hashable, Request] = {}  # WAITING or RUNNING
         self._next_order = 0
-        self._state = None
+        self._state = None  # the state the next call starts from (the last call's output, in flight)
+        self._in_flight = None  # the last call's report (host copies under way), not read yet
+        self._aborting: list[int] = []  # ring indices of RUNNING requests aborted since the last call
+        self._collected: list[int] = []  # results entries read since the last call (their done flags to clear)
+        self._idle_reads = 0  # consecutive reads that showed no progress
         self._count = 0  # requests pushed into the ring
         self._iteration = 0
         self.timeline: list[tuple[int, float]] = [(0, time.perf_counter())]
@@ -166,13 +179,16 @@ class GenerationSession:
         self._waiting.append(request)
 
     def abort(self, request_id: Hashable) -> bool:
-        """Stops a request: it leaves the queue, or its slot is freed at the next `step`.
-        Returns False when the session does not hold it (unknown or already finished)."""
+        """Stops a request: it leaves the queue, or it ends at the first step of the next call
+        (its slot is then free for the next request). Returns False when the session does not
+        hold it (unknown or already finished)."""
         request = self._ids.pop(request_id, None)
         if request is None:
             return False
         if request.status is RequestStatus.WAITING:
             self._waiting.remove(request)
+        else:
+            self._aborting.append(request.ring_index)
         request.status = RequestStatus.ABORTED
         return True
 
@@ -191,68 +207,83 @@ class GenerationSession:
             moved = True
         return moved
 
-    def _apply_aborts(self, state):
-        """Frees the slots of aborted requests and ends aborted ones still in the ring."""
-        aborted = [g for g, r in self._pushed.items() if r.status is RequestStatus.ABORTED]
-        if not aborted:
-            return state
-        slots_request, slots_active = jax.device_get((state.slots.request, state.slots.active))
-        free = np.array([bool(a) and int(r) in aborted for r, a in zip(slots_request, slots_active)])
-        if free.any():
-            state = state.replace(slots=state.slots.replace(active=state.slots.active & ~jnp.asarray(free)))
-        installed = {int(r) for r, f in zip(slots_request, free) if f}
-        queued = [g for g in aborted if g not in installed]
-        limit = np.array(jax.device_get(state.queue.sampling.step_limit))
-        for g in queued:  # not installed yet (or finished this call): it ends after one step
-            limit[g % self._ring.capacity] = 0
-            self._ring.sampling["step_limit"][g % self._ring.capacity] = 0
-        if queued:
-            queue = state.queue
-            state = state.replace(queue=queue.replace(sampling=queue.sampling.replace(step_limit=jnp.asarray(limit))))
-        for g in installed:
-            del self._pushed[g]
-            self._ring.free[g % self._ring.capacity] = True
-        return state
+    def _end_aborted(self, state):
+        """Ends the requests aborted since the last call: a step bound of 0 in their ring entry
+        and in any slot holding one, so each ends after its next step (with a result the host
+        drops) wherever it is. Device-side: nothing is read back."""
+        Q = self._ring.capacity
+        entries = np.zeros((Q,), bool)  # fixed shapes: these ops compile once, in the warm-up
+        for g in self._aborting:
+            entries[g % Q] = True
+            self._ring.sampling["step_limit"][g % Q] = 0
+        self._aborting = []
+        # a slot holds the request of its ring entry: the entry stays taken until its result is read
+        slots = state.slots
+        hit = slots.active & jnp.asarray(entries)[slots.request % Q]
+        limit = jnp.where(hit, 0, slots.sampling.step_limit)
+        return state.replace(slots=slots.replace(sampling=slots.sampling.replace(step_limit=limit)))
+
+    def _report(self, state):
+        """Copies of what the host reads of a call's output (it is donated to the next call),
+        on their way to the host."""
+        slots = state.slots
+        view = (state.results, state.iteration)
+        if self.stream:
+            view += ((slots.active, slots.request, slots.prompt_len, slots.tokens, slots.commit_step, slots.verified),)
+        report = jax.device_put(view, may_alias=False)
+        for leaf in jax.tree.leaves(report):
+            leaf.copy_to_host_async()
+        return report
 
     def step(self, max_iterations: int | None = None) -> list[RequestUpdate]:
-        """Runs the loop for up to `max_iterations` iterations (None: chunk_iterations) and
-        returns what changed, one update per request with news."""
+        """Dispatches the loop for up to `max_iterations` iterations (None: chunk_iterations),
+        then returns what the previous call changed, one update per request with news."""
         if max_iterations is None:
             max_iterations = self.chunk_iterations
         if isinstance(max_iterations, bool) or not isinstance(max_iterations, int) or max_iterations < 1:
             raise GenerationError(f"max_iterations={max_iterations!r}: expected an int >= 1")
         compiled = self.compiled
         pushed = self._push()
-        if self._state is None:
-            if not self._pushed:
-                return []
-            tokens, lengths, sampling = self._ring.arrays()
-            self._state = compiled.init(tokens, lengths, sampling, jnp.int32(self._count))
-            self.timeline = [(0, time.perf_counter())]
-        elif pushed:
-            tokens, lengths, sampling = self._ring.arrays()
-            self._state = self._state.replace(
-                queue=self._state.queue.replace(
+        aborting = bool(self._aborting)
+        previous, self._in_flight = self._in_flight, None
+        if self._pushed:
+            if self._state is None:
+                tokens, lengths, sampling = self._ring.arrays()
+                self._state = compiled.init(tokens, lengths, sampling, jnp.int32(self._count))
+                self.timeline = [(0, time.perf_counter())]
+            elif pushed or aborting:
+                tokens, lengths, sampling = self._ring.arrays()
+                queue = self._state.queue.replace(
                     tokens=tokens, lengths=lengths, sampling=sampling, count=jnp.int32(self._count)
                 )
-            )
-        if not self._pushed:
-            return []
-        state = self._apply_aborts(self._state)
-        stop = self._iteration + max_iterations
-        state = compiled.run(self.weights, state, jnp.int32(stop), jnp.bool_(bool(self._waiting)))
-        results, iteration = jax.device_get((state.results, state.iteration))
-        stepped = int(iteration) > self._iteration
-        self._iteration = int(iteration)
-        self.timeline.append((self._iteration, time.perf_counter()))
+                self._state = self._state.replace(queue=queue)
+            state = self._end_aborted(self._state) if aborting else self._state
+            if self._collected:
+                keep = np.ones((self._ring.capacity,), bool)
+                keep[self._collected] = False
+                state = state.replace(results=state.results.replace(done=state.results.done & jnp.asarray(keep)))
+                self._collected = []
+            stop = state.iteration + jnp.int32(max_iterations)
+            self._state = compiled.run(self.weights, state, stop, jnp.bool_(bool(self._waiting)))
+            self._in_flight = (self._report(self._state), pushed or aborting)
+        return [] if previous is None else self._read(*previous)
+
+    def _read(self, report, had_news: bool) -> list[RequestUpdate]:
+        """The updates of one call from its report (waits for the call to finish)."""
+        report = jax.device_get(report)
+        results, iteration = report[0], int(report[1])
+        stepped = iteration > self._iteration
+        self._iteration = iteration
+        self.timeline.append((iteration, time.perf_counter()))
         updates = []
-        finished = np.nonzero(results.done)[0]
         decode = None if self.tokenizer is None else self.tokenizer.decode
-        for entry in finished:
-            g = int(results.request[entry])
-            request = self._pushed.pop(g, None)
+        for entry in np.nonzero(results.done)[0]:
+            request = self._pushed.pop(int(results.request[entry]), None)
+            if request is None:  # read from an earlier call's report already
+                continue
             self._ring.free[entry] = True
-            if request is None or request.status is RequestStatus.ABORTED:
+            self._collected.append(int(entry))
+            if request.status is RequestStatus.ABORTED:
                 continue
             request.status = RequestStatus.FINISHED
             self._ids.pop(request.request_id, None)
@@ -260,15 +291,14 @@ class GenerationSession:
             commits = self._new_commits(request, row["tokens"], row["commit_step"], row["verified"])
             result = finished_result(request, row, self.timeline, eos_id=self.model.eos_token_id, decode=decode)
             updates.append(RequestUpdate(request.request_id, commits, result))
-        if len(finished):
-            state = state.replace(results=state.results.replace(done=jnp.zeros_like(state.results.done)))
         if self.stream:
-            updates += self._running_updates(state)
-        self._state = state
-        if not stepped and not len(finished) and not pushed and self._pushed:
+            updates += self._running_updates(report[2])
+        progress = stepped or self._collected or had_news
+        self._idle_reads = 0 if progress or not self._pushed else self._idle_reads + 1
+        if self._idle_reads > _MAX_IDLE_READS:
             raise RuntimeError(
                 f"decode loop stalled with {len(self._pushed)} requests unfinished "
-                f"(no step, no result, nothing to push at iteration {self._iteration})"
+                f"(no step, no result, nothing new pushed in {self._idle_reads} calls, at iteration {iteration})"
             )
         return updates
 
@@ -290,17 +320,7 @@ class GenerationSession:
             request.reported_step = out[-1].step
         return tuple(out)
 
-    def _running_updates(self, state) -> list[RequestUpdate]:
-        slots = jax.device_get(
-            (
-                state.slots.active,
-                state.slots.request,
-                state.slots.prompt_len,
-                state.slots.tokens,
-                state.slots.commit_step,
-                state.slots.verified,
-            )
-        )
+    def _running_updates(self, slots) -> list[RequestUpdate]:
         updates = []
         for active, g, p, tokens, steps, verified in zip(*slots):
             request = self._pushed.get(int(g))
