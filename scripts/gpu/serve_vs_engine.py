@@ -244,25 +244,8 @@ def run_config(engine, config, opts, slots: int, canvas: bool, curve: bool) -> d
     }
 
 
-def ms(value) -> str:
-    return "-" if value is None else f"{1e3 * value:.2f}"
-
-
-def main(argv=None) -> int:
-    opts = parse_args(argv)
-    config = tiny_config() if opts.smoke else llada_8b_config()
-    t = time.perf_counter()
-    if opts.smoke:
-        weights = init_params(config, jax.random.key(0))
-    else:
-        weights = jax.block_until_ready(init_params_per_layer(config, jax.random.key(0)))
-    print(f"random weights on {jax.devices()[0]} in {time.perf_counter() - t:.1f} s", flush=True)
-    engine = Engine(config, weights, backend="auto")
-    opts.out.mkdir(parents=True, exist_ok=True)
-    rows = [
-        run_config(engine, config, opts, slots, canvas, curve=i == len(opts.configs) - 1)
-        for i, (slots, canvas) in enumerate(opts.configs)
-    ]
+def write_report(opts, rows: list[dict]) -> None:
+    """serve_bench.json and serve_bench.md of the configurations measured so far (and printed)."""
     report = {
         "device": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
         "jax": jax.__version__,
@@ -311,6 +294,27 @@ def main(argv=None) -> int:
     write_text_atomically(opts.out / "serve_bench.json", json.dumps(report, indent=1))
     write_text_atomically(opts.out / "serve_bench.md", md + "\n")
     print(md)
+
+
+def ms(value) -> str:
+    return "-" if value is None else f"{1e3 * value:.2f}"
+
+
+def main(argv=None) -> int:
+    opts = parse_args(argv)
+    config = tiny_config() if opts.smoke else llada_8b_config()
+    t = time.perf_counter()
+    if opts.smoke:
+        weights = init_params(config, jax.random.key(0))
+    else:
+        weights = jax.block_until_ready(init_params_per_layer(config, jax.random.key(0)))
+    print(f"random weights on {jax.devices()[0]} in {time.perf_counter() - t:.1f} s", flush=True)
+    engine = Engine(config, weights, backend="auto")
+    opts.out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i, (slots, canvas) in enumerate(opts.configs):
+        rows.append(run_config(engine, config, opts, slots, canvas, curve=i == len(opts.configs) - 1))
+        write_report(opts, rows)  # after each configuration: a run cut short keeps what it measured
     ok = all(not r["server"]["errors"] and r["same_tokens"] for r in rows)
     return 0 if ok else 1
 
