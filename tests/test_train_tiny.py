@@ -83,7 +83,7 @@ def test_the_held_out_metric_is_the_engine_on_swapped_weights():
     problems = tiny_tasks.held_out_problems(12)
     engine = Engine(tiny.config, init_params(tiny.config, jax.random.key(3)), Tokenizer(tok))
     untrained = tr.held_out_accuracy(engine, problems, gen_len=64, batch_size=4)
-    engine.swap_weights(tiny.params)
+    engine.swap_weights(tiny.weights)
     trained = tr.held_out_accuracy(engine, problems, gen_len=64, batch_size=4)
     assert engine.num_compilations == 1
     assert untrained["all"] == 0.0 and trained["all"] >= 0.75, (untrained, trained)
@@ -91,13 +91,13 @@ def test_the_held_out_metric_is_the_engine_on_swapped_weights():
     decode = DecodeConfig(method="llada", gen_length=64, block_length=64, steps=64, batch_size=4)
     texts = [
         r.text
-        for r in Engine(tiny.config, tiny.params, tiny.tokenizer)
-        .generate([p.prompt for p in problems], decode=decode, chat=True)
+        for r in Engine(tiny.config, tiny.weights, tiny.tokenizer)
+        .generate([p.prompt for p in problems], decode_config=decode, chat=True)
         .results
     ]
     assert trained["all"] == sum(tiny_tasks.is_correct(p, t) for p, t in zip(problems, texts)) / len(problems)
-    bad = dict(tiny.params, lm_head={"kernel": tiny.params["lm_head"]["kernel"][:, :-1]})
-    with pytest.raises(GenerationError, match=r"swap_params: \['lm_head'\]\['kernel'\] is"):
+    bad = dict(tiny.weights, lm_head={"kernel": tiny.weights["lm_head"]["kernel"][:, :-1]})
+    with pytest.raises(GenerationError, match=r"swap_weights: \['lm_head'\]\['kernel'\] is"):
         engine.swap_weights(bad)
 
 
