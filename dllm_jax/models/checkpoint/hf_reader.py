@@ -24,14 +24,12 @@ from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from dllm_jax.models.checkpoint.errors import ConversionError
+from dllm_jax.models.checkpoint.hf_config import read_config
 from dllm_jax.models.checkpoint.tensor_names import TensorEntry, is_skipped, leaf_shape, rules_for, tensor_entries
-from dllm_jax.models.config import ConfigError, ModelConfig, read_config_json
-from dllm_jax.models.diffusion_gemma_config import MODEL_TYPE as DIFFUSION_GEMMA
-from dllm_jax.models.diffusion_gemma_config import DiffusionGemmaConfig
+from dllm_jax.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
-CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
@@ -58,20 +56,6 @@ class HFCheckpointInfo:
     tensor_count: int
     source: Path
     skipped: tuple[str, ...] = ()
-
-
-def read_config(hf_dir: Path, *, dtype: str) -> tuple[ModelConfig, dict[str, Any]]:
-    """The family's config (with ``dtype``: a DiffusionGemmaConfig for model_type
-    "diffusion_gemma", else a ModelConfig) and the raw dict of ``hf_dir/config.json``."""
-    path = hf_dir / CONFIG_FILE
-    try:
-        hf = read_config_json(path)
-        diffusion_gemma = isinstance(hf, dict) and hf.get("model_type") == DIFFUSION_GEMMA
-        family = DiffusionGemmaConfig if diffusion_gemma else ModelConfig
-        config = family.from_hf_config(hf, dtype=dtype, source=str(path))
-    except ConfigError as e:
-        raise ConversionError(str(e)) from None
-    return config, hf
 
 
 def shard_files(hf_dir: Path, config: ModelConfig) -> list[Path]:
