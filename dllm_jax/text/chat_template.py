@@ -132,6 +132,8 @@ class ChatTemplate:
             raise TokenizerError(f"{self.source}: the chat template was stopped: {e}") from None
         except RecursionError:
             raise TokenizerError(f"{self.source}: the chat template recursed too deeply") from None
+        except jinja2.exceptions.SecurityError as e:
+            raise TokenizerError(f"{self.source}: the chat template does what the sandbox forbids ({e})") from None
         except jinja2.exceptions.TemplateError as e:
             raise TokenizerError(f"{self.source}: the chat template rejects these messages ({e})") from None
         except Exception as e:  # an error in the template's own expressions (TypeError, KeyError, ...)
