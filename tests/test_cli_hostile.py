@@ -22,7 +22,6 @@ import pytest
 
 import dllm_jax.cli.prompts
 import dllm_jax.models.loading
-import dllm_jax.text.chat_template
 from dllm_jax.cli.generate import main
 from dllm_jax.cli.output import check_output_path
 from dllm_jax.cli.prompts import read_jsonl
@@ -87,6 +86,7 @@ def test_the_process_streams_are_written_through(tmp_path):
     read_end, write_end = os.pipe()
     link = tmp_path / "stdout"
     link.symlink_to(f"/proc/self/fd/{write_end}")
+    os.set_blocking(read_end, False)  # nothing written is a failure, not a hang
     try:
         write_text_atomically(link, "streamed\n")
         assert os.read(read_end, 100) == b"streamed\n"
@@ -309,7 +309,7 @@ def _model_with_template(tmp_path: Path, template: str) -> Path:
 def test_a_chat_template_that_does_not_end_is_stopped_and_named(
     tmp_path, capsys, no_model_load, monkeypatch, template, reason
 ):
-    monkeypatch.setattr(dllm_jax.text.chat_template, "RENDER_SECONDS", 0.5)
+    monkeypatch.setattr("dllm_jax.text.chat_template.RENDER_SECONDS", 0.5)
     folder = _model_with_template(tmp_path, template)
     started = time.monotonic()
     code, _, err = run(["--model", folder, "--prompt", "hi"], capsys)
