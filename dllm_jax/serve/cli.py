@@ -23,6 +23,7 @@ from pathlib import Path
 from dllm_jax.common.errors import SamplingParamsError
 from dllm_jax.models.checkpoint.dtypes import QUANTIZATIONS
 from dllm_jax.models.model_source import MODEL_HELP, resolve_model_path
+from dllm_jax.runtime import compile_cache
 from dllm_jax.sampling.params import SamplingParams
 
 log = logging.getLogger("dllm_jax.serve")
@@ -134,6 +135,8 @@ def build(args: argparse.Namespace):
     from dllm_jax.serve.assemble import ServeOptions, assemble
 
     start_backend()  # an impossible JAX_PLATFORMS is one line
+    # the warm-up's loops read back by the next start ($DLLM_JAX_COMPILE_CACHE: a folder, or off)
+    compile_cache.enable_compile_cache(compile_cache.cache_dir_setting(None, False))
     dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
     engine = Engine.from_pretrained(
         str(path),
