@@ -13,8 +13,6 @@ import huggingface_hub.constants
 import pytest
 
 from dllm_jax.models.embedded import tiny_model_path
-from dllm_jax.models.model_source import MODEL_HELP
-from dllm_jax.runtime import compile_cache
 
 ROOT = Path(__file__).resolve().parent.parent
 REPO_ID = "acme/tiny-llada"
@@ -90,6 +88,8 @@ def test_the_served_name_of_a_hub_id_is_the_id():
 
 @pytest.mark.parametrize("module", ["dllm_jax.cli.generate", "dllm_jax.serve"])
 def test_every_command_says_how_model_is_resolved(module):
+    from dllm_jax.models.model_source import MODEL_HELP
+
     result = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0
     text = "".join(result.stdout.split())  # argparse wraps lines, also at hyphens
@@ -130,6 +130,8 @@ def test_bad_input_is_reported_before_jax_is_imported(args, message):
 
 
 def test_the_cache_folder_follows_flags_then_the_variable_then_xdg(monkeypatch, tmp_path):
+    from dllm_jax.runtime import compile_cache
+
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.delenv(compile_cache.CACHE_ENV, raising=False)
     assert compile_cache.cache_dir_setting(None, False) == tmp_path / "xdg" / "dllm_jax" / "compiled"
@@ -146,7 +148,7 @@ def test_the_cache_folder_follows_flags_then_the_variable_then_xdg(monkeypatch, 
 
 def _generate(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
     environment = {
-        k: v for k, v in os.environ.items() if k not in ("JAX_COMPILATION_CACHE_DIR", compile_cache.CACHE_ENV)
+        k: v for k, v in os.environ.items() if k not in ("JAX_COMPILATION_CACHE_DIR", "DLLM_JAX_COMPILE_CACHE")
     }
     environment.update(XDG_CACHE_HOME=str(tmp_path / "xdg"), JAX_LOG_COMPILES="1", **env)
     result = subprocess.run(
