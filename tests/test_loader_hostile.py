@@ -19,7 +19,6 @@ from convert.hf_to_jax import main as convert_main
 from dllm_jax.models.checkpoint.errors import ConversionError
 from dllm_jax.models.embedded import tiny_model_path
 from dllm_jax.models.loading import load_model
-from dllm_jax.text.chat_template import ChatTemplate
 from dllm_jax.text.tokenizer import TokenizerError
 
 
@@ -171,6 +170,8 @@ def test_dllm_convert_says_what_it_wrote(tmp_path, capsys):
 
 
 def test_a_template_is_rendered_as_transformers_renders_it():
+    from dllm_jax.text.chat_template import ChatTemplate
+
     template = ChatTemplate(
         "{% for m in messages %}{{ bos_token }}{{ m['role'] | upper }}: {{ m['content'] | tojson }}\n{% endfor %}"
         "{% if add_generation_prompt %}{% generation %}A:{% endgeneration %}{% endif %}",
@@ -196,12 +197,16 @@ def test_a_template_is_rendered_as_transformers_renders_it():
     ],
 )
 def test_a_template_that_misbehaves_is_one_error_naming_it(text, message):
+    from dllm_jax.text.chat_template import ChatTemplate
+
     with pytest.raises(TokenizerError) as error:
         ChatTemplate(text, source="test").render([{"role": "user", "content": "hi"}])
     assert str(error.value).startswith(message) and "\n" not in str(error.value)
 
 
 def test_the_trace_function_of_the_caller_is_restored():
+    from dllm_jax.text.chat_template import ChatTemplate
+
     def tracer(frame, event, arg):
         return None
 
