@@ -31,7 +31,7 @@ from dllm_jax.cli.output import check_output_path, write_output
 from dllm_jax.cli.prompts import PromptRecord, check_reserved, encode_all, from_flags, read_jsonl
 from dllm_jax.common.memory_override import memory_override
 from dllm_jax.models.checkpoint.dtypes import QUANTIZATIONS
-from dllm_jax.models.checkpoint.metadata import is_converted
+from dllm_jax.models.checkpoint.metadata import is_converted, read_metadata
 from dllm_jax.models.model_source import MODEL_HELP, load_tokenizer, read_model_config, resolve_model_path
 from dllm_jax.runtime import compile_cache
 from dllm_jax.runtime.decode_config import ACCEPT_RULES, CACHES, DREAM_ALGORITHMS, METHODS, PIN_POLICIES, DecodeConfig
@@ -321,12 +321,15 @@ def _main(argv: Sequence[str] | None) -> int:
         )
     dtype = args.dtype or default_dtype()
     config = dataclasses.replace(config, dtype=dtype)
-    if args.quantization is not None and hasattr(config, "quantization"):
-        config = dataclasses.replace(config, quantization=args.quantization)
+    converted = is_converted(path)
+    # the weights as they will load: quantized as asked, else as a converted folder stores them
+    quantization = args.quantization or (read_metadata(path)["quantization"] if converted else None)
+    if quantization is not None and hasattr(config, "quantization"):
+        config = dataclasses.replace(config, quantization=quantization)
     check_weights_fit(
         config,
         source=str(path),
-        read_on_host=not is_converted(path),
+        read_on_host=not converted,
         tensor=1 if mesh is None else mesh.shape[sharding.TENSOR],
     )
 
