@@ -11,7 +11,6 @@ was removed. A child can be killed outright, and once it is gone nothing writes.
 from __future__ import annotations
 
 import argparse
-import math
 import shutil
 import signal
 import sys
@@ -19,15 +18,17 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from convert.output_folder import check_output_folder, make_temporary, publish, remove
+from dllm_jax.common.platform import PlatformError, start_backend
 from dllm_jax.models.checkpoint.converted import PARAMS_DIR, move_to_jax, root_cause, save_params, write_metadata
 from dllm_jax.models.checkpoint.dtypes import DTYPES, QUANTIZATIONS
 from dllm_jax.models.checkpoint.errors import ConversionError
 from dllm_jax.models.checkpoint.hf_reader import read_checkpoint, read_config
-from dllm_jax.models.checkpoint.tensor_names import leaf_shape, rules_for
 from dllm_jax.models.config import ModelConfig
+from dllm_jax.models.model_source import load_tokenizer
 from dllm_jax.models.quantization import quantize_params
 from dllm_jax.runtime.memory_estimate import host_memory
-from dllm_jax.text.tokenizer import TOKENIZER_FILES
+from dllm_jax.runtime.weights_memory import available_host_memory, host_bytes_to_read
+from dllm_jax.text.tokenizer import TOKENIZER_FILES, TokenizerError
 
 # Room for the metadata and tokenizer files beside the params.
 _SLACK_BYTES = 64 * 2**20
@@ -78,7 +79,8 @@ def write_converted(
     config, _ = read_config(hf_dir, dtype=dtype)
     params_bytes = config.num_params() * config.jnp_dtype.itemsize
     _check_free_space(folder, params_bytes, label)
-    _check_host_memory(hf_dir, config, params_bytes)
+    _check_host_memory(hf_dir, config)
+    check_tokenizer(hf_dir, config)
     info, params = read_checkpoint(hf_dir, dtype=dtype)
     params = move_to_jax(quantize_params(params, quantization))
     try:
@@ -99,6 +101,29 @@ def write_converted(
         raise ConversionError(f"{label}: cannot write the checkpoint ({reason})") from None
 
 
+def check_tokenizer(hf_dir: Path, config: ModelConfig) -> None:
+    """The tokenizer files the converted folder will hold load as loading will load them: a
+    tokenizer.json that parses, its special tokens, a chat template that compiles, and its end
+    and mask tokens within the model's vocabulary. A folder without tokenizer files converts
+    (the result takes token ids only; the command lines need text and refuse it).
+
+    Raises:
+      ConversionError naming the file and the problem.
+    """
+    try:
+        tokenizer = load_tokenizer(hf_dir)
+    except TokenizerError as e:
+        raise ConversionError(str(e)) from None
+    if tokenizer is None:
+        return
+    for name, token_id in (("end", tokenizer.eos_id), ("mask", tokenizer.mask_id)):
+        if token_id is not None and not 0 <= token_id < config.vocab_size:
+            raise ConversionError(
+                f"{hf_dir}: the tokenizer's {name} token has id {token_id}, outside the model's "
+                f"vocab_size={config.vocab_size} (config.json)"
+            )
+
+
 def _check_free_space(folder: Path, params_bytes: int, label: str | Path) -> None:
     free = shutil.disk_usage(folder).free
     if free < params_bytes + _SLACK_BYTES:
@@ -108,14 +133,15 @@ def _check_free_space(folder: Path, params_bytes: int, label: str | Path) -> Non
         )
 
 
-def _check_host_memory(hf_dir: Path, config: ModelConfig, params_bytes: int) -> None:
+def _check_host_memory(hf_dir: Path, config: ModelConfig) -> None:
     """The reader builds the whole params tree in host memory, and moving it to jax arrays
-    needs one more leaf at a time (BENCHMARKS.md: peak = params + about the largest leaf)."""
-    largest = max(math.prod(leaf_shape(rule, config)) for rule in rules_for(config)) * config.jnp_dtype.itemsize
-    memory = host_memory()
-    if params_bytes + largest > memory.available:
+    needs one more leaf at a time (BENCHMARKS.md: peak = params + about the largest leaf).
+    $DLLM_MEMORY_AVAILABLE, when set, is the memory assumed available."""
+    needed = host_bytes_to_read(config)
+    memory = available_host_memory(host_memory)
+    if needed > memory.available:
         raise ConversionError(
-            f"{hf_dir}: converting to {config.dtype} needs about {(params_bytes + largest) / 1e9:.2f} GB of memory, "
+            f"{hf_dir}: converting to {config.dtype} needs about {needed / 1e9:.2f} GB of memory, "
             f"{memory.name} has {memory.available / 1e9:.2f} GB available"
         )
 
@@ -135,8 +161,9 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, signal.SIGTERM, signal.SIGHUP))
     args = parser.parse_args(argv)
     try:
+        start_backend()
         write_converted(args.hf_dir, args.into, dtype=args.dtype, quantization=args.quantization, label=args.label)
-    except ConversionError as e:
+    except (ConversionError, PlatformError) as e:
         print(e, flush=True)
         return 2
     return 0

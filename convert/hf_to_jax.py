@@ -1,6 +1,6 @@
-"""Convert a Hugging Face LLaDA or Dream checkpoint into a dllm_jax checkpoint, once.
+"""dllm-convert: a Hugging Face LLaDA or Dream checkpoint into a dllm_jax checkpoint, once.
 
-  python -m convert.hf_to_jax --hf-dir PATH --out PATH [--dtype bfloat16]
+  dllm-convert --hf-dir PATH --out PATH [--dtype bfloat16]     # or: python -m convert.hf_to_jax
 
 Reads config.json and the safetensors shards (streamed, see dllm_jax/checkpoint/hf_reader.py), writes the
 params as an orbax checkpoint with a metadata file and the tokenizer files (layout in
@@ -9,7 +9,8 @@ temporary sibling folder, renamed at the end, and removed on any error and on SI
 or SIGHUP at any point: the conversion runs in a child process (convert/conversion.py says
 why) that is killed before the folder is removed.
 
-Exit status: 0 done; 2 bad input or a write error (one line naming the file, tensor or
+On success it prints one line: what it wrote (tensors, dtype, quantization, size on disk, the
+time it took). Exit status: 0 done; 2 bad input or a write error (one line naming the file, tensor or
 ``--out``); 1 the conversion process died (e.g. out of memory); 128 + N on signal N
 (130 for Ctrl-C), after one line.
 
@@ -20,10 +21,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -31,6 +34,8 @@ import convert
 from convert.output_folder import check_output_folder, make_temporary, publish, remove
 from dllm_jax.models.checkpoint.dtypes import DTYPES, QUANTIZATIONS
 from dllm_jax.models.checkpoint.errors import ConversionError
+from dllm_jax.models.checkpoint.metadata import METADATA_FILE
+from dllm_jax.text.tokenizer import has_tokenizer_files
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -141,7 +146,7 @@ def _run_conversion_process(hf_dir: str, into: Path, *, dtype: str, quantization
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line; returns the exit status (see the module docstring)."""
     parser = argparse.ArgumentParser(
-        prog="python -m convert.hf_to_jax",
+        prog="dllm-convert",
         description="Convert a Hugging Face LLaDA or Dream checkpoint (safetensors) into a dllm_jax checkpoint (orbax).",
     )
     parser.add_argument("--hf-dir", required=True, help="Hugging Face checkpoint folder")
@@ -155,6 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "as int8 with per-row scales (about half the size)",
     )
     args = parser.parse_args(argv)
+    started = time.monotonic()
     tmp, published = None, False
     with _signals_raise():
         try:
@@ -184,8 +190,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             done = f"{args.out} was written" if published else f"nothing was written to {args.out}"
             print(f"interrupted by {signal.Signals(signum).name}: {done}", file=sys.stderr)
             return 128 + signum
-    print(f"wrote {args.out}")
+    print(f"wrote {args.out}: {_summary(out)} in {time.monotonic() - started:.1f} s")
     return 0
+
+
+def _summary(folder: Path) -> str:
+    """What a converted folder holds, e.g. "291 tensors, bfloat16, 16.03 GB, with the tokenizer"
+    (its metadata file says the first two; the size is of every file in it)."""
+    metadata = json.loads((folder / METADATA_FILE).read_text())
+    size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    quantized = "" if metadata.get("quantization", "none") == "none" else f" ({metadata['quantization']} weights)"
+    tokenizer = "with the tokenizer" if has_tokenizer_files(folder) else "no tokenizer files (token ids only)"
+    return f"{metadata['tensor_count']} tensors, {metadata['dtype']}{quantized}, {_bytes(size)}, {tokenizer}"
+
+
+def _bytes(size: int) -> str:
+    return f"{size / 1e9:.2f} GB" if size >= 1e9 else f"{size / 1e6:.1f} MB"
 
 
 if __name__ == "__main__":

@@ -354,7 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
 
     train_step = make_train_step(config, optimizer)
-    engine = Engine(config, state["params"], Tokenizer(tokenizer))
+    engine = Engine(config, state["params"], Tokenizer.from_transformers(tokenizer))
     base_key = jax.random.key(args.seed)
     held_out = tiny_tasks.held_out_problems(args.eval_problems, mix=args.mix)
     started = time.time()

@@ -7,6 +7,8 @@ import shutil
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The command lines the tests start keep no compiled loops in ~/.cache (tests of the cache set their own).
+os.environ.setdefault("DLLM_JAX_COMPILE_CACHE", "off")
 
 import jax
 import pytest

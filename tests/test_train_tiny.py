@@ -81,7 +81,7 @@ def test_the_held_out_metric_is_the_engine_on_swapped_weights():
     tiny = load_model(tiny_model_path(), dtype="float32")
     tok = build_tiny_tokenizer(tr.SEQ_LEN)
     problems = tiny_tasks.held_out_problems(12)
-    engine = Engine(tiny.config, init_params(tiny.config, jax.random.key(3)), Tokenizer(tok))
+    engine = Engine(tiny.config, init_params(tiny.config, jax.random.key(3)), Tokenizer.from_transformers(tok))
     untrained = tr.held_out_accuracy(engine, problems, gen_len=64, batch_size=4)
     engine.swap_weights(tiny.weights)
     trained = tr.held_out_accuracy(engine, problems, gen_len=64, batch_size=4)

@@ -20,15 +20,20 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from dllm_jax.cli import arguments, running
-from dllm_jax.cli.output import check_output_path
-from dllm_jax.cli.prompts import PromptRecord, encode_all, from_flags, read_jsonl
+from dllm_jax.cli.output import check_output_path, write_output
+from dllm_jax.cli.prompts import PromptRecord, check_reserved, encode_all, from_flags, read_jsonl
+from dllm_jax.common.memory_override import memory_override
 from dllm_jax.models.checkpoint.dtypes import QUANTIZATIONS
+from dllm_jax.models.checkpoint.metadata import is_converted, read_metadata
+from dllm_jax.models.model_source import MODEL_HELP, load_tokenizer, read_model_config, resolve_model_path
+from dllm_jax.runtime import compile_cache
 from dllm_jax.runtime.decode_config import ACCEPT_RULES, CACHES, DREAM_ALGORITHMS, METHODS, PIN_POLICIES, DecodeConfig
 from dllm_jax.sampling.params import SamplingParams
 
@@ -50,15 +55,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dllm-generate", description=__doc__.split("\n\n", 1)[1].rstrip(), formatter_class=arguments.HelpFormatter
     )
-    p.add_argument(
-        "--model",
-        help="model folder, converted folder, Hugging Face Hub id, or an embedded tiny model "
-        "(tiny-llada, tiny-dream; default: tiny-llada)",
-    )
+    p.add_argument("--model", help=MODEL_HELP)
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
     source.add_argument("--prompts-file", type=Path, help='JSONL file, one {"prompt": ...} object per line')
-    p.add_argument("--output", help="write one JSON object per request to this file (atomically, at the end)")
+    p.add_argument(
+        "--output",
+        help="write one JSON object per request to this file, at the end: a file is replaced atomically "
+        "(keeping its mode; a new one takes the umask's), a device or /dev/stdout is written through; "
+        "its folder must exist",
+    )
     p.add_argument(
         "--chat",
         action=argparse.BooleanOptionalAction,
@@ -179,6 +185,17 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="answers independent of the batch (and, with XLA's deterministic ops, of the run); slower",
     )
+    run.add_argument(
+        "--compile-cache",
+        metavar="DIR",
+        help="keep compiled decode loops in DIR for the next run; default: $DLLM_JAX_COMPILE_CACHE, else "
+        f"{compile_cache.default_cache_dir()}",
+    )
+    run.add_argument(
+        "--no-compile-cache",
+        action="store_true",
+        help="compile everything afresh and store nothing (also: DLLM_JAX_COMPILE_CACHE=off)",
+    )
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     running.add_logging_flags(p)
     return p
@@ -213,18 +230,21 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), **arguments.knob_values(args))
 
 
-def default_gen_length(max_sequence_length: int, longest_prompt: int) -> int:
+def default_gen_length(max_sequence_length: int, records: Sequence[PromptRecord], encoded: Sequence[list[int]]) -> int:
     """The largest power of two up to DEFAULT_MAX_GEN_LENGTH that fits after the longest prompt."""
-    room = min(DEFAULT_MAX_GEN_LENGTH, max_sequence_length - longest_prompt)
+    longest = max(range(len(encoded)), key=lambda i: len(encoded[i]))
+    room = min(DEFAULT_MAX_GEN_LENGTH, max_sequence_length - len(encoded[longest]))
     if room < 1:
         raise ValueError(
-            f"the longest prompt has {longest_prompt} tokens, which leaves no room to generate "
-            f"within the model's max_sequence_length={max_sequence_length}"
+            f"{records[longest].where}: the prompt has {len(encoded[longest])} tokens, which leaves no room to "
+            f"generate within the model's max_sequence_length={max_sequence_length}"
         )
     return 1 << (room.bit_length() - 1)
 
 
-def generation_bucket(args: argparse.Namespace, max_sequence_length: int, longest_prompt: int) -> int:
+def generation_bucket(
+    args: argparse.Namespace, max_sequence_length: int, records: Sequence[PromptRecord], encoded: Sequence[list[int]]
+) -> int:
     """--gen-length, else --max-new-tokens rounded up to the block length, else default_gen_length."""
     if args.gen_length is not None:
         return args.gen_length
@@ -233,7 +253,7 @@ def generation_bucket(args: argparse.Namespace, max_sequence_length: int, longes
             return args.max_new_tokens
         block = args.block_length or _default("window", method=args.method)
         return -(-args.max_new_tokens // block) * block
-    return default_gen_length(max_sequence_length, longest_prompt)
+    return default_gen_length(max_sequence_length, records, encoded)
 
 
 def output_record(record: PromptRecord, result: Any) -> dict[str, Any]:
@@ -243,45 +263,23 @@ def output_record(record: PromptRecord, result: Any) -> dict[str, Any]:
 
 
 def _output_keys() -> set[str]:
-    from dllm_jax.engine.engine import GenerationResult
+    from dllm_jax.engine.results import GenerationResult
 
     return {f.name for f in dataclasses.fields(GenerationResult)} - set(_UNWRITTEN_RESULT_FIELDS)
-
-
-def _default_model() -> Path:
-    from dllm_jax.models.embedded import tiny_model_path
-
-    try:
-        return tiny_model_path()
-    except FileNotFoundError as e:
-        raise ValueError(f"--model is required: {e}") from None
 
 
 def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     running.setup_logging(args)
-    records = from_flags(args.prompt) if args.prompt else read_jsonl(args.prompts_file, reserved=_output_keys())
+    # Everything given is checked first, without JAX (a bad input is reported in well under a second).
+    records = from_flags(args.prompt) if args.prompt else read_jsonl(args.prompts_file)
     output_path = check_output_path(args.output) if args.output is not None else None
     sampling = sampling_params(args)
-    if args.batch_invariant:
-        import os
-
-        from dllm_jax.runtime.batch_invariance import deterministic_xla_flags
-
-        os.environ["XLA_FLAGS"] = deterministic_xla_flags()  # before JAX starts its backend
-
-    from dllm_jax.engine.engine import Engine
-    from dllm_jax.engine.request import slot_values
-    from dllm_jax.models.loading import default_dtype, load_model, load_tokenizer, read_model_config, resolve_model_path
-    from dllm_jax.runtime import sharding
-    from dllm_jax.runtime.memory_estimate import memory_override
-
     memory_override()  # a bad $DLLM_MEMORY_AVAILABLE is an input error before the model loads
-
-    mesh = sharding.parse_mesh(args.mesh) if args.mesh else None
-    path = resolve_model_path(args.model) if args.model is not None else _default_model()
-    dtype = args.dtype or default_dtype()
-    config = read_model_config(path, dtype=dtype)
+    cache_dir = compile_cache.cache_dir_setting(args.compile_cache, args.no_compile_cache)
+    path = resolve_model_path(args.model)
+    # the dtype changes no limit checked here; the weights' own is chosen once JAX runs
+    config = read_model_config(path, dtype=args.dtype or "float32")
     tokenizer = load_tokenizer(path)
     if tokenizer is None:
         raise ValueError(f"{path}: no tokenizer files, so text prompts cannot be encoded")
@@ -290,13 +288,28 @@ def _main(argv: Sequence[str] | None) -> int:
     chat = tokenizer.has_chat_template if args.chat is None else args.chat
     encoded = encode_all(records, lambda text: tokenizer.encode(text, chat=chat))
     options = decode_options(args)
-    options["gen_length"] = generation_bucket(args, config.max_sequence_length, max(map(len, encoded)))
+    options["gen_length"] = generation_bucket(args, config.max_sequence_length, records, encoded)
     decode_config = DecodeConfig(**options)
+
+    if args.batch_invariant:
+        from dllm_jax.runtime.batch_invariance import deterministic_xla_flags
+
+        os.environ["XLA_FLAGS"] = deterministic_xla_flags()  # before JAX starts its backend
+    from dllm_jax.common.platform import start_backend
+
+    start_backend()  # an impossible JAX_PLATFORMS is one line here
+    compile_cache.enable_compile_cache(cache_dir)
+    from dllm_jax.engine.engine import Engine
+    from dllm_jax.engine.request import slot_values
+    from dllm_jax.models.loading import default_dtype, load_model
+    from dllm_jax.runtime import sharding
+    from dllm_jax.runtime.weights_memory import check_weights_fit
+
+    check_reserved(records, _output_keys())
+    mesh = sharding.parse_mesh(args.mesh) if args.mesh else None
     if mesh is not None:
         sharding.check_batch(mesh, decode_config.batch_size)  # the engine may use fewer slots, always a multiple
-    for i, (record, ids) in enumerate(
-        zip(records, encoded)
-    ):  # what the engine checks per request, before the weights load
+    for i, (record, ids) in enumerate(zip(records, encoded)):  # the engine's per-request checks, before loading
         slot_values(
             sampling,
             len(ids),
@@ -306,6 +319,19 @@ def _main(argv: Sequence[str] | None) -> int:
             order=i,
             where=record.where,
         )
+    dtype = args.dtype or default_dtype()
+    config = dataclasses.replace(config, dtype=dtype)
+    converted = is_converted(path)
+    # the weights as they will load: quantized as asked, else as a converted folder stores them
+    quantization = args.quantization or (read_metadata(path)["quantization"] if converted else None)
+    if quantization is not None and hasattr(config, "quantization"):
+        config = dataclasses.replace(config, quantization=quantization)
+    check_weights_fit(
+        config,
+        source=str(path),
+        read_on_host=not converted,
+        tensor=1 if mesh is None else mesh.shape[sharding.TENSOR],
+    )
 
     log.info("loading %s (%s)", path, dtype)
     loaded = load_model(path, dtype=dtype, quantization=args.quantization)
@@ -347,10 +373,8 @@ def _main(argv: Sequence[str] | None) -> int:
         f" mesh={args.mesh}" if args.mesh else "",
     )
     if output_path is not None:
-        from dllm_jax.common.atomic_write import write_text_atomically
-
         lines = [json.dumps(output_record(r, res)) + "\n" for r, res in zip(records, output.results)]
-        write_text_atomically(output_path, "".join(lines))
+        write_output(output_path, "".join(lines))
         log.info("wrote %s", output_path)
     return running.EXIT_OS_ERROR if failed else running.EXIT_OK
 

@@ -49,14 +49,19 @@ def run(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None 
         print(f"terminated ({e})", file=sys.stderr)
         return EXIT_TERMINATED
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {one_line(e)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except OSError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {one_line(e)}", file=sys.stderr)
         return EXIT_OS_ERROR
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def one_line(error: BaseException) -> str:
+    """The error's message on one line (a library's message may hold several)."""
+    return " ".join(line.strip() for line in str(error).splitlines() if line.strip())
 
 
 def add_logging_flags(parser: argparse.ArgumentParser) -> None:

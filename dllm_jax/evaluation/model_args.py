@@ -14,8 +14,9 @@ import types
 import typing
 from typing import Any
 
+from dllm_jax.common.validate import check_float
 from dllm_jax.runtime.decode_config import DEPRECATED_REQUEST_DEFAULTS, DecodeConfig, DecodeConfigError
-from dllm_jax.sampling.params import SamplingParams, SamplingParamsError
+from dllm_jax.sampling.params import FLOAT32_MAX, SamplingParams, SamplingParamsError
 
 # Per-request generation parameters come from lm-eval's gen_kwargs, not from model_args.
 _REQUEST_LEVEL = {
@@ -181,8 +182,8 @@ def _check_adapter(a: AdapterArgs, decode: DecodeConfig) -> None:
             f"model_args: mc_num={a.mc_num} is not a multiple of mc_batch_size={mc_batch} "
             "(LLaDA draws mc_num masks in batches of mc_batch_size; default: batch_size)"
         )
-    if a.cfg_scale < 0:
-        raise ModelArgsError(f"model_args: cfg_scale={a.cfg_scale}: expected >= 0")
+    # a float32 on the device: the range of the type it is stored in, as the requests' knobs
+    check_float("model_args: cfg_scale", a.cfg_scale, ModelArgsError, low=0.0, high=FLOAT32_MAX)
     try:
         defaults = SamplingParams(threshold=a.threshold, gamma=a.gamma, seed=a.seed)
     except SamplingParamsError as e:

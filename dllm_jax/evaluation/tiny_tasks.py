@@ -6,8 +6,8 @@ Two tasks with different dependency shapes:
   fewest parentheses; the answer works it out left to right, one line per step, every
   intermediate value in [0, 20] (GSM8K in miniature: each line depends on the one above)::
 
-      prompt  "(7+5)*3-9"
-      answer  "7+5=12\\n12*3=36\\n36-9=27\\n#### 27"
+      prompt  "(3+2)*4-7"
+      answer  "3+2=5\\n5*4=20\\n20-7=13\\n#### 13"
 
 * ``sort``: sort 4-10 digits; the answer lists them sorted, then joins them (every output
   position depends on the whole input, none on a previous line)::

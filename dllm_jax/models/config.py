@@ -14,11 +14,12 @@ import math
 import numbers
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jax.numpy as jnp
+from dllm_jax.models.checkpoint.dtypes import QUANTIZATIONS, quantizes_embedding
 
-from dllm_jax.models.quantization import QUANTIZATIONS, quantizes_embedding
+if TYPE_CHECKING:
+    import jax.numpy as jnp
 
 # Keys of a LLaDA config.json whose value must be exactly this for the model to be computed
 # the way dllm_jax computes it. Anything else is an option we do not implement.
@@ -199,6 +200,8 @@ class ModelConfig:
 
     @property
     def jnp_dtype(self) -> jnp.dtype:
+        import jax.numpy as jnp  # here: reading a config (a command line's input check) imports no JAX
+
         return jnp.dtype(self.dtype)
 
     def num_params(self) -> int:

@@ -22,11 +22,12 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from typing import Any
-
-import jax.numpy as jnp
+from typing import TYPE_CHECKING, Any
 
 from dllm_jax.models.config import ConfigError, _ConfigKeys, _is_int, _show, _size_problem
+
+if TYPE_CHECKING:
+    import jax.numpy as jnp
 
 MODEL_TYPE = "diffusion_gemma"
 
@@ -80,6 +81,8 @@ class RopeSettings:
     def inverse_frequencies(self, head_dim: int) -> jnp.ndarray:
         """float32 [head_dim // 2]: theta^(-2i / head_dim) / factor for the first
         int(fraction * head_dim // 2) pairs, 0 after them (transformers' proportional RoPE)."""
+        import jax.numpy as jnp  # here: reading a config (a command line's input check) imports no JAX
+
         rotated = int(self.rotated_fraction * head_dim // 2)
         exponents = jnp.arange(0, 2 * rotated, 2, dtype=jnp.float32) / head_dim
         inv = 1.0 / (jnp.float32(self.theta) ** exponents)
@@ -189,6 +192,8 @@ class DiffusionGemmaConfig:
 
     @property
     def jnp_dtype(self) -> jnp.dtype:
+        import jax.numpy as jnp
+
         return jnp.dtype(self.dtype)
 
     def head_dim(self, kind: AttentionKind) -> int:

@@ -12,18 +12,28 @@ import dataclasses
 from pathlib import Path
 
 from dllm_jax.common.deprecation import warn_renamed
-from dllm_jax.models.checkpoint.converted import METADATA_FILE, is_converted, load_converted, move_to_jax, read_metadata
+from dllm_jax.models.checkpoint.converted import load_converted, move_to_jax
 from dllm_jax.models.checkpoint.errors import ConversionError
-from dllm_jax.models.checkpoint.hf_reader import CONFIG_FILE, read_checkpoint, read_config
-from dllm_jax.models.config import ConfigError, ModelConfig
-from dllm_jax.models.embedded import model_folder
+from dllm_jax.models.checkpoint.hf_config import CONFIG_FILE
+from dllm_jax.models.checkpoint.hf_reader import read_checkpoint
+from dllm_jax.models.checkpoint.metadata import is_converted
+from dllm_jax.models.config import ModelConfig
+from dllm_jax.models.model_source import ModelNotFoundError, load_tokenizer, not_a_model, resolve_model_path
+from dllm_jax.models.model_source import read_model_config as read_config_without_jax
 from dllm_jax.models.quantization import QUANTIZATIONS, quantize_params
 from dllm_jax.models.transformer import Weights
-from dllm_jax.text.tokenizer import Tokenizer, has_tokenizer_files
+from dllm_jax.text.tokenizer import Tokenizer
 
-
-class ModelNotFoundError(ConversionError):
-    """A model name that is neither a local folder nor a Hub id the Hugging Face cache holds."""
+# resolve_model_path, load_tokenizer and ModelNotFoundError live in model_source (no JAX); public here too
+__all__ = [
+    "LoadedModel",
+    "ModelNotFoundError",
+    "default_dtype",
+    "load_model",
+    "load_tokenizer",
+    "read_model_config",
+    "resolve_model_path",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,83 +70,9 @@ def default_dtype() -> str:
     return "float32" if jax.default_backend() == "cpu" else "bfloat16"
 
 
-def _looks_like_hub_id(name: str) -> bool:
-    """True for "org/name" (or "name"): no leading "/", "." or "~", at most one "/"."""
-    from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
-
-    if not name or name[0] in "/.~" or name.count("/") > 1:
-        return False
-    try:
-        validate_repo_id(name)
-    except HFValidationError:
-        return False
-    return True
-
-
-def resolve_model_path(name: str | Path) -> Path:
-    """The local folder of a model (absolute): ``name`` itself when it exists, an embedded tiny
-    model ("tiny-llada", "tiny-dream"), else the snapshot of the Hub id ``name`` (e.g.
-    "GSAI-ML/LLaDA-8B-Instruct") in the Hugging Face cache.
-
-    The cache is tried first; only when the model is not there and the Hub is not switched off
-    (HF_HUB_OFFLINE) is it downloaded. The cache folder is huggingface_hub's (HF_HUB_CACHE, HF_HOME).
-
-    Raises:
-      ModelNotFoundError naming the model and where it was looked for.
-    """
-    path = model_folder(name)
-    if path.exists():
-        return path.absolute()  # orbax restores absolute paths only
-    name = str(name)
-    if not _looks_like_hub_id(name):
-        raise ModelNotFoundError(f"{name}: model folder not found")
-    from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
-
-    try:
-        return Path(snapshot_download(name, local_files_only=True))
-    except LocalEntryNotFoundError:
-        pass
-    where = f"not a local folder and not in the Hugging Face cache ({constants.HF_HUB_CACHE})"
-    if constants.HF_HUB_OFFLINE:
-        raise ModelNotFoundError(f"{name}: {where}; HF_HUB_OFFLINE is set, so it was not downloaded") from None
-    try:
-        return Path(snapshot_download(name))
-    except Exception as e:  # network, authentication and missing-repository errors alike
-        raise ModelNotFoundError(f"{name}: {where}, and downloading it failed ({type(e).__name__}: {e})") from None
-
-
 def read_model_config(path: str | Path, *, dtype: str | None = None) -> ModelConfig:
-    """The architecture of a local model folder without reading any weights.
-
-    Raises:
-      ConversionError for a folder that is neither a converted nor a Hugging Face checkpoint,
-      or whose config is malformed (the message names the file and key).
-    """
-    path, dtype = Path(path), dtype or default_dtype()
-    if is_converted(path):
-        try:
-            return ModelConfig.from_hf_config(
-                read_metadata(path)["hf_config"], dtype=dtype, source=str(path / METADATA_FILE)
-            )
-        except ConfigError as e:
-            raise ConversionError(str(e)) from None
-    if (path / CONFIG_FILE).is_file():
-        return read_config(path, dtype=dtype)[0]
-    raise _not_a_model(path)
-
-
-def _not_a_model(path: Path) -> ConversionError:
-    return ConversionError(
-        f"{path}: neither a converted dllm_jax checkpoint (no {METADATA_FILE}) "
-        f"nor a Hugging Face LLaDA or Dream folder (no {CONFIG_FILE})"
-    )
-
-
-def load_tokenizer(path: str | Path) -> Tokenizer | None:
-    """The tokenizer of a local model folder, or None when it holds no tokenizer files."""
-    return Tokenizer.from_dir(path) if has_tokenizer_files(path) else None
+    """dllm_jax.models.model_source.read_model_config with ``dtype`` defaulting to default_dtype()."""
+    return read_config_without_jax(path, dtype=dtype or default_dtype())
 
 
 def load_model(name: str | Path, *, dtype: str | None = None, quantization: str | None = None) -> LoadedModel:
@@ -165,5 +101,5 @@ def load_model(name: str | Path, *, dtype: str | None = None, quantization: str 
         config = dataclasses.replace(info.config, quantization=quantization)
         params = move_to_jax(quantize_params(host_params, quantization))
     else:
-        raise _not_a_model(path)
+        raise not_a_model(path)
     return LoadedModel(config=config, weights=params, tokenizer=load_tokenizer(path), path=path)

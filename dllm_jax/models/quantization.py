@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dllm_jax.common import platform
-from dllm_jax.models.checkpoint.dtypes import QUANTIZATIONS
+from dllm_jax.models.checkpoint.dtypes import QUANTIZATIONS, quantizes_embedding
 
 QUANTIZED_MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "attn_out", "ff_proj", "up_proj", "ff_out")
 
@@ -111,12 +111,6 @@ def dequantize_kernel(leaf: dict[str, Any]) -> jax.Array:
 # rows of a host (numpy) table quantized at a time: a 4096-row float32 copy of LLaDA-8B's
 # table is 64 MB, the whole one 2 GB
 _HOST_EMBEDDING_ROWS = 4096
-
-
-def quantizes_embedding(mode: str, weight_tying: bool) -> bool:
-    """Whether params of this quantization store the embedding in int8: yes unless "none" or
-    the table is also the LM head (weight_tying), which stays in the model dtype."""
-    return mode != "none" and not weight_tying
 
 
 def quantize_embedding(table: Any) -> dict[str, Any]:

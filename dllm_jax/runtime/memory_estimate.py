@@ -33,13 +33,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
 from dllm_jax.common.errors import GenerationError
+from dllm_jax.common.memory_override import MEMORY_ENV, memory_override, parse_bytes  # noqa: F401 (public here too)
 from dllm_jax.models.config import ModelConfig
 from dllm_jax.runtime.cached_forward import mlp_chunk_groups
 from dllm_jax.runtime.chunked_attention import default_block_k
@@ -63,19 +63,6 @@ _SAMPLER_F32_COPIES = 5
 _SLOT_POSITION_BYTES = 20
 _SLOT_BYTES = 256
 _GIB = 2**30
-MEMORY_ENV = "DLLM_MEMORY_AVAILABLE"
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
 
 
 class InsufficientMemoryError(GenerationError):
@@ -274,21 +261,6 @@ def device_memory(device: jax.Device | None = None, *, devices: int = 1) -> Devi
         free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
         return DeviceMemory(available=max(free, 0), name=f"{device.platform}:{device.id}")
     return dataclasses.replace(host_memory(), shared_by=devices)
-
-
-def memory_override() -> int | None:
-    """$DLLM_MEMORY_AVAILABLE in bytes (None when unset); the command lines call it with their
-    option checks, so a bad value is an error before the model loads."""
-    text = os.environ.get(MEMORY_ENV)
-    return None if text is None else parse_bytes(text, MEMORY_ENV)
-
-
-def parse_bytes(text: str, where: str) -> int:
-    """'1073741824', '1.5GiB', '512 MB' -> bytes; raises GenerationError naming `where`."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([kmgt]i?b|b)?\s*", text, re.IGNORECASE)
-    if match is None:
-        raise GenerationError(f"{where}={text!r}: expected a number of bytes, e.g. 8GiB or 500000000")
-    return int(float(match.group(1)) * _UNITS[(match.group(2) or "").lower()])
 
 
 def host_memory(proc: Path = Path("/proc"), cgroup: Path = Path("/sys/fs/cgroup")) -> DeviceMemory:

@@ -20,7 +20,11 @@ import time
 import uuid
 from pathlib import Path
 
+from dllm_jax.common.errors import SamplingParamsError
 from dllm_jax.models.checkpoint.dtypes import QUANTIZATIONS
+from dllm_jax.models.model_source import MODEL_HELP, resolve_model_path
+from dllm_jax.runtime import compile_cache
+from dllm_jax.sampling.params import SamplingParams
 
 log = logging.getLogger("dllm_jax.serve")
 
@@ -34,11 +38,7 @@ class UsageError(ValueError):
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="dllm-serve", description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--model",
-        help="Hugging Face LLaDA or Dream folder, converted checkpoint, or an embedded tiny model "
-        "(tiny-llada, tiny-dream; default: tiny-llada)",
-    )
+    p.add_argument("--model", help=MODEL_HELP)
     p.add_argument("--served-model-name", help="the name clients send as 'model' (default: the folder's name)")
     p.add_argument(
         "--method",
@@ -110,6 +110,11 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError("--gamma applies to Flash-Verify: add --method flash_cache+verify")
     if not 0 <= args.port < 65536:
         raise UsageError(f"--port={args.port}: expected 0-65535")
+    for name in ("threshold", "gamma"):  # the requests' defaults: the range of the knob they default
+        try:
+            SamplingParams(**{name: getattr(args, name)})
+        except SamplingParamsError as e:
+            raise UsageError(f"--{name}: {str(e).removeprefix('SamplingParams: ')}") from None
     from dllm_jax.runtime.memory_estimate import memory_override
 
     memory_override()  # a bad $DLLM_MEMORY_AVAILABLE, before the model loads
@@ -121,16 +126,17 @@ def build(args: argparse.Namespace):
         from dllm_jax.runtime.batch_invariance import deterministic_xla_flags
 
         os.environ["XLA_FLAGS"] = deterministic_xla_flags()  # before JAX starts its backend
+    path = resolve_model_path(args.model)
     import jax
 
+    from dllm_jax.common.platform import start_backend
     from dllm_jax.engine.engine import Engine
-    from dllm_jax.models.embedded import model_folder, tiny_model_path
     from dllm_jax.runtime.decode_config import DecodeConfigError
     from dllm_jax.serve.assemble import ServeOptions, assemble
 
-    path = model_folder(args.model) if args.model else tiny_model_path()
-    if not path.is_dir():
-        raise UsageError(f"--model {path}: not a folder")
+    start_backend()  # an impossible JAX_PLATFORMS is one line
+    # the warm-up's loops read back by the next start ($DLLM_JAX_COMPILE_CACHE: a folder, or off)
+    compile_cache.enable_compile_cache(compile_cache.cache_dir_setting(None, False))
     dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
     engine = Engine.from_pretrained(
         str(path),
@@ -143,7 +149,7 @@ def build(args: argparse.Namespace):
         raise UsageError(f"--model {path}: the folder has no tokenizer files; the server needs them")
     limit = engine.config.max_sequence_length
     options = ServeOptions(
-        model_name=args.served_model_name or path.name,
+        model_name=args.served_model_name or served_name(args.model, path),
         methods=tuple(dict.fromkeys(args.method or ["flash_cache"])),
         batch_size=args.batch_size,
         gen_length=args.gen_length or (64 if limit <= 512 else 256),
@@ -161,6 +167,12 @@ def build(args: argparse.Namespace):
         return assemble(engine, engine.tokenizer, options)
     except DecodeConfigError as e:
         raise UsageError(f"--method: {e}") from None
+
+
+def served_name(model: str | None, path: Path) -> str:
+    """The name clients send as "model" by default: a Hub id or embedded name as given, a
+    folder's own name (never a snapshot's commit hash)."""
+    return model if model and not Path(model).exists() else path.name
 
 
 def serve(server, args: argparse.Namespace) -> None:

@@ -25,15 +25,13 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from dllm_jax.common.quiet_logs import quiet_logs
-from dllm_jax.models.checkpoint.dtypes import DTYPES
 from dllm_jax.models.checkpoint.errors import ConversionError
+from dllm_jax.models.checkpoint.metadata import FORMAT_VERSION, METADATA_FILE, read_metadata
 from dllm_jax.models.config import ConfigError, ModelConfig
-from dllm_jax.models.quantization import QUANTIZATIONS, quantize_params
+from dllm_jax.models.quantization import quantize_params
 from dllm_jax.models.transformer import Weights, abstract_params
 
-METADATA_FILE = "dllm_jax_metadata.json"
 PARAMS_DIR = "params"
-FORMAT_VERSION = 1
 
 
 def _one_leaf_at_a_time(largest_leaf_bytes: int) -> int:
@@ -57,11 +55,6 @@ def move_to_jax(params: dict[str, Any]) -> Weights:
             moved[key] = jax.device_put(value).block_until_ready()
         del value
     return moved
-
-
-def is_converted(path: Path) -> bool:
-    """True when ``path`` is a converted dllm_jax checkpoint folder."""
-    return (path / METADATA_FILE).is_file()
 
 
 def write_metadata(
@@ -94,29 +87,6 @@ def save_params(path: Path, params: Weights) -> None:
     )
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(handler_impl=handler)) as checkpointer:
         checkpointer.save(path.absolute(), args=ocp.args.PyTreeSave(params))
-
-
-def read_metadata(folder: Path) -> dict[str, Any]:
-    """The parsed metadata file of a converted folder, checked for the fields loading needs."""
-    path = folder / METADATA_FILE
-    try:
-        metadata = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConversionError(f"{path}: cannot read the metadata ({e})") from None
-    if not isinstance(metadata, dict) or metadata.get("format_version") != FORMAT_VERSION:
-        version = metadata.get("format_version") if isinstance(metadata, dict) else None
-        raise ConversionError(
-            f"{path}: format_version={version!r}, this dllm_jax reads format_version={FORMAT_VERSION}"
-        )
-    if not isinstance(metadata.get("hf_config"), dict):
-        raise ConversionError(f"{path}: missing the 'hf_config' object")
-    if metadata.get("dtype") not in DTYPES:
-        raise ConversionError(f"{path}: dtype={metadata.get('dtype')!r}, expected one of {', '.join(DTYPES)}")
-    if metadata.setdefault("quantization", "none") not in QUANTIZATIONS:
-        raise ConversionError(
-            f"{path}: quantization={metadata['quantization']!r}, expected one of {', '.join(QUANTIZATIONS)}"
-        )
-    return metadata
 
 
 def load_converted(folder: Path, *, dtype: str, quantization: str | None = None) -> tuple[ModelConfig, Weights]:

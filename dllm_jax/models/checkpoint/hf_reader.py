@@ -13,7 +13,6 @@ list, names, shapes and dtypes; anything wrong is a ConversionError naming file 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 from pathlib import Path
@@ -23,15 +22,14 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
+from dllm_jax.common.json_file import read_json
 from dllm_jax.models.checkpoint.errors import ConversionError
+from dllm_jax.models.checkpoint.hf_config import read_config
 from dllm_jax.models.checkpoint.tensor_names import TensorEntry, is_skipped, leaf_shape, rules_for, tensor_entries
-from dllm_jax.models.config import ConfigError, ModelConfig, read_config_json
-from dllm_jax.models.diffusion_gemma_config import MODEL_TYPE as DIFFUSION_GEMMA
-from dllm_jax.models.diffusion_gemma_config import DiffusionGemmaConfig
+from dllm_jax.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
-CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
@@ -40,6 +38,8 @@ _ACCEPTED_DTYPES = ("F16", "BF16", "F32")
 # Size of one row block copied from a shard: bounds the temporary copy of a large tensor
 # (a 126464 x 4096 embedding is 1 GB in bf16).
 _BLOCK_BYTES = 64 * 2**20
+# Size bound of model.safetensors.index.json (a 1000-shard model's index is a few MB).
+_MAX_INDEX_BYTES = 64 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,20 +58,6 @@ class HFCheckpointInfo:
     tensor_count: int
     source: Path
     skipped: tuple[str, ...] = ()
-
-
-def read_config(hf_dir: Path, *, dtype: str) -> tuple[ModelConfig, dict[str, Any]]:
-    """The family's config (with ``dtype``: a DiffusionGemmaConfig for model_type
-    "diffusion_gemma", else a ModelConfig) and the raw dict of ``hf_dir/config.json``."""
-    path = hf_dir / CONFIG_FILE
-    try:
-        hf = read_config_json(path)
-        diffusion_gemma = isinstance(hf, dict) and hf.get("model_type") == DIFFUSION_GEMMA
-        family = DiffusionGemmaConfig if diffusion_gemma else ModelConfig
-        config = family.from_hf_config(hf, dtype=dtype, source=str(path))
-    except ConfigError as e:
-        raise ConversionError(str(e)) from None
-    return config, hf
 
 
 def shard_files(hf_dir: Path, config: ModelConfig) -> list[Path]:
@@ -131,10 +117,7 @@ def read_checkpoint(hf_dir: str | Path, *, dtype: str = "bfloat16") -> tuple[HFC
 
 
 def _read_weight_map(index_path: Path) -> dict[str, str]:
-    try:
-        index = json.loads(index_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConversionError(f"{index_path}: not valid JSON ({e})") from None
+    index = read_json(index_path, max_bytes=_MAX_INDEX_BYTES, error=ConversionError)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise ConversionError(
