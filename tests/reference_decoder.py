@@ -115,8 +115,13 @@ class ReferenceDecoder:
 
     # ----- Flash-Cache ----------------------------------------------------------------------
 
-    def flash_cache(self, prompt, *, no_cache: bool = False):
+    def flash_cache(self, prompt, *, no_cache: bool = False, rule: str = "attention", seed: int = 0, stream: int = 0):
         """Section C of the reference spec, one request. no_cache: a full model forward every step.
+
+        rule: the tracking rule (SamplingParams.track_rule) that fills the budget after the
+        pinned commits: "attention" (the spec's), "recent" (latest commit step first),
+        "random" (uniform keys from the request's step key, `seed` and `stream`), "drift"
+        (largest change of the row's last-layer K/V at its last sparse refresh) or "none".
 
         Returns (answer tokens [G], steps, committed generated positions).
         """
@@ -131,6 +136,8 @@ class ReferenceDecoder:
         pinned = np.zeros(L, bool)
         scores_before = scores
         positions = np.arange(L)
+        commit_step = np.full(L, -1)
+        drift = np.zeros(L)
         steps = 0
         self.accepted = 0
         while np.any(~decoded & (positions < bound)):
@@ -145,15 +152,20 @@ class ReferenceDecoder:
                     rows = window + [p for p in range(key_len) if p not in window]
                 else:
                     lookahead = undecoded[W : W + (d.mask_num - 1) * W]
+                    rule_key = self._rule_key(rule, scores, commit_step, drift, seed, stream, steps)
                     ranked = sorted(
                         (p for p in range(L) if decoded[p]),
-                        key=lambda p: (0, 0.0, p) if pinned[p] else (1, -scores[p], p),
+                        key=lambda p: (0, 0.0, p) if pinned[p] else (1, -rule_key[p], p),
                     )
-                    rows = window + lookahead + ranked[: d.track_num * W]
+                    rows = window + lookahead + ([] if rule == "none" else ranked[: d.track_num * W])
                 if self.shift:
                     rows = predictors + rows
                 score_rows = np.arange(len(rows)) < len(window)
+                last_before = K[-1][rows].copy(), V[-1][rows].copy()
                 logits, scores = self.rows_forward(tokens, rows, K, V, key_len, score_rows)
+                if steps > 0 and d.track_num >= 0:
+                    change = (K[-1][rows] - last_before[0], V[-1][rows] - last_before[1])
+                    drift[rows] = np.sqrt(sum(np.sum(np.square(c.astype(np.float64)), axis=1) for c in change))
                 logits = logits[: len(window)]
             cand, conf = self.confidence(logits)
             eligible = np.array([p < bound for p in window])
@@ -163,6 +175,7 @@ class ReferenceDecoder:
             for i in order[:keep]:
                 tokens[window[i]] = cand[i]
                 decoded[window[i]] = True
+                commit_step[window[i]] = steps
             eos_at = [window[i] for i in order[:keep] if cand[i] == c.eos_token_id]
             if eos_at and not eos_found:
                 bound, eos_found = max(eos_at) + 1, True
@@ -170,6 +183,7 @@ class ReferenceDecoder:
                 accepted = self._verify_stage(
                     tokens, decoded, window, cand, order[keep:], committed, pinned, scores_before, K, V, key_len, bound
                 )
+                commit_step[accepted] = steps
                 eos_at = [p for p in accepted if tokens[p] == c.eos_token_id]
                 if eos_at and not eos_found:
                     bound, eos_found = max(eos_at) + 1, True
@@ -179,6 +193,13 @@ class ReferenceDecoder:
             scores_before = scores
             steps += 1
         return tokens[P : P + G].copy(), steps, int(decoded[P:].sum())
+
+    def _rule_key(self, rule, scores, commit_step, drift, seed, stream, step):
+        """Each position's key under a tracking rule (higher is refreshed first)."""
+        if rule == "random":
+            key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), stream), step)
+            return np.asarray(jax.random.uniform(jax.random.fold_in(key, 2), (self.L,), jnp.float32))
+        return {"attention": scores, "recent": commit_step, "drift": drift, "none": scores}[rule]
 
     def _verify_stage(self, tokens, decoded, window, cand, rest, committed, pinned, scores, K, V, key_len, bound):
         """Section E: builds C/D/M rows, runs the read-only pass, commits accepted drafts."""

@@ -56,6 +56,7 @@ class BlockPolicy:
         return jnp.minimum(positions, slot.tokens.shape[0] - 1), valid
 
     verify = False
+    tracks_drift = False
 
     def commit(self, slot: Slots, logits: jax.Array, scores: jax.Array, rng: jax.Array) -> tuple[Slots, None]:
         positions, valid = self.candidates(slot)

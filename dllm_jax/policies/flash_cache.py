@@ -4,7 +4,9 @@ Each step after a slot's first (full) pass recomputes only its query set:
   window     the W smallest undecoded positions (the decoding candidates),
   look-ahead the next (mask_num - 1) * W undecoded positions below key_len,
   tracked    track_num * W decoded positions: this step's fresh commits first ("pinned"),
-             then the highest tracking scores of the last pass (prompt positions included).
+             then, by the request's tracking rule (SamplingParams.track_rule), the highest
+             tracking scores of the last pass (the default, "attention"; prompt positions
+             included) or the other rules' choice (dllm_jax.policies.tracking_rules).
 The tracking score of a key is the sum, over layers from the third up, of the raw q.k logits
 from the window rows, averaged over the W rows and H heads (reset every step). Commits: every
 window candidate with confidence >= threshold, at least one per step; the first committed
@@ -28,13 +30,13 @@ import jax.numpy as jnp
 
 from dllm_jax.policies.commit_rules import threshold_commit
 from dllm_jax.policies.flash_verify import VerifyPlan, WindowDraft, plan_verify, verify_commit
+from dllm_jax.policies.tracking_rules import rank_key
 from dllm_jax.runtime.slots import Slots, answer_remaining, commit_tokens, smallest_undecoded
 from dllm_jax.sampling.samplers import random_confidence, sample_tokens
 
 # Key lengths are rounded up to this (the published kernels' key tile): each slot attends to
 # its canvas plus 1..128 EOS padding positions, as in the reference.
 KEY_ROUNDING = 128
-_PINNED = 3.0e38  # ranks fresh commits above any tracking score
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +76,11 @@ class FlashCachePolicy:
         return self.window + self._lookahead_rows + self._tracked_rows
 
     @property
+    def tracks_drift(self) -> bool:
+        """The sparse pass records each refreshed row's K/V change (the "drift" rule's key)."""
+        return self._tracked_rows > 0
+
+    @property
     def score_scale(self) -> float:
         return 1.0 / (self.window * self.n_heads)
 
@@ -86,9 +93,9 @@ class FlashCachePolicy:
         return smallest_undecoded(slot, self.window)
 
     def tracked_rows(self, slot: Slots, count: int) -> tuple[jax.Array, jax.Array]:
-        """`count` decoded positions: pinned (fresh commits) first, then by descending score."""
-        rank_key = jnp.where(slot.decoded, jnp.where(slot.pinned, _PINNED, slot.scores), -jnp.inf)
-        values, positions = jax.lax.top_k(rank_key, count)
+        """`count` decoded positions: pinned (fresh commits) first, then by the slot's tracking
+        rule (tracking_rules.rank_key); fewer are valid when fewer are decoded, none for "none"."""
+        values, positions = jax.lax.top_k(rank_key(slot), count)
         return positions.astype(jnp.int32), values > -jnp.inf
 
     def sparse_rows(self, slot: Slots) -> tuple[jax.Array, jax.Array]:

@@ -32,11 +32,20 @@ from dllm_jax.models.config import ModelConfig
 from dllm_jax.models.logit_alignment import predictor_positions, with_predictor_rows
 from dllm_jax.models.transformer import Weights
 from dllm_jax.runtime.cached_forward import PassSpec, VerifyKeys, cached_forward
-from dllm_jax.runtime.flat_cache import FlatCache, allocate_cache
+from dllm_jax.runtime.flat_cache import FlatCache, allocate_cache, flat_rows
 from dllm_jax.runtime.kernel_routing import Kernels
 from dllm_jax.runtime.policy import DecodePolicy
+from dllm_jax.runtime.row_drift import drift_layer, kv_change, layer_rows, record_drift
 from dllm_jax.runtime.sharding import CACHE_ROWS, DATA, REPLICATED, SLOTS, axis_size, per_data_shard
-from dllm_jax.runtime.slots import ERROR_NON_FINITE, ERROR_STEP_LIMIT, Slots, SlotSampling, empty_slots, install
+from dllm_jax.runtime.slots import (
+    ERROR_NON_FINITE,
+    ERROR_STEP_LIMIT,
+    Slots,
+    SlotSampling,
+    empty_slots,
+    install,
+    step_rng,
+)
 from dllm_jax.sampling.samplers import all_finite, filter_min_p, filter_top_p_top_k, guided_logits
 from pallas_kernels.sampling.top_p_top_k import apply_cutoff, top_p_top_k_cutoff
 
@@ -272,8 +281,9 @@ class DecodeLoop:
         return full_logits, full_scores, cache
 
     def _sparse_pass(self, weights, slots: Slots, cache: FlatCache, run_sparse: jax.Array, taps: bool = False):
-        """The policy's sparse step for every slot (rows of other slots are invalid; taps: a
-        debug pass, also the cached_forward taps)."""
+        """The policy's sparse step for every slot (rows of other slots are invalid): logits,
+        scores, the slots' drift (row_drift: updated at the refreshed rows when the policy
+        tracks it) and the cache (taps: a debug pass, also the cached_forward taps)."""
         B, L, C = run_sparse.shape[0], self.max_len, self.policy.num_candidates
         positions, row_valid = jax.vmap(self.policy.sparse_rows)(slots)
         if self.model.logit_shift:
@@ -284,6 +294,11 @@ class DecodeLoop:
         row_valid = row_valid & run_sparse[:, None]
         tokens = jnp.take_along_axis(slots.tokens, positions, axis=1)
         R = positions.shape[1]
+        if self.policy.tracks_drift:
+            rows = flat_rows(jnp.arange(B, dtype=jnp.int32), positions, row_valid, L)
+            before = layer_rows(cache, drift_layer(self.model), rows)
+            # the rows are read before the pass overwrites them in place (not after a copy of the cache)
+            before, cache = jax.lax.optimization_barrier((before, cache))
         # the first C query rows predict the candidates (the candidates or their predictor rows)
         candidate_rows = jnp.broadcast_to(jnp.arange(C, dtype=jnp.int32), (B, C))
         score_rows = row_valid & (jnp.arange(R) < C)[None, :]
@@ -303,11 +318,15 @@ class DecodeLoop:
         )
         if scores is None:
             scores = jnp.zeros((B, L), jnp.float32)
-        return (logits, scores, cache, *pass_taps)
+        drift = slots.drift
+        if self.policy.tracks_drift:
+            change = kv_change(before, layer_rows(cache, drift_layer(self.model), rows))
+            drift = record_drift(drift, positions, row_valid, change)
+        return (logits, scores, drift, cache, *pass_taps)
 
     def _model_passes(self, weights, slots: Slots, cache: FlatCache, run_full, run_sparse, branch, any_sparse):
         """The full-pass variant `branch` (0: none) and the sparse pass (if any_sparse):
-        logits [B, C, V], scores [B, L] and the cache."""
+        logits [B, C, V], scores [B, L], the slots' drift [B, L] and the cache."""
         B, L, C = run_full.shape[0], self.max_len, self.policy.num_candidates
         V = self.model.vocab_size
         none = (jnp.zeros((B, C, V), self.model.jnp_dtype), jnp.zeros((B, L), jnp.float32))
@@ -317,17 +336,17 @@ class DecodeLoop:
         full_logits, full_scores, cache = jax.lax.switch(branch, branches, cache)
 
         if self.policy.num_sparse_rows == 0:
-            return full_logits, full_scores, cache
-        sparse_logits, sparse_scores, cache = jax.lax.cond(
+            return full_logits, full_scores, slots.drift, cache
+        sparse_logits, sparse_scores, drift, cache = jax.lax.cond(
             any_sparse,
             lambda cache: self._sparse_pass(weights, slots, cache, run_sparse),
-            lambda cache: none + (cache,),
+            lambda cache: none + (slots.drift, cache),
             cache,
         )
         pick = run_full[:, None]
         logits = jnp.where(pick[:, :, None], full_logits, sparse_logits)
         scores = jnp.where(pick, full_scores, sparse_scores)
-        return logits, scores, cache
+        return logits, scores, drift, cache
 
     def _step(self, weights, state: DecodeState) -> DecodeState:
         slots = state.slots
@@ -366,15 +385,15 @@ class DecodeLoop:
         and Flash-Verify. The branch choices are made over all slots (see _step)."""
         run_full = slots.active & slots.needs_full
         run_sparse = slots.active & ~slots.needs_full
-        logits, scores, cache = self._model_passes(weights, slots, cache, run_full, run_sparse, branch, any_sparse)
+        logits, scores, drift, cache = self._model_passes(
+            weights, slots, cache, run_full, run_sparse, branch, any_sparse
+        )
+        slots = slots.replace(drift=drift)
         _, candidate_valid = jax.vmap(self.policy.candidates)(slots)
         finite = jax.vmap(all_finite)(logits, candidate_valid)
         logits = self._filter(slots, logits)
 
-        def stream(p):
-            return jax.random.fold_in(jax.random.key(p.seed), p.stream)
-
-        rngs = jax.vmap(lambda p, s: jax.random.fold_in(stream(p), s))(slots.sampling, slots.steps)
+        rngs = jax.vmap(step_rng)(slots.sampling, slots.steps)
         committed, draft = jax.vmap(self.policy.commit)(slots, logits, scores, rngs)
         if self.policy.verify:
             committed = self._verify(weights, slots, committed, draft, slots.active, any_ran, cache)

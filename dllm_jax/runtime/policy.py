@@ -36,6 +36,9 @@ class DecodePolicy(Protocol):
     def sparse_rows(self, slot: Slots) -> tuple[jax.Array, jax.Array]:
         """Query positions int32 [R] (the C candidates first, in `candidates` order) and validity."""
 
+    tracks_drift: bool
+    """The sparse pass records each refreshed row's K/V change in Slots.drift (dllm_jax.runtime.row_drift)."""
+
     verify: bool
     """Runs Flash-Verify after each commit (then also: verify_rows, plan_verify, verify_commit)."""
 

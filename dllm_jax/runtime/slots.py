@@ -83,6 +83,8 @@ class Slots:
     sampling: the request's SlotSampling [B]; error: int32 [B] an ERROR_* code (non-zero ends it).
     commit_step: int32 [B, L] the slot's step at which each position was committed (-1: not
       committed, the prompt included); verified: bool [B, L] committed by Flash-Verify.
+    drift: float32 [B, L] how much each position's K/V changed at its last refresh in a sparse
+      pass (dllm_jax.runtime.row_drift; 0 until it is refreshed in one).
     """
 
     tokens: jax.Array
@@ -109,6 +111,7 @@ class Slots:
     error: jax.Array
     commit_step: jax.Array
     verified: jax.Array
+    drift: jax.Array
 
 
 def empty_slots(num_slots: int, max_len: int) -> Slots:
@@ -140,7 +143,13 @@ def empty_slots(num_slots: int, max_len: int) -> Slots:
         error=i32(),
         commit_step=jnp.full((B, L), -1, jnp.int32),
         verified=jnp.zeros((B, L), bool),
+        drift=jnp.zeros((B, L), jnp.float32),
     )
+
+
+def step_rng(sampling: SlotSampling, step: jax.Array) -> jax.Array:
+    """The random key of a request's step: its seed, its stream within the seed, the step."""
+    return jax.random.fold_in(jax.random.fold_in(jax.random.key(sampling.seed), sampling.stream), step)
 
 
 def install(
@@ -190,6 +199,7 @@ def install(
         error=zero,
         commit_step=jnp.full((L,), -1, jnp.int32),
         verified=jnp.zeros((L,), bool),
+        drift=jnp.zeros((L,), jnp.float32),
     )
 
 

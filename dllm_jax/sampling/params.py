@@ -23,6 +23,8 @@ from dllm_jax.common.errors import SamplingParamsError
 from dllm_jax.common.validate import check_choice, check_float, check_int
 
 REMASKING: tuple[str, ...] = ("low_confidence", "random")
+# Flash-Cache's tracking rules (dllm_jax.policies.tracking_rules), stored per slot as the index.
+TRACK_RULES: tuple[str, ...] = ("attention", "recent", "random", "drift", "none")
 INT32_MAX = 2**31 - 1
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 MAX_SEED = 2**31  # seeds are int32 on the device
@@ -94,6 +96,10 @@ def _threshold_schedule(decode: Any) -> bool:
     return decode.schedule == "threshold"
 
 
+def _has_tracking_budget(decode: Any) -> bool:
+    return decode.method == "flash_cache" and decode.track_num >= 0
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """Generation parameters of one request.
@@ -121,6 +127,11 @@ class SamplingParams:
         remasking: confidence is a uniform random number).
       alg_temp: Dream's sampler (method "dream") only: 0 = unmask the most confident masked
         positions; > 0 = draw them from softmax(confidence / alg_temp).
+      track_rule: flash_cache with track_num >= 0: which decoded rows fill the step's tracking
+        budget after this step's fresh commits: "attention" (the highest tracking scores, the
+        published rule), "recent" (the most recently committed), "random" (uniform, from the
+        request's random stream), "drift" (the largest K/V change at their last refresh), or
+        "none" (refresh no decoded row: budget 0, the fresh commits included).
     """
 
     max_new_tokens: int | None = knob(None, np.int32, low=1, optional=True, flag=False)
@@ -201,6 +212,21 @@ class SamplingParams:
         server=True,
         help="dream: 0 unmasks the most confident positions, > 0 draws them from softmax(confidence / alg_temp)",
         applies=(lambda decode, cfg: decode.method == "dream", "applies only to method='dream', not {method}"),
+    )
+    track_rule: str = knob(
+        "attention",
+        np.int32,
+        choices=TRACK_RULES,
+        encode=TRACK_RULES.index,
+        server=True,
+        help="flash_cache: which decoded rows fill the tracking budget after the fresh commits: the most attended "
+        "(attention), the most recently committed (recent), random ones (random), those whose K/V changed most "
+        "at their last refresh (drift), or none (budget 0)",
+        applies=(
+            lambda decode, cfg: _has_tracking_budget(decode),
+            "applies only to method='flash_cache' with track_num >= 0 (this loop: method={method}; a negative "
+            "track_num refreshes every position every step)",
+        ),
     )
 
     def __post_init__(self):

@@ -12,7 +12,8 @@ first full pass of a fresh executable (what bench.py reports), the second call's
 full pass once the executable has run ("warm"), so a one-time cost of the first execution
 is told apart from a slower pass. It also counts the ``conditional`` and ``while``
 instructions of the compiled decode loop (on XLA:GPU each conditional reads its predicate
-back to the host and blocks: one sync per conditional per step). Both trees' bench.py have
+back to the host and blocks: one sync per conditional per step), and its copies of 64 MiB or
+more (a copy of the cache in the loop is a pass over it per step). Both trees' bench.py have
 the same ``steady_step_time(engine, decode, prompts, iterations, repeats)``.
 """
 
@@ -25,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 
 def _import_tree(tree: Path):
     """bench (and through it dllm_jax) of the given tree."""
@@ -35,12 +38,27 @@ def _import_tree(tree: Path):
     return bench
 
 
+# bytes per element of the dtypes a large copy can have
+_DTYPE_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1}
+
+
 def control_flow(compiled) -> dict:
-    """Counts of conditional and while instructions in a jax Compiled object's optimized HLO."""
+    """Counts of conditional and while instructions in a jax Compiled object's optimized HLO,
+    and of its copies of 64 MiB or more (copy, copy-start or a fusion named for a copy: a copy
+    of the K/V cache inside the loop costs a pass over it per step) with their total GiB."""
     text = compiled.as_text()
+    large = []
+    for name, dtype, dims, op in re.findall(r"%(\S+) = (\w+)\[([\d,]*)\]\S* (copy|copy-start|fusion)\(", text):
+        if op == "fusion" and "copy" not in name:
+            continue
+        size = _DTYPE_BYTES.get(dtype, 4) * int(np.prod([int(d) for d in dims.split(",") if d]))
+        if size >= 64 << 20:
+            large.append(size)
     return {
         "conditional": len(re.findall(r"\sconditional\(", text)),
         "while": len(re.findall(r"\swhile\(", text)),
+        "large_copies": len(large),
+        "large_copy_gib": round(sum(large) / 2**30, 2),
     }
 
 
@@ -116,8 +134,8 @@ def compare(new_path: Path, old_path: Path) -> str:
     lines = [
         f"new: {new['tree']} ({new['backend']}), old: {old['tree']} ({old['backend']}), {new['device']}, jax {new['jax']}",
         "",
-        "| slots | old step ms | new step ms | new / old | first full pass cold, old / new ms | warm, old / new ms | conditionals old / new |",
-        "|---|---|---|---|---|---|---|",
+        "| slots | old step ms | new step ms | new / old | first full pass cold, old / new ms | warm, old / new ms | conditionals old / new | copies of >= 64 MiB old / new (GiB) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for n, o in zip(new["runs"], old["runs"]):
         step_n = min(n["step_ms"], n["step_ms_again"])
@@ -126,7 +144,9 @@ def compare(new_path: Path, old_path: Path) -> str:
             f"| {n['slots']} | {step_o:.2f} | {step_n:.2f} | {step_n / step_o:.3f} | "
             f"{o['first_full_pass_cold_ms']:.0f} / {n['first_full_pass_cold_ms']:.0f} | "
             f"{o['first_full_pass_warm_ms']:.0f} / {n['first_full_pass_warm_ms']:.0f} | "
-            f"{o['conditional']} / {n['conditional']} |"
+            f"{o['conditional']} / {n['conditional']} | "
+            f"{o.get('large_copies', '-')} / {n.get('large_copies', '-')} "
+            f"({o.get('large_copy_gib', '-')} / {n.get('large_copy_gib', '-')}) |"
         )
     lines.append("")
     lines.append("step: the better of the two calls' medians (8 iterations x 3 samples each)")
