@@ -1,5 +1,6 @@
 """Character-level tokenizers of the embedded tiny models, with each family's special tokens
-and chat template (tiny-llada: LLaDA's; tiny-dream: Qwen2's names and ChatML).
+and chat template (tiny-llada: LLaDA's; tiny-dream: Qwen2's names and ChatML;
+tiny-diffusiongemma: Gemma's names and turn format).
 
 Ids 0-94 are the printable ASCII characters (space to "~"), 95 is the newline, then come the
 special tokens. Any other character encodes as ``<|unk|>``. The model's embedding has
@@ -51,21 +52,53 @@ CHATML_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"
 )
 
+# DiffusionGemma's (Gemma's) special tokens: <eos> ends a sequence, <end_of_turn> a turn, <pad>
+# replaces what follows the end. No mask token: the canvas is noised with uniform random tokens.
+GEMMA_PAD = "<pad>"
+GEMMA_EOS = "<eos>"
+GEMMA_BOS = "<bos>"
+START_OF_TURN = "<start_of_turn>"
+GEMMA_END_OF_TURN = "<end_of_turn>"
+GEMMA_UNK = "<unk>"
+GEMMA_SPECIAL_TOKENS = (GEMMA_PAD, GEMMA_EOS, GEMMA_BOS, START_OF_TURN, GEMMA_END_OF_TURN, GEMMA_UNK)
+
+# Gemma's turn format: BOS, then each message as <start_of_turn> + role ("model" for the assistant)
+# + newline + trimmed content + <end_of_turn> + newline, and an open model turn to answer in.
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- for message in messages -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (message['content'] | trim) + '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+
 # The token that ends an answer's turn, per family.
-END_OF_TURN = {"llada": EOT, "dream": IM_END}
+END_OF_TURN = {"llada": EOT, "dream": IM_END, "diffusion_gemma": GEMMA_END_OF_TURN}
 
 
-def _character_backend(special_tokens: tuple[str, ...]) -> Tokenizer:
+def _character_backend(special_tokens: tuple[str, ...], unk: str = UNK) -> Tokenizer:
     vocab = {token: i for i, token in enumerate(CHARACTERS + special_tokens)}
     # BPE without merges is a character-level model; Fuse joins the pieces back without spaces.
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=unk))
     backend.decoder = decoders.Fuse()
     backend.add_special_tokens(list(special_tokens))
     return backend
 
 
 def build_tiny_tokenizer(model_max_length: int = 128, family: str = "llada") -> PreTrainedTokenizerFast:
-    """The family's tokenizer, built in memory (no file access)."""
+    """The family's tokenizer ("llada", "dream" or "diffusion_gemma"), built in memory (no file access)."""
+    if family == "diffusion_gemma":
+        return PreTrainedTokenizerFast(
+            tokenizer_object=_character_backend(GEMMA_SPECIAL_TOKENS, GEMMA_UNK),
+            bos_token=GEMMA_BOS,
+            eos_token=GEMMA_EOS,
+            pad_token=GEMMA_PAD,
+            unk_token=GEMMA_UNK,
+            extra_special_tokens=[START_OF_TURN, GEMMA_END_OF_TURN],
+            chat_template=GEMMA_TEMPLATE,
+            model_max_length=model_max_length,
+        )
     if family == "dream":
         return PreTrainedTokenizerFast(
             tokenizer_object=_character_backend(DREAM_SPECIAL_TOKENS),
