@@ -214,6 +214,64 @@ class DiffusionGemmaConfig:
         kind = self.layer_types[layer]
         return sum(k is kind for k in self.layer_types[:layer])
 
+    def to_hf_config(self) -> dict[str, Any]:
+        """The ``config.json`` dictionary of this text model, in the published layout (full layers
+        through global_head_dim / num_global_key_value_heads) and ``vision_config`` null: no vision
+        tower (transformers' DiffusionGemmaForBlockDiffusion builds one regardless, so a folder
+        for it needs a vision_config); ``from_hf_config`` reads it back (the dtype is not written)."""
+
+        def rope(settings: RopeSettings) -> dict[str, Any]:
+            if settings.rotated_fraction == 1 and settings.factor == 1:
+                return {"rope_type": "default", "rope_theta": settings.theta}
+            out = {"rope_type": "proportional", "rope_theta": settings.theta}
+            out["partial_rotary_factor"] = settings.rotated_fraction
+            if settings.factor != 1:  # transformers reads it but warns about it
+                out["factor"] = settings.factor
+            return out
+
+        text = dict(_TEXT_REQUIRED_VALUES)
+        text.update(
+            model_type="diffusion_gemma_text",
+            vocab_size=self.vocab_size,
+            hidden_size=self.d_model,
+            intermediate_size=self.mlp_hidden_size,
+            num_hidden_layers=self.n_layers,
+            layer_types=[kind.value for kind in self.layer_types],
+            num_attention_heads=self.n_heads,
+            num_key_value_heads=self.sliding_kv_heads,
+            head_dim=self.sliding_head_dim,
+            global_head_dim=self.full_head_dim,
+            num_global_key_value_heads=self.full_kv_heads,
+            num_experts=self.n_experts,
+            top_k_experts=self.top_k_experts,
+            moe_intermediate_size=self.expert_hidden_size,
+            sliding_window=self.sliding_window,
+            max_position_embeddings=self.max_sequence_length,
+            rms_norm_eps=self.rms_norm_eps,
+            final_logit_softcapping=self.final_logit_softcap,
+            rope_parameters={
+                AttentionKind.SLIDING.value: rope(self.sliding_rope),
+                AttentionKind.FULL.value: rope(self.full_rope),
+            },
+            pad_token_id=self.pad_token_id,
+            bos_token_id=self.bos_token_id,
+            eos_token_id=list(self.eos_token_ids),
+            use_bidirectional_attention="vision",
+        )
+        hf = {
+            "model_type": MODEL_TYPE,
+            "architectures": ["DiffusionGemmaForBlockDiffusion"],
+            "canvas_length": self.canvas_length,
+            "eos_token_id": list(self.eos_token_ids),
+            "tie_word_embeddings": True,
+            "text_config": text,
+            "vision_config": None,
+        }
+        # without one, transformers' default ids (past a small vocabulary: read back as None)
+        if self.image_token_id is not None:
+            hf["image_token_id"] = self.image_token_id
+        return hf
+
     @classmethod
     def from_hf_config(
         cls, hf: dict[str, Any], *, dtype: str = "bfloat16", source: str = "config.json"
