@@ -472,7 +472,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--final-eval-problems", type=_positive_int, default=256)
     parser.add_argument("--ckpt-every", type=_positive_int, default=250)
     parser.add_argument(
-        "--pool-size", type=_positive_int, default=128 * POOL_CHUNK, help=f"training examples, a multiple of {POOL_CHUNK}"
+        "--pool-size",
+        type=_positive_int,
+        default=128 * POOL_CHUNK,
+        help=f"training examples, a multiple of {POOL_CHUNK}",
     )
     parser.add_argument("--workers", type=_positive_int, default=1, help="processes that encode the pool")
     parser.add_argument(
@@ -559,9 +562,7 @@ def train(parser: argparse.ArgumentParser, args: argparse.Namespace, ckpt_dir: P
     encoding = time.time()
     pool = jax.device_put(encode_pool(args.pool_size, args.seed, args.mix, args.workers))
     print(f"pool: {args.pool_size:,} examples encoded in {time.time() - encoding:.1f} s", flush=True)
-    train_step = make_train_step(
-        config, optimizer, args.self_conditioning_p, args.encoder_loss_weight, args.batch_size
-    )
+    train_step = make_train_step(config, optimizer, args.self_conditioning_p, args.encoder_loss_weight, args.batch_size)
     base_key = jax.random.key(args.seed)
     held_out = tiny_tasks.held_out_problems(args.eval_problems, mix=args.mix)
     started = time.time()

@@ -161,7 +161,9 @@ def test_the_benchmarks_expert_variants_match_the_dense_reference(variant):
     T, D, E, F, K = 40, 16, 6, 12, 2
     x = jnp.asarray(rng.normal(size=(T, D)), jnp.float32)
     # expert 5 gets no row, expert 0 the most
-    experts = jnp.asarray(np.stack([rng.choice(5, 2, replace=False, p=[0.4, 0.15, 0.15, 0.15, 0.15]) for _ in range(T)]))
+    experts = jnp.asarray(
+        np.stack([rng.choice(5, 2, replace=False, p=[0.4, 0.15, 0.15, 0.15, 0.15]) for _ in range(T)])
+    )
     weights = jnp.asarray(rng.uniform(size=(T, K)), jnp.float32)
     gate_up = jnp.asarray(rng.normal(size=(E, 2 * F, D)) / D**0.5, jnp.float32)
     down = jnp.asarray(rng.normal(size=(E, D, F)) / F**0.5, jnp.float32)

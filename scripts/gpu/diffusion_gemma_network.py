@@ -328,7 +328,9 @@ def looped_expert_mlp(x, weights, experts, gate_up, down, capacity: int):
         y = jnp.dot(h, down[e].T, preferred_element_type=jnp.float32)
         y = jnp.where((jnp.arange(capacity) < sizes[e])[:, None], y, 0.0)
         # rows past the group belong to the next expert: adding zeros there leaves them alone
-        return jax.lax.dynamic_update_slice_in_dim(out, jax.lax.dynamic_slice_in_dim(out, starts[e], capacity) + y, starts[e], 0)
+        return jax.lax.dynamic_update_slice_in_dim(
+            out, jax.lax.dynamic_slice_in_dim(out, starts[e], capacity) + y, starts[e], 0
+        )
 
     out = jax.lax.fori_loop(0, E, one_expert, jnp.zeros((T * K + capacity, x.shape[1]), jnp.float32))[: T * K]
     out = out.astype(x.dtype).astype(jnp.float32) * weights.reshape(T * K)[order][:, None]
@@ -339,7 +341,6 @@ def looped_expert_mlp(x, weights, experts, gate_up, down, capacity: int):
 def batched_expert_mlp(x, weights, experts, gate_up, down, capacity: int):
     """The same as one batched GEMM over [E, capacity] blocks (each expert's routed rows
     scattered into its block, the rest zero)."""
-    import jax
     import jax.numpy as jnp
 
     from dllm_jax.models.gemma_layers import gelu_tanh
@@ -432,8 +433,10 @@ def run_jax(args: argparse.Namespace, report: Report, deadline: float) -> None:
     big = jnp.ones(((1 << 26) if args.tiny else (1 << 32),), jnp.bfloat16)
     add = jax.jit(lambda x: x + 1)
     s = _timed(lambda: add(big).block_until_ready(), reps)
-    report.add("ceilings", {"what": "bf16 elementwise (read + write)", "value": 2 * big.nbytes / s / 1e12, "unit": "TB/s"})
-    del big
+    report.add(
+        "ceilings", {"what": "bf16 elementwise (read + write)", "value": 2 * big.nbytes / s / 1e12, "unit": "TB/s"}
+    )
+    big = None  # the buffer is freed (the timed closure above is done with it)
 
     start = time.perf_counter()
     params = jax.block_until_ready(random_weights(config))
@@ -482,7 +485,9 @@ def run_jax(args: argparse.Namespace, report: Report, deadline: float) -> None:
         state = initial_state(initial_canvas(key, rows, L, V), V, settings, config.jnp_dtype)
         state = _denoise_step(config, settings, params, state, tiled, key, jnp.int32(0))  # self-conditioned from now on
         step = jnp.int32(1)
-        s = _timed(lambda: jax.block_until_ready(_denoise_step(config, settings, params, state, tiled, key, step)), reps)
+        s = _timed(
+            lambda: jax.block_until_ready(_denoise_step(config, settings, params, state, tiled, key, step)), reps
+        )
         logits = jax.random.normal(key, (rows, L, V), jnp.float32)
         sampler_s = _timed(lambda: jax.block_until_ready(sampler_only(state, logits, step)), reps)
         weight_s = pass_weight_bytes(config, rows * L) / peak_bw
@@ -502,12 +507,15 @@ def run_jax(args: argparse.Namespace, report: Report, deadline: float) -> None:
                 "logits_f32_bytes": rows * L * V * 4,
             },
         )
-        del tiled, state, logits
+        tiled = state = logits = None  # freed before the next row count
         if rows in GENERATE_ROWS and time_left(f"reference generate at {rows} rows"):
             reference_generation(config, settings, params, prompt, rows, shape, report)
 
     # the routed experts of one layer at the real shapes
-    gate_up, down = params["sliding_layers"]["experts"]["gate_up_proj"][0], params["sliding_layers"]["experts"]["down_proj"][0]
+    gate_up, down = (
+        params["sliding_layers"]["experts"]["gate_up_proj"][0],
+        params["sliding_layers"]["experts"]["down_proj"][0],
+    )
     grouped = jax.jit(ex.grouped_expert_mlp)
     dense = jax.jit(ex.dense_expert_mlp)
     looped = jax.jit(looped_expert_mlp, static_argnums=5)
@@ -601,7 +609,9 @@ def run_torch(args: argparse.Namespace, report: Report, deadline: float) -> None
     high = IMAGE_FREE_IDS[1] if not args.tiny else config.vocab_size
     for rows in GENERATE_ROWS:
         if time.perf_counter() > deadline:
-            report.data.setdefault("skipped", []).append(f"transformers generate at {rows} rows (torch part's budget spent)")
+            report.data.setdefault("skipped", []).append(
+                f"transformers generate at {rows} rows (torch part's budget spent)"
+            )
             report.save()
             break
         ids = torch.randint(IMAGE_FREE_IDS[0], high, (1, P), device=device).repeat(rows, 1)
