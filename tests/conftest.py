@@ -146,3 +146,14 @@ def save_tiny_tokenizer(folder, *, chat_template: str | None = LLADA_CHAT_TEMPLA
 @pytest.fixture(scope="session")
 def tiny_tokenizer_dir(tmp_path_factory):
     return save_tiny_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+
+
+TIERS = ("unit", "kernels", "engine", "integration")  # registered in pyproject.toml
+
+
+def pytest_collection_modifyitems(items):
+    """A test with no tier mark (say, of a new file) runs in the full suite only: it is marked
+    integration, so the quick loop (-m "not integration") stays quick until its file says its tier."""
+    for item in items:
+        if not any(item.get_closest_marker(tier) for tier in TIERS):
+            item.add_marker(pytest.mark.integration)
