@@ -17,24 +17,28 @@ import pytest
 # Must be set before JAX's backend starts (nothing here or in the imports below starts it).
 jax.config.update("jax_num_cpu_devices", 4)
 
-# An XLA compilation cache of this test process (each pytest-xdist worker has its own): a
-# program another test already compiled (the same HLO, devices and compiler options, e.g. the
-# same decode loop of another Engine) is read back instead of compiled again. Only a speed-up:
-# every test still traces and lowers its own programs and Engine.num_compilations counts its
-# loops as before; programs compiled in under a second (jax's default threshold) are not stored.
-# Set before the first compilation (JAX decides once whether the cache is used). Subprocesses
-# do not inherit it, so a server's count of compilations after its warm-up stays a real one.
-# Once per process: this module runs a second time as tests.conftest when a test imports it.
+# An XLA compilation cache of this test session (each pytest-xdist worker has its own), in a
+# temporary folder removed at exit: nothing persists from one run to the next, so a fresh
+# clone's first run is what is timed. A program another test already compiled (the same HLO,
+# devices and compiler options: the same decode loop of another Engine, of a server or a
+# command line started by a test) is read back instead of compiled again. Only a speed-up:
+# every test still traces and lowers its own programs, Engine.num_compilations counts its
+# loops as before, and a server's dllm_compilations_after_warmup counts cache hits as
+# compilations (jax reports both as one backend-compile event); programs compiled in under a
+# second (jax's default threshold) are not stored. Set before the first compilation (JAX
+# decides once whether the cache is used); the processes the tests start inherit it through
+# JAX_COMPILATION_CACHE_DIR. Once per process: this module runs a second time as
+# tests.conftest when a test imports it.
 if jax.config.jax_compilation_cache_dir is None:
     _cache = tempfile.mkdtemp(prefix="dllm-tests-xla-cache-")
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
     jax.config.update("jax_compilation_cache_dir", _cache)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
 
 
 def compilation_cache_env() -> dict[str, str]:
-    """The environment that gives a script's subprocess this process's compilation cache: for
-    scripts whose checks do not count or time compilations (a bench's compile_s stays > 0).
-    The test waits for the script, so the two never write the cache at the same time."""
+    """The environment entry that gives a process this session's compilation cache (the
+    processes the tests start inherit it already; for tests that build an environment)."""
     return {"JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir}
 
 
