@@ -42,7 +42,8 @@ def compilation_cache_env() -> dict[str, str]:
     return {"JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir}
 
 
-from dllm_jax.models.config import ModelConfig  # noqa: E402 (after the JAX settings above)
+from dllm_jax.engine.engine import Engine  # noqa: E402 (after the JAX settings above)
+from dllm_jax.models.config import ModelConfig  # noqa: E402
 from dllm_jax.models.transformer import init_params  # noqa: E402
 
 
@@ -95,6 +96,30 @@ def lively():
     head = params["lm_head"]["kernel"] * 20
     params["lm_head"]["kernel"] = head.at[:, cfg.eos_token_id].set(head[:, 125] * 1.02)
     return cfg, params
+
+
+@pytest.fixture(scope="session")
+def lively_engine(lively) -> Engine:
+    """One XLA engine over the lively model for every test that only decodes with it: the loops
+    it compiles (tests/engine_checks.py) serve the whole session. A test that counts
+    compilations or changes an engine option builds its own."""
+    cfg, params = lively
+    return Engine(cfg, params, backend="xla")
+
+
+@pytest.fixture(scope="session")
+def embedded():
+    """The embedded tiny LLaDA (dllm_jax/assets/tiny-llada) in float32, as load_model returns it."""
+    from dllm_jax.models.embedded import tiny_model_path
+    from dllm_jax.models.loading import load_model
+
+    return load_model(tiny_model_path(), dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def embedded_engine(embedded) -> Engine:
+    """One XLA engine over the embedded model for the tests that only decode with it."""
+    return Engine(embedded.config, embedded.weights, embedded.tokenizer, backend="xla")
 
 
 # A LLaDA-like chat template (reference-spec A.5): BOS before the first message, every turn as
