@@ -17,28 +17,33 @@ import pytest
 # Must be set before JAX's backend starts (nothing here or in the imports below starts it).
 jax.config.update("jax_num_cpu_devices", 4)
 
-# An XLA compilation cache of this test process (each pytest-xdist worker has its own): a
-# program another test already compiled (the same HLO, devices and compiler options, e.g. the
-# same decode loop of another Engine) is read back instead of compiled again. Only a speed-up:
-# every test still traces and lowers its own programs and Engine.num_compilations counts its
-# loops as before; programs compiled in under a second (jax's default threshold) are not stored.
-# Set before the first compilation (JAX decides once whether the cache is used). Subprocesses
-# do not inherit it, so a server's count of compilations after its warm-up stays a real one.
-# Once per process: this module runs a second time as tests.conftest when a test imports it.
+# An XLA compilation cache of this test session (each pytest-xdist worker has its own), in a
+# temporary folder removed at exit: nothing persists from one run to the next, so a fresh
+# clone's first run is what is timed. A program another test already compiled (the same HLO,
+# devices and compiler options: the same decode loop of another Engine, of a server or a
+# command line started by a test) is read back instead of compiled again. Only a speed-up:
+# every test still traces and lowers its own programs, Engine.num_compilations counts its
+# loops as before, and a server's dllm_compilations_after_warmup counts cache hits as
+# compilations (jax reports both as one backend-compile event); programs compiled in under a
+# second (jax's default threshold) are not stored. Set before the first compilation (JAX
+# decides once whether the cache is used); the processes the tests start inherit it through
+# JAX_COMPILATION_CACHE_DIR. Once per process: this module runs a second time as
+# tests.conftest when a test imports it.
 if jax.config.jax_compilation_cache_dir is None:
     _cache = tempfile.mkdtemp(prefix="dllm-tests-xla-cache-")
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
     jax.config.update("jax_compilation_cache_dir", _cache)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
 
 
 def compilation_cache_env() -> dict[str, str]:
-    """The environment that gives a script's subprocess this process's compilation cache: for
-    scripts whose checks do not count or time compilations (a bench's compile_s stays > 0).
-    The test waits for the script, so the two never write the cache at the same time."""
+    """The environment entry that gives a process this session's compilation cache (the
+    processes the tests start inherit it already; for tests that build an environment)."""
     return {"JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir}
 
 
-from dllm_jax.models.config import ModelConfig  # noqa: E402 (after the JAX settings above)
+from dllm_jax.engine.engine import Engine  # noqa: E402 (after the JAX settings above)
+from dllm_jax.models.config import ModelConfig  # noqa: E402
 from dllm_jax.models.transformer import init_params  # noqa: E402
 
 
@@ -91,6 +96,30 @@ def lively():
     head = params["lm_head"]["kernel"] * 20
     params["lm_head"]["kernel"] = head.at[:, cfg.eos_token_id].set(head[:, 125] * 1.02)
     return cfg, params
+
+
+@pytest.fixture(scope="session")
+def lively_engine(lively) -> Engine:
+    """One XLA engine over the lively model for every test that only decodes with it: the loops
+    it compiles (tests/engine_checks.py) serve the whole session. A test that counts
+    compilations or changes an engine option builds its own."""
+    cfg, params = lively
+    return Engine(cfg, params, backend="xla")
+
+
+@pytest.fixture(scope="session")
+def embedded():
+    """The embedded tiny LLaDA (dllm_jax/assets/tiny-llada) in float32, as load_model returns it."""
+    from dllm_jax.models.embedded import tiny_model_path
+    from dllm_jax.models.loading import load_model
+
+    return load_model(tiny_model_path(), dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def embedded_engine(embedded) -> Engine:
+    """One XLA engine over the embedded model for the tests that only decode with it."""
+    return Engine(embedded.config, embedded.weights, embedded.tokenizer, backend="xla")
 
 
 # A LLaDA-like chat template (reference-spec A.5): BOS before the first message, every turn as
@@ -146,3 +175,14 @@ def save_tiny_tokenizer(folder, *, chat_template: str | None = LLADA_CHAT_TEMPLA
 @pytest.fixture(scope="session")
 def tiny_tokenizer_dir(tmp_path_factory):
     return save_tiny_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+
+
+TIERS = ("unit", "kernels", "engine", "integration")  # registered in pyproject.toml
+
+
+def pytest_collection_modifyitems(items):
+    """A test with no tier mark (say, of a new file) runs in the full suite only: it is marked
+    integration, so the quick loop (-m "not integration") stays quick until its file says its tier."""
+    for item in items:
+        if not any(item.get_closest_marker(tier) for tier in TIERS):
+            item.add_marker(pytest.mark.integration)

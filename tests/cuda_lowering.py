@@ -48,7 +48,7 @@ def lower_decode_loop_for_cuda(config: ModelConfig, backend: str) -> str:
         )
     else:
         engine = Engine(config, abstract_params(config), backend=backend, full_pass_lanes=())
-    decode = DecodeConfig(method="flash_cache", gen_length=256, batch_size=8, threshold=2.0, verify=True)
+    decode = DecodeConfig(method="flash_cache", gen_length=256, batch_size=8, verify=True)
     loop = engine.decode_loop(decode, 256)
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
     state = jax.eval_shape(loop.init_state, i32(32, 256), i32(32), jax.eval_shape(lambda: zero_sampling((32,))), i32())

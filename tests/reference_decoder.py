@@ -12,6 +12,9 @@ the tracking score) and the verify stage adds one predictor row per mask view.
 
 from __future__ import annotations
 
+import functools
+from types import SimpleNamespace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,25 +25,67 @@ from dllm_jax.models.transformer import forward
 from dllm_jax.runtime.decode_config import DecodeConfig
 from pallas_kernels.attention.reference import dense_attention
 
+# Rows and keys of the jitted pieces are padded to multiples of this, so that one test's
+# requests (and every test of a model) reuse a few compiled shapes instead of compiling one per
+# prompt length and step; padded rows are dropped, padded keys masked.
+_PAD = 32
 
-class ReferenceDecoder:
-    def __init__(self, config: ModelConfig, params, decode: DecodeConfig, max_len: int):
-        self.cfg, self.params, self.decode, self.L = config, params, decode, max_len
-        self.shift = config.logit_shift
-        block, model = LLaDABlock(config), LLaDAModel(config)
-        self.qkv = jax.jit(
+
+def _padded(n: int) -> int:
+    return -(-n // _PAD) * _PAD
+
+
+@functools.cache
+def _model_pieces(config: ModelConfig) -> SimpleNamespace:
+    """The model's per-layer pieces, jitted once per config (shared by every decoder of it)."""
+    block, model = LLaDABlock(config), LLaDAModel(config)
+    return SimpleNamespace(
+        qkv=jax.jit(
             lambda lp, h, pos: block.apply(
                 lp, block.apply(lp, h, method=LLaDABlock.attention_input), pos, method=LLaDABlock.project_qkv
             )
-        )
-        self.out_mlp = jax.jit(lambda lp, h, out: block.apply(lp, h, out, method=LLaDABlock.output_and_mlp))
-        self.attend = jax.jit(dense_attention)
-        self.embed = jax.jit(lambda p, t: model.apply({"params": p}, t, method=LLaDAModel.embed))
-        self.head = jax.jit(lambda p, h: model.apply({"params": p}, h, method=LLaDAModel.logits))
-        self.full_forward = jax.jit(lambda p, t: forward(config, p, t))
+        ),
+        out_mlp=jax.jit(lambda lp, h, out: block.apply(lp, h, out, method=LLaDABlock.output_and_mlp)),
+        attend=jax.jit(dense_attention),
+        embed=jax.jit(lambda p, t: model.apply({"params": p}, t, method=LLaDAModel.embed)),
+        head=jax.jit(lambda p, h: model.apply({"params": p}, h, method=LLaDAModel.logits)),
+        full_forward=jax.jit(lambda p, t, valid: forward(config, p, t, key_valid=valid)),
+    )
+
+
+class ReferenceDecoder:
+    """One request at a time, by the reference spec. `threshold` and `gamma` are the request's
+    values (SamplingParams'; None: the decode config's defaults)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        params,
+        decode: DecodeConfig,
+        max_len: int,
+        *,
+        threshold: float | None = None,
+        gamma: float | None = None,
+    ):
+        self.cfg, self.params, self.decode, self.L = config, params, decode, max_len
+        self.threshold = decode.default_threshold if threshold is None else threshold
+        self.gamma = decode.default_gamma if gamma is None else gamma
+        self.shift = config.logit_shift
+        pieces = _model_pieces(config)
+        self.qkv, self.out_mlp, self.attend = pieces.qkv, pieces.out_mlp, pieces.attend
+        self.embed, self.head, self._full_forward = pieces.embed, pieces.head, pieces.full_forward
         self.layer_params = [
             {"params": jax.tree_util.tree_map(lambda w: w[i], params["layers"])} for i in range(config.n_layers)
         ]
+
+    def full_forward(self, tokens) -> np.ndarray:
+        """Output logits [T, V] of a full forward pass over tokens [T] (keys padded, masked)."""
+        T = len(tokens)
+        padded = np.full(_padded(T), self.cfg.mask_token_id, np.int64)
+        padded[:T] = tokens
+        valid = np.arange(len(padded)) < T
+        logits = self._full_forward(self.params, jnp.asarray(padded)[None], jnp.asarray(valid)[None])
+        return np.asarray(logits[0, :T], np.float32)
 
     # ----- model pieces -------------------------------------------------------------------
 
@@ -52,23 +97,29 @@ class ReferenceDecoder:
         """
         c = self.cfg
         rows = np.asarray(rows)
-        pos = jnp.asarray(rows)[None]
-        h = self.embed(self.params, jnp.asarray(tokens[rows])[None])
+        n, S = len(rows), _padded(key_len)
+        padded_rows = np.concatenate([rows, np.full(_padded(n) - n, rows[0])])
+        pos = jnp.asarray(padded_rows)[None]
+        h = self.embed(self.params, jnp.asarray(tokens[padded_rows])[None])
+        key_mask = jnp.asarray(np.arange(S) < key_len)[None, None]
         score = np.zeros(self.L, np.float64)
         for layer in range(c.n_layers):
             lp = self.layer_params[layer]
             q, k, v = self.qkv(lp, h, pos)
-            K[layer][rows] = np.asarray(k[0]).reshape(len(rows), -1)
-            V[layer][rows] = np.asarray(v[0]).reshape(len(rows), -1)
-            keys = jnp.asarray(K[layer][:key_len]).reshape(1, key_len, c.n_kv_heads, c.head_dim)
-            values = jnp.asarray(V[layer][:key_len]).reshape(1, key_len, c.n_kv_heads, c.head_dim)
-            out = self.attend(q, keys, values, jnp.ones((1, 1, key_len), bool))
+            K[layer][rows] = np.asarray(k[0, :n]).reshape(n, -1)
+            V[layer][rows] = np.asarray(v[0, :n]).reshape(n, -1)
+            keys = np.zeros((S, c.kv_dim), np.float32)
+            values = np.zeros((S, c.kv_dim), np.float32)
+            keys[:key_len], values[:key_len] = K[layer][:key_len], V[layer][:key_len]
+            keys = jnp.asarray(keys).reshape(1, S, c.n_kv_heads, c.head_dim)
+            values = jnp.asarray(values).reshape(1, S, c.n_kv_heads, c.head_dim)
+            out = self.attend(q, keys, values, key_mask)
             if layer >= 2:
-                qs = np.asarray(q[0], np.float64)[np.asarray(score_rows)]  # [n, H, Dh]
-                kk = np.repeat(np.asarray(keys[0], np.float64), c.n_heads // c.n_kv_heads, axis=1)  # [Kd, H, Dh]
-                score[:key_len] += np.einsum("nhd,khd->k", qs, kk)
+                qs = np.asarray(q[0, :n], np.float64)[np.asarray(score_rows)]  # [n, H, Dh]
+                kk = np.repeat(np.asarray(keys[0, :key_len], np.float64), c.n_heads // c.n_kv_heads, axis=1)
+                score[:key_len] += np.einsum("nhd,khd->k", qs, kk)  # [Kd, H, Dh] keys
             h = self.out_mlp(lp, h, out)
-        logits = self.head(self.params, h[0])
+        logits = self.head(self.params, h[0])[:n]
         return np.asarray(logits, np.float32), score / (self.decode.window * c.n_heads)
 
     def verify_forward(self, tokens_rows, positions_rows, K, V, key_len, exclude, extra_mask):
@@ -76,19 +127,26 @@ class ReferenceDecoder:
         where extra_mask allows. Returns logits of every row."""
         c = self.cfg
         n = len(tokens_rows)
-        pos = jnp.asarray(positions_rows)[None]
-        h = self.embed(self.params, jnp.asarray(tokens_rows)[None])
+        R = _padded(n)
+        rows_tok = np.concatenate([np.asarray(tokens_rows), np.full(R - n, c.mask_token_id)])
+        rows_pos = np.concatenate([np.asarray(positions_rows), np.zeros(R - n, np.int64)])
+        pos = jnp.asarray(rows_pos)[None]
+        h = self.embed(self.params, jnp.asarray(rows_tok)[None])
         cached = np.array([p for p in range(key_len) if p not in exclude], np.int64)
-        mask = np.concatenate([np.ones((n, len(cached)), bool), extra_mask], axis=1)[None]
+        S = _padded(len(cached))
+        mask = np.zeros((R, S + R), bool)  # [rows, cached keys (padded) + the rows' own keys]
+        mask[:n, : len(cached)] = True
+        mask[:n, S : S + n] = extra_mask
         for layer in range(c.n_layers):
             lp = self.layer_params[layer]
             q, k, v = self.qkv(lp, h, pos)
-            keys = jnp.concatenate([jnp.asarray(K[layer][cached]).reshape(1, -1, c.n_kv_heads, c.head_dim), k], axis=1)
-            values = jnp.concatenate(
-                [jnp.asarray(V[layer][cached]).reshape(1, -1, c.n_kv_heads, c.head_dim), v], axis=1
-            )
-            h = self.out_mlp(lp, h, self.attend(q, keys, values, jnp.asarray(mask)))
-        return np.asarray(self.head(self.params, h[0]), np.float32)
+            keys = np.zeros((S, c.kv_dim), np.float32)
+            values = np.zeros((S, c.kv_dim), np.float32)
+            keys[: len(cached)], values[: len(cached)] = K[layer][cached], V[layer][cached]
+            keys = jnp.concatenate([jnp.asarray(keys).reshape(1, S, c.n_kv_heads, c.head_dim), k], axis=1)
+            values = jnp.concatenate([jnp.asarray(values).reshape(1, S, c.n_kv_heads, c.head_dim), v], axis=1)
+            h = self.out_mlp(lp, h, self.attend(q, keys, values, jnp.asarray(mask)[None]))
+        return np.asarray(self.head(self.params, h[0])[:n], np.float32)
 
     def empty_cache(self):
         shape = (self.L, self.cfg.kv_dim)
@@ -145,8 +203,7 @@ class ReferenceDecoder:
             window = undecoded[:W]
             predictors = [p - self.shift for p in window]
             if no_cache:
-                logits_all = self.full_forward(self.params, jnp.asarray(tokens[:key_len])[None])[0]
-                logits = np.asarray(logits_all, np.float32)[predictors]
+                logits = self.full_forward(tokens[:key_len])[predictors]
             else:
                 if steps == 0 or d.track_num < 0:
                     rows = window + [p for p in range(key_len) if p not in window]
@@ -170,7 +227,7 @@ class ReferenceDecoder:
             cand, conf = self.confidence(logits)
             eligible = np.array([p < bound for p in window])
             order = [i for i in np.argsort(-np.where(eligible, conf, -np.inf), kind="stable") if eligible[i]]
-            keep = max(sum(conf[i] >= d.threshold for i in order), 1)
+            keep = max(sum(conf[i] >= self.threshold for i in order), 1)
             committed = [window[i] for i in order[:keep]]
             for i in order[:keep]:
                 tokens[window[i]] = cand[i]
@@ -256,9 +313,9 @@ class ReferenceDecoder:
             p = probs[i, drafts[i]] if search_pos[i] < bound else 0.0
             if d.accept == "cumprod":
                 running *= p
-                ok = running >= d.gamma
+                ok = running >= self.gamma
             else:
-                ok = probs[i].argmax() == drafts[i] and p >= d.gamma
+                ok = probs[i].argmax() == drafts[i] and p >= self.gamma
             if not ok:
                 break
             accepted.append(search_pos[i])
@@ -283,9 +340,7 @@ class ReferenceDecoder:
             while not decoded[block].all():
                 predictors = [p - self.shift for p in block]
                 if cache == "none":
-                    logits = np.asarray(
-                        self.full_forward(self.params, jnp.asarray(tokens[:key_len])[None])[0], np.float32
-                    )[predictors]
+                    logits = self.full_forward(tokens[:key_len])[predictors]
                 else:
                     if step_in_block == 0:
                         rows = list(range(key_len))
@@ -302,7 +357,7 @@ class ReferenceDecoder:
                     count = Wb // spb + (1 if step_in_block < Wb % spb else 0)
                     chosen = order[:count]
                 else:
-                    chosen = order[:1] + [i for i in order[1:] if conf[i] >= d.threshold]
+                    chosen = order[:1] + [i for i in order[1:] if conf[i] >= self.threshold]
                 for i in chosen:
                     tokens[block[i]] = cand[i]
                     decoded[block[i]] = True

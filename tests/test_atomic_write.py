@@ -4,6 +4,8 @@ import pytest
 
 from dllm_jax.common.atomic_write import write_text_atomically
 
+pytestmark = pytest.mark.unit
+
 
 def test_writes_and_replaces_without_leftovers(tmp_path):
     path = tmp_path / "reports" / "bench.json"

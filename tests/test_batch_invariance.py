@@ -16,6 +16,10 @@ import pytest
 from dllm_jax.engine.engine import Engine, GenerationError
 from dllm_jax.runtime.decode_config import DecodeConfig
 from dllm_jax.runtime.kernel_routing import Kernels, resolve_kernels
+from dllm_jax.sampling.params import SamplingParams
+from tests.engine_checks import FAST_DUAL, FLASH, FLASH_VERIFY, one_slot
+
+pytestmark = pytest.mark.engine
 
 _SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "batch_invariance.py"
 _spec = importlib.util.spec_from_file_location("batch_invariance_script", _SCRIPT)
@@ -35,35 +39,35 @@ def _prompts(seed, lengths):
     return [list(rng.randint(0, 100, n)) for n in lengths]
 
 
-@pytest.mark.parametrize(
-    "decode",
-    [
-        DecodeConfig(method="flash_cache", gen_length=32, batch_size=4, threshold=0.5, mask_num=2, track_num=1),
-        DecodeConfig(
-            method="flash_cache", gen_length=32, batch_size=4, threshold=0.5, mask_num=2, track_num=1, verify=True
-        ),
-        DecodeConfig(method="fast_dllm", gen_length=32, block_length=16, threshold=0.5, batch_size=4),
-        DecodeConfig(method="llada", gen_length=32, block_length=16, steps=16, batch_size=4),
-    ],
-    ids=["flash", "flash_verify", "fast_dllm", "llada"],
-)
-@pytest.mark.slow
-def test_bf16_answers_do_not_depend_on_the_batch(lively_bf16, decode):
+@pytest.fixture(scope="module")
+def bf16_engine(lively_bf16):
     cfg, params = lively_bf16
-    engine = Engine(cfg, params, backend="xla")
+    return Engine(cfg, params, backend="xla")
+
+
+# Flash-Verify runs every pass of the loop (full, sparse over the window, look-ahead and
+# tracked rows, verify); Fast-dLLM its block pass. A pass whose rows round differently with
+# the number of slots sharing it shows up in one of them (LLaDA's sampler runs the full pass
+# alone, which both also run).
+@pytest.mark.parametrize("decode", [FLASH_VERIFY, FAST_DUAL], ids=["flash_verify", "fast_dllm"])
+@pytest.mark.slow
+def test_bf16_answers_do_not_depend_on_the_batch(bf16_engine, decode):
+    engine = bf16_engine
+    sampling = SamplingParams(threshold=0.5)
     many = _prompts(1, (5, 14, 8, 11, 3, 16, 9))
-    together = engine.generate(many, decode)
+    together = engine.generate(many, sampling, decode_config=decode)
     assert together.stats.iterations < sum(r.steps for r in together.results), "slots ran concurrently"
     answers = [r.token_ids for r in together.results]
     assert len({tuple(a) for a in answers}) > 1, "the prompts should get different answers"
     for i in (0, 3, 5):
-        alone = engine.generate([many[i]], decode).results[0]
+        alone = engine.generate([many[i]], sampling, decode_config=one_slot(decode)).results[0]
         assert (alone.token_ids, alone.steps) == (answers[i], together.results[i].steps), i
 
 
 # ----- the batch-invariant mode and the leak report (scripts/batch_invariance.py)
 
 
+@pytest.mark.unit
 def test_invariant_kernels_replace_the_row_count_dependent_ones():
     k = resolve_kernels("pallas", interpret=True, batch_invariant=True)
     assert (k.invariant, k.matmul, k.qkv, k.attention, k.scatter) == (True, True, False, True, True)
@@ -79,17 +83,16 @@ def test_invariant_mode_answers_do_not_depend_on_the_batch(lively_bf16, backend)
     cfg, params = lively_bf16
     engine = Engine(cfg, params, backend=backend, interpret=backend == "pallas", batch_invariant=True)
     assert engine.batch_invariant and engine.backend.endswith("+invariant")
-    decode = DecodeConfig(
-        method="flash_cache", gen_length=32, batch_size=4, threshold=0.5, mask_num=2, track_num=1, verify=True
-    )
+    decode, sampling = FLASH_VERIFY, SamplingParams(threshold=0.5)
     many = _prompts(2, (5, 14, 8, 11, 3))
-    together = engine.generate(many, decode)
+    together = engine.generate(many, sampling, decode_config=decode)
     assert together.stats.tokens_per_step > 1.1
     for i in (1, 4):
-        alone = engine.generate([many[i]], decode).results[0]
+        alone = engine.generate([many[i]], sampling, decode_config=one_slot(decode)).results[0]
         assert (alone.token_ids, alone.steps) == (together.results[i].token_ids, together.results[i].steps), i
 
 
+@pytest.mark.unit
 def test_invariant_mode_rejects_what_it_cannot_run(lively_bf16):
     cfg, params = lively_bf16
     with pytest.raises(
@@ -100,10 +103,9 @@ def test_invariant_mode_rejects_what_it_cannot_run(lively_bf16):
         Engine(cfg, params, batch_invariant="yes")
 
 
-def test_leak_report_compares_every_tap_bit_for_bit(lively_bf16):
-    cfg, params = lively_bf16
-    engine = Engine(cfg, params, backend="xla")
-    decode = DecodeConfig(method="flash_cache", gen_length=32, batch_size=4, threshold=0.5, mask_num=2, track_num=1)
+def test_leak_report_compares_every_tap_bit_for_bit(bf16_engine):
+    engine = bf16_engine
+    decode = dataclasses.replace(FLASH, batch_size=4)
     request, *others = _prompts(3, (9, 9, 9, 9))
     report = batch_invariance_script.leak_report(engine, decode, request, others, steps=3)
     steps = report["steps"]
@@ -123,6 +125,7 @@ def test_leak_report_compares_every_tap_bit_for_bit(lively_bf16):
     assert (first["op"], first["layer"], first["differing"]) == ("ff_proj", 1, 1)
 
 
+@pytest.mark.kernels
 def test_invariant_decode_loop_lowers_for_cuda_at_llada_8b_widths():
     """The whole loop (flash_cache + verify) of the GPU's invariant kernels, lowered for CUDA on
     the CPU at LLaDA-8B widths (2 layers): every matmul and every norm is an invariant kernel."""
@@ -141,7 +144,7 @@ def test_invariant_decode_loop_lowers_for_cuda_at_llada_8b_widths():
         batch_invariant=True,
     )
     assert engine.kernels.matmul and engine.backend == "xla+pallas-attention-scatter-matmul+invariant"
-    decode = DecodeConfig(method="flash_cache", gen_length=256, batch_size=8, threshold=2.0, verify=True)
+    decode = DecodeConfig(method="flash_cache", gen_length=256, batch_size=8, verify=True)
     loop = engine.decode_loop(decode, 256)
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
     state = jax.eval_shape(loop.init_state, i32(32, 256), i32(32), jax.eval_shape(lambda: zero_sampling((32,))), i32())
@@ -158,6 +161,7 @@ def test_invariant_decode_loop_lowers_for_cuda_at_llada_8b_widths():
     assert not row_sums, row_sums[:3]
 
 
+@pytest.mark.unit
 def test_deterministic_flags_keep_what_is_set():
     from dllm_jax import deterministic_xla_flags
     from dllm_jax.serve.cli import parse_args

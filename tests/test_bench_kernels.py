@@ -8,8 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from pallas_kernels.attention.cache_attention import AttentionBlockSizes
 from pallas_kernels.projection.qkv_rope_cache import QKVBlockSizes
+
+pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[1]
 

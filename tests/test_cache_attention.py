@@ -12,7 +12,10 @@ from cuda_lowering import lower_for_cuda
 from dllm_jax.models.config import llada_8b_config
 from pallas_kernels.attention.cache_attention import AttentionBlockSizes, cache_attention, default_attention_block_sizes
 
-pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+pytestmark = [
+    pytest.mark.kernels,
+    pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning"),
+]
 
 
 def check_against_reference(case, blocks: AttentionBlockSizes | None):

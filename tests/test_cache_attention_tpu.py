@@ -11,6 +11,8 @@ from tpu_lowering import lower_for_tpu
 from dllm_jax.models.config import llada_8b_config
 from pallas_kernels.attention.cache_attention_tpu import TpuBlockSizes, cache_attention_tpu
 
+pytestmark = pytest.mark.kernels
+
 
 def check(case, blocks):
     assert_matches_reference(cache_attention_tpu, case, interpret=True, block_sizes=blocks)
@@ -63,19 +65,21 @@ def test_auto_picks_the_tpu_kernel_on_a_tpu_and_xla_on_a_cpu(monkeypatch):
     assert tpu.name == "xla+pallas-attention-tpu"
 
 
-def test_engine_with_the_tpu_kernel_decodes_the_xla_tokens(lively):
+@pytest.mark.engine
+def test_engine_with_the_tpu_kernel_decodes_the_xla_tokens(lively, lively_engine):
     """Flash-Cache with Flash-Verify (sparse, full and verify passes) through the interpreted
     Mosaic kernel gives the xla backend's tokens."""
     from dllm_jax.engine.engine import Engine
-    from dllm_jax.runtime.decode_config import DecodeConfig
     from dllm_jax.runtime.kernel_routing import Kernels
+    from dllm_jax.sampling.params import SamplingParams
+    from tests.engine_checks import FLASH_VERIFY
 
     cfg, params = lively
     prompts = [[5, 9, 17, 3], [40, 2, 8, 8, 11, 60, 7]]
-    decode = DecodeConfig(
-        method="flash_cache", gen_length=32, batch_size=2, mask_num=2, track_num=1, threshold=0.3, verify=True
+    sampling = SamplingParams(threshold=0.3)
+    xla = lively_engine.generate(prompts, sampling, decode_config=FLASH_VERIFY)
+    tpu = Engine(cfg, params, backend=Kernels(attention=True, mosaic=True, interpret=True)).generate(
+        prompts, sampling, decode_config=FLASH_VERIFY
     )
-    xla = Engine(cfg, params, backend="xla").generate(prompts, decode)
-    tpu = Engine(cfg, params, backend=Kernels(attention=True, mosaic=True, interpret=True)).generate(prompts, decode)
     assert [r.token_ids for r in tpu.results] == [r.token_ids for r in xla.results]
     assert xla.stats.tokens_per_step > 1.1

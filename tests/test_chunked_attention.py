@@ -11,6 +11,8 @@ from attention_inputs import MAIN, assert_matches_reference, make_case, ragged_m
 
 from dllm_jax.runtime.chunked_attention import chunked_cache_attention, default_block_k
 
+pytestmark = pytest.mark.kernels
+
 
 def check(case, block_k):
     fn = jax.jit(chunked_cache_attention, static_argnames=("n_heads", "n_kv_heads", "max_len", "block_sizes"))

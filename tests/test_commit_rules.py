@@ -11,10 +11,13 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dllm_jax.policies.commit_rules import count_commit, descending_rank, threshold_commit
+
+pytestmark = pytest.mark.unit
 
 # A few repeated finite values make ties likely; the rest are the non-finite and signed-zero cases.
 SPECIAL = [math.nan, math.inf, -math.inf, 0.0, -0.0, 1.0, 0.5, 0.9, 1e-30, -1e30]

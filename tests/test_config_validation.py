@@ -21,6 +21,8 @@ from dllm_jax.models.checkpoint.errors import ConversionError
 from dllm_jax.models.config import ConfigError, ModelConfig
 from dllm_jax.models.loading import load_model
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parent.parent
 SIZE = "expected a positive integer below 2**31"
 REAL = "expected a finite positive number"
@@ -238,6 +240,7 @@ def test_generate_exits_2_with_one_line(tmp_path, capsys, key, value):
     assert f"{hf / 'config.json'}: {key}=" in err
 
 
+@pytest.mark.integration
 def test_generate_as_a_process_prints_no_traceback(tmp_path):
     hf = write_hf_folder(tmp_path / "hf", hf_config(eos_token_id=None))
     result = subprocess.run(

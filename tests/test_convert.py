@@ -21,6 +21,8 @@ from dllm_jax.models.checkpoint.errors import ConversionError
 from dllm_jax.models.loading import load_model
 from dllm_jax.models.transformer import init_params
 
+pytestmark = pytest.mark.unit
+
 INDEX = "model.safetensors.index.json"
 
 
@@ -309,6 +311,7 @@ def test_cli_converts_and_reports_bad_input_without_traceback(hf_dir, tmp_path, 
     assert capsys.readouterr().err.strip() == f"error: {tmp_path / 'out'}: output folder already exists"
 
 
+@pytest.mark.integration
 def test_cli_module_exits_2_with_one_line(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "convert.hf_to_jax", "--hf-dir", str(tmp_path / "absent"), "--out", str(tmp_path / "o")],

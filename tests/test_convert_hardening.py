@@ -30,6 +30,8 @@ from dllm_jax.models.loading import load_model
 from dllm_jax.models.transformer import abstract_params
 from dllm_jax.runtime.memory_estimate import DeviceMemory
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -303,13 +305,19 @@ def _conversion_children(parent):
     return pids
 
 
-# every signal at every point; "+1s" is 1 s after the temporary folder appeared (the child
+# every point with two signals and every signal at two points (each case is a process that
+# imports jax and converts); "+1s" is 1 s after the temporary folder appeared (the child
 # importing jax or reading shards), "saving" once orbax created its folder, "writing data"
 # once TensorStore wrote array chunks
 SIGNAL_CASES = [
-    (signum, phase, delay)
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    for phase, delay in (("started", 0.0), ("started", 1.0), ("saving", 0.0), ("writing data", 0.0))
+    (signal.SIGINT, "started", 0.0),
+    (signal.SIGHUP, "started", 0.0),
+    (signal.SIGTERM, "started", 1.0),
+    (signal.SIGHUP, "started", 1.0),
+    (signal.SIGINT, "saving", 0.0),
+    (signal.SIGTERM, "saving", 0.0),
+    (signal.SIGTERM, "writing data", 0.0),
+    (signal.SIGINT, "writing data", 0.0),
 ]
 
 
@@ -323,6 +331,7 @@ _WITH_DEFAULT_SIGNALS = (
 )
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "signum,phase,delay", SIGNAL_CASES, ids=[f"{s.name}-{p}{'+1s' if d else ''}" for s, p, d in SIGNAL_CASES]
 )
@@ -429,6 +438,7 @@ def test_loading_a_damaged_checkpoint_prints_nothing_and_raises_one_line(damaged
     assert captured.out == "" and captured.err == ""
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("damage", [_remove_process_data, _garbage_data], ids=lambda f: f.__name__.strip("_"))
 def test_generate_on_a_damaged_checkpoint_prints_one_line(converted, tmp_path, damage):
     out = Path(shutil.copytree(converted, tmp_path / "damaged"))

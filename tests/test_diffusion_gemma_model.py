@@ -47,6 +47,8 @@ from dllm_jax.policies.entropy_bound import (
 )
 from tests.diffusion_gemma_reference import _finish_canvas, generate
 
+pytestmark = pytest.mark.unit
+
 TEXT_CONFIG = dict(
     vocab_size=96,
     hidden_size=32,

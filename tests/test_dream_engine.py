@@ -14,9 +14,14 @@ from conftest import tiny_dream_config
 
 from dllm_jax.engine.engine import Engine
 from dllm_jax.models.transformer import init_params
-from dllm_jax.runtime.decode_config import DecodeConfig
+from dllm_jax.sampling.params import SamplingParams
 from tests.engine_checks import (
     EXACT_REFRESH,
+    FAST_DUAL,
+    FAST_PREFIX,
+    FLASH,
+    FLASH_VERIFY,
+    LLADA,
     answer,
     assert_batching_invariance,
     assert_block_method_matches_reference,
@@ -25,6 +30,8 @@ from tests.engine_checks import (
     random_prompts,
 )
 from tests.reference_decoder import ReferenceDecoder
+
+pytestmark = pytest.mark.engine
 
 
 def lively_dream(**overrides):
@@ -50,31 +57,33 @@ def prompts():
 
 
 @pytest.mark.parametrize(
-    "setting",
+    "decode, sampling",
     [
-        dict(mask_num=2, track_num=1, threshold=0.3),
-        dict(mask_num=1, track_num=2, threshold=0.2),
-        dict(mask_num=2, track_num=1, threshold=0.7, verify=True, gamma=0.3),
-        dict(mask_num=2, track_num=1, threshold=0.7, verify=True, gamma=0.5, accept="paper", pin="reference"),
+        (FLASH, SamplingParams(threshold=0.3)),
+        (FLASH, SamplingParams(threshold=0.2)),
+        (FLASH_VERIFY, SamplingParams(threshold=0.7, gamma=0.3)),
+        (
+            dataclasses.replace(FLASH_VERIFY, accept="paper", pin="reference"),
+            SamplingParams(threshold=0.7, gamma=0.5),
+        ),
     ],
-    ids=["flash", "flash-track2", "flash-verify", "flash-verify-paper"],
+    ids=["flash", "flash-t0.2", "flash-verify", "flash-verify-paper"],
 )
-def test_flash_cache_matches_the_python_reference(engine, prompts, setting):
-    decode = DecodeConfig(method="flash_cache", gen_length=32, batch_size=2, **setting)
-    assert_flash_cache_matches_reference(engine, prompts, decode)
+def test_flash_cache_matches_the_python_reference(engine, prompts, decode, sampling):
+    assert_flash_cache_matches_reference(engine, prompts, decode, sampling)
 
 
 @pytest.mark.parametrize("method", list(EXACT_REFRESH))
 def test_exact_refresh_reproduces_the_no_cache_model(engine, prompts, method):
-    assert_decodes_like_the_no_cache_model(engine, prompts, EXACT_REFRESH[method])
+    assert_decodes_like_the_no_cache_model(engine, prompts, EXACT_REFRESH[method], SamplingParams(threshold=0.5))
 
 
 def test_the_shift_is_what_the_exactness_test_checks(engine, prompts):
     """Reading the candidates' own rows (LLaDA's alignment) decodes something else."""
-    decode = DecodeConfig(method="flash_cache", gen_length=32, batch_size=2, threshold=0.5, track_num=-1)
+    decode = EXACT_REFRESH["flash_full_refresh"]
     unshifted = dataclasses.replace(engine.config, family="llada")
-    ref = ReferenceDecoder(unshifted, engine.weights, decode, engine.decode_loop(decode, 15).max_len)
-    out = engine.generate(prompts, decode)
+    ref = ReferenceDecoder(unshifted, engine.weights, decode, engine.decode_loop(decode, 15).max_len, threshold=0.5)
+    out = engine.generate(prompts, SamplingParams(threshold=0.5), decode_config=decode)
     differs = [
         r.token_ids != answer(ref.flash_cache(p, no_cache=True)[0], unshifted.eos_token_id)
         for p, r in zip(prompts, out.results)
@@ -82,67 +91,42 @@ def test_the_shift_is_what_the_exactness_test_checks(engine, prompts):
     assert any(differs)
 
 
-@pytest.mark.parametrize(
-    "decode",
-    [
-        DecodeConfig(method="llada", gen_length=32, block_length=16, steps=16, batch_size=2),
-        DecodeConfig(method="fast_dllm", gen_length=32, block_length=16, cache="prefix", threshold=0.5, batch_size=2),
-        DecodeConfig(method="fast_dllm", gen_length=32, block_length=16, cache="dual", threshold=0.5, batch_size=2),
-    ],
-    ids=["llada", "fast-prefix", "fast-dual"],
-)
+@pytest.mark.parametrize("decode", [LLADA, FAST_PREFIX, FAST_DUAL], ids=["llada", "fast-prefix", "fast-dual"])
 def test_block_methods_match_the_python_reference(engine, prompts, decode):
-    assert_block_method_matches_reference(engine, prompts, decode)
+    sampling = SamplingParams() if decode.fixed_schedule else SamplingParams(threshold=0.5)
+    assert_block_method_matches_reference(engine, prompts, decode, sampling)
+
+
+def test_continuous_batching_and_batch_invariance(engine):
+    """More requests than slots, mixed lengths: the same tokens however the requests are
+    batched (Flash-Verify, the method with the most per-slot state; the others' batching is
+    checked on LLaDA, tests/test_engine.py)."""
+    assert_batching_invariance(engine, FLASH_VERIFY, SamplingParams(threshold=0.7, gamma=0.5), alone=(0, 4))
 
 
 @pytest.mark.parametrize(
-    "decode",
-    [
-        DecodeConfig(method="flash_cache", gen_length=32, batch_size=3, threshold=0.5, mask_num=2, track_num=1),
-        DecodeConfig(method="flash_cache", gen_length=32, batch_size=3, threshold=0.7, verify=True, gamma=0.5),
-        DecodeConfig(method="fast_dllm", gen_length=32, block_length=16, threshold=0.5, batch_size=3),
-    ],
-    ids=["flash", "flash-verify", "fast_dllm"],
-)
-def test_continuous_batching_and_batch_invariance(engine, decode):
-    """More requests than slots, mixed lengths: the same tokens however the requests are batched."""
-    assert_batching_invariance(engine, decode, alone=(0, 4))
-
-
-@pytest.mark.parametrize(
-    "decode",
-    [
-        DecodeConfig(
-            method="flash_cache",
-            gen_length=32,
-            batch_size=2,
-            threshold=0.7,
-            mask_num=2,
-            track_num=1,
-            verify=True,
-            gamma=0.3,
-        ),
-        DecodeConfig(method="fast_dllm", gen_length=32, block_length=16, threshold=0.5, batch_size=2),
-    ],
+    "decode, sampling",
+    [(FLASH_VERIFY, SamplingParams(threshold=0.7, gamma=0.3)), (FAST_DUAL, SamplingParams(threshold=0.5))],
     ids=["flash_verify", "fast_dllm_dual"],
 )
-def test_pallas_kernels_decode_like_xla(decode):
-    """The fused projection (with biases) and the GQA cache attention, in interpret mode."""
+def test_pallas_kernels_decode_like_the_reference(decode, sampling):
+    """The fused projection (with biases) and the GQA cache attention, in interpret mode, on a
+    model of head_dim 32 (the kernels' smallest tile is 16 rotary pairs)."""
     cfg, params = lively_dream(d_model=128, mlp_hidden_size=128)
-    prompts = random_prompts((12, 7, 3))
-    xla = Engine(cfg, params, backend="xla").generate(prompts, decode)
-    pallas = Engine(cfg, params, backend="pallas", interpret=True).generate(prompts, decode)
-    assert [r.token_ids for r in pallas.results] == [r.token_ids for r in xla.results]
-    assert [r.steps for r in pallas.results] == [r.steps for r in xla.results]
+    pallas = Engine(cfg, params, backend="pallas", interpret=True)
+    check = (
+        assert_flash_cache_matches_reference
+        if decode.method == "flash_cache"
+        else assert_block_method_matches_reference
+    )
+    check(pallas, random_prompts((12, 7, 3)), decode, sampling)
 
 
-def test_a_tensor_split_decodes_the_single_device_tokens(engine, prompts):
+def test_a_tensor_split_decodes_the_reference_tokens(prompts):
     """Biases split by heads like their projections' columns (sharding.param_specs)."""
     from dllm_jax.runtime.sharding import parse_mesh
 
-    decode = DecodeConfig(method="flash_cache", gen_length=32, batch_size=2, threshold=0.5, mask_num=2, track_num=1)
     mesh = parse_mesh("data=2,tensor=2", jax.devices()[:4])
     cfg, params = lively_dream(n_kv_heads=2)
-    single = Engine(cfg, params, backend="xla").generate(prompts, decode)
-    split = Engine(cfg, params, backend="xla", mesh=mesh).generate(prompts, decode)
-    assert [r.token_ids for r in split.results] == [r.token_ids for r in single.results]
+    split = Engine(cfg, params, backend="xla", mesh=mesh)
+    assert_flash_cache_matches_reference(split, prompts, FLASH, SamplingParams(threshold=0.5))

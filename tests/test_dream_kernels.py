@@ -19,7 +19,10 @@ from dllm_jax.models.config import dream_7b_config
 from pallas_kernels.attention.cache_attention import AttentionBlockSizes, cache_attention
 from pallas_kernels.projection.qkv_rope_cache import QKVBlockSizes, qkv_rope_cache, qkv_rope_cache_reference
 
-pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+pytestmark = [
+    pytest.mark.kernels,
+    pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning"),
+]
 
 THETA = 1000000.0
 

@@ -34,6 +34,8 @@ from dllm_jax.models.config import ConfigError, ModelConfig, dream_7b_config
 from dllm_jax.models.loading import load_model
 from dllm_jax.models.transformer import abstract_params, count_params, forward, predictions
 
+pytestmark = pytest.mark.unit
+
 # Dream-v0-Instruct-7B's published config.json (auto_map points at its own modeling code).
 DREAM_7B_JSON = {
     "architectures": ["DreamModel"],

@@ -1,8 +1,6 @@
 """Dream's sampler (method "dream"): each rule against a plain numpy reference of Dream's
 ``diffusion_generate`` step, and the decode loop against a one-request Python loop."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +14,12 @@ from dllm_jax.policies.dream_unmasking import sample_and_confidence, timestep_ra
 from dllm_jax.runtime.decode_config import DecodeConfig, DecodeConfigError
 from dllm_jax.sampling.params import SamplingParams
 from dllm_jax.sampling.samplers import filter_top_p_top_k
+
+pytestmark = pytest.mark.unit  # the tests that decode are marked engine
+
+# every alg at one schedule: each alg is a compiled loop, the one-slot variants serve the
+# batching checks
+STEPS = 12
 
 # ----- the rules, one at a time ------------------------------------------------------------------
 
@@ -197,60 +201,61 @@ def reference_decode(engine, prompt, decode: DecodeConfig, sampling: SamplingPar
     return x[P:], step + 1
 
 
+def dream(alg: str, batch_size: int = 2) -> DecodeConfig:
+    return DecodeConfig(method="dream", gen_length=32, steps=STEPS, alg=alg, batch_size=batch_size)
+
+
+@pytest.mark.engine
 @pytest.mark.parametrize("alg, top_p, top_k", [("maskgit_plus", 1.0, 0), ("topk_margin", 0.9, 0), ("entropy", 1.0, 8)])
 def test_the_loop_matches_dreams_sampler(engine, alg, top_p, top_k):
     rng = np.random.RandomState(0)
     prompts = [list(rng.randint(0, 100, n)) for n in (12, 7, 3)]
-    decode = DecodeConfig(method="dream", gen_length=32, steps=12, alg=alg, batch_size=2)
+    decode = dream(alg)
     sampling = SamplingParams(top_p=top_p, top_k=top_k)
-    out = engine.generate(prompts, sampling, decode=decode)
+    out = engine.generate(prompts, sampling, decode_config=decode)
     eos = engine.config.eos_token_id
     for prompt, result in zip(prompts, out.results):
         tokens, steps = reference_decode(engine, prompt, decode, sampling)
         tokens = [int(t) for t in tokens]
         assert result.token_ids == (tokens[: tokens.index(eos)] if eos in tokens else tokens)
-        assert result.steps == steps == 12
+        assert result.steps == steps == STEPS
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize(
-    "decode, sampling",
+    "alg, sampling, seed",
     [
-        (
-            DecodeConfig(method="dream", gen_length=32, steps=16, alg="origin", batch_size=3, seed=1),
-            SamplingParams(temperature=0.8, top_p=0.95),
-        ),
-        (
-            DecodeConfig(method="dream", gen_length=32, steps=8, alg="entropy", batch_size=3),
-            SamplingParams(temperature=0.3, alg_temp=0.5),
-        ),
+        ("origin", SamplingParams(temperature=0.8, top_p=0.95), 1),
+        ("entropy", SamplingParams(temperature=0.3, alg_temp=0.5), 0),
     ],
     ids=["origin-sampled", "entropy-alg_temp"],
 )
-def test_sampled_decodes_are_seeded_and_batch_invariant(engine, decode, sampling):
+def test_sampled_decodes_are_seeded_and_batch_invariant(engine, alg, sampling, seed):
     rng = np.random.RandomState(1)
     many = [list(rng.randint(0, 100, n)) for n in (5, 14, 8, 11, 3)]
-    together = engine.generate(many, sampling, decode=decode)
-    assert all(r.steps == decode.total_steps for r in together.results)
-    fewer = engine.generate(many, sampling, decode=dataclasses.replace(decode, batch_size=2))
+    together = engine.generate(many, sampling, decode_config=dream(alg), seed=seed)
+    assert all(r.steps == STEPS for r in together.results)
+    fewer = engine.generate(many, sampling, decode_config=dream(alg, batch_size=1), seed=seed)
     assert [r.token_ids for r in fewer.results] == [r.token_ids for r in together.results]
-    other_seed = engine.generate(many, sampling, decode_config=decode, seed=decode.base_seed + 1)
+    other_seed = engine.generate(many, sampling, decode_config=dream(alg), seed=seed + 1)
     assert [r.token_ids for r in other_seed.results] != [r.token_ids for r in together.results]
 
 
+@pytest.mark.engine
 def test_per_request_sampler_values_share_one_loop(engine):
     """Requests with different top_k / alg_temp decode in one compiled loop, each as it would alone."""
     rng = np.random.RandomState(2)
     prompts = [list(rng.randint(0, 100, n)) for n in (6, 9, 4)]
-    decode = DecodeConfig(method="dream", gen_length=32, steps=8, batch_size=3)
+    decode = dream("entropy")
     per_request = [
         SamplingParams(),
         SamplingParams(top_k=4, temperature=0.5, seed=3),
         SamplingParams(alg_temp=0.7, seed=4),
     ]
-    together = engine.generate(prompts, per_request, decode=decode)
-    alone = [engine.generate([prompts[0]], per_request[0], decode=decode)]
-    compiled = len(engine._executables)  # the three-slot and the one-slot loop
-    alone += [engine.generate([p], params, decode=decode) for p, params in zip(prompts[1:], per_request[1:])]
+    together = engine.generate(prompts, per_request, decode_config=decode)
+    alone = [engine.generate([prompts[0]], per_request[0], decode_config=decode)]
+    compiled = len(engine._executables)  # what the first two calls needed
+    alone += [engine.generate([p], params, decode_config=decode) for p, params in zip(prompts[1:], per_request[1:])]
     assert len(engine._executables) == compiled  # no loop per value
     assert [a.results[0].token_ids for a in alone] == [r.token_ids for r in together.results]
 
@@ -271,6 +276,7 @@ def test_bad_dream_options_are_named(kwargs, match):
         DecodeConfig(method="dream", gen_length=32, **kwargs)
 
 
+@pytest.mark.engine
 def test_bad_dream_request_values_are_named(engine):
     with pytest.raises(SamplingParamsError, match="alg_temp"):
         SamplingParams(alg_temp=-0.5)
@@ -278,5 +284,5 @@ def test_bad_dream_request_values_are_named(engine):
         DecodeConfig(method="flash_cache", alg="entropy")
     with pytest.raises(GenerationError, match="alg_temp=0.5 applies only to method='dream'"):
         engine.generate(
-            [[1, 2, 3]], SamplingParams(alg_temp=0.5), decode=DecodeConfig(method="flash_cache", gen_length=32)
+            [[1, 2, 3]], SamplingParams(alg_temp=0.5), decode_config=DecodeConfig(method="flash_cache", gen_length=32)
         )

@@ -6,15 +6,16 @@ import pytest
 
 from dllm_jax.engine.engine import Engine
 from dllm_jax.models.transformer import init_params
-from dllm_jax.runtime.decode_config import DecodeConfig
 from dllm_jax.runtime.sharding import parse_mesh
+from dllm_jax.sampling.params import SamplingParams
 from tests.conftest import tiny_config
 from tests.cuda_lowering import GPU_AUTO, lower_decode_loop_for_cuda
+from tests.engine_checks import FAST_DUAL, FLASH_VERIFY
 
-FLASH_VERIFY = DecodeConfig(
-    method="flash_cache", gen_length=32, batch_size=2, threshold=0.7, mask_num=2, track_num=1, verify=True, gamma=0.3
-)
-FAST_DLLM = DecodeConfig(method="fast_dllm", gen_length=32, block_length=16, threshold=0.5, batch_size=2)
+pytestmark = pytest.mark.engine
+
+FAST_DLLM = FAST_DUAL
+SAMPLING = {"flash_cache": SamplingParams(threshold=0.7, gamma=0.3), "fast_dllm": SamplingParams(threshold=0.5)}
 
 
 def _kernel_sized_model():
@@ -28,19 +29,40 @@ def _kernel_sized_model():
     return cfg, params, prompts
 
 
-@pytest.mark.parametrize("decode", [FLASH_VERIFY, FAST_DLLM], ids=["flash_verify", "fast_dllm_dual"])
-def test_pallas_backends_decode_like_xla(decode):
+@pytest.fixture(scope="module")
+def xla_answers():
+    """The XLA engine's answers per method, decoded once for the module's comparisons."""
     cfg, params, prompts = _kernel_sized_model()
-    xla = Engine(cfg, params, backend="xla").generate(prompts, decode)
+    engine, answers = Engine(cfg, params, backend="xla"), {}
+
+    def get(decode):
+        if decode not in answers:
+            answers[decode] = engine.generate(prompts, SAMPLING[decode.method], decode_config=decode)
+        return answers[decode]
+
+    return get
+
+
+# Flash-Verify runs every pass (full, sparse, verify) through each backend variant; Fast-dLLM's
+# block pass runs through the Pallas kernels (the layer loop and routing do not depend on the
+# method).
+@pytest.mark.parametrize(
+    "decode, variants",
+    [(FLASH_VERIFY, ("pallas", "gpu-auto", "xla-unrolled")), (FAST_DLLM, ("pallas",))],
+    ids=["flash_verify", "fast_dllm_dual"],
+)
+def test_pallas_backends_decode_like_xla(xla_answers, decode, variants):
+    cfg, params, prompts = _kernel_sized_model()
+    xla = xla_answers(decode)
     assert xla.stats.tokens_per_step > 1.05
-    variants = {
-        "pallas": Engine(cfg, params, backend="pallas", interpret=True),
+    make = {
+        "pallas": lambda: Engine(cfg, params, backend="pallas", interpret=True),
         # over per-layer weights (unrolled layer loop)
-        "gpu-auto": Engine(cfg, params, backend=GPU_AUTO, interpret=True, unroll_layers=True),
-        "xla-unrolled": Engine(cfg, params, backend="xla", unroll_layers=True),
+        "gpu-auto": lambda: Engine(cfg, params, backend=GPU_AUTO, interpret=True, unroll_layers=True),
+        "xla-unrolled": lambda: Engine(cfg, params, backend="xla", unroll_layers=True),
     }
-    for name, engine in variants.items():
-        out = engine.generate(prompts, decode)
+    for name in variants:
+        out = make[name]().generate(prompts, SAMPLING[decode.method], decode_config=decode)
         assert [r.token_ids for r in out.results] == [r.token_ids for r in xla.results], name
         assert [r.steps for r in out.results] == [r.steps for r in xla.results], name
 
@@ -50,17 +72,18 @@ def test_pallas_backends_decode_like_xla(decode):
     [("data=2,tensor=2", "pallas", FLASH_VERIFY), ("tensor=2", GPU_AUTO, FAST_DLLM)],
     ids=["data2-tensor2-pallas-verify", "tensor2-gpu_auto-fast_dllm"],
 )
-def test_kernels_run_on_each_devices_slots_and_heads(spec, backend, decode):
+def test_kernels_run_on_each_devices_slots_and_heads(xla_answers, spec, backend, decode):
     """Under a mesh each device runs the kernels on its own slots and heads (shard_map)."""
     cfg, params, prompts = _kernel_sized_model()
     mesh = parse_mesh(spec, jax.devices()[: 4 if "data" in spec else 2])
-    xla = Engine(cfg, params, backend="xla").generate(prompts, decode)
+    xla = xla_answers(decode)
     engine = Engine(cfg, params, backend=backend, interpret=True, unroll_layers=backend == GPU_AUTO, mesh=mesh)
-    out = engine.generate(prompts, decode)
+    out = engine.generate(prompts, SAMPLING[decode.method], decode_config=decode)
     assert [r.token_ids for r in out.results] == [r.token_ids for r in xla.results]
     assert [r.steps for r in out.results] == [r.steps for r in xla.results]
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("backend", ["pallas", "xla", "gpu-auto"])
 def test_decode_loop_lowers_for_cuda_at_llada_8b_shapes(backend):
     """The whole jitted loop (flash_cache + verify) at the real shapes, lowered for CUDA on the CPU:

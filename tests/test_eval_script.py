@@ -7,18 +7,20 @@ from pathlib import Path
 
 import pytest
 
-from dllm_jax import DecodeConfig, Engine
+from dllm_jax import DecodeConfig
 from dllm_jax.evaluation import tiny_tasks
-from dllm_jax.models.embedded import tiny_model_path
+
+pytestmark = pytest.mark.unit  # the tests that decode or start a process say so
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
-def tiny_engine():
-    return Engine.from_pretrained(str(tiny_model_path()), dtype="float32", backend="xla")
+def tiny_engine(embedded_engine):
+    return embedded_engine
 
 
+@pytest.mark.engine
 def test_shipped_model_solves_held_out_problems_with_exact_decoding(tiny_engine):
     problems = tiny_tasks.held_out_problems(12, seed=tiny_tasks.HELD_OUT_SEED + 1)
     exact = DecodeConfig(method="llada", gen_length=64, block_length=32, steps=64, batch_size=12)
@@ -28,6 +30,7 @@ def test_shipped_model_solves_held_out_problems_with_exact_decoding(tiny_engine)
     assert all(r.steps == 64 for r in out.results)
 
 
+@pytest.mark.integration
 def test_eval_script_reports_every_requested_setting(tmp_path):
     settings = ["exact-one-per-step", "flash-track4-t0.9", "verify-paper-all_commits-t0.9"]
     result = subprocess.run(

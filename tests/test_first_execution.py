@@ -3,18 +3,18 @@ it runs the compiled loop over an empty queue and leaves the loop's answers unch
 
 import jax
 import jax.numpy as jnp
-from conftest import tiny_config
+import pytest
 
 import dllm_jax.engine.engine
 import dllm_jax.runtime.slots
-from dllm_jax import DecodeConfig, Engine
-from dllm_jax.models.transformer import init_params
+from tests.engine_checks import FLASH
+
+pytestmark = pytest.mark.engine
 
 
-def test_a_zero_iteration_run_steps_nothing_and_changes_no_answer():
-    config = tiny_config()
-    engine = Engine(config, init_params(config, jax.random.key(0)))
-    decode = DecodeConfig(gen_length=8, batch_size=2)
+def test_a_zero_iteration_run_steps_nothing_and_changes_no_answer(lively_engine):
+    engine = lively_engine
+    decode = FLASH  # the session's loop: runs with other inputs leave the engine as it was
     prompts = [[3, 4, 5], [6, 7]]
     expected = [r.token_ids for r in engine.generate(prompts, decode_config=decode).results]
     compiled = engine.compile(decode, 3)

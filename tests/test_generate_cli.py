@@ -20,6 +20,8 @@ from dllm_jax.cli.generate import build_parser, main
 from dllm_jax.models.transformer import init_params
 from tests.conftest import tiny_config
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -47,17 +49,7 @@ def run(args, capsys):
     return code, captured.out, captured.err
 
 
-def run_subprocess(args, **kwargs):
-    return subprocess.run(
-        [sys.executable, "-m", "dllm_jax.cli.generate", *map(str, args)],
-        capture_output=True,
-        text=True,
-        stdin=subprocess.DEVNULL,
-        timeout=300,
-        **kwargs,
-    )
-
-
+@pytest.mark.engine
 @pytest.mark.parametrize(
     "method_args",
     [["--method", "flash_cache", "--verify"], ["--method", "llada", "--steps", "8"], ["--mesh", "data=2,tensor=2"]],
@@ -95,13 +87,32 @@ def test_generates_and_writes_jsonl(model_dir, tmp_path, capsys, method_args):
     assert not {"prompt_ids", "token_ids"} & records[0].keys()
 
 
+@pytest.mark.engine
 def test_prompts_file_keeps_every_input_field(model_dir, tmp_path, capsys):
     prompts = tmp_path / "q.jsonl"
     lines = [{"id": "a-1", "prompt": "hello", "meta": {"k": [1, 2]}}, {"prompt": "fox", "id": 7}]
     prompts.write_text(json.dumps(lines[0]) + "\n\n" + json.dumps(lines[1]) + "\n")
     out = tmp_path / "a.jsonl"
     code, stdout, stderr = run(
-        ["--model", model_dir, "--prompts-file", prompts, "--gen-length", "16", "--no-progress", "--output", out],
+        # the options of test_generates_and_writes_jsonl's first case: its compiled loop again
+        [
+            "--model",
+            model_dir,
+            "--prompts-file",
+            prompts,
+            "--gen-length",
+            "16",
+            "--block-length",
+            "8",
+            "--batch-size",
+            "2",
+            "--method",
+            "flash_cache",
+            "--verify",
+            "--no-progress",
+            "--output",
+            out,
+        ],
         capsys,
     )
     assert code == 0 and "2 requests" in stderr
@@ -113,6 +124,7 @@ def test_prompts_file_keeps_every_input_field(model_dir, tmp_path, capsys):
         assert written["prompt_tokens"] > 0 and 0 <= written["completion_tokens"] <= 16
 
 
+@pytest.mark.engine
 def test_sampling_flags_reach_the_requests(model_dir, tmp_path, capsys):
     out = tmp_path / "a.jsonl"
     code, stdout, _ = run(
@@ -155,6 +167,7 @@ def test_sampling_flags_reach_the_requests(model_dir, tmp_path, capsys):
     assert "q" not in record["text"] and "zzz" not in record["text"]
 
 
+@pytest.mark.engine
 def test_default_gen_length_fits_the_model(model_dir, capsys):
     # tiny_config holds 512 positions: a prompt of ~320 tokens leaves room for 128, not the 256 cap
     code, _, stderr = run(["--model", model_dir, "--prompt", "fox " * 100, "--no-progress", "--threshold", "0"], capsys)
@@ -236,9 +249,13 @@ def test_bad_prompt_lines_name_file_and_line_before_the_model_loads(
         (["--method", "greedy"], "argument --method: invalid choice"),
     ],
 )
-def test_option_errors_exit_2_before_anything_loads(model_dir, args, message):
-    result = run_subprocess(["--model", model_dir, "--prompt", "x", *args])
-    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+def test_option_errors_exit_2_before_anything_loads(model_dir, capsys, no_model_load, args, message):
+    """argparse's errors (in process: the parser is what this checks; the console script's own
+    exit status is test_console_script_runs_as_installed's and the signal tests')."""
+    with pytest.raises(SystemExit) as exited:
+        main([str(a) for a in ["--model", model_dir, "--prompt", "x", *args]])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and message in err and "Traceback" not in err
 
 
 def test_chat_without_a_template_is_an_error(tmp_path, capsys, tiny_tokenizer_dir, no_model_load):
@@ -275,6 +292,7 @@ def _wait_for(proc, text: str, seconds: float) -> str:
     return seen
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "signum,status,message", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")]
 )
@@ -340,6 +358,7 @@ def test_the_package_data_ships_the_embedded_model():
     assert needed <= shipped
 
 
+@pytest.mark.integration
 def test_console_script_runs_as_installed(model_dir):
     # what pip's wrapper does: import the target and sys.exit(main()) with the program's own argv
     script = "import sys; from dllm_jax.cli.generate import main; sys.argv[0] = 'dllm-generate'; sys.exit(main())"
@@ -351,6 +370,7 @@ def test_console_script_runs_as_installed(model_dir):
     assert wrapper.returncode == 0 and "--prompts-file" in wrapper.stdout
 
 
+@pytest.mark.engine
 def test_batch_invariant_flag_reaches_the_engine(model_dir, capsys, monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # restored after the test
     code, _, stderr = run(

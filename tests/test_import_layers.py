@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parent.parent
 TOPS = ("pallas_kernels", "dllm_jax", "convert", "scripts")
 FLOORS: tuple[tuple[str, ...], ...] = (

@@ -23,7 +23,10 @@ from pallas_kernels.matmul.int8_matmul import (
     int8_weight_matmul_reference,
 )
 
-pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+pytestmark = [
+    pytest.mark.kernels,
+    pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning"),
+]
 
 TRITON = "__gpu$xla.gpu.triton"
 
@@ -133,6 +136,7 @@ def test_int8_model_lowers_for_cuda_with_the_kernel(monkeypatch):
     assert text.count("int8_weight_matmul") >= 7, "every block projection runs the kernel"
 
 
+@pytest.mark.engine
 def test_engine_decodes_the_same_through_the_kernel(monkeypatch):
     """flash_cache on int8 weights, the block projections through the kernel (interpret mode)
     against XLA's path: the same tokens."""

@@ -10,7 +10,10 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.matmul.invariant_matmul import MatmulBlockSizes, invariant_matmul, invariant_matmul_reference
 
-pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+pytestmark = [
+    pytest.mark.kernels,
+    pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning"),
+]
 
 SMALL = MatmulBlockSizes(block_m=16, block_n=32, block_k=16)
 

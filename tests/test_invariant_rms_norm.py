@@ -10,7 +10,10 @@ from cuda_lowering import lower_for_cuda
 from dllm_jax.models.layers import RMSNorm
 from pallas_kernels.norm.invariant_rms_norm import RMSNormBlockSizes, invariant_rms_norm, invariant_rms_norm_reference
 
-pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+pytestmark = [
+    pytest.mark.kernels,
+    pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning"),
+]
 
 EPS = 1e-5
 # Several D steps and several row blocks at the test sizes.

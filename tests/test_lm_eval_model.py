@@ -30,6 +30,8 @@ from dllm_jax.models.embedded import tiny_model_path
 from dllm_jax.models.transformer import forward, predictions
 from tests.conftest import compilation_cache_env
 
+pytestmark = pytest.mark.unit  # the tests that decode or evaluate say so
+
 ROOT = Path(__file__).resolve().parent.parent
 PROBLEMS = 16
 GEN_LENGTH, BATCH = 64, 8
@@ -111,17 +113,20 @@ def check_generation_matches_script(results: dict, script: dict) -> None:
     assert throughput["tokens_per_second"] > 0
 
 
+@pytest.mark.integration
 def test_generate_until_scores_what_eval_script_scores_flash_cache(flash_lm, flash_script, task_manager):
     results = evaluate_tasks(flash_lm, task_manager, [GEN_TASK])
     check_generation_matches_script(results, flash_script)
 
 
+@pytest.mark.integration
 def test_generate_until_scores_what_eval_script_scores_fast_dllm_baseline(task_manager):
     lm = make_lm("fast_dllm-dual-t0.9")
     results = evaluate_tasks(lm, task_manager, [GEN_TASK])
     check_generation_matches_script(results, script_result(lm, "fast_dllm-dual-t0.9"))
 
 
+@pytest.mark.integration
 def test_lm_eval_command_line_scores_what_eval_script_scores(flash_script, task_dir, tmp_path):
     args = ",".join(f"{k}={v}" for k, v in SETTINGS["flash-track4-t0.9"].items())
     stats = tmp_path / "stats.json"
@@ -192,6 +197,7 @@ def llada_counts(k: int, batch: int, length: int) -> list[int]:
     return [((round(k + i * (length / batch)) - 1) % length) + 1 for i in range(batch)]
 
 
+@pytest.mark.integration
 def test_loglikelihood_picks_the_right_answer_where_the_model_solves_it(flash_lm, flash_script, task_manager):
     results = evaluate_tasks(flash_lm, task_manager, [MC_TASK], limit=MC_PROBLEMS)
     problems = tiny_tasks.held_out_problems(MC_PROBLEMS)
@@ -217,6 +223,7 @@ def test_loglikelihood_picks_the_right_answer_where_the_model_solves_it(flash_lm
         assert value == pytest.approx(plain, rel=1e-4)
 
 
+@pytest.mark.engine
 def test_guided_estimate_equals_the_plain_computation(flash_lm):
     guided = MonteCarloLoglikelihood(
         flash_lm.config, flash_lm.engine.weights, mc_num=8, mc_batch_size=4, cfg_scale=0.5, seed=3
@@ -232,6 +239,7 @@ def test_guided_estimate_equals_the_plain_computation(flash_lm):
     assert guided.estimate(prefix, target).value == estimate.value  # same request, same masks
 
 
+@pytest.mark.engine
 def test_a_dream_folder_is_scored_like_a_llada_one():
     """pretrained=tiny-dream (the embedded Dream model, by name): the estimator reads Dream's
     shifted predictions, so it equals the plain computation and prefers the right answer."""
@@ -267,6 +275,7 @@ def request(context: str, **gen_kwargs) -> Instance:
     return Instance("generate_until", {}, (context, gen_kwargs), 0, ("t", 0, 1))
 
 
+@pytest.mark.engine
 def test_generation_kwargs_are_honoured_or_refused_by_name(flash_lm):
     context = flash_lm.apply_chat_template([{"role": "user", "content": "sort: 5 3 9 1"}])
     full, short, stopped, sampled = flash_lm.generate_until(
@@ -348,6 +357,7 @@ def test_command_line_names_a_bad_model_arg_in_one_line(task_dir, monkeypatch, c
     )
 
 
+@pytest.mark.engine
 def test_greedy_check_is_llada_suffix_greedy_prediction(flash_lm):
     """is_check_greedy: True exactly for the continuation that one-most-confident-commit-per-step
     decoding (written out here over unpadded forwards) produces."""

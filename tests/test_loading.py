@@ -10,9 +10,13 @@ import sys
 import huggingface_hub.constants
 import pytest
 
+from convert.hf_to_jax import main as convert_main
 from dllm_jax import ConversionError, ModelNotFoundError, default_dtype, load_model
+from dllm_jax.cli.generate import main as generate_main
 from dllm_jax.models.embedded import tiny_model_path
 from dllm_jax.models.loading import read_model_config, resolve_model_path
+
+pytestmark = pytest.mark.unit
 
 REPO_ID = "tiny-org/tiny-llada-jax"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -25,22 +29,9 @@ def hub_cache(tmp_path_factory):
     repo = cache / ("models--" + REPO_ID.replace("/", "--"))
     snapshot = repo / "snapshots" / COMMIT
     snapshot.parent.mkdir(parents=True)
-    subprocess.run(  # the converter's command line, as a user would fill a cache by hand
-        [
-            sys.executable,
-            "-m",
-            "convert.hf_to_jax",
-            "--hf-dir",
-            str(tiny_model_path()),
-            "--out",
-            str(snapshot),
-            "--dtype",
-            "float32",
-        ],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
+    # the converter's command line, as a user would fill a cache by hand (in this process)
+    status = convert_main(["--hf-dir", str(tiny_model_path()), "--out", str(snapshot), "--dtype", "float32"])
+    assert status == 0
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(COMMIT)
     return cache
@@ -105,6 +96,7 @@ def _cli(args, hub_cache):
     )
 
 
+@pytest.mark.integration
 def test_the_cli_runs_a_cached_hub_model_with_default_options(hub_cache):
     # the converted copy of the embedded model: 128 positions, so the default gen_length must fit them
     result = _cli(["--model", REPO_ID, "--prompt", "sort: 3 9 1 4"], hub_cache)
@@ -113,9 +105,8 @@ def test_the_cli_runs_a_cached_hub_model_with_default_options(hub_cache):
     assert "gen_length=64" in result.stderr
 
 
-def test_the_cli_names_a_hub_model_missing_from_the_cache(hub_cache):
-    result = _cli(["--model", "tiny-org/not-downloaded", "--prompt", "hi"], hub_cache)
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert result.stderr.startswith(
-        "error: tiny-org/not-downloaded: not a local folder and not in the Hugging Face cache"
-    )
+def test_the_cli_names_a_hub_model_missing_from_the_cache(offline_cache, capsys):
+    status = generate_main(["--model", "tiny-org/not-downloaded", "--prompt", "hi", "--no-progress"])
+    err = capsys.readouterr().err
+    assert status == 2 and "Traceback" not in err
+    assert err.startswith("error: tiny-org/not-downloaded: not a local folder and not in the Hugging Face cache")

@@ -4,18 +4,20 @@ the refusal runs on the CPU; a batch far beyond any machine is refused without i
 
 from __future__ import annotations
 
-import os
+import logging
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from dllm_jax import DecodeConfig, Engine, InsufficientMemoryError
+from dllm_jax.cli.generate import main as generate_main
 from dllm_jax.common.errors import GenerationError
 from dllm_jax.models.embedded import tiny_model_path
 from dllm_jax.runtime.memory_estimate import MEMORY_ENV, device_memory, parse_bytes
+from dllm_jax.serve.cli import main as serve_main
+
+pytestmark = pytest.mark.unit
 
 ENOUGH_FOR_4_NOT_16 = "20MiB"  # the tiny model's loop needs ~5 MiB a slot beyond the weights (x1.1 margin)
 HUGE_BATCH = 2**20  # ~4.5 TiB of cache and activations for the tiny model
@@ -30,6 +32,7 @@ def prompts(n: int) -> list[list[int]]:
     return [[3, 4, 5, 6 + i % 50] for i in range(n)]
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize(
     "available,requests,batch_size,message",
     [
@@ -69,14 +72,15 @@ def test_the_engine_refuses_a_loop_that_does_not_fit_before_compiling_it(
         if batch_size == HUGE_BATCH:  # a session takes every configured slot
             engine.session(decode, max_prompt_len=8)
         else:
-            engine.generate(prompts(requests), decode=decode)
+            engine.generate(prompts(requests), decode_config=decode)
     assert isinstance(raised.value, GenerationError) and "\n" not in str(raised.value)
     assert engine.num_compilations == before  # nothing compiled, so nothing of the loop allocated
 
 
+@pytest.mark.engine
 def test_what_fits_runs_and_carries_its_estimate(engine, monkeypatch):
     monkeypatch.setenv(MEMORY_ENV, ENOUGH_FOR_4_NOT_16)
-    out = engine.generate(prompts(4), decode=DecodeConfig(gen_length=32, batch_size=4))
+    out = engine.generate(prompts(4), decode_config=DecodeConfig(gen_length=32, batch_size=4))
     assert len(out.results) == 4 and all(r.error is None for r in out.results)
     monkeypatch.delenv(MEMORY_ENV)
     compiled = engine.compile(DecodeConfig(gen_length=32, batch_size=4), 4)
@@ -99,19 +103,20 @@ def test_a_bad_override_names_the_variable(monkeypatch, text):
         device_memory()
 
 
-def run_cli(module: str, args: list[str], available: str | None, cwd: Path) -> subprocess.CompletedProcess:
-    """`python -m module args` with $DLLM_MEMORY_AVAILABLE set to `available` (None: unset)."""
-    env = {k: v for k, v in os.environ.items() if k != MEMORY_ENV}
-    env.update({"JAX_PLATFORMS": "cpu", **({MEMORY_ENV: available} if available is not None else {})})
-    return subprocess.run(
-        [sys.executable, "-m", module, *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=cwd,
-        stdin=subprocess.DEVNULL,
-        timeout=300,
-    )
+def run_cli(main, args: list[str], available: str | None, cwd: Path, monkeypatch, capsys) -> tuple[int, str, str]:
+    """The command line's main(args) in this process (it exits before compiling anything) with
+    $DLLM_MEMORY_AVAILABLE set to `available` (None: unset): (status, stdout, stderr)."""
+    if available is None:
+        monkeypatch.delenv(MEMORY_ENV, raising=False)
+    else:
+        monkeypatch.setenv(MEMORY_ENV, available)
+    monkeypatch.chdir(cwd)
+    # dllm-serve's logging.basicConfig binds a handler to this test's captured stderr, which is
+    # closed after it: the root logger starts without handlers and gets its own back afterwards
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])
+    status = main(args)
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
 
 
 def error_lines(stderr: str, prefix: str) -> list[str]:
@@ -128,13 +133,15 @@ def error_lines(stderr: str, prefix: str) -> list[str]:
         ("lots", [], f"{MEMORY_ENV}='lots': expected a number of bytes"),
     ],
 )
-def test_dllm_generate_exits_2_with_one_line_and_writes_nothing(tmp_path, available, args, message):
+def test_dllm_generate_exits_2_with_one_line_and_writes_nothing(
+    tmp_path, monkeypatch, capsys, available, args, message
+):
     work = tmp_path / "work"
     work.mkdir()
     questions = work / "prompts.jsonl"
     questions.write_text("".join(f'{{"prompt": "sort: {i} 3 1"}}\n' for i in range(16)))
-    result = run_cli(
-        "dllm_jax.cli.generate",
+    status, stdout, stderr = run_cli(
+        generate_main,
         [
             "--prompts-file",
             str(questions),
@@ -147,11 +154,13 @@ def test_dllm_generate_exits_2_with_one_line_and_writes_nothing(tmp_path, availa
         ],
         available,
         work,
+        monkeypatch,
+        capsys,
     )
-    errors = error_lines(result.stderr, "error:")
-    assert result.returncode == 2 and len(errors) == 1 and message in errors[0], result.stderr
-    assert errors[0] == result.stderr.rstrip().splitlines()[-1]
-    assert result.stdout == "" and sorted(p.name for p in work.iterdir()) == ["prompts.jsonl"]
+    errors = error_lines(stderr, "error:")
+    assert status == 2 and len(errors) == 1 and message in errors[0], stderr
+    assert errors[0] == stderr.rstrip().splitlines()[-1]
+    assert stdout == "" and sorted(p.name for p in work.iterdir()) == ["prompts.jsonl"]
 
 
 @pytest.mark.parametrize(
@@ -162,10 +171,12 @@ def test_dllm_generate_exits_2_with_one_line_and_writes_nothing(tmp_path, availa
         ("x", [], f"{MEMORY_ENV}='x': expected a number of bytes"),
     ],
 )
-def test_dllm_serve_exits_2_before_listening(tmp_path, available, args, message):
+def test_dllm_serve_exits_2_before_listening(tmp_path, monkeypatch, capsys, available, args, message):
     port_file = tmp_path / "port"
-    result = run_cli("dllm_jax.serve", ["--port", "0", "--port-file", str(port_file), *args], available, tmp_path)
-    errors = error_lines(result.stderr, "dllm-serve:")
-    assert result.returncode == 2 and len(errors) == 1 and message in errors[0], result.stderr
-    assert errors[0] == result.stderr.rstrip().splitlines()[-1]
-    assert not port_file.exists() and "Uvicorn running" not in result.stderr
+    status, _, stderr = run_cli(
+        serve_main, ["--port", "0", "--port-file", str(port_file), *args], available, tmp_path, monkeypatch, capsys
+    )
+    errors = error_lines(stderr, "dllm-serve:")
+    assert status == 2 and len(errors) == 1 and message in errors[0], stderr
+    assert errors[0] == stderr.rstrip().splitlines()[-1]
+    assert not port_file.exists() and "Uvicorn running" not in stderr

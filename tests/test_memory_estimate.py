@@ -24,6 +24,8 @@ from dllm_jax.runtime.memory_estimate import (
     host_memory,
 )
 
+pytestmark = pytest.mark.unit
+
 GIB = 2**30
 SHAPE = dict(max_len=256, num_candidates=16, gen_length=64, queue_capacity=64, prompt_width=16)
 
@@ -89,6 +91,7 @@ def test_the_state_terms_match_the_decode_loop_state(method):
     assert with_kernels.activations < exact.activations
 
 
+@pytest.mark.engine
 def test_the_temporaries_bound_what_xla_assigns_to_the_compiled_loop():
     """The estimate of the loop's temporaries against XLA's buffer assignment: not below it,
     and not far above (a check that refused configurations that fit would be wrong too)."""

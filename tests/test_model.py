@@ -8,6 +8,8 @@ import pytest
 from dllm_jax.models.config import ConfigError, ModelConfig, llada_8b_config
 from dllm_jax.models.transformer import abstract_params, count_params, forward, init_params
 
+pytestmark = pytest.mark.unit
+
 
 def test_llada_8b_config_has_the_published_parameter_count():
     cfg = llada_8b_config()

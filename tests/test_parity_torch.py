@@ -26,6 +26,8 @@ from convert.jax_to_hf import save_hf_checkpoint
 from dllm_jax.models.config import ModelConfig
 from dllm_jax.models.loading import load_model
 
+pytestmark = pytest.mark.unit
+
 # LLaDA tensor name -> transformers Llama tensor name.
 _LLAMA_NAMES = (
     (r"model\.transformer\.wte\.weight", r"model.embed_tokens.weight"),

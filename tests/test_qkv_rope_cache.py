@@ -22,7 +22,10 @@ from pallas_kernels.projection.qkv_rope_cache import (
 
 THETA = 500000.0
 
-pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+pytestmark = [
+    pytest.mark.kernels,
+    pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning"),
+]
 
 
 @dataclasses.dataclass

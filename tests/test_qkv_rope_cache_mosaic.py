@@ -27,6 +27,8 @@ from pallas_kernels.projection.qkv_rope_cache_mosaic import (
     qkv_rope_cache_mosaic_fp8_reference,
 )
 
+pytestmark = pytest.mark.kernels
+
 JAX_0_10 = tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 11)
 needs_jax_0_11 = pytest.mark.skipif(JAX_0_10, reason="jax 0.10's Mosaic GPU interpreter cannot run this variant")
 SINGLE = MosaicQKVBlockSizes(block_rows=64, block_d=64, max_concurrent_steps=2, compute_wgs=1)

@@ -48,6 +48,8 @@ from dllm_jax.models.transformer import (
 from dllm_jax.runtime.memory_estimate import estimate_memory
 from dllm_jax.runtime.sharding import parse_mesh
 
+pytestmark = pytest.mark.unit
+
 MODES = ("fp8", "int8-weights")
 
 
@@ -218,8 +220,8 @@ def test_the_bench_quantizes_on_the_device_into_the_tree_quantize_params_builds(
 
 
 @pytest.fixture(scope="module")
-def tiny_model():
-    return load_model(tiny_model_path(), dtype="float32")
+def tiny_model(embedded):
+    return embedded
 
 
 @pytest.fixture(scope="module")
@@ -243,38 +245,42 @@ def test_quantized_tiny_model_stays_close_to_the_original(request, family, mode,
 
 PROMPTS = ["sort: 3 9 1 4", "sort: 7 2 5", "4+3*2", "(5+2)*2-3"]
 DECODES = {
-    "llada": DecodeConfig(method="llada", gen_length=32, block_length=16, steps=32, batch_size=4),
-    "fast_dllm": DecodeConfig(method="fast_dllm", gen_length=32, block_length=16, threshold=0.9, batch_size=4),
+    "fast_dllm": DecodeConfig(method="fast_dllm", gen_length=32, block_length=16, batch_size=4),
     "flash_cache": DecodeConfig(gen_length=32, batch_size=4),
     "flash_verify": DecodeConfig(gen_length=32, batch_size=4, verify=True),
 }
 
 
-@pytest.mark.parametrize("decode", DECODES)
-def test_every_method_decodes_on_int8_weights_like_the_original(tiny_model, decode):
-    plain = Engine(tiny_model.config, tiny_model.params, tiny_model.tokenizer)
+# Flash-Verify runs every pass of the loop over the quantized projections (full, sparse,
+# verify), Fast-dLLM its block pass; LLaDA's sampler runs the full pass only, which both run.
+@pytest.mark.engine
+@pytest.mark.parametrize("decode", ["fast_dllm", "flash_verify"])
+def test_every_method_decodes_on_int8_weights_like_the_original(tiny_model, embedded_engine, decode):
+    plain = embedded_engine
     config = dataclasses.replace(tiny_model.config, quantization="int8-weights")
-    quantized = Engine(config, quantize_params(tiny_model.params, "int8-weights"), tiny_model.tokenizer)
+    quantized = Engine(config, quantize_params(tiny_model.weights, "int8-weights"), tiny_model.tokenizer)
     expected = [r.text for r in plain.generate(PROMPTS, DECODES[decode], chat=True).results]
     got = [r.text for r in quantized.generate(PROMPTS, DECODES[decode], chat=True).results]
     assert sum(a == b for a, b in zip(got, expected)) >= 3, (got, expected)
 
 
+@pytest.mark.engine
 def test_the_tiny_dream_decodes_on_int8_weights_like_the_original(tiny_dream):
-    plain = Engine(tiny_dream.config, tiny_dream.params, tiny_dream.tokenizer)
+    plain = Engine(tiny_dream.config, tiny_dream.weights, tiny_dream.tokenizer)
     config = dataclasses.replace(tiny_dream.config, quantization="int8-weights")
-    quantized = Engine(config, quantize_params(tiny_dream.params, "int8-weights"), tiny_dream.tokenizer)
+    quantized = Engine(config, quantize_params(tiny_dream.weights, "int8-weights"), tiny_dream.tokenizer)
     expected = [r.text for r in plain.generate(PROMPTS, DECODES["flash_verify"], chat=True).results]
     got = [r.text for r in quantized.generate(PROMPTS, DECODES["flash_verify"], chat=True).results]
     assert sum(a == b for a, b in zip(got, expected)) >= 3, (got, expected)
 
 
-def test_fp8_engine_solves_held_out_problems_about_as_often(tiny_model):
+@pytest.mark.engine
+def test_fp8_engine_solves_held_out_problems_about_as_often(tiny_model, embedded_engine):
     problems = tiny_tasks.held_out_problems(12)
     config = dataclasses.replace(tiny_model.config, quantization="fp8")
     engines = {
-        "plain": Engine(tiny_model.config, tiny_model.params, tiny_model.tokenizer),
-        "fp8": Engine(config, quantize_params(tiny_model.params, "fp8"), tiny_model.tokenizer),
+        "plain": embedded_engine,
+        "fp8": Engine(config, quantize_params(tiny_model.weights, "fp8"), tiny_model.tokenizer),
     }
     solved = {}
     for name, engine in engines.items():
@@ -285,15 +291,17 @@ def test_fp8_engine_solves_held_out_problems_about_as_often(tiny_model):
     assert solved["plain"] >= 9 and solved["fp8"] >= solved["plain"] - 2, solved
 
 
+@pytest.mark.engine
 def test_the_fused_projection_kernel_refuses_quantized_weights(tiny_model):
     config = dataclasses.replace(tiny_model.config, quantization="fp8")
     engine = Engine(
-        config, quantize_params(tiny_model.params, "fp8"), tiny_model.tokenizer, backend="pallas", interpret=True
+        config, quantize_params(tiny_model.weights, "fp8"), tiny_model.tokenizer, backend="pallas", interpret=True
     )
     with pytest.raises(ValueError, match="fused projection kernel reads float32 kernels, not quantization='fp8'"):
         engine.generate(PROMPTS[:1], DECODES["flash_cache"], chat=True)
 
 
+@pytest.mark.engine
 def test_quantized_weights_split_over_a_tensor_mesh_decode_the_same_tokens(lively):
     cfg, params = lively
     config = dataclasses.replace(cfg, quantization="int8-weights")
@@ -305,10 +313,10 @@ def test_quantized_weights_split_over_a_tensor_mesh_decode_the_same_tokens(livel
     sharded_engine = Engine(config, q, backend="xla", mesh=mesh)
     sharded = sharded_engine.generate(prompts, decode)
     assert [r.token_ids for r in sharded.results] == [r.token_ids for r in single.results]
-    qkernel = sharded_engine.params["layers"]["q_proj"]["qkernel"]  # [NL, out, in]: split by output rows
+    qkernel = sharded_engine.weights["layers"]["q_proj"]["qkernel"]  # [NL, out, in]: split by output rows
     assert qkernel.addressable_shards[0].data.shape[1] == qkernel.shape[1] // 2
     for leaf in ("qembedding", "scale"):  # the int8 table and its row scales: replicated, as the bf16 table is
-        assert sharded_engine.params["wte"][leaf].sharding.is_fully_replicated
+        assert sharded_engine.weights["wte"][leaf].sharding.is_fully_replicated
 
 
 def test_a_converted_quantized_checkpoint_is_half_the_projections_and_loads_as_stored(tmp_path, tiny_tokenizer_dir):
@@ -330,14 +338,14 @@ def test_a_converted_quantized_checkpoint_is_half_the_projections_and_loads_as_s
         assert other.config == stored.config
         for name in QUANTIZED_MODULES:
             assert (
-                rel(dequantize_kernel(other.params["layers"][name]), dequantize_kernel(stored.params["layers"][name]))
+                rel(dequantize_kernel(other.weights["layers"][name]), dequantize_kernel(stored.weights["layers"][name]))
                 < 1e-3
             )
-        np.testing.assert_array_equal(other.params["lm_head"]["kernel"], stored.params["lm_head"]["kernel"])
+        np.testing.assert_array_equal(other.weights["lm_head"]["kernel"], stored.weights["lm_head"]["kernel"])
         # the embedding: the converter's numpy blocks of rows and the device's whole table, exactly
-        assert stored.params["wte"]["qembedding"].dtype == jnp.int8
+        assert stored.weights["wte"]["qembedding"].dtype == jnp.int8
         for leaf in ("qembedding", "scale"):
-            np.testing.assert_array_equal(other.params["wte"][leaf], stored.params["wte"][leaf])
+            np.testing.assert_array_equal(other.weights["wte"][leaf], stored.weights["wte"][leaf])
     assert load_model(plain, dtype="float32").config.quantization == "none"
     with pytest.raises(
         ConversionError, match="stored with quantization='int8-weights'.*cannot be loaded as quantization='fp8'"
@@ -357,6 +365,7 @@ def test_a_converted_quantized_checkpoint_is_half_the_projections_and_loads_as_s
         load_model(plain, dtype="float32")
 
 
+@pytest.mark.integration
 def test_the_generate_command_line_loads_quantized_weights(tmp_path):
     import subprocess
 
@@ -388,6 +397,7 @@ def test_the_generate_command_line_loads_quantized_weights(tmp_path):
     assert bad.returncode == 2 and "--quantization" in bad.stderr and "Traceback" not in bad.stderr
 
 
+@pytest.mark.engine
 def test_fp8_models_compile_without_xla_triton_gemms_on_nvidia_gpus(monkeypatch):
     assert compiler_options("fp8") == {}  # this CPU: XLA's defaults
     monkeypatch.setattr(dllm_jax.common.platform, "on_nvidia_gpu", lambda: True)

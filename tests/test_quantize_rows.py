@@ -19,7 +19,10 @@ from pallas_kernels.projection.quantize_rows import (
     swiglu_quantize_reference,
 )
 
-pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+pytestmark = [
+    pytest.mark.kernels,
+    pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning"),
+]
 BLOCKS = QuantizeBlockSizes(block_rows=4, block_cols=64)  # several row blocks and column steps
 
 

@@ -45,7 +45,7 @@ INSTALL_PREFIX = "python3 -m venv .venv && .venv/bin/pip install"
 SUITE_COMMAND = ".venv/bin/python -m pytest"
 RUN = {"bash", "python"}
 
-pytestmark = pytest.mark.slow  # every block starts a process that compiles a decode loop
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # every block starts a process that compiles a decode loop
 
 
 def page_blocks(page: Path) -> dict[str, list[dict]]:
@@ -120,10 +120,13 @@ def as_run(code: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def compilation_cache(tmp_path_factory):
-    """One JAX compilation cache for the module's processes: blocks that decode the same way
-    compile once (a speed-up only; every block still runs in full)."""
-    return tmp_path_factory.mktemp("jax-cache")
+def compilation_cache():
+    """The session's JAX compilation cache (tests/conftest.py) for the blocks' processes: blocks
+    that decode as another block or test did compile once (a speed-up only; every block still
+    runs in full)."""
+    import jax
+
+    return jax.config.jax_compilation_cache_dir
 
 
 @pytest.fixture

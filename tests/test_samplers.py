@@ -16,6 +16,9 @@ from dllm_jax import DecodeConfig, Engine, GenerationError, SamplingParams
 from dllm_jax.models.transformer import forward
 from dllm_jax.runtime.kernel_routing import Kernels
 from dllm_jax.sampling.samplers import filter_min_p, filter_top_p_top_k, guided_logits, sample_tokens
+from tests.engine_checks import FLASH, LLADA
+
+pytestmark = pytest.mark.unit  # the tests that decode are marked engine
 
 FLOAT32_MIN = np.finfo(np.float32).min
 
@@ -146,9 +149,8 @@ def llada_generate(cfg, params, prompt, gen_length, block_length, steps, cfg_sca
 
 
 @pytest.fixture(scope="module")
-def engine(lively):
-    cfg, params = lively
-    return Engine(cfg, params, backend="xla")
+def engine(lively_engine):
+    return lively_engine
 
 
 PROMPTS = [[5, 9, 14, 3, 22, 7], [40, 2, 11, 8]]
@@ -159,64 +161,73 @@ def _answer(tokens, eos):
     return tokens[: tokens.index(eos)] if eos in tokens else tokens
 
 
+@pytest.mark.engine
 def test_cfg_scale_matches_llada_generate(engine):
     cfg = engine.config
-    decode = DecodeConfig(method="llada", gen_length=16, block_length=8, steps=8, batch_size=2)
+    decode = LLADA
     params = [SamplingParams(cfg_scale=1.5), SamplingParams(cfg_scale=0.0)]
-    out = engine.generate(PROMPTS, params, decode=decode)
+    out = engine.generate(PROMPTS, params, decode_config=decode)
     for prompt, p, result in zip(PROMPTS, params, out.results):
-        ref = llada_generate(cfg, engine.weights, prompt, 16, 8, 8, cfg_scale=p.cfg_scale)
+        ref = llada_generate(cfg, engine.weights, prompt, 32, 16, 16, cfg_scale=p.cfg_scale)
         assert result.token_ids == _answer(ref, cfg.eos_token_id)
-    guided_alone = engine.generate(PROMPTS[:1], SamplingParams(cfg_scale=1.5), decode=decode).results[0]
-    plain = engine.generate(PROMPTS[:1], decode=decode).results[0]
+    guided_alone = engine.generate(PROMPTS[:1], SamplingParams(cfg_scale=1.5), decode_config=decode).results[0]
+    plain = engine.generate(PROMPTS[:1], decode_config=decode).results[0]
     assert guided_alone.token_ids == out.results[0].token_ids
     assert plain.token_ids != guided_alone.token_ids, "cfg should change the answer on this model"
 
 
+@pytest.mark.engine
 def test_random_remasking_matches_llada_generate(engine):
     """Same uniforms as the engine's stream (key(seed), folded with the stream, the step, then 1)."""
     cfg = engine.config
-    decode = DecodeConfig(method="llada", gen_length=16, block_length=8, steps=8, batch_size=2)
+    decode = LLADA
     seed = 21
-    out = engine.generate(PROMPTS, SamplingParams(remasking="random", seed=seed), decode=decode)
+    out = engine.generate(PROMPTS, SamplingParams(remasking="random", seed=seed), decode_config=decode)
 
     def uniforms(step, count):
         rng = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), 0), step), 1)
         return np.asarray(jax.random.uniform(rng, (count,), jnp.float32), np.float64)
 
-    low = engine.generate(PROMPTS, decode=decode)
+    low = engine.generate(PROMPTS, decode_config=decode)
     for prompt, result in zip(PROMPTS, out.results):
-        ref = llada_generate(cfg, engine.weights, prompt, 16, 8, 8, uniforms=uniforms)
+        ref = llada_generate(cfg, engine.weights, prompt, 32, 16, 16, uniforms=uniforms)
         assert result.token_ids == _answer(ref, cfg.eos_token_id)
     assert [r.token_ids for r in out.results] != [r.token_ids for r in low.results]
 
 
 def test_cfg_is_llada_only(engine):
     with pytest.raises(GenerationError, match="cfg_scale=1.0 is available with method='llada'"):
-        engine.generate([[1, 2, 3]], SamplingParams(cfg_scale=1.0), decode=DecodeConfig(gen_length=16))
+        engine.generate([[1, 2, 3]], SamplingParams(cfg_scale=1.0), decode_config=DecodeConfig(gen_length=16))
     with pytest.raises(GenerationError, match="not 'fast_dllm'"):
         engine.generate(
-            [[1, 2, 3]], SamplingParams(cfg_scale=1.0), decode=DecodeConfig(method="fast_dllm", gen_length=32)
+            [[1, 2, 3]], SamplingParams(cfg_scale=1.0), decode_config=DecodeConfig(method="fast_dllm", gen_length=32)
         )
 
 
+@pytest.mark.engine
 def test_top_k_one_draws_the_argmax_at_any_temperature(engine):
     """With one token kept, the Gumbel draw is the argmax (and its confidence 1, as Dream's
     filtered probabilities give): temperature no longer matters; top_p tiny and min_p 1 keep the
     same set (one compiled loop: all are per-request values)."""
-    decode = DecodeConfig(gen_length=16, batch_size=2, threshold=0.5)
-    cold = engine.generate(PROMPTS, SamplingParams(top_k=1), decode=decode)
-    hot = engine.generate(PROMPTS, SamplingParams(temperature=5.0, top_k=1, seed=1), decode=decode)
-    nucleus = engine.generate(PROMPTS, SamplingParams(temperature=5.0, top_p=1e-6, seed=1), decode=decode)
-    only_the_likeliest = engine.generate(PROMPTS, SamplingParams(temperature=5.0, min_p=1.0, seed=1), decode=decode)
+    decode = FLASH
+    window = dict(threshold=0.5, max_new_tokens=16)  # one window of answer
+    cold = engine.generate(PROMPTS, SamplingParams(top_k=1, **window), decode_config=decode)
+    hot = engine.generate(PROMPTS, SamplingParams(temperature=5.0, top_k=1, seed=1, **window), decode_config=decode)
+    nucleus = engine.generate(
+        PROMPTS, SamplingParams(temperature=5.0, top_p=1e-6, seed=1, **window), decode_config=decode
+    )
+    only_the_likeliest = engine.generate(
+        PROMPTS, SamplingParams(temperature=5.0, min_p=1.0, seed=1, **window), decode_config=decode
+    )
     assert [r.token_ids for r in only_the_likeliest.results] == [r.token_ids for r in cold.results]
-    unfiltered = engine.generate(PROMPTS, SamplingParams(temperature=5.0, seed=1), decode=decode)
+    unfiltered = engine.generate(PROMPTS, SamplingParams(temperature=5.0, seed=1, **window), decode_config=decode)
     assert [r.token_ids for r in hot.results] == [r.token_ids for r in cold.results]
     assert [r.token_ids for r in nucleus.results] == [r.token_ids for r in cold.results]
     assert [r.token_ids for r in unfiltered.results] != [r.token_ids for r in cold.results]
     assert all(r.steps == 1 for r in cold.results), "confidence 1 everywhere: the whole window at once"
 
 
+@pytest.mark.engine
 def test_the_cutoff_kernel_filters_as_the_sort_in_the_loop(lively, engine):
     """The decode loop with the top-p/top-k kernel (what auto runs on NVIDIA GPUs, here in
     interpret mode) draws the same tokens as with the sort under a cond, for a mix of slots
@@ -225,14 +236,16 @@ def test_the_cutoff_kernel_filters_as_the_sort_in_the_loop(lively, engine):
     with_kernel = Engine(cfg, params, backend=Kernels(top_p_top_k=True), interpret=True)
     prompts = PROMPTS + [[7, 7, 3], [1, 2, 3, 4, 5]]
     mix = [
-        SamplingParams(temperature=1.0, top_p=0.6, seed=3),
-        SamplingParams(temperature=0.8, seed=4),
-        SamplingParams(temperature=2.0, top_k=3, seed=5),
-        SamplingParams(top_p=0.2, top_k=4),
+        SamplingParams(temperature=1.0, top_p=0.6, seed=3, threshold=0.5),
+        SamplingParams(temperature=0.8, seed=4, threshold=0.5),
+        SamplingParams(temperature=2.0, top_k=3, seed=5, threshold=0.5),
+        SamplingParams(top_p=0.2, top_k=4, threshold=0.5),
     ]
-    decode = DecodeConfig(gen_length=16, batch_size=2, threshold=0.5)
-    got = with_kernel.generate(prompts, mix, decode=decode)
-    want = engine.generate(prompts, mix, decode=decode)
+    decode = FLASH
+    got = with_kernel.generate(prompts, mix, decode_config=decode)
+    want = engine.generate(prompts, mix, decode_config=decode)
     assert [r.token_ids for r in got.results] == [r.token_ids for r in want.results]
-    unfiltered = engine.generate(prompts, [dataclasses.replace(p, top_p=1.0, top_k=0) for p in mix], decode=decode)
+    unfiltered = engine.generate(
+        prompts, [dataclasses.replace(p, top_p=1.0, top_k=0) for p in mix], decode_config=decode
+    )
     assert [r.token_ids for r in unfiltered.results] != [r.token_ids for r in want.results]

@@ -8,6 +8,8 @@ import pytest
 
 from dllm_jax import DecodeConfig, DecodeConfigError, GenerationError, SamplingParams, SamplingParamsError
 
+pytestmark = pytest.mark.unit
+
 
 def test_defaults_and_normalisation():
     p = SamplingParams(stop=["\n", "###"], stop_token_ids=[5, np.int64(7)], temperature=1, seed=np.int32(3))

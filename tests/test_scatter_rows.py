@@ -8,7 +8,10 @@ from cuda_lowering import lower_for_cuda
 
 from pallas_kernels.projection.scatter_rows import ScatterBlockSizes, scatter_kv_rows, scatter_kv_rows_reference
 
-pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+pytestmark = [
+    pytest.mark.kernels,
+    pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning"),
+]
 
 
 @pytest.mark.parametrize(

@@ -1,10 +1,10 @@
 """The OpenAI-compatible server end to end: one server subprocess on 127.0.0.1 (embedded tiny
 model, 8 slots, an API key, a small waiting queue) serves every test of this file; the last
-test stops it with SIGTERM."""
+test stops it with SIGTERM. Queueing and 429, cancellation, deadlines, streaming order, request
+validation and the API key are tests/test_serve_worker.py's, over a fake session."""
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import json
 import random
@@ -17,9 +17,10 @@ import pytest
 
 from dllm_jax import DecodeConfig, Engine
 from dllm_jax.evaluation.tiny_tasks import held_out_problems
-from dllm_jax.models.embedded import tiny_model_path
 from dllm_jax.sampling.params import SamplingParams
 from tests.server_process import ServerProcess
+
+pytestmark = pytest.mark.integration
 
 KEY = "test-key-0123456789"
 MODEL = "tiny-llada"
@@ -59,8 +60,8 @@ def client(server):
 
 
 @pytest.fixture(scope="module")
-def engine():
-    return Engine.from_pretrained(str(tiny_model_path()), dtype="float32")
+def engine(embedded_engine):
+    return embedded_engine
 
 
 def alone(engine: Engine, prompts, params=None, *, chat: bool) -> list[str]:
@@ -68,8 +69,8 @@ def alone(engine: Engine, prompts, params=None, *, chat: bool) -> list[str]:
 
 
 def alone_results(engine: Engine, prompts, params=None, *, chat: bool):
-    """Each prompt decoded alone (one slot) with its SamplingParams, with the server's method,
-    lengths and prompt bucket.
+    """The prompts decoded in one call with their SamplingParams, with the server's method,
+    lengths, slots and prompt bucket (an answer does not depend on the batch: tests/test_engine.py).
 
     The server compiles one loop for prompts up to its limit (64 tokens); a loop compiled for a
     shorter bucket has a shorter cache, whose attention sums round differently, and that flips
@@ -79,8 +80,11 @@ def alone_results(engine: Engine, prompts, params=None, *, chat: bool):
     params = list(params) if params is not None else [SamplingParams()] * len(prompts)
     filler = [0] * (engine.config.max_sequence_length - GEN)
     ids = engine.encode(prompts, chat)
-    decode = DecodeConfig(method="flash_cache", gen_length=GEN, batch_size=1)
-    out = engine.generate(ids + [filler], params + [SamplingParams(max_new_tokens=1)], decode=decode)
+    # the server's own loop (its slots too), which the server process compiled into the
+    # session's compilation cache: read back here, not compiled again
+    decode = DecodeConfig(method="flash_cache", gen_length=GEN, batch_size=SLOTS)
+    engine.compile(decode, len(filler))  # all SLOTS slots, which generate then reuses for fewer requests
+    out = engine.generate(ids + [filler], params + [SamplingParams(max_new_tokens=1)], decode_config=decode)
     return out.results[:-1]
 
 
@@ -158,37 +162,6 @@ def test_completions_take_a_string_a_list_and_token_ids(server, client, engine):
         for choice in chunk.choices:
             streamed[choice.index] += choice.text
     assert streamed == texts
-
-
-def test_canvas_stream_carries_each_steps_commits(server):
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": "(12+3)*2-5"}],
-        "stream": True,
-        "dllm": {"canvas": True},
-    }
-    chunks = []
-    with httpx.stream(
-        "POST", f"{server.url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60
-    ) as r:
-        assert r.headers["content-type"].startswith("text/event-stream")
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                chunks.append(json.loads(line[6:]))
-    canvas = [c["dllm"] for c in chunks if "dllm" in c]
-    assert len(canvas) >= 2 and all(c["gen_length"] == GEN for c in canvas)
-    assert [c["step"] for c in canvas] == sorted({c["step"] for c in canvas})
-    positions = [p["position"] for c in canvas for p in c["commits"]]
-    assert len(positions) == len(set(positions)), "a position committed twice"
-    tokens = {p["position"]: p["token_id"] for c in canvas for p in c["commits"]}
-    eos = canvas[-1]["eos_position"]
-    assert eos is not None and all(p in tokens for p in range(eos)), "the answer before EOS was not all committed"
-    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
-    assert text == "".join(
-        p["text"]
-        for p in sorted((p for c in canvas for p in c["commits"]), key=lambda p: p["position"])
-        if p["position"] < eos
-    )
 
 
 def test_64_requests_from_16_clients_each_answered_once_as_alone(server, engine):
@@ -269,127 +242,6 @@ def test_64_requests_from_16_clients_each_answered_once_as_alone(server, engine)
 
 def chat_body(content: str, **extra) -> dict:
     return {"model": MODEL, "messages": [{"role": "user", "content": content}], **extra}
-
-
-def test_cancelled_stream_frees_its_slot_for_the_next_request(server):
-    """All 8 slots busy with requests of 16 steps; one client leaves after step 1: its slot is
-    freed at the next loop call and serves a new request while the other 7 still decode."""
-    before = server.metrics(KEY)["dllm_requests_cancelled_total"]
-    slow = chat_body("sort: 5 3 8 1 9 2", max_tokens=SLOW_TOKENS, dllm=SLOW)
-    with concurrent.futures.ThreadPoolExecutor(SLOTS - 1) as pool:
-        others = [pool.submit(post, server, "/v1/chat/completions", slow) for _ in range(SLOTS - 1)]
-        # the canvas stream sends a chunk every step: the first one comes after step 1 of 16
-        body = {**slow, "stream": True, "dllm": {**SLOW, "canvas": True}}
-        with httpx.stream(
-            "POST",
-            f"{server.url}/v1/chat/completions",
-            json=body,
-            headers={"Authorization": f"Bearer {KEY}"},
-            timeout=60,
-        ) as r:
-            lines = (json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: "))
-            first = next(c for c in lines if "dllm" in c)
-            assert first["dllm"]["step"] == 1 and first["choices"][0]["finish_reason"] is None
-        deadline = time.monotonic() + 30
-        while server.metrics(KEY)["dllm_requests_cancelled_total"] == before:
-            assert time.monotonic() < deadline, "the cancelled request was not aborted"
-            time.sleep(0.05)
-        quick = post(server, "/v1/chat/completions", chat_body("sort: 4 2 7 1"))
-        still_running = sum(not f.done() for f in others)
-        assert quick.status_code == 200 and quick.json()["choices"][0]["message"]["content"].startswith("1 2 4 7")
-        assert still_running > 0, "the new request waited for the others: the cancelled slot was not freed"
-        assert all(f.result().status_code == 200 for f in others)
-    wait_until_idle(server)
-
-
-def test_deadline_ends_a_request_with_504(server):
-    r = post(
-        server,
-        "/v1/completions",
-        {"model": MODEL, "prompt": "sort: 5 3 8 1 9 2", "max_tokens": SLOW_TOKENS, "dllm": {**SLOW, "timeout": 0.2}},
-    )
-    assert r.status_code == 504 and r.json()["error"]["code"] == "deadline_exceeded"
-    wait_until_idle(server)
-
-
-def test_full_queue_answers_429_and_serves_the_rest(server):
-    async def flood():
-        async with httpx.AsyncClient(headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as http:
-            body = {"model": MODEL, "prompt": "sort: 4 2", "max_tokens": 8, "dllm": SLOW}
-            return await asyncio.gather(*[http.post(f"{server.url}/v1/completions", json=body) for _ in range(30)])
-
-    full = 'dllm_errors_total{kind="queue_full"}'
-    before = server.metrics(KEY).get(full, 0.0)
-    responses = asyncio.run(flood())
-    codes = [r.status_code for r in responses]
-    assert set(codes) == {200, 429}, codes
-    assert codes.count(200) >= MAX_WAITING
-    rejected = next(r for r in responses if r.status_code == 429).json()["error"]
-    assert rejected["type"] == "rate_limit_error" and str(MAX_WAITING) in rejected["message"]
-    assert wait_until_idle(server)[full] - before == codes.count(429)
-
-
-@pytest.mark.parametrize(
-    "path, body, raw, status, param, words",
-    [
-        ("/v1/completions", None, b'{"model": "tiny-llada", "prompt": ', 400, None, "not valid JSON"),
-        ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": "hot"}, None, 400, "temperature", "number"),
-        ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2.5}, None, 400, "max_tokens", "integer"),
-        ("/v1/completions", {"model": MODEL}, None, 400, "prompt", "missing"),
-        ("/v1/chat/completions", {"model": MODEL, "messages": []}, None, 400, "messages", "at least 1"),
-        (
-            "/v1/chat/completions",
-            {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]},
-            None,
-            400,
-            "messages[0].role",
-            "'user'",
-        ),
-        (
-            "/v1/completions",
-            {"model": MODEL, "prompt": "x", "dllm": {"treshold": 0.5}},
-            None,
-            400,
-            "dllm.treshold",
-            "unrecognized",
-        ),
-        ("/v1/completions", {"model": MODEL, "prompt": "x", "dllm": {"gamma": 3}}, None, 400, "dllm.gamma", "1"),
-        (
-            "/v1/completions",
-            {"model": MODEL, "prompt": "x", "dllm": {"method": "ar"}},
-            None,
-            400,
-            "dllm.method",
-            "flash_cache",
-        ),
-        ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, None, 404, "model", "tiny-llada"),
-        ("/v1/completions", {"model": MODEL, "prompt": "x" * 100}, None, 400, "prompt", "at most 64 prompt tokens"),
-        ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 65}, None, 400, "max_tokens", "(64)"),
-        ("/v1/completions", {"model": MODEL, "prompt": [1, 999]}, None, 400, "prompt", "outside [0, 128)"),
-        ("/v1/completions", {"model": MODEL, "prompt": "x" * (2 << 20)}, None, 413, None, "limit of 1048576 bytes"),
-    ],
-)
-def test_bad_requests_get_openai_errors_naming_the_problem(server, path, body, raw, status, param, words):
-    r = post(server, path, body, raw=raw)
-    assert r.status_code == status, r.text
-    error = r.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert error["param"] == param and words in error["message"], error
-    assert "Traceback" not in r.text and "/dllm_jax/" not in r.text
-
-
-def test_api_key_is_required_everywhere_but_health(server):
-    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
-    for key in (None, "wrong-key"):
-        for method, path in (("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/completions")):
-            headers = {} if key is None else {"Authorization": f"Bearer {key}"}
-            r = httpx.request(method, f"{server.url}{path}", headers=headers, json={}, timeout=10)
-            assert r.status_code == 401, (key, path)
-            assert r.json()["error"]["code"] == "invalid_api_key"
-    with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=f"{server.url}/v1", api_key="nope", max_retries=0).models.list()
-    models = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0).models.list()
-    assert [m.id for m in models.data] == [MODEL]
 
 
 def test_metrics_count_the_work_of_each_request_and_no_compilation_while_serving(server, client):

@@ -10,6 +10,8 @@ from dllm_jax.engine.results import first_stop
 from dllm_jax.serve.protocol import ChatCompletionRequest, CompletionRequest
 from dllm_jax.serve.stable_text import StableText, stable_prefix_length, stop_prefix_holdback
 
+pytestmark = pytest.mark.unit
+
 EOS = 0
 ALPHABET = "abc#\n"
 

@@ -13,24 +13,26 @@ from dllm_jax.engine.engine import Engine
 from dllm_jax.models.transformer import init_params
 from dllm_jax.runtime.decode_config import DecodeConfig
 from dllm_jax.runtime.sharding import MeshError, parse_mesh
+from dllm_jax.sampling.params import SamplingParams
 from tests.conftest import tiny_config
-from tests.engine_checks import random_prompts
+from tests.engine_checks import FAST_DUAL, FLASH, FLASH_VERIFY, random_prompts
 
-MESHES = ("data=2", "tensor=2", "data=2,tensor=2")
+pytestmark = pytest.mark.engine
+
+# the shared loops (two slots: one per data shard) with their request values
 DECODES = {
-    "flash": DecodeConfig(method="flash_cache", gen_length=32, batch_size=4, threshold=0.3, mask_num=2, track_num=1),
-    "flash_verify": DecodeConfig(
-        method="flash_cache",
-        gen_length=32,
-        batch_size=4,
-        threshold=0.7,
-        mask_num=2,
-        track_num=1,
-        verify=True,
-        gamma=0.3,
-    ),
-    "fast_dllm": DecodeConfig(method="fast_dllm", gen_length=32, block_length=16, threshold=0.5, batch_size=4),
+    "flash": (FLASH, SamplingParams(threshold=0.3)),
+    "flash_verify": (FLASH_VERIFY, SamplingParams(threshold=0.7, gamma=0.3)),
+    "fast_dllm": (FAST_DUAL, SamplingParams(threshold=0.5)),
 }
+# every method over both axes; each axis alone once (the loops the collectives tests read)
+SHARDED = [
+    ("data=2,tensor=2", "flash"),
+    ("data=2,tensor=2", "flash_verify"),
+    ("data=2,tensor=2", "fast_dllm"),
+    ("data=2", "flash_verify"),
+    ("tensor=2", "flash"),
+]
 
 
 def mesh_of(spec: str):
@@ -40,14 +42,14 @@ def mesh_of(spec: str):
 
 @pytest.fixture(scope="module")
 def prompts():
-    return random_prompts()  # five requests for four slots: refills cross the data shards
+    return random_prompts()  # five requests for two slots: refills cross the data shards
 
 
 @pytest.fixture(scope="module")
-def engines(lively):
-    """One engine per mesh spec (None: a single device), built on first use."""
+def engines(lively, lively_engine):
+    """One engine per mesh spec (None: the session's single-device engine), built on first use."""
     cfg, params = lively
-    made = {}
+    made = {None: lively_engine}
 
     def get(spec: str | None) -> Engine:
         if spec not in made:
@@ -63,17 +65,18 @@ def single_device(engines, prompts):
 
     def get(name: str):
         if name not in cache:
-            cache[name] = engines(None).generate(prompts, DECODES[name])
+            decode, sampling = DECODES[name]
+            cache[name] = engines(None).generate(prompts, sampling, decode_config=decode)
         return cache[name]
 
     return get
 
 
-@pytest.mark.parametrize("decode", DECODES)
-@pytest.mark.parametrize("spec", MESHES)
+@pytest.mark.parametrize("spec, decode", SHARDED)
 def test_sharded_engine_decodes_the_single_device_tokens(engines, single_device, prompts, spec, decode):
     expected = single_device(decode)
-    out = engines(spec).generate(prompts, DECODES[decode])
+    config, sampling = DECODES[decode]
+    out = engines(spec).generate(prompts, sampling, decode_config=config)
     assert [r.token_ids for r in out.results] == [r.token_ids for r in expected.results]
     assert [(r.steps, r.reference_num_tokens, r.accepted_drafts) for r in out.results] == [
         (r.steps, r.reference_num_tokens, r.accepted_drafts) for r in expected.results
@@ -109,7 +112,7 @@ def test_weights_cache_and_slots_are_split_as_intended(engines, prompts):
             assert leaf.sharding.is_fully_replicated, name
     assert layers["attn_norm"]["weight"].sharding.is_fully_replicated
 
-    decode = DECODES["flash"]
+    decode = DECODES["flash"][0]
     compiled = engine.compile(decode, max(map(len, prompts)))
     B, L = decode.batch_size, compiled.loop.max_len
     state = compiled.initial_state([[0, 0, 0]] * B)
@@ -144,7 +147,7 @@ def _collectives(hlo: str) -> list[tuple[str, int]]:
 def test_data_shards_exchange_only_bookkeeping(engines, prompts):
     """No K/V, hidden rows or logits cross the data axis: the largest exchange is the
     finished answers [B, G] going to the (replicated) results ring."""
-    decode = DECODES["flash_verify"]
+    decode = DECODES["flash_verify"][0]
     compiled = engines("data=2").compile(decode, max(map(len, prompts)))
     collectives = _collectives(compiled.run.as_text())
     assert collectives, "the data shards agree on refills and the loop condition"
@@ -153,11 +156,12 @@ def test_data_shards_exchange_only_bookkeeping(engines, prompts):
 
 def test_tensor_shards_never_gather_weights_or_cache(engines, prompts):
     """Tensor parallelism needs only all-reduces (of hidden rows and tracking scores)."""
-    compiled = engines("tensor=2").compile(DECODES["flash"], max(map(len, prompts)))
+    compiled = engines("tensor=2").compile(DECODES["flash"][0], max(map(len, prompts)))
     kinds = {kind for kind, _ in _collectives(compiled.run.as_text())}
     assert kinds == {"all-reduce"}
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "spec,match",
     [
@@ -175,6 +179,7 @@ def test_bad_mesh_specs_are_named(spec, match):
         parse_mesh(spec)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "overrides,spec,match",
     [

@@ -6,6 +6,8 @@ import pytest
 from dllm_jax.evaluation import tiny_tasks
 from dllm_jax.evaluation.tiny_tasks import Problem, extract_final, held_out_problems, is_correct, is_held_out, problems
 
+pytestmark = pytest.mark.unit
+
 
 def take(stream, n):
     return list(itertools.islice(stream, n))

@@ -1,6 +1,9 @@
+import pytest
 from transformers import AutoTokenizer
 
 from dllm_jax.text import tiny_tokenizer as tt
+
+pytestmark = pytest.mark.unit
 
 
 def test_text_round_trips_character_by_character():

@@ -7,6 +7,8 @@ from conftest import save_tiny_tokenizer
 
 from dllm_jax.text.tokenizer import Tokenizer, TokenizerError, has_tokenizer_files
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_tokenizer_dir):

@@ -17,7 +17,10 @@ from pallas_kernels.sampling.top_p_top_k import (
     top_p_top_k_cutoff_reference,
 )
 
-pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+pytestmark = [
+    pytest.mark.kernels,
+    pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning"),
+]
 
 
 def _rows(seed: int, n: int, vocab: int, dtype):

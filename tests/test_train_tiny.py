@@ -14,6 +14,8 @@ from dllm_jax.runtime.decode_config import DecodeConfig
 from dllm_jax.text.tiny_tokenizer import EOT, build_tiny_tokenizer
 from scripts import train_tiny as tr
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def tok():
@@ -71,6 +73,7 @@ def test_masking_spares_the_prompt_and_follows_the_ratio(tok):
     assert np.corrcoef(share, p_mask[:, 0])[0, 1] > 0.95
 
 
+@pytest.mark.engine
 def test_the_held_out_metric_is_the_engine_on_swapped_weights():
     """The trainer scores with the engine (the trainer's own tokenizer, weights swapped in
     between evaluations without recompiling), as scripts/eval.py scores."""
@@ -190,6 +193,7 @@ def test_dream_loss_falls_after_a_few_training_steps():
     assert float(tr.masked_diffusion_loss(config, state["params"], *batch, probe)) < 0.6 * before
 
 
+@pytest.mark.engine
 def test_dream_run_exports_a_dream_folder_the_engine_loads(tmp_path):
     from dllm_jax import DecodeConfig, Engine
 

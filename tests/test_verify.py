@@ -7,18 +7,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dllm_jax.engine.engine import Engine
 from dllm_jax.models.transformer import forward, init_params
 from dllm_jax.policies.flash_verify import WindowDraft, accepted_count, plan_verify
 from dllm_jax.runtime.cached_forward import PassSpec, VerifyKeys, cached_forward
-from dllm_jax.runtime.decode_config import DecodeConfig
 from dllm_jax.runtime.flat_cache import allocate_cache
 from dllm_jax.runtime.slots import commit_tokens, empty_slots, install, zero_sampling
+from dllm_jax.sampling.params import SamplingParams
 from tests.conftest import tiny_config
-from tests.engine_checks import answer, random_prompts
-from tests.reference_decoder import ReferenceDecoder
+from tests.engine_checks import FLASH, FLASH_VERIFY, answer, one_slot, random_prompts, reference_for
+
+pytestmark = pytest.mark.engine
 
 
+@pytest.mark.unit
 def test_acceptance_rules_on_the_explainers_toy():
     # drafts in verify order: five likely ones, then one the mask view doubts
     probs = jnp.array([0.97, 0.95, 0.93, 0.9, 0.9, 0.72, 0.99, 0.99], jnp.float32)
@@ -63,6 +64,7 @@ def _one_slot_after_stage1(cfg, W, L, key_len, num_committed, seed):
     return slot, new, draft
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("num_committed", [1, 5, 12])
 def test_mask_view_equals_an_exact_forward_of_the_drafted_sequence(num_committed):
     """With one layer, cached K/V depend only on their own token, so a freshly refreshed cache
@@ -117,34 +119,14 @@ def test_mask_view_equals_an_exact_forward_of_the_drafted_sequence(num_committed
     )
 
 
-@pytest.fixture(scope="module")
-def lively_engine():
-    cfg = tiny_config()
-    params = init_params(cfg, jax.random.key(0))
-    params["layers"] = jax.tree_util.tree_map(lambda w: w * 8 if w.ndim == 3 else w, params["layers"])
-    head = params["lm_head"]["kernel"] * 20
-    params["lm_head"]["kernel"] = head.at[:, cfg.eos_token_id].set(head[:, 125] * 1.02)
-    return Engine(cfg, params, backend="xla")
-
-
 @pytest.mark.parametrize("accept,pin", [("cumprod", "all_commits"), ("paper", "all_commits"), ("paper", "reference")])
 def test_verify_matches_the_python_reference(lively_engine, accept, pin):
     engine = lively_engine
     prompts = random_prompts()
-    decode = DecodeConfig(
-        method="flash_cache",
-        gen_length=32,
-        batch_size=2,
-        threshold=0.7,
-        mask_num=2,
-        track_num=1,
-        verify=True,
-        gamma=0.3,
-        accept=accept,
-        pin=pin,
-    )
-    out = engine.generate(prompts, decode)
-    ref = ReferenceDecoder(engine.config, engine.weights, decode, engine.decode_loop(decode, 15).max_len)
+    decode = dataclasses.replace(FLASH_VERIFY, accept=accept, pin=pin)
+    sampling = SamplingParams(threshold=0.7, gamma=0.3)
+    out = engine.generate(prompts, sampling, decode_config=decode)
+    ref = reference_for(engine, decode, prompts, sampling)
     for prompt, result in zip(prompts, out.results):
         tokens, steps, committed = ref.flash_cache(prompt)
         assert result.token_ids == answer(tokens, engine.config.eos_token_id)
@@ -152,7 +134,7 @@ def test_verify_matches_the_python_reference(lively_engine, accept, pin):
         assert result.reference_num_tokens >= result.steps, "at least one token per step"
         assert result.verify_passes == result.steps
         assert result.forward_passes == 2 * result.steps
-    without = engine.generate(prompts, dataclasses.replace(decode, verify=False, gamma=None, accept=None, pin=None))
+    without = engine.generate(prompts, dataclasses.replace(sampling, gamma=None), decode_config=FLASH)
     assert out.stats.tokens_per_step > without.stats.tokens_per_step
     assert sum(r.accepted_drafts for r in out.results) > 0
 
@@ -161,11 +143,11 @@ def test_verify_keeps_batch_invariance_and_continuous_batching(lively_engine):
     engine = lively_engine
     rng = np.random.RandomState(1)
     many = [list(rng.randint(0, 100, n)) for n in (5, 14, 8, 11, 3, 16, 9)]
-    decode = DecodeConfig(
-        method="flash_cache", gen_length=32, batch_size=3, threshold=0.7, verify=True, gamma=0.5, accept="paper"
-    )
-    together = engine.generate(many, decode)
-    fewer_slots = engine.generate(many, dataclasses.replace(decode, batch_size=2))
+    decode = dataclasses.replace(FLASH_VERIFY, accept="paper")
+    sampling = SamplingParams(threshold=0.7, gamma=0.5)
+    together = engine.generate(many, sampling, decode_config=decode)
+    fewer_slots = engine.generate(many, sampling, decode_config=one_slot(decode))
     assert [r.token_ids for r in together.results] == [r.token_ids for r in fewer_slots.results]
     for i in (0, 4):
-        assert engine.generate([many[i]], decode).results[0].token_ids == together.results[i].token_ids
+        alone = engine.generate([many[i]], sampling, decode_config=decode).results[0]
+        assert alone.token_ids == together.results[i].token_ids

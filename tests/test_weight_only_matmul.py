@@ -22,6 +22,8 @@ import dllm_jax.models.quantization
 from dllm_jax.models.quantization import WEIGHT_ONLY_MAX_ROWS, quantize_kernel, quantized_matmul
 from pallas_kernels.matmul import weight_only_matmul as wo
 
+pytestmark = pytest.mark.kernels
+
 MOSAIC = "mosaic_gpu"
 needs_jax_011 = pytest.mark.skipif(
     not wo.available(), reason=f"jax {jax.__version__} cannot build the Mosaic GPU kernel"
