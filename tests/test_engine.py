@@ -204,13 +204,13 @@ def test_mixed_request_parameters_share_one_compiled_loop(lively, prompts):
 
 
 @pytest.mark.parametrize("method", ["flash_cache", "llada"])
-def test_max_new_tokens_decodes_as_a_config_of_that_length(engine, prompts, method):
-    """A request of m new tokens in a bucket of G decodes what gen_length=m would."""
+def test_gen_length_decodes_as_a_config_of_that_length(engine, prompts, method):
+    """A request of a canvas of m positions in a bucket of G decodes what gen_length=m would."""
     extra = dict(threshold=0.3, mask_num=2, track_num=1) if method == "flash_cache" else dict(block_length=8, steps=16)
     short = DecodeConfig(method=method, gen_length=16, batch_size=2, **extra)
     bucket = dataclasses.replace(short, gen_length=32, **({} if method == "flash_cache" else dict(steps=32)))
     alone = engine.generate(prompts, decode=short)
-    inside = engine.generate(prompts, SamplingParams(max_new_tokens=16), decode=bucket)
+    inside = engine.generate(prompts, SamplingParams(gen_length=16), decode=bucket)
     for a, b in zip(alone.results, inside.results):
         assert (a.token_ids, a.steps, a.finish_reason) == (b.token_ids, b.steps, b.finish_reason)
 
