@@ -8,6 +8,9 @@ the token, and the alternatives that row's most likely tokens.
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -95,6 +98,9 @@ def test_flash_verify_greedy_tokens_are_their_steps_most_likely(engine):
 
 
 def test_logprobs_beyond_the_loops_records_are_refused(engine):
+    plain = DecodeConfig(method="llada", gen_length=16, block_length=8, steps=16, batch_size=2)
+    with pytest.raises(GenerationError, match="this loop records no log-probabilities"):
+        engine.generate([[1, 2, 3]], SamplingParams(logprobs=0), decode_config=plain)
     with pytest.raises(
         GenerationError, match=f"logprobs=4 asks for 4 alternatives per token; this loop records at most {TOP}"
     ):
@@ -103,3 +109,14 @@ def test_logprobs_beyond_the_loops_records_are_refused(engine):
     for result in engine.generate([[1, 2, 3], [4, 5]], SamplingParams(logprobs=0), decode_config=LLADA).results:
         assert len(result.logprobs) == len(result.token_ids)
         assert all(r.top == () and r.logprob <= 0 for r in result.logprobs)
+
+
+def test_recording_adds_no_conditional_to_the_step(engine):
+    """Recording is compiled in or not (DecodeConfig.max_logprobs), never a per-step branch:
+    the loop that records has exactly the conditionals of the loop that does not."""
+    plain = dataclasses.replace(LLADA, max_logprobs=None)
+
+    def conditionals(decode: DecodeConfig) -> int:
+        return len(re.findall(r"\sconditional\(", engine.compile(decode, 3, num_slots=2).run.as_text()))
+
+    assert conditionals(LLADA) == conditionals(plain)

@@ -105,10 +105,16 @@ def slot_values(
         raise GenerationError(
             f"{where}: max_new_tokens={max_new} is more than the request's gen_length={canvas} (its canvas)"
         )
-    if sampling.logprobs is not None and sampling.logprobs > decode_config.max_logprobs:
+    recorded = decode_config.max_logprobs
+    if sampling.logprobs is not None and recorded is None:
+        raise GenerationError(
+            f"{where}: logprobs={sampling.logprobs}: this loop records no log-probabilities; compile it with "
+            "DecodeConfig(max_logprobs=...) (0 or more alternatives per token)"
+        )
+    if sampling.logprobs is not None and sampling.logprobs > recorded:
         raise GenerationError(
             f"{where}: logprobs={sampling.logprobs} asks for {sampling.logprobs} alternatives per token; this loop "
-            f"records at most {decode_config.max_logprobs} (DecodeConfig.max_logprobs)"
+            f"records at most {recorded} (DecodeConfig.max_logprobs)"
         )
     problem = sampling.not_applying(decode_config, cfg)
     if problem is not None:

@@ -95,7 +95,8 @@ class DecodeConfig:
         (0, 1); None = 1e-3.
       max_logprobs: the most alternatives per token a request may ask with
         SamplingParams.logprobs (their per-position arrays are part of the loop's state); 0:
-        requests may ask for their tokens' log-probabilities only.
+        requests may ask for their tokens' log-probabilities only; None (default): the loop
+        records none (no code for it in the step).
       threshold, temperature, seed, gamma: deprecated (they were the defaults of requests that
         do not set them; set them in SamplingParams): still taken for one release, with a
         DeprecationWarning. They never change the compiled loop (not compared).
@@ -117,7 +118,7 @@ class DecodeConfig:
     cfg: bool = False
     alg: str | None = None
     eps: float | None = None
-    max_logprobs: int = 0
+    max_logprobs: int | None = None
     threshold: float | None = dataclasses.field(default=None, compare=False)
     temperature: float | None = dataclasses.field(default=None, compare=False)
     seed: int | None = dataclasses.field(default=None, compare=False)
@@ -132,7 +133,7 @@ class DecodeConfig:
         check_int("block_length", self.block_length, _fail, low=1, optional=True)
         check_int("steps", self.steps, _fail, low=1, optional=True)
         check_int("batch_size", self.batch_size, _fail, low=1)
-        check_int("max_logprobs", self.max_logprobs, _fail, low=0, high=MAX_LOGPROBS)
+        check_int("max_logprobs", self.max_logprobs, _fail, low=0, high=MAX_LOGPROBS, optional=True)
         check_bool("verify", self.verify, _fail)
         check_bool("cfg", self.cfg, _fail)
         if self.schedule is not None:

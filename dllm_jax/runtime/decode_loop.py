@@ -127,7 +127,7 @@ class DecodeLoop:
     logits combined per slot with its cfg_scale (slots at 0 take the conditional logits).
 
     max_logprobs: the most alternatives per committed token a request may ask to be recorded
-    (SamplingParams.logprobs; dllm_jax.runtime.commit_logprobs).
+    (SamplingParams.logprobs; dllm_jax.runtime.commit_logprobs); None: nothing is recorded.
     """
 
     model: ModelConfig
@@ -139,7 +139,7 @@ class DecodeLoop:
     full_pass_lanes: tuple[int, ...] | None = None
     mesh: Mesh | None = None
     cfg: bool = False
-    max_logprobs: int = 0
+    max_logprobs: int | None = None
 
     def __post_init__(self):
         if self.cfg and self.policy.num_sparse_rows != 0:
@@ -183,7 +183,7 @@ class DecodeLoop:
         """
         Q = prompts.shape[0]
         zeros = jnp.zeros((Q,), jnp.int32)
-        G, K = self.gen_length, self.max_logprobs
+        G, K = self.gen_length, self.max_logprobs or 0
         state = DecodeState(
             slots=empty_slots(self.num_slots, self.max_len, K),
             cache=allocate_cache(self.model, self.num_slots, self.max_len),
@@ -418,7 +418,8 @@ class DecodeLoop:
             passes=committed.passes + 1,
             error=jnp.where(finite, committed.error, ERROR_NON_FINITE),
         )
-        committed = record_commit_logprobs(self.policy, slots, committed, model_logits)
+        if self.max_logprobs is not None:
+            committed = record_commit_logprobs(self.policy, slots, committed, model_logits)
         return _where_tree(slots.active, committed, slots), cache
 
     def _filter(self, slots: Slots, logits: jax.Array) -> jax.Array:

@@ -141,8 +141,9 @@ class SamplingParams:
       logprobs: None = off; k >= 0: each answer token comes with the log-probability it had
         when it was committed (log_softmax of the model's logits at that step, before
         temperature, top_p and top_k) and the k most likely tokens of that step
-        (GenerationResult.logprobs); k is at most the loop's DecodeConfig.max_logprobs.
-        Recorded on the device only for the requests that ask.
+        (GenerationResult.logprobs); k is at most the loop's DecodeConfig.max_logprobs (a
+        loop compiled with max_logprobs=None records none). Recorded on the device only for
+        the requests that ask.
     """
 
     max_new_tokens: int | None = knob(None, np.int32, low=1, optional=True, flag=False)
