@@ -24,7 +24,8 @@ ANSWER = "13+5=18\n18-1=17\n17-9=8\n#### 8"  # the embedded model's answer
 @pytest.fixture(scope="module")
 def server():
     proc = ServerProcess(
-        ["--batch-size", "4", "--method", "flash_cache", "--method", "fast_dllm", "--method", "llada+cfg"]
+        ["--batch-size", "4", "--max-logprobs", "3"]
+        + ["--method", "flash_cache", "--method", "fast_dllm", "--method", "llada+cfg"]
     )
     try:
         yield proc
@@ -134,6 +135,7 @@ def test_the_defaults_clients_send_are_accepted_and_the_rest_refused_with_the_re
             "never predicts its prompt",
         ),
         (lambda: ask(client, top_logprobs=2), "top_logprobs needs logprobs=true"),
+        (lambda: ask(client, logprobs=True, top_logprobs=4), "records at most 3 alternatives"),
     ]
     for call, reason in refusals:
         with pytest.raises(openai.BadRequestError, match=reason):

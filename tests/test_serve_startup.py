@@ -45,7 +45,7 @@ def one_line(stderr: str) -> str:
         (["--api-key-file", "/nonexistent/key"], {}, "cannot read it"),
         (["--api-key", "a", "--api-key-file", "{empty}"], {}, "give one of them"),
         (["--mesh", "data=3"], {}, "--mesh: mesh spec 'data=3'"),
-        (["--max-logprobs", "65"], {}, "--max-logprobs=65"),
+        (["--max-logprobs", "65"], {}, "--max-logprobs=65: expected -1 (none) to 64"),
         (["--header-timeout", "0"], {}, "--header-timeout=0.0: expected > 0"),
     ],
 )

@@ -50,7 +50,8 @@ class ServerSettings:
     gen_length: answer positions of the compiled loop (the canvas, and max_tokens at most this);
     max_prompt_tokens: the longest prompt accepted; vocab_size, end_ids (EOS, ...);
     refused_ids: token ids a token-id prompt may not hold (the mask and padding ids);
-    max_logprobs: the most alternatives per token a request may ask (the loops record them);
+    max_logprobs: the most alternatives per token a request may ask (the loops record them;
+    None: no logprobs);
     max_prompts: prompts x n (choices) of one request at most;
     request_timeout: seconds a request may take (dllm.timeout may ask for less);
     api_key: Bearer token required on every endpoint but /health (None: open);
@@ -64,7 +65,7 @@ class ServerSettings:
     vocab_size: int
     end_ids: tuple[int, ...]
     refused_ids: dict[int, str] = dataclasses.field(default_factory=dict)
-    max_logprobs: int = 0
+    max_logprobs: int | None = None
     max_prompts: int = 128
     request_timeout: float = 600.0
     api_key: str | None = None
@@ -204,13 +205,13 @@ class _Serving:
                 param=param,
                 code="too_many_prompts",
             )
-        wanted = body.top_logprobs_wanted
-        if wanted is not None and wanted > self.settings.max_logprobs:
-            param = "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"
+        wanted, recorded = body.top_logprobs_wanted, self.settings.max_logprobs
+        if wanted is not None and (recorded is None or wanted > recorded):
+            param = "top_logprobs" if isinstance(body, ChatCompletionRequest) and recorded is not None else "logprobs"
+            how = "records no log-probabilities" if recorded is None else f"records at most {recorded} alternatives"
             raise APIError(
                 400,
-                f"{param}={wanted}: this server records at most {self.settings.max_logprobs} alternatives per token "
-                "(dllm-serve --max-logprobs)",
+                f"{param}={wanted}: this server {how} per token (dllm-serve --max-logprobs)",
                 param=param,
                 code="invalid_value",
             )

@@ -42,7 +42,7 @@ class ServeOptions:
     max_body_bytes: int = 1 << 20
     body_timeout: float = 30.0
     iterations_per_call: int = 1
-    max_logprobs: int = 20
+    max_logprobs: int | None = 0  # alternatives recorded per token; None: no logprobs compiled
     max_prompts: int = 128
     log_interval: float = 10.0
 

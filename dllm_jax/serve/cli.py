@@ -86,8 +86,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--max-logprobs",
         type=int,
-        default=20,
-        help="alternatives per token a request may ask (top_logprobs; recorded on the device; default 20)",
+        default=0,
+        help="alternatives per token a request may ask (top_logprobs), compiled into every loop: 0 (default): "
+        "the tokens' own log-probabilities only (a gather per step); K > 0: also the K most likely tokens (a "
+        "top-K over the vocabulary per step); -1: no logprobs, nothing compiled for them",
     )
     p.add_argument(
         "--max-connections", type=int, default=512, help="open connections at most; more get 503 (default 512)"
@@ -201,8 +203,8 @@ def _check(args: argparse.Namespace) -> None:
     for name in ("request_timeout", "shutdown_grace", "header_timeout", "body_timeout"):
         if not getattr(args, name) > 0:
             raise UsageError(f"--{name.replace('_', '-')}={getattr(args, name)}: expected > 0")
-    if not 0 <= args.max_logprobs <= 64:
-        raise UsageError(f"--max-logprobs={args.max_logprobs}: expected 0 to 64")
+    if not -1 <= args.max_logprobs <= 64:
+        raise UsageError(f"--max-logprobs={args.max_logprobs}: expected -1 (none) to 64")
     if args.max_connections < 2:
         raise UsageError(f"--max-connections={args.max_connections}: expected >= 2")
     if not args.log_interval >= 0:
@@ -271,7 +273,7 @@ def build(args: argparse.Namespace):
         max_body_bytes=args.max_body_bytes,
         body_timeout=args.body_timeout,
         iterations_per_call=args.iterations_per_call,
-        max_logprobs=args.max_logprobs,
+        max_logprobs=None if args.max_logprobs < 0 else args.max_logprobs,
         max_prompts=args.max_prompts,
         log_interval=args.log_interval,
     )
