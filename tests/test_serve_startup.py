@@ -97,6 +97,8 @@ def test_ctrl_c_during_the_warm_up_is_one_line_and_status_130(tmp_path):
             stdout=log,
             stderr=subprocess.STDOUT,
             env={**os.environ, "JAX_PLATFORMS": "cpu"},
+            # a runner in the background (nohup, cmd &) hands its children SIGINT ignored
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         try:
             deadline = time.monotonic() + 300

@@ -155,20 +155,28 @@ def assemble(engine: Engine, tokenizer: Any, options: ServeOptions) -> Server:
 
 def warm_up(session, max_prompt: int) -> None:
     """Runs the paths serving takes, so that they compile now: a request of the longest prompt
-    to its end, and one aborted after its first step."""
+    to its end, and one aborted while it is in the device (the path a cancellation takes: its
+    step bound set to 0 in its ring entry and slot). It is aborted right after the call that
+    pushed it, since a request may finish at its first step (then there is nothing to abort).
+    A last request's first call clears the read results' done flags (a device-side update)."""
     session.add("warm-up-0", [0] * max_prompt, make_params(CompletionRequest(model="warm-up", prompt=[0])))
-    # one token per step (where the method has a threshold), so it is still running when aborted
-    slow = {} if session.decode_config.fixed_schedule else {"dllm": {"threshold": 2.0}}
-    body = CompletionRequest(model="warm-up", prompt=[0], max_tokens=4, **slow)
-    session.add("warm-up-1", [0] * max_prompt, make_params(body))
-    finished, aborted, freed = False, False, False
+    session.add(
+        "warm-up-1", [0] * max_prompt, make_params(CompletionRequest(model="warm-up", prompt=[0], max_tokens=4))
+    )
+    session.step(1)  # pushes both; their results are read at a later call
+    if not session.abort("warm-up-1"):
+        raise RuntimeError("the warm-up request to abort was not in the session")
+    _run_to_the_end(session, "warm-up-0")
+    session.add("warm-up-2", [0], make_params(CompletionRequest(model="warm-up", prompt=[0], max_tokens=1)))
+    _run_to_the_end(session, "warm-up-2")
+
+
+def _run_to_the_end(session, request_id: str) -> None:
+    """Steps the session until request_id's result is read and nothing is left in it."""
+    finished = False
     for _ in range(100_000):
         updates = session.step(1)
-        freed = aborted  # the step after an abort freed its slot (the path a cancellation takes)
-        if not aborted and any(u.request_id == "warm-up-1" and u.commits for u in updates):
-            session.abort("warm-up-1")
-            aborted = True
-        finished = finished or any(u.request_id == "warm-up-0" and u.result is not None for u in updates)
-        if finished and freed and not (session.num_running or session.num_waiting):
+        finished = finished or any(u.request_id == request_id and u.result is not None for u in updates)
+        if finished and not (session.num_running or session.num_waiting):
             return
     raise RuntimeError("the warm-up requests did not finish")
