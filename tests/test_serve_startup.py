@@ -142,7 +142,7 @@ def test_a_long_prompt_logs_no_tokenizer_warning(capfd):
     from dllm_jax.text.tiny_tokenizer import build_tiny_tokenizer
     from dllm_jax.text.tokenizer import Tokenizer
 
-    tokenizer = Tokenizer(build_tiny_tokenizer(model_max_length=16))
+    tokenizer = Tokenizer.from_transformers(build_tiny_tokenizer(model_max_length=16))
     assert len(tokenizer.encode("x" * 100)) == 100
     assert len(tokenizer.encode("x" * 100, chat=True)) > 100
     assert "sequence length" not in capfd.readouterr().err
