@@ -230,11 +230,11 @@ def test_mixed_request_parameters_share_one_compiled_loop(lively, prompts):
     ],
     ids=["flash_cache", "llada"],
 )
-def test_max_new_tokens_decodes_as_a_config_of_that_length(engine, prompts, short, bucket):
-    """A request of m new tokens in a bucket of G decodes what gen_length=m would."""
+def test_gen_length_decodes_as_a_config_of_that_length(engine, prompts, short, bucket):
+    """A request of a canvas of m positions in a bucket of G decodes what gen_length=m would."""
     sampling = SamplingParams() if short.fixed_schedule else SamplingParams(threshold=0.3)
     alone = engine.generate(prompts, sampling, decode_config=short)
-    inside = engine.generate(prompts, dataclasses.replace(sampling, max_new_tokens=16), decode_config=bucket)
+    inside = engine.generate(prompts, dataclasses.replace(sampling, gen_length=16), decode_config=bucket)
     for a, b in zip(alone.results, inside.results):
         assert (a.token_ids, a.steps, a.finish_reason) == (b.token_ids, b.steps, b.finish_reason)
 

@@ -10,12 +10,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dllm_jax.engine.session as session_module
-from dllm_jax import DecodeConfig, GenerationError, RequestStatus, SamplingParams
+from dllm_jax import GenerationError, RequestStatus, SamplingParams
 from tests.engine_checks import FAST_DUAL, FLASH, FLASH_VERIFY, LLADA, one_slot, with_weights
 
 pytestmark = pytest.mark.engine
 
-POISON = 50  # the token whose embedding the poisoned model holds as non-finite
+# the token whose embedding the poisoned model holds as non-finite: one the lively model never
+# answers with here (an answer holding it would turn non-finite at the next block, rightly)
+POISON = 51
 
 
 def _poisoned(engine, value: float):
@@ -42,30 +44,10 @@ DECODES = {
     "verify": (FLASH_VERIFY, SamplingParams(threshold=0.7, gamma=0.5)),
     "fast_dllm": (FAST_DUAL, SamplingParams(threshold=0.5)),
     "llada": (LLADA, SamplingParams()),
-    # the case of this test before the loops were shared (two blocks of 8)
-    "llada_gen16": (
-        DecodeConfig(method="llada", gen_length=16, block_length=8, steps=8, batch_size=2),
-        SamplingParams(),
-    ),
 }
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(
-            name,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="LLaDA at gen_length 32 (two blocks of 16): a clean request decoded after a non-finite "
-                "one ends with 'non-finite logits' at its second block (found 2026-12-02, not yet diagnosed)",
-            ),
-        )
-        if name == "llada"
-        else name
-        for name in DECODES
-    ],
-)
+@pytest.mark.parametrize("name", list(DECODES))
 def test_non_finite_logits_end_that_request_only(nan_engine, engine, name):
     decode, sampling = DECODES[name]
     prompts = [[3, 4, 5], [7, POISON, 9, 10], [11, 12], [POISON], [13, 14, 15]]
@@ -78,6 +60,7 @@ def test_non_finite_logits_end_that_request_only(nan_engine, engine, name):
             assert r.steps == 1
         else:
             expected = next(clean_results)
+            assert POISON not in expected.token_ids, "the clean answer holds POISON: choose another token"
             assert (r.token_ids, r.finish_reason, r.error) == (expected.token_ids, expected.finish_reason, None)
 
 
@@ -151,8 +134,9 @@ def test_the_loop_terminates_on_any_mix_of_finite_and_non_finite_requests(engine
         for _ in range(n)
     ]
     out = poisoned.generate(prompts, params, decode_config=DECODES[name][0])
+    canvas = DECODES[name][0].gen_length  # max_new_tokens cuts the answer; the step bound is the canvas's
     for prompt, p, r in zip(prompts, params, out.results):
-        assert r.steps <= 2 * p.max_new_tokens + 2
+        assert r.steps <= 2 * canvas + 2
         if POISON in prompt:
             assert r.finish_reason == "error", (prompt, r)
         else:

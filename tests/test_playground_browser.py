@@ -206,6 +206,8 @@ def test_the_pages_files_and_nothing_else_are_served_without_the_key(server):
         ("/", "text/html"),
         ("/static/app.js", "text/javascript"),
         ("/static/style.css", "text/css"),
+        ("/static/favicon.svg", "image/svg+xml"),
+        ("/favicon.ico", "image/svg+xml"),
     ):
         r = httpx.get(server + path, timeout=10)
         assert r.status_code == 200 and r.headers["content-type"].startswith(media_type), (path, r.status_code)
@@ -246,6 +248,56 @@ def test_page_streams_the_canvas_and_replays_it(server, browser, tmp_path):
     slider.send_keys(Keys.END)
     assert len(_filled_cells(panel)) == len(filled)
     _save_screenshot(browser, tmp_path / "playground-single.png")
+
+
+def test_the_first_load_preset_shows_the_denoising_step_by_step(server, browser, tmp_path):
+    """Run at the page's defaults: "watch it denoise" commits one token per step, so the answer
+    fills in over at least 8 steps on the embedded model."""
+    _open_page(browser, server)
+    assert Select(browser.find_element(By.ID, "preset")).first_selected_option.get_attribute("value") == "denoise"
+    threshold = browser.find_element(By.CSS_SELECTOR, "[data-setting] [data-field=threshold]")
+    assert threshold.get_attribute("value") == "1"
+    browser.find_element(By.ID, "run").click()
+    (panel,) = _wait_for_panels(browser, 1)
+    steps = sorted({int(c.get_attribute("data-step")) for c in _filled_cells(panel)})
+    assert len(steps) >= 8, steps
+    assert _role(panel, "tokens-per-step").text == "1.00"  # the server's count: one token per step
+    _save_screenshot(browser, tmp_path / "playground-denoise.png")
+    Select(browser.find_element(By.ID, "preset")).select_by_value("fast")
+    assert threshold.get_attribute("value") == ""
+
+
+def test_the_legend_and_the_method_menu(server, browser):
+    """The legend names the empty-token cell and tells padding from masked cells; the method
+    menu shows its longest option whole."""
+    _open_page(browser, server)
+    legend = browser.find_element(By.CSS_SELECTOR, ".legend").text
+    assert "∅" in legend and "padding" in legend and "masked" in legend
+    looks = browser.execute_script(
+        """
+        const look = (name) => { const s = getComputedStyle(document.querySelector(`[data-swatch=${name}]`));
+                                 return [s.backgroundColor, s.backgroundImage, s.opacity].join(" | "); };
+        return { masked: look("masked"), padding: look("padding") };
+        """
+    )
+    assert looks["masked"] != looks["padding"] and "gradient" in looks["padding"], looks
+    widths = browser.execute_script(
+        """
+        return [...document.querySelectorAll('[data-field="method"]')].map((select) => {
+          const longest = [...select.options].map((o) => o.text).sort((a, b) => b.length - a.length)[0];
+          const probe = document.createElement("span");
+          probe.style.font = getComputedStyle(select).font;
+          probe.style.whiteSpace = "pre";
+          probe.textContent = longest;
+          document.body.appendChild(probe);
+          const needed = probe.getBoundingClientRect().width;
+          probe.remove();
+          return [needed, select.getBoundingClientRect().width];
+        });
+        """
+    )
+    assert widths and all(needed + 20 <= width for needed, width in widths), widths
+    assert httpx.get(server + "/favicon.ico", timeout=10).status_code == 200
 
 
 def test_compare_mode_shows_each_settings_step_count(server, browser, tmp_path):
@@ -294,6 +346,7 @@ def test_text_completions_endpoint(server, browser):
 def test_a_rejected_request_is_shown_in_its_panel(server, browser):
     _open_page(browser, server)
     threshold = browser.find_element(By.CSS_SELECTOR, "[data-setting] [data-field=threshold]")
+    threshold.clear()  # the first-load preset's 1
     threshold.send_keys("-1")
     browser.find_element(By.ID, "run").click()
     WebDriverWait(browser, 30).until(

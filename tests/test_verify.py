@@ -42,7 +42,7 @@ def _one_slot_after_stage1(cfg, W, L, key_len, num_committed, seed):
     rng = np.random.RandomState(seed)
     P, G = 9, 40
     prompt = jnp.asarray(rng.randint(0, 100, P), jnp.int32)
-    sampling = zero_sampling(()).replace(max_new_tokens=jnp.int32(G))
+    sampling = zero_sampling(()).replace(gen_length=jnp.int32(G), max_new_tokens=jnp.int32(G))
     slot = install(
         jax.tree_util.tree_map(lambda x: x[0], empty_slots(1, L)),
         prompt,

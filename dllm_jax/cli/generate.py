@@ -79,9 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     method.add_argument(
         "--gen-length",
         type=arguments.int_in(1),
-        help="generation bucket: the most positions a request may generate; default: --max-new-tokens rounded up "
-        f"to the block length, else the largest power of two up to {DEFAULT_MAX_GEN_LENGTH} that fits in the "
-        "model's max_sequence_length after the longest prompt",
+        help="generation bucket: the canvas each request decodes (a smaller one changes the answer; "
+        "--max-new-tokens cuts it); default: the largest power of two up to "
+        f"{DEFAULT_MAX_GEN_LENGTH} that fits in the model's max_sequence_length after the longest prompt, "
+        "or --max-new-tokens rounded up to the block length when that is more",
     )
     method.add_argument(
         "--block-length",
@@ -139,8 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument(
         "--max-new-tokens",
         type=arguments.int_in(1),
-        help="generated tokens per request at most; default: the generation bucket, "
-        "capped by the model's max_sequence_length minus the prompt",
+        help="the answer's most tokens: it is cut there (finish_reason length), a prefix of the uncut answer; "
+        "default: the generation bucket, capped by the model's max_sequence_length minus the prompt",
     )
     sampling.add_argument(
         "--stop",
@@ -245,15 +246,17 @@ def default_gen_length(max_sequence_length: int, records: Sequence[PromptRecord]
 def generation_bucket(
     args: argparse.Namespace, max_sequence_length: int, records: Sequence[PromptRecord], encoded: Sequence[list[int]]
 ) -> int:
-    """--gen-length, else --max-new-tokens rounded up to the block length, else default_gen_length."""
+    """--gen-length, else default_gen_length (or --max-new-tokens rounded up to the block length
+    when that is more): --max-new-tokens cuts the answer, the canvas stays the bucket."""
     if args.gen_length is not None:
         return args.gen_length
-    if args.max_new_tokens is not None:
-        if args.method == "dream":  # one block of exactly the generation
-            return args.max_new_tokens
-        block = args.block_length or _default("window", method=args.method)
-        return -(-args.max_new_tokens // block) * block
-    return default_gen_length(max_sequence_length, records, encoded)
+    default = default_gen_length(max_sequence_length, records, encoded)
+    if args.max_new_tokens is None or args.max_new_tokens <= default:
+        return default
+    if args.method == "dream":  # one block of exactly the generation
+        return args.max_new_tokens
+    block = args.block_length or _default("window", method=args.method)
+    return -(-args.max_new_tokens // block) * block
 
 
 def output_record(record: PromptRecord, result: Any) -> dict[str, Any]:

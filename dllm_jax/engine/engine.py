@@ -316,6 +316,7 @@ class Engine:
             full_pass_lanes=self.full_pass_lanes,
             mesh=self.mesh,
             cfg=decode_config.cfg,
+            max_logprobs=decode_config.max_logprobs,
         )
 
     def slots_for(self, decode_config: DecodeConfig, num_requests: int, longest_prompt: int) -> int:

@@ -21,7 +21,7 @@ import numpy as np
 from dllm_jax.common.errors import GenerationError
 from dllm_jax.runtime.decode_config import DecodeConfig
 from dllm_jax.runtime.slots import ENGINE_VALUES, SLOT_FIELDS, SlotSampling
-from dllm_jax.sampling.params import SamplingParams, knobs
+from dllm_jax.sampling.params import MAX_SEED, SamplingParams, knobs
 
 
 class RequestStatus(enum.Enum):
@@ -52,7 +52,13 @@ class Request:
 
     @property
     def max_new_tokens(self) -> int:
+        """Where its answer is cut."""
         return int(self.slot_values["max_new_tokens"])
+
+    @property
+    def gen_length(self) -> int:
+        """Its canvas: the answer positions it decodes."""
+        return int(self.slot_values["gen_length"])
 
 
 def slot_values(
@@ -74,24 +80,42 @@ def slot_values(
     """
     G = decode_config.gen_length
     room = max_sequence_length - prompt_len
-    if sampling.max_new_tokens is None:
-        max_new = min(G, room)
-        if max_new <= 0:
+    canvas = sampling.gen_length
+    if canvas is None:
+        canvas = min(G, room)
+        if canvas <= 0:
             raise GenerationError(
                 f"{where}: the prompt has {prompt_len} tokens, no room for an answer within the model's "
                 f"max_sequence_length={max_sequence_length}"
             )
-    else:
-        max_new = sampling.max_new_tokens
-        if max_new > G:
+    max_new = canvas if sampling.max_new_tokens is None else sampling.max_new_tokens
+    for name, value in (("gen_length", sampling.gen_length), ("max_new_tokens", sampling.max_new_tokens)):
+        if value is None:
+            continue
+        if value > G:
             raise GenerationError(
-                f"{where}: max_new_tokens={max_new} is more than this engine's generation bucket gen_length={G}"
+                f"{where}: {name}={value} is more than this engine's generation bucket gen_length={G}"
             )
-        if max_new > room:
+        if value > room:
             raise GenerationError(
-                f"{where}: {prompt_len} prompt tokens + max_new_tokens={max_new} = {prompt_len + max_new} positions, "
+                f"{where}: {prompt_len} prompt tokens + {name}={value} = {prompt_len + value} positions, "
                 f"more than the model's max_sequence_length={max_sequence_length}"
             )
+    if max_new > canvas:
+        raise GenerationError(
+            f"{where}: max_new_tokens={max_new} is more than the request's gen_length={canvas} (its canvas)"
+        )
+    recorded = decode_config.max_logprobs
+    if sampling.logprobs is not None and recorded is None:
+        raise GenerationError(
+            f"{where}: logprobs={sampling.logprobs}: this loop records no log-probabilities; compile it with "
+            "DecodeConfig(max_logprobs=...) (0 or more alternatives per token)"
+        )
+    if sampling.logprobs is not None and sampling.logprobs > recorded:
+        raise GenerationError(
+            f"{where}: logprobs={sampling.logprobs} asks for {sampling.logprobs} alternatives per token; this loop "
+            f"records at most {recorded} (DecodeConfig.max_logprobs)"
+        )
     problem = sampling.not_applying(decode_config, cfg)
     if problem is not None:
         raise GenerationError(f"{where}: {problem}")
@@ -100,6 +124,8 @@ def slot_values(
         value = getattr(sampling, name)
         if name == "max_new_tokens":
             value = max_new
+        elif name == "gen_length":
+            value = canvas
         elif name == "seed" and value is None:
             value = decode_config.base_seed if base_seed is None else base_seed
         elif value is None:
@@ -107,13 +133,28 @@ def slot_values(
         values[spec.slot_name or name] = spec.encode(value) if spec.encode is not None else value
     derived = {
         # every step commits at least one position: twice the most steps it can need
-        "step_limit": 2 * max_new + 2,
-        "stream": order if sampling.seed is None else 0,
+        "step_limit": 2 * canvas + 2,
+        # int32 on the device: a long-running session's add order wraps around
+        "stream": order % MAX_SEED if sampling.seed is None else 0,
     }
     for produced in ENGINE_VALUES.values():
         for slot_name, _ in produced:
             values[slot_name] = derived[slot_name]
+    for slot_name, dtype in SLOT_FIELDS:  # what the ring stores must fit its dtype (never an overflow there)
+        _check_fits(slot_name, values[slot_name], dtype, where)
     return values
+
+
+def _check_fits(name: str, value: Any, dtype: type, where: str) -> None:
+    if np.issubdtype(dtype, np.integer):
+        info = np.iinfo(dtype)
+        fits = info.min <= int(value) <= info.max
+    elif np.issubdtype(dtype, np.floating):
+        fits = bool(np.isfinite(value)) and abs(float(value)) <= float(np.finfo(dtype).max)
+    else:
+        fits = isinstance(value, (bool, np.bool_))
+    if not fits:
+        raise GenerationError(f"{where}: {name}={value!r} does not fit the device's {np.dtype(dtype).name}")
 
 
 class HostRing:

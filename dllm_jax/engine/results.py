@@ -8,7 +8,8 @@ Token accounting (the throughput numerator, `reference_num_tokens`): for flash_c
 committed generated positions when the request stops (it stops once every position before the
 first committed EOS is decoded), as the published Flash-dLLM code counts; for llada and
 fast_dllm, which decode all gen_length positions, the positions up to and including the first
-EOS.
+EOS. A request cut at max_new_tokens (shorter than its gen_length) is credited at most
+max_new_tokens.
 """
 
 from __future__ import annotations
@@ -26,6 +27,24 @@ Decode = Callable[[Sequence[int]], str]
 
 
 @dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """One answer token's log-probability when it was committed, and the most likely tokens
+    of that step (token id, log-probability; most likely first; SamplingParams.logprobs)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprob(token: int, records: dict[str, Any], position: int, count: int) -> TokenLogprob:
+    """The TokenLogprob of the token at one answer position, from the per-position records
+    (records["logprob"] [G], records["top_ids"] / records["top_logprobs"] [G, K]), with
+    `count` alternatives."""
+    ids, values = records["top_ids"][position][:count], records["top_logprobs"][position][:count]
+    return TokenLogprob(int(token), float(records["logprob"][position]), tuple(zip(map(int, ids), map(float, values))))
+
+
+@dataclasses.dataclass(frozen=True)
 class GenerationResult:
     """One request's answer and counters.
 
@@ -39,7 +58,9 @@ class GenerationResult:
     numerator (see module docstring); steps: decode steps (the first full pass included);
     forward_passes: model passes over this request's rows (main + verify); accepted_drafts:
     drafts accepted by Flash-Verify; seconds: wall time from install to finish, interpolated
-    between chunk timestamps; error: what went wrong when finish_reason is "error".
+    between chunk timestamps; error: what went wrong when finish_reason is "error";
+    logprobs: one TokenLogprob per returned token when the request asked (SamplingParams.logprobs),
+    else None.
     """
 
     index: int
@@ -56,6 +77,7 @@ class GenerationResult:
     accepted_drafts: int
     seconds: float
     error: str | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +141,8 @@ def finished_result(
     """A finished request's GenerationResult from its results-ring row.
 
     request: a dllm_jax.engine.request.Request; row: the results ring's fields at its entry
-    (numpy); timeline: (loop iteration, time) at each device call, to interpolate its seconds.
+    (numpy; the logprob fields only when the request asked for them); timeline: (loop
+    iteration, time) at each device call, to interpolate its seconds.
     """
     sampling = request.sampling
     answer = [int(t) for t in row["tokens"][: request.max_new_tokens]]
@@ -147,4 +170,7 @@ def finished_result(
         accepted_drafts=int(row["accepted"]),
         seconds=seconds,
         error=ERROR_MESSAGES.get(code, f"error code {code}") if code else None,
+        logprobs=None
+        if sampling.logprobs is None
+        else tuple(token_logprob(t, row, p, sampling.logprobs) for p, t in enumerate(ids)),
     )

@@ -31,7 +31,7 @@ import numpy as np
 from dllm_jax.common.errors import GenerationError
 from dllm_jax.engine.compiled_loop import CompiledLoop
 from dllm_jax.engine.request import HostRing, Request, RequestStatus, slot_values
-from dllm_jax.engine.results import GenerationResult, finished_result
+from dllm_jax.engine.results import GenerationResult, TokenLogprob, finished_result, token_logprob
 from dllm_jax.models.config import ModelConfig
 from dllm_jax.runtime.decode_config import DecodeConfig
 from dllm_jax.sampling.params import SamplingParams
@@ -41,16 +41,22 @@ from dllm_jax.sampling.params import SamplingParams
 # it had not read the results that free the ring, legitimately does nothing).
 _MAX_IDLE_READS = 4
 
+# The per-position log-probability records of Slots and Results (copied to the host only while
+# a request in the ring asked for them).
+_LOGPROB_RECORDS = ("logprob", "top_ids", "top_logprobs")
+
 
 @dataclasses.dataclass(frozen=True)
 class StepCommits:
     """What one step of a request committed: answer offsets (0 = first generated position),
-    their tokens, and whether Flash-Verify's accepted drafts committed them."""
+    their tokens, whether Flash-Verify's accepted drafts committed them and, when the request
+    asked (SamplingParams.logprobs), their log-probabilities at this step."""
 
     step: int
     positions: tuple[int, ...]
     tokens: tuple[int, ...]
     verified: tuple[bool, ...]
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +106,12 @@ class GenerationSession:
         self.chunk_iterations = chunk_iterations
         self.max_prompt_len = max_prompt_len
         self.seed = seed
+        self.reset()
+
+    def reset(self) -> None:
+        """Drops every request and the device state: the session is as new (a server's way
+        out of a failed call; the compiled loop is kept)."""
+        compiled = self.compiled
         self._ring = HostRing(compiled.queue_capacity, compiled.prompt_width)
         self._waiting: list[Request] = []  # WAITING, in add order
         self._pushed: dict[int, Request] = {}  # ring index -> RUNNING or ABORTED request whose entry is not free yet
@@ -225,11 +237,16 @@ class GenerationSession:
 
     def _report(self, state):
         """Copies of what the host reads of a call's output (it is donated to the next call),
-        on their way to the host."""
+        on their way to the host; the logprob records only while a request in the ring asked
+        for them (a result this report holds is of a request pushed before the call)."""
         slots = state.slots
-        view = (state.results, state.iteration)
+        asking = any(r.sampling.logprobs is not None for r in self._pushed.values())
+        results = state.results if asking else state.results.replace(**dict.fromkeys(_LOGPROB_RECORDS, ()))
+        view = (results, state.iteration)
         if self.stream:
-            view += ((slots.active, slots.request, slots.prompt_len, slots.tokens, slots.commit_step, slots.verified),)
+            canvas = (slots.active, slots.request, slots.prompt_len, slots.tokens, slots.commit_step, slots.verified)
+            records = tuple(getattr(slots, name) for name in _LOGPROB_RECORDS) if asking else None
+            view += ((canvas, records),)
         report = jax.device_put(view, may_alias=False)
         for leaf in jax.tree.leaves(report):
             leaf.copy_to_host_async()
@@ -287,8 +304,9 @@ class GenerationSession:
                 continue
             request.status = RequestStatus.FINISHED
             self._ids.pop(request.request_id, None)
-            row = {f.name: getattr(results, f.name)[entry] for f in dataclasses.fields(results)}
-            commits = self._new_commits(request, row["tokens"], row["commit_step"], row["verified"])
+            row = {f.name: getattr(results, f.name) for f in dataclasses.fields(results)}
+            row = {name: value[entry] for name, value in row.items() if not isinstance(value, tuple)}
+            commits = self._new_commits(request, row["tokens"], row["commit_step"], row["verified"], row)
             result = finished_result(request, row, self.timeline, eos_id=self.model.eos_token_id, decode=decode)
             updates.append(RequestUpdate(request.request_id, commits, result))
         if self.stream:
@@ -302,31 +320,44 @@ class GenerationSession:
             )
         return updates
 
-    def _new_commits(self, request: Request, tokens, commit_step, verified) -> tuple[StepCommits, ...]:
-        """Commits of steps after the last reported one, over the request's answer positions."""
-        steps = np.asarray(commit_step[: request.max_new_tokens])
+    def _new_commits(
+        self, request: Request, tokens, commit_step, verified, records: dict[str, Any] | None = None
+    ) -> tuple[StepCommits, ...]:
+        """Commits of steps after the last reported one, over the request's canvas (the
+        positions after its cut included: they show the denoising, not the answer); records:
+        the request's logprob, top_ids and top_logprobs rows (over the same positions), read
+        when it asked for them."""
+        steps = np.asarray(commit_step[: request.gen_length])
+        count = request.sampling.logprobs
         out = []
         for s in np.unique(steps[steps > request.reported_step]):
             where = np.nonzero(steps == s)[0]
+            logprobs = None
+            if count is not None and records is not None:
+                logprobs = tuple(token_logprob(tokens[p], records, p, count) for p in where)
             out.append(
                 StepCommits(
                     step=int(s),
                     positions=tuple(int(p) for p in where),
                     tokens=tuple(int(tokens[p]) for p in where),
                     verified=tuple(bool(verified[p]) for p in where),
+                    logprobs=logprobs,
                 )
             )
         if out:
             request.reported_step = out[-1].step
         return tuple(out)
 
-    def _running_updates(self, slots) -> list[RequestUpdate]:
+    def _running_updates(self, view) -> list[RequestUpdate]:
+        """The running slots' new commits from a report's (canvas, logprob records or None)."""
+        canvas, records = view
         updates = []
-        for active, g, p, tokens, steps, verified in zip(*slots):
+        for b, (active, g, p, tokens, steps, verified) in enumerate(zip(*canvas)):
             request = self._pushed.get(int(g))
             if not active or request is None or request.status is not RequestStatus.RUNNING:
                 continue
-            commits = self._new_commits(request, tokens[p:], steps[p:], verified[p:])
+            rows = None if records is None else {name: r[b][p:] for name, r in zip(_LOGPROB_RECORDS, records)}
+            commits = self._new_commits(request, tokens[p:], steps[p:], verified[p:], rows)
             if commits:
                 updates.append(RequestUpdate(request.request_id, commits))
         return updates

@@ -16,8 +16,8 @@ own options (dllm_jax.evaluation.model_args.AdapterArgs).
 
 generate_until: every request of a call goes through one Engine.generate call (continuous
 batching over batch_size slots), longest prompt first, answers back in request order, each
-with its own SamplingParams: ``until`` as stop strings, ``max_gen_toks`` as max_new_tokens
-(gen_length is the bucket and the default, as in the papers, which decode gen_length
+with its own SamplingParams: ``until`` as stop strings, ``max_gen_toks`` as the request's
+gen_length, its canvas (gen_length is the bucket and the default, as in the papers, which decode gen_length
 positions whatever max_gen_toks says), temperature/top_p/top_k. The answer is then cut as the
 papers' adapters (LLaDA/Fast-dLLM/Flash-dLLM eval_llada.py) cut it: decoded with special
 tokens kept, split at each ``until`` string, re-encoded, decoded without special tokens (so a
@@ -236,7 +236,8 @@ class DLLMJaxLM(LM):
         sampling = dict(top_p=kwargs.get("top_p", 1.0), top_k=kwargs.get("top_k") or 0) if do_sample else {}
         try:
             params = SamplingParams(
-                max_new_tokens=None if max_new is None or max_new >= G else max_new,
+                # the canvas, as the published evaluations set gen_length (not a cut of a longer one)
+                gen_length=None if max_new is None or max_new >= G else max_new,
                 temperature=float(temperature) if do_sample else 0.0,
                 seed=(self.args.seed + i) % MAX_SEED if do_sample else None,
                 threshold=self.args.threshold,
@@ -250,9 +251,9 @@ class DLLMJaxLM(LM):
         if not prompt_ids:
             raise GenerationKwargsError(f"{where}: the context is empty")
         limit = self.config.max_sequence_length
-        if len(prompt_ids) + (params.max_new_tokens or G) > limit:
+        if len(prompt_ids) + (params.gen_length or G) > limit:
             raise GenerationKwargsError(
-                f"{where}: {len(prompt_ids)} prompt tokens + {params.max_new_tokens or G} generated exceed the "
+                f"{where}: {len(prompt_ids)} prompt tokens + {params.gen_length or G} generated exceed the "
                 f"model's max_sequence_length={limit}"
             )
         return prompt_ids, params

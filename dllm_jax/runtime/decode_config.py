@@ -28,6 +28,7 @@ SCHEDULES: tuple[str, ...] = ("threshold", "fixed")
 # Fields that were defaults of requests, kept one release as deprecated aliases of SamplingParams'.
 DEPRECATED_REQUEST_DEFAULTS: tuple[str, ...] = ("threshold", "temperature", "seed", "gamma")
 MAX_SEED = 2**31
+MAX_LOGPROBS = 64  # the most alternatives per token a loop records (OpenAI's API asks at most 20)
 
 # Default decoding window / block length per method (published settings).
 _DEFAULT_BLOCK = {"llada": 32, "fast_dllm": 32, "flash_cache": 16}
@@ -92,6 +93,10 @@ class DecodeConfig:
         Its alg_temp, like temperature, top_p and top_k, is per request (SamplingParams).
       eps: dream only: the end of the timestep schedule linspace(1, eps, steps + 1), in
         (0, 1); None = 1e-3.
+      max_logprobs: the most alternatives per token a request may ask with
+        SamplingParams.logprobs (their per-position arrays are part of the loop's state); 0:
+        requests may ask for their tokens' log-probabilities only; None (default): the loop
+        records none (no code for it in the step).
       threshold, temperature, seed, gamma: deprecated (they were the defaults of requests that
         do not set them; set them in SamplingParams): still taken for one release, with a
         DeprecationWarning. They never change the compiled loop (not compared).
@@ -113,6 +118,7 @@ class DecodeConfig:
     cfg: bool = False
     alg: str | None = None
     eps: float | None = None
+    max_logprobs: int | None = None
     threshold: float | None = dataclasses.field(default=None, compare=False)
     temperature: float | None = dataclasses.field(default=None, compare=False)
     seed: int | None = dataclasses.field(default=None, compare=False)
@@ -127,6 +133,7 @@ class DecodeConfig:
         check_int("block_length", self.block_length, _fail, low=1, optional=True)
         check_int("steps", self.steps, _fail, low=1, optional=True)
         check_int("batch_size", self.batch_size, _fail, low=1)
+        check_int("max_logprobs", self.max_logprobs, _fail, low=0, high=MAX_LOGPROBS, optional=True)
         check_bool("verify", self.verify, _fail)
         check_bool("cfg", self.cfg, _fail)
         if self.schedule is not None:

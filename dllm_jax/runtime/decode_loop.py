@@ -12,8 +12,8 @@ The queue and the results are rings of Q entries (request g at entry g % Q), so 
 loop does not depend on how many requests a call has: the host calls the loop in chunks of
 iterations, and between chunks collects finished results and pushes waiting requests.
 
-Per-request values (max_new_tokens, temperature, top_p/top_k, seed, threshold, gamma,
-cfg_scale, remasking) travel with the request through the ring into its slot
+Per-request values (gen_length, max_new_tokens, temperature, top_p/top_k, seed, threshold,
+gamma, cfg_scale, remasking) travel with the request through the ring into its slot
 (dllm_jax.runtime.slots.SlotSampling): one compiled loop serves every mix of them. A request whose
 logits are not finite, or that runs past its step bound, ends with an error code in its
 result while the other slots go on.
@@ -32,6 +32,7 @@ from dllm_jax.models.config import ModelConfig
 from dllm_jax.models.logit_alignment import predictor_positions, with_predictor_rows
 from dllm_jax.models.transformer import Weights
 from dllm_jax.runtime.cached_forward import PassSpec, VerifyKeys, cached_forward
+from dllm_jax.runtime.commit_logprobs import record_commit_logprobs
 from dllm_jax.runtime.flat_cache import FlatCache, allocate_cache, flat_rows
 from dllm_jax.runtime.kernel_routing import Kernels
 from dllm_jax.runtime.policy import DecodePolicy
@@ -42,6 +43,7 @@ from dllm_jax.runtime.slots import (
     ERROR_STEP_LIMIT,
     Slots,
     SlotSampling,
+    cut_decoded,
     empty_slots,
     install,
     step_rng,
@@ -72,7 +74,8 @@ class Results:
 
     tokens int32 [Q, G]: the canvas after the prompt; request: the global index; error:
     int32 [Q] the slot's ERROR_* code (0: finished normally); commit_step int32 [Q, G] and
-    verified bool [Q, G]: Slots.commit_step / verified over the same positions.
+    verified bool [Q, G]: Slots.commit_step / verified over the same positions; logprob
+    float32 [Q, G], top_ids int32 [Q, G, K], top_logprobs float32 [Q, G, K]: Slots' too.
     """
 
     tokens: jax.Array
@@ -87,6 +90,9 @@ class Results:
     error: jax.Array
     commit_step: jax.Array
     verified: jax.Array
+    logprob: jax.Array
+    top_ids: jax.Array
+    top_logprobs: jax.Array
     done: jax.Array
 
 
@@ -119,6 +125,9 @@ class DecodeLoop:
     cfg: the classifier-free-guidance variant (policies whose every step is a full pass):
     each full pass is run twice, with the prompt and with it masked, and the candidates'
     logits combined per slot with its cfg_scale (slots at 0 take the conditional logits).
+
+    max_logprobs: the most alternatives per committed token a request may ask to be recorded
+    (SamplingParams.logprobs; dllm_jax.runtime.commit_logprobs); None: nothing is recorded.
     """
 
     model: ModelConfig
@@ -130,6 +139,7 @@ class DecodeLoop:
     full_pass_lanes: tuple[int, ...] | None = None
     mesh: Mesh | None = None
     cfg: bool = False
+    max_logprobs: int | None = None
 
     def __post_init__(self):
         if self.cfg and self.policy.num_sparse_rows != 0:
@@ -173,9 +183,9 @@ class DecodeLoop:
         """
         Q = prompts.shape[0]
         zeros = jnp.zeros((Q,), jnp.int32)
-        G = self.gen_length
+        G, K = self.gen_length, self.max_logprobs or 0
         state = DecodeState(
-            slots=empty_slots(self.num_slots, self.max_len),
+            slots=empty_slots(self.num_slots, self.max_len, K),
             cache=allocate_cache(self.model, self.num_slots, self.max_len),
             queue=RequestQueue(
                 tokens=prompts, lengths=lengths, sampling=sampling, count=jnp.int32(count), next=jnp.int32(0)
@@ -193,6 +203,9 @@ class DecodeLoop:
                 error=zeros,
                 commit_step=jnp.full((Q, G), -1, jnp.int32),
                 verified=jnp.zeros((Q, G), bool),
+                logprob=jnp.zeros((Q, G), jnp.float32),
+                top_ids=jnp.zeros((Q, G, K), jnp.int32),
+                top_logprobs=jnp.zeros((Q, G, K), jnp.float32),
                 done=jnp.zeros((Q,), bool),
             ),
             iteration=jnp.int32(0),
@@ -214,7 +227,7 @@ class DecodeLoop:
             lengths,
             request,
             sampling,
-            self.policy.key_length(lengths, lengths + sampling.max_new_tokens),
+            self.policy.key_length(lengths, lengths + sampling.gen_length),
             self.model.mask_token_id,
             self.model.eos_token_id,
             state.iteration,
@@ -365,7 +378,9 @@ class DecodeLoop:
         )
         slots, cache = step_slots(weights, slots, state.cache, branch, any_sparse, jnp.any(ran))
 
-        complete = jax.vmap(self.policy.finished)(slots)
+        # a request cut at max_new_tokens is complete once its cut is decoded: later steps could
+        # only commit positions after it
+        complete = jax.vmap(self.policy.finished)(slots) | jax.vmap(cut_decoded)(slots)
         # the hard bound: a request that is not complete after step_limit steps ends with an error
         over = ran & ~complete & (slots.error == 0) & (slots.steps >= slots.sampling.step_limit)
         slots = slots.replace(error=jnp.where(over, ERROR_STEP_LIMIT, slots.error))
@@ -391,6 +406,7 @@ class DecodeLoop:
         slots = slots.replace(drift=drift)
         _, candidate_valid = jax.vmap(self.policy.candidates)(slots)
         finite = jax.vmap(all_finite)(logits, candidate_valid)
+        model_logits = logits
         logits = self._filter(slots, logits)
 
         rngs = jax.vmap(step_rng)(slots.sampling, slots.steps)
@@ -402,6 +418,8 @@ class DecodeLoop:
             passes=committed.passes + 1,
             error=jnp.where(finite, committed.error, ERROR_NON_FINITE),
         )
+        if self.max_logprobs is not None:
+            committed = record_commit_logprobs(self.policy, slots, committed, model_logits)
         return _where_tree(slots.active, committed, slots), cache
 
     def _filter(self, slots: Slots, logits: jax.Array) -> jax.Array:
@@ -468,9 +486,12 @@ class DecodeLoop:
         target = jnp.where(finished, slots.request % Q, Q)  # Q is out of range: dropped
 
         def answer(canvas):
-            return jax.vmap(lambda t, p: jax.lax.dynamic_slice(t, (p,), (self.gen_length,)))(canvas, slots.prompt_len)
+            """The G positions after each slot's prompt, of a per-position array [B, L, ...]."""
+            return jax.vmap(lambda t, p: jax.lax.dynamic_slice_in_dim(t, p, self.gen_length, axis=0))(
+                canvas, slots.prompt_len
+            )
 
-        num_tokens = jax.vmap(self.policy.num_tokens)(slots)
+        num_tokens = jnp.minimum(jax.vmap(self.policy.num_tokens)(slots), slots.sampling.max_new_tokens)
 
         def put(array, values):
             return array.at[target].set(values, mode="drop")
@@ -488,6 +509,9 @@ class DecodeLoop:
             error=put(results.error, slots.error),
             commit_step=put(results.commit_step, answer(slots.commit_step)),
             verified=put(results.verified, answer(slots.verified)),
+            logprob=put(results.logprob, answer(slots.logprob)),
+            top_ids=put(results.top_ids, answer(slots.top_ids)),
+            top_logprobs=put(results.top_logprobs, answer(slots.top_logprobs)),
             done=put(results.done, jnp.ones_like(finished)),
         )
 

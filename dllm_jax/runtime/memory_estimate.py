@@ -57,10 +57,11 @@ _LOGITS_COPIES = 4
 # float32 [B, C, V] in the sampler: the cast logits, the uniform draw, the Gumbel noise, the
 # noisy logits, the softmax.
 _SAMPLER_F32_COPIES = 5
-# Bytes per (slot, position) of the per-slot arrays: tokens, drafts, scores and commit_step
-# (4 each), decoded, pinned and verified (1 each), rounded up; and per slot for its scalars
-# (counters, bounds and the request's SlotSampling).
-_SLOT_POSITION_BYTES = 20
+# Bytes per (slot, position) of the per-slot arrays: tokens, drafts, scores, commit_step and
+# logprob (4 each), decoded, pinned and verified (1 each), rounded up (plus 8 per recorded
+# alternative: top_ids, top_logprobs); and per slot for its scalars (counters, bounds and the
+# request's SlotSampling).
+_SLOT_POSITION_BYTES = 24
 _SLOT_BYTES = 256
 _GIB = 2**30
 
@@ -132,6 +133,7 @@ def estimate_memory(
     dense_attention: bool = True,
     data: int = 1,
     tensor: int = 1,
+    max_logprobs: int = 0,
 ) -> MemoryEstimate:
     """Bytes per device for the decode loop of this shape.
 
@@ -146,6 +148,7 @@ def estimate_memory(
         one chunk of float32 logits [lanes, H, L, block_k] at a time; False for the Pallas
         attention kernel.
       data, tensor: mesh axis sizes (slots split over data, heads and MLP over tensor).
+      max_logprobs: alternatives recorded per committed token (DecodeConfig.max_logprobs).
     """
     itemsize = config.jnp_dtype.itemsize
     shard_slots = -(-num_slots // data)
@@ -171,9 +174,10 @@ def estimate_memory(
         activations=activations,
         logits=logit_rows * config.vocab_size * (_LOGITS_COPIES * itemsize + _SAMPLER_F32_COPIES * 4),
         state=(
-            shard_slots * (max_len * _SLOT_POSITION_BYTES + _SLOT_BYTES)
-            # request ring: prompt and SlotSampling; result ring: tokens, commit_step, verified, counters
-            + queue_capacity * ((prompt_width + 2 * gen_length + 24) * 4 + gen_length)
+            shard_slots * (max_len * (_SLOT_POSITION_BYTES + 8 * max_logprobs) + _SLOT_BYTES)
+            # request ring: prompt and SlotSampling; result ring: tokens, commit_step, logprob,
+            # verified, counters, the recorded alternatives
+            + queue_capacity * ((prompt_width + 3 * gen_length + 24) * 4 + gen_length * (1 + 8 * max_logprobs))
         ),
     )
 
@@ -190,6 +194,7 @@ def _loop_shape(loop, queue_capacity: int, prompt_width: int) -> dict:
         dense_attention=not loop.kernels.attention,
         data=axis_size(loop.mesh, DATA),
         tensor=axis_size(loop.mesh, TENSOR),
+        max_logprobs=loop.max_logprobs or 0,
     )
 
 

@@ -27,9 +27,9 @@ ERROR_MESSAGES = {
 
 # Per-slot values the engine derives for a request (no SamplingParams field of their own), each
 # stored right after the knob it derives from: step_limit (a hard bound on the request's steps)
-# from max_new_tokens, stream (its random stream within its seed) from seed.
+# from gen_length, stream (its random stream within its seed) from seed.
 ENGINE_VALUES: dict[str, tuple[tuple[str, type], ...]] = {
-    "max_new_tokens": (("step_limit", np.int32),),
+    "gen_length": (("step_limit", np.int32),),
     "seed": (("stream", np.int32),),
 }
 
@@ -85,6 +85,9 @@ class Slots:
       committed, the prompt included); verified: bool [B, L] committed by Flash-Verify.
     drift: float32 [B, L] how much each position's K/V changed at its last refresh in a sparse
       pass (dllm_jax.runtime.row_drift; 0 until it is refreshed in one).
+    logprob: float32 [B, L] each committed token's log-probability at its commit; top_ids int32
+      [B, L, K] and top_logprobs float32 [B, L, K]: that step's K most likely tokens (K: the
+      loop's max_logprobs); written only for requests that ask (sampling.logprobs >= 0).
     """
 
     tokens: jax.Array
@@ -112,11 +115,14 @@ class Slots:
     commit_step: jax.Array
     verified: jax.Array
     drift: jax.Array
+    logprob: jax.Array
+    top_ids: jax.Array
+    top_logprobs: jax.Array
 
 
-def empty_slots(num_slots: int, max_len: int) -> Slots:
-    """Slots holding nothing (all inactive)."""
-    B, L = num_slots, max_len
+def empty_slots(num_slots: int, max_len: int, max_logprobs: int = 0) -> Slots:
+    """Slots holding nothing (all inactive), recording up to max_logprobs alternatives per token."""
+    B, L, K = num_slots, max_len, max_logprobs
     i32 = lambda: jnp.zeros((B,), jnp.int32)  # noqa: E731
     return Slots(
         tokens=jnp.zeros((B, L), jnp.int32),
@@ -144,6 +150,9 @@ def empty_slots(num_slots: int, max_len: int) -> Slots:
         commit_step=jnp.full((B, L), -1, jnp.int32),
         verified=jnp.zeros((B, L), bool),
         drift=jnp.zeros((B, L), jnp.float32),
+        logprob=jnp.zeros((B, L), jnp.float32),
+        top_ids=jnp.zeros((B, L, K), jnp.int32),
+        top_logprobs=jnp.zeros((B, L, K), jnp.float32),
     )
 
 
@@ -166,12 +175,12 @@ def install(
     """Puts a request into a slot: prompt, [MASK] canvas, EOS padding; next step is a full pass.
 
     prompt: int32 [P_max] (padded), prompt_len: its true length P; the canvas has
-    sampling.max_new_tokens [MASK] positions after it.
+    sampling.gen_length [MASK] positions after it.
     """
     L = slot.tokens.shape[0]
     pos = jnp.arange(L, dtype=jnp.int32)
     padded = jnp.zeros((L,), jnp.int32).at[: prompt.shape[0]].set(prompt[:L])
-    gen_end = prompt_len + sampling.max_new_tokens
+    gen_end = prompt_len + sampling.gen_length
     tokens = jnp.where(pos < prompt_len, padded, jnp.where(pos < gen_end, mask_id, eos_id))
     zero = jnp.zeros((), jnp.int32)
     return Slots(
@@ -200,6 +209,9 @@ def install(
         commit_step=jnp.full((L,), -1, jnp.int32),
         verified=jnp.zeros((L,), bool),
         drift=jnp.zeros((L,), jnp.float32),
+        logprob=jnp.zeros((L,), jnp.float32),
+        top_ids=jnp.zeros_like(slot.top_ids),
+        top_logprobs=jnp.zeros_like(slot.top_logprobs),
     )
 
 
@@ -227,6 +239,14 @@ def commit_tokens(
         bound=jnp.where(first_eos_commit, eos_bound, slot.bound).astype(jnp.int32),
         eos_found=slot.eos_found | first_eos_commit,
     )
+
+
+def cut_decoded(slot: Slots) -> jax.Array:
+    """True once the answer's first sampling.max_new_tokens positions are all decoded: the
+    answer is cut there, so nothing after them can change it."""
+    pos = jnp.arange(slot.tokens.shape[0])
+    in_cut = (pos >= slot.prompt_len) & (pos < slot.prompt_len + slot.sampling.max_new_tokens)
+    return ~jnp.any(in_cut & ~slot.decoded)
 
 
 def answer_remaining(slot: Slots) -> jax.Array:

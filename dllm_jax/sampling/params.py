@@ -46,8 +46,8 @@ class Knob:
     applies: (predicate over the compiled configuration and its cfg flag, why not): a set value
       that does not apply to the loop is refused.
     server: the server takes it in the request's "dllm" object.
-    flag: dllm-generate takes it as --NAME (with `help`); max_new_tokens and seed have flags
-      of their own meaning there.
+    flag: dllm-generate takes it as --NAME (with `help`); max_new_tokens, gen_length and seed
+      have flags of their own meaning there (--gen-length is the generation bucket).
     """
 
     dtype: type
@@ -105,9 +105,15 @@ class SamplingParams:
     """Generation parameters of one request.
 
     Attributes:
-      max_new_tokens: generated positions of this request; None = the engine's generation
-        bucket (DecodeConfig.gen_length), capped by the model's max_sequence_length minus the
-        prompt. At most the bucket; the positions after it are EOS padding.
+      max_new_tokens: the most tokens of the answer: it is cut after this many (finish_reason
+        "length"), and its decoding ends once they are all decoded. The canvas stays
+        gen_length, so the answer is a prefix of the one without the cut. None = gen_length;
+        at most gen_length.
+      gen_length: the request's canvas: the masked positions it decodes (the positions after
+        it are EOS padding). A smaller canvas changes the answer itself (the model sees a
+        shorter masked answer: the diffusion behaviour), unlike max_new_tokens. None = the
+        engine's generation bucket (DecodeConfig.gen_length), capped by the model's
+        max_sequence_length minus the prompt; at most the bucket.
       temperature: 0 = greedy; > 0 = Gumbel-max sampling at this temperature (LLaDA's
         add_gumbel_noise).
       top_p: nucleus filtering before sampling (Dream's top_p_logits), 1 = off.
@@ -132,9 +138,25 @@ class SamplingParams:
         published rule), "recent" (the most recently committed), "random" (uniform, from the
         request's random stream), "drift" (the largest K/V change at their last refresh), or
         "none" (refresh no decoded row: budget 0, the fresh commits included).
+      logprobs: None = off; k >= 0: each answer token comes with the log-probability it had
+        when it was committed (log_softmax of the model's logits at that step, before
+        temperature, top_p and top_k) and the k most likely tokens of that step
+        (GenerationResult.logprobs); k is at most the loop's DecodeConfig.max_logprobs (a
+        loop compiled with max_logprobs=None records none). Recorded on the device only for
+        the requests that ask.
     """
 
     max_new_tokens: int | None = knob(None, np.int32, low=1, optional=True, flag=False)
+    gen_length: int | None = knob(
+        None,
+        np.int32,
+        low=1,
+        optional=True,
+        server=True,
+        flag=False,
+        help="the request's canvas (masked answer positions); a smaller one changes the answer, "
+        "where max_tokens cuts it",
+    )
     temperature: float = knob(0.0, np.float32, low=0.0, help="0 decodes greedily, > 0 samples (Gumbel-max)")
     top_p: float = knob(
         1.0,
@@ -227,6 +249,16 @@ class SamplingParams:
             "applies only to method='flash_cache' with track_num >= 0 (this loop: method={method}; a negative "
             "track_num refreshes every position every step)",
         ),
+    )
+
+    logprobs: int | None = knob(
+        None,
+        np.int32,
+        low=0,
+        optional=True,
+        flag=False,
+        help="record each answer token's log-probability at its commit and this many alternatives",
+        unset=lambda decode: -1,  # off
     )
 
     def __post_init__(self):

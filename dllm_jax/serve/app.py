@@ -1,14 +1,17 @@
 """The ASGI app: OpenAI's chat and text completion endpoints over the engine worker.
 
-  POST /v1/chat/completions   messages -> chat template -> one answer (stream or not)
-  POST /v1/completions        a prompt, a list of prompts, token ids -> one choice each
+  POST /v1/chat/completions   messages -> chat template -> n answers (stream or not)
+  POST /v1/completions        a prompt, a list of prompts, token ids -> n choices each
   GET  /v1/models             the served model
   GET  /health                200 while the engine runs (no API key needed)
   GET  /metrics               Prometheus text
   GET  /                      the playground page (dllm_jax/serve/playground.py)
 
 Streams are Server-Sent Events of OpenAI chunks whose text is the answer's stable prefix;
-with ``"dllm": {"canvas": true}`` each chunk also carries the step's commits.
+with ``"dllm": {"canvas": true}`` each chunk also carries the step's commits. Each choice is
+a request of its own in the engine (n > 1: independent samples, seeds derived per choice).
+Prompts are tokenized off the event loop; a client that disconnects, streaming or not,
+has its requests aborted at the engine's next call.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -25,6 +29,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from dllm_jax.engine.results import TokenLogprob
 from dllm_jax.serve.errors import APIError, install_error_handlers
 from dllm_jax.serve.metrics import ServerMetrics
 from dllm_jax.serve.middleware import GuardMiddleware
@@ -34,17 +39,23 @@ from dllm_jax.serve.responses import ChoiceRun, Piece, diffusion_stats, usage
 from dllm_jax.serve.stable_text import StableText
 from dllm_jax.serve.worker import EngineWorker, Work
 
+log = logging.getLogger("dllm_jax.serve")
+
 
 @dataclasses.dataclass(frozen=True)
 class ServerSettings:
     """What the app needs to know about the engine and its limits.
 
     model_name: the name clients send as "model"; max_model_len: the model's positions;
-    gen_length: answer positions of the compiled loop (max_tokens at most this);
+    gen_length: answer positions of the compiled loop (the canvas, and max_tokens at most this);
     max_prompt_tokens: the longest prompt accepted; vocab_size, end_ids (EOS, ...);
+    refused_ids: token ids a token-id prompt may not hold (the mask and padding ids);
+    max_logprobs: the most alternatives per token a request may ask (the loops record them;
+    None: no logprobs);
+    max_prompts: prompts x n (choices) of one request at most;
     request_timeout: seconds a request may take (dllm.timeout may ask for less);
     api_key: Bearer token required on every endpoint but /health (None: open);
-    max_body_bytes: request body limit.
+    max_body_bytes: request body limit; body_timeout: seconds to receive a request's body.
     """
 
     model_name: str
@@ -53,14 +64,22 @@ class ServerSettings:
     max_prompt_tokens: int
     vocab_size: int
     end_ids: tuple[int, ...]
+    refused_ids: dict[int, str] = dataclasses.field(default_factory=dict)
+    max_logprobs: int | None = None
+    max_prompts: int = 128
     request_timeout: float = 600.0
     api_key: str | None = None
     max_body_bytes: int = 1 << 20
+    body_timeout: float = 30.0
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
+    def __post_init__(self):
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key: empty (None serves without a key)")
 
-# builds the session's per-request parameters from a request body, its answer length and its method
-ParamsBuilder = Callable[[_Sampling, int, str], Any]
+
+# builds the session's per-request parameters from a request body, its method and its choice index
+ParamsBuilder = Callable[[_Sampling, str, int], Any]
 
 
 def create_app(
@@ -82,7 +101,12 @@ def create_app(
 
     app = FastAPI(title="dllm-jax", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
-    app.add_middleware(GuardMiddleware, max_body_bytes=settings.max_body_bytes, api_key=settings.api_key)
+    app.add_middleware(
+        GuardMiddleware,
+        max_body_bytes=settings.max_body_bytes,
+        api_key=settings.api_key,
+        body_timeout=settings.body_timeout,
+    )
     serving = _Serving(worker, tokenizer, settings, metrics, make_params)
 
     add_playground(app)
@@ -108,20 +132,20 @@ def create_app(
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
-        serving.check_model(body.model)
-        prompt = serving.encode_chat(body)
+        serving.check_request(body, prompts=1)
+        prompt = await asyncio.to_thread(serving.encode_chat, body)
         return await serving.respond(request, body, [prompt], chat=True)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        serving.check_model(body.model)
         try:
             prompts = body.prompts()
         except ValueError as e:
             raise APIError(400, str(e), param="prompt", code="invalid_value") from None
-        return await serving.respond(
-            request, body, [serving.encode_text(p, i) for i, p in enumerate(prompts)], chat=False
-        )
+        serving.check_request(body, prompts=len(prompts))
+        encoded = await asyncio.to_thread(lambda: [serving.encode_text(p, i) for i, p in enumerate(prompts)])
+        echoes = [serving.prompt_text(p) for p in prompts] if body.echo else None
+        return await serving.respond(request, body, encoded, chat=False, echoes=echoes)
 
     return app
 
@@ -163,12 +187,45 @@ class _Serving:
                 code="model_not_found",
             )
 
-    # ----- prompts -------------------------------------------------------------------------
+    def check_request(self, body: _Sampling, *, prompts: int) -> None:
+        """What can be refused before tokenizing: the model, fields at values this server does
+        not support, the request's size."""
+        self.check_model(body.model)
+        refused = body.unsupported()
+        if refused is not None:
+            param, why = refused
+            raise APIError(400, why, param=param, code="unsupported_parameter")
+        limit = self.settings.max_prompts
+        if prompts * body.n > limit:
+            param = "prompt" if isinstance(body, CompletionRequest) else "n"
+            raise APIError(
+                400,
+                f"{prompts} prompt(s) x n={body.n} = {prompts * body.n} answers; this server answers at most {limit} "
+                "per request",
+                param=param,
+                code="too_many_prompts",
+            )
+        wanted, recorded = body.top_logprobs_wanted, self.settings.max_logprobs
+        if wanted is not None and (recorded is None or wanted > recorded):
+            param = "top_logprobs" if isinstance(body, ChatCompletionRequest) and recorded is not None else "logprobs"
+            how = "records no log-probabilities" if recorded is None else f"records at most {recorded} alternatives"
+            raise APIError(
+                400,
+                f"{param}={wanted}: this server {how} per token (dllm-serve --max-logprobs)",
+                param=param,
+                code="invalid_value",
+            )
+
+    # ----- prompts (run off the event loop) ----------------------------------------------------
 
     def encode_chat(self, body: ChatCompletionRequest) -> list[int]:
         if self.tokenizer is None or not self.tokenizer.has_chat_template:
             raise APIError(400, "this model has no chat template; use /v1/completions", code="no_chat_template")
-        return self._checked(self.tokenizer.apply_chat_template(body.conversation()), "messages")
+        try:
+            ids = self.tokenizer.apply_chat_template(body.conversation())
+        except ValueError as e:  # TokenizerError: the template refused these messages
+            raise APIError(400, f"messages: {e}", param="messages", code="invalid_value") from None
+        return self._checked(ids, "messages")
 
     def encode_text(self, prompt: str | list[int], index: int) -> list[int]:
         param = "prompt"
@@ -177,7 +234,8 @@ class _Serving:
                 raise APIError(400, "this model has no tokenizer; send token ids", param=param)
             if not prompt.strip():
                 raise APIError(400, f"prompt[{index}] is empty", param=param, code="invalid_value")
-            return self._checked(self.tokenizer.encode(prompt), param)
+            # text is text: special tokens come from token-id prompts only
+            return self._checked(self.tokenizer.encode(prompt, special_tokens=False), param)
         bad = [t for t in prompt if not 0 <= t < self.settings.vocab_size]
         if bad:
             raise APIError(
@@ -186,7 +244,22 @@ class _Serving:
                 param=param,
                 code="invalid_value",
             )
+        for position, t in enumerate(prompt):
+            if t in self.settings.refused_ids:
+                raise APIError(
+                    400,
+                    f"prompt[{index}] holds token id {t} ({self.settings.refused_ids[t]}) at position {position}: "
+                    "it cannot be part of a prompt",
+                    param=param,
+                    code="invalid_value",
+                )
         return self._checked(list(prompt), param)
+
+    def prompt_text(self, prompt: str | list[int]) -> str:
+        """A prompt as echo returns it."""
+        if isinstance(prompt, str) or self.tokenizer is None:
+            return prompt if isinstance(prompt, str) else ""
+        return self.tokenizer.decode(prompt)
 
     def _checked(self, ids: list[int], param: str) -> list[int]:
         limit = self.settings.max_prompt_tokens
@@ -205,17 +278,29 @@ class _Serving:
 
     # ----- one request -----------------------------------------------------------------------
 
-    def _answer_length(self, body: _Sampling) -> int:
-        asked = body.requested_max_tokens()
+    def _lengths(self, body: _Sampling) -> tuple[int, int]:
+        """The answer's canvas (dllm.gen_length, else the server's) and its cut (max_tokens,
+        else the canvas)."""
         G = self.settings.gen_length
-        if asked is not None and asked > G:
+        canvas = body.dllm.gen_length
+        if canvas is not None and canvas > G:
             raise APIError(
                 400,
-                f"max_tokens={asked} is more than this server generates per answer ({G})",
+                f"dllm.gen_length={canvas} is more than this server's generation length ({G})",
+                param="dllm.gen_length",
+                code="invalid_value",
+            )
+        canvas = G if canvas is None else canvas
+        asked = body.requested_max_tokens()
+        if asked is not None and asked > canvas:
+            where = "the request's dllm.gen_length" if body.dllm.gen_length is not None else "this server generates"
+            raise APIError(
+                400,
+                f"max_tokens={asked} is more than {where} per answer ({canvas})",
                 param="max_tokens",
                 code="invalid_value",
             )
-        return G if asked is None else asked
+        return canvas, canvas if asked is None else asked
 
     def _method(self, body: _Sampling) -> str:
         method = body.dllm.method or self.worker.default_method
@@ -226,13 +311,36 @@ class _Serving:
                 param="dllm.method",
                 code="invalid_value",
             )
+        if body.dllm.cfg_scale and not self.worker.sessions[method].compiled.loop.cfg:
+            guided = [m for m, s in self.worker.sessions.items() if s.compiled.loop.cfg]
+            how = (
+                f"send dllm.method={guided[0]!r}"
+                if guided
+                else "start the server with --method llada+cfg (its loop runs a second, unconditional pass per step)"
+            )
+            raise APIError(
+                400,
+                f"dllm.cfg_scale={body.dllm.cfg_scale} needs the classifier-free-guidance loop, which method "
+                f"{method!r} does not run: {how}",
+                param="dllm.cfg_scale",
+                code="invalid_value",
+            )
         return method
 
-    async def respond(self, request: Request, body: _Sampling, prompts: list[list[int]], *, chat: bool):
+    async def respond(
+        self,
+        request: Request,
+        body: _Sampling,
+        prompts: list[list[int]],
+        *,
+        chat: bool,
+        echoes: list[str] | None = None,
+    ):
+        started = time.monotonic()
         method = self._method(body)
-        length = self._answer_length(body)
+        canvas, max_tokens = self._lengths(body)
         try:
-            sampling = self.make_params(body, length, method)
+            sampling = [self.make_params(body, method, j) for j in range(body.n)]
         except ValueError as e:
             raise APIError(400, str(e), code="invalid_value") from None
         timeout = min(body.dllm.timeout or self.settings.request_timeout, self.settings.request_timeout)
@@ -242,90 +350,100 @@ class _Serving:
         runs: list[ChoiceRun] = []
         try:
             for i, ids in enumerate(prompts):
-                handle = self.worker.submit(Work(f"{response_id}-{i}", method, ids, sampling, deadline))
-                text = StableText(
-                    self.tokenizer.decode,
-                    length,
-                    end_ids=self.settings.end_ids,
-                    stops=body.stop_list,
-                    max_tokens=length,
-                )
-                runs.append(
-                    ChoiceRun(
-                        handle,
-                        text,
-                        i,
-                        token_text=self._token_text,
-                        canvas=body.dllm.canvas,
-                        deadline=deadline,
-                        metrics=self.metrics,
+                for j, params in enumerate(sampling):
+                    index = i * body.n + j
+                    handle = self.worker.submit(Work(f"{response_id}-{index}", method, ids, params, deadline))
+                    text = StableText(
+                        self.tokenizer.decode,
+                        canvas,
+                        end_ids=self.settings.end_ids,
+                        stops=body.stop_list,
+                        max_tokens=max_tokens,
                     )
-                )
+                    runs.append(
+                        ChoiceRun(
+                            handle,
+                            text,
+                            index,
+                            token_text=self._token_text,
+                            canvas=body.dllm.canvas,
+                            deadline=deadline,
+                            metrics=self.metrics,
+                            logprobs=body.top_logprobs_wanted is not None,
+                        )
+                    )
         except APIError:
             for run in runs:
                 run.handle.close()
             raise
         head = {"id": response_id, "created": int(time.time()), "model": self.settings.model_name}
+        shape = _Shape(chat, self._token_text, echoes, body.n)
+
+        def finished(status: int) -> None:
+            _log_request(response_id, method, runs, status, started)
+
         if body.stream:
-            chunks = self._stream(runs, head, chat=chat, include_usage=body.include_usage)
+            chunks = self._stream(runs, head, shape, include_usage=body.include_usage, finished=finished)
             return StreamingResponse(
                 chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             )
-        return await self._complete(request, runs, head, chat=chat)
+        return await self._complete(request, runs, head, shape, finished)
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
 
-    async def _complete(self, request: Request, runs: list[ChoiceRun], head: dict, *, chat: bool) -> dict:
-        texts = ["" for _ in runs]
-        for run in runs:
-            async for piece, _ in run.pieces(poll=request.is_disconnected):
-                texts[piece.index] += piece.text
-            if run.finish_reason is None:  # the client went away
-                for other in runs:
-                    other.handle.close()
+    async def _complete(self, request: Request, runs: list[ChoiceRun], head: dict, shape: _Shape, finished) -> Any:
+        """The whole answer; a client that disconnects first has its requests aborted at once."""
+        texts = {r.index: shape.echo(r.index) for r in runs}
+        logprobs: dict[int, list[TokenLogprob]] = {r.index: [] for r in runs}
+
+        async def collect() -> None:
+            for run in runs:
+                async for piece, _ in run.pieces():
+                    texts[piece.index] += piece.text
+                    logprobs[piece.index] += piece.logprobs
+
+        collecting = asyncio.ensure_future(collect())
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({collecting, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not collecting.done():  # the client went away
+                collecting.cancel()
                 self.metrics.errors.labels("disconnected").inc()
-                return {}
-        if chat:
-            choices = [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": texts[0]},
-                    "finish_reason": runs[0].finish_reason,
-                    "logprobs": None,
-                }
-            ]
-        else:
-            choices = [
-                {"index": r.index, "text": texts[r.index], "finish_reason": r.finish_reason, "logprobs": None}
-                for r in runs
-            ]
+                finished(499)
+                return Response(status_code=499)
+            collecting.result()  # raises the APIError of a failed choice
+        except APIError as e:
+            finished(e.status)
+            raise
+        finally:
+            gone.cancel()
+            for run in runs:
+                run.handle.close()
+        choices = [shape.choice(r, texts[r.index], logprobs[r.index]) for r in sorted(runs, key=lambda r: r.index)]
         stats = [r.stats for r in runs]
-        kind = "chat.completion" if chat else "text_completion"
+        kind = "chat.completion" if shape.chat else "text_completion"
+        finished(200)
         return {**head, "object": kind, "choices": choices, "usage": usage(stats), "dllm": diffusion_stats(stats)}
 
     async def _stream(
-        self, runs: list[ChoiceRun], head: dict, *, chat: bool, include_usage: bool
+        self, runs: list[ChoiceRun], head: dict, shape: _Shape, *, include_usage: bool, finished
     ) -> AsyncIterator[str]:
-        kind = "chat.completion.chunk" if chat else "text_completion"
+        kind = "chat.completion.chunk" if shape.chat else "text_completion"
+        status = 499  # until the stream ends normally: the client left
         try:
-            if chat:
-                yield _sse(
-                    {
-                        **head,
-                        "object": kind,
-                        "choices": [
-                            {
-                                "index": 0,
-                                "delta": {"role": "assistant", "content": ""},
-                                "finish_reason": None,
-                                "logprobs": None,
-                            }
-                        ],
-                    }
-                )
+            if shape.chat:
+                for run in runs:
+                    delta = {"index": run.index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                    yield _sse({**head, "object": kind, "choices": [{**delta, "logprobs": None}]})
+            elif shape.echoes is not None:
+                for run in runs:
+                    piece = Piece(run.index, shape.echo(run.index), None, None)
+                    yield _sse({**head, "object": kind, "choices": [shape.chunk_choice(piece, 0)]})
+            offsets = {r.index: len(shape.echo(r.index)) for r in runs}
             async for piece, received in _merged(runs):
-                chunk = {**head, "object": kind, "choices": [self._choice(piece, chat)]}
+                chunk = {**head, "object": kind, "choices": [shape.chunk_choice(piece, offsets[piece.index])]}
+                offsets[piece.index] += len(piece.text)
                 if piece.canvas is not None:
                     chunk["dllm"] = piece.canvas
                 self.metrics.commit_to_chunk_seconds.observe(time.perf_counter() - received)
@@ -335,24 +453,92 @@ class _Serving:
                 yield _sse(
                     {**head, "object": kind, "choices": [], "usage": usage(stats), "dllm": diffusion_stats(stats)}
                 )
+            status = 200
         except APIError as e:
+            status = e.status
             self.metrics.errors.labels(e.code or "error").inc()
             yield _sse(e.body())
         finally:
             for run in runs:
                 run.handle.close()
+            finished(status)
         yield "data: [DONE]\n\n"
 
-    @staticmethod
-    def _choice(piece: Piece, chat: bool) -> dict:
-        if chat:
-            return {
-                "index": piece.index,
-                "delta": {"content": piece.text},
-                "finish_reason": piece.finish_reason,
-                "logprobs": None,
-            }
-        return {"index": piece.index, "text": piece.text, "finish_reason": piece.finish_reason, "logprobs": None}
+
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    """How one response's choices are written: chat or text completion, echoed prompts (per
+    prompt, each choice of prompt i = index // n), log-probabilities in OpenAI's two formats."""
+
+    chat: bool
+    token_text: Callable[[int], str]
+    echoes: list[str] | None
+    n: int
+
+    def echo(self, index: int) -> str:
+        return "" if self.echoes is None else self.echoes[index // self.n]
+
+    def choice(self, run: ChoiceRun, text: str, logprobs: list[TokenLogprob]) -> dict:
+        records = self.logprobs(logprobs, len(self.echo(run.index))) if run.logprobs else None
+        if self.chat:
+            message = {"role": "assistant", "content": text}
+            return {"index": run.index, "message": message, "finish_reason": run.finish_reason, "logprobs": records}
+        return {"index": run.index, "text": text, "finish_reason": run.finish_reason, "logprobs": records}
+
+    def chunk_choice(self, piece: Piece, offset: int) -> dict:
+        records = self.logprobs(piece.logprobs, offset) if piece.logprobs else None
+        if self.chat:
+            delta = {"content": piece.text}
+            return {"index": piece.index, "delta": delta, "finish_reason": piece.finish_reason, "logprobs": records}
+        return {"index": piece.index, "text": piece.text, "finish_reason": piece.finish_reason, "logprobs": records}
+
+    def logprobs(self, records: list[TokenLogprob] | tuple[TokenLogprob, ...], offset: int) -> dict:
+        """OpenAI's logprobs object: chat's {"content": [...]}, completions' parallel lists
+        (text_offset: each token's offset in the choice's text, from `offset`)."""
+        if self.chat:
+
+            def entry(token_id: int, logprob: float) -> dict:
+                text = self.token_text(token_id)
+                return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+            content = [
+                {**entry(r.token_id, r.logprob), "top_logprobs": [entry(t, lp) for t, lp in r.top]} for r in records
+            ]
+            return {"content": content, "refusal": None}
+        tokens = [self.token_text(r.token_id) for r in records]
+        offsets = []
+        for text in tokens:
+            offsets.append(offset)
+            offset += len(text)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [r.logprob for r in records],
+            "top_logprobs": [{self.token_text(t): lp for t, lp in r.top} for r in records],
+            "text_offset": offsets,
+        }
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has disconnected (the request's body was read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _log_request(response_id: str, method: str, runs: list[ChoiceRun], status: int, started: float) -> None:
+    stats = [r.stats for r in runs]
+    reasons = sorted({r.finish_reason for r in runs if r.finish_reason is not None})
+    log.info(
+        "%s %s: %d, %d choice(s), %d prompt + %d completion tokens, %d steps, finish %s, %.2f s",
+        response_id,
+        method,
+        status,
+        len(runs),
+        sum(s.prompt_tokens for s in stats),
+        sum(s.completion_tokens for s in stats),
+        sum(s.steps for s in stats),
+        "/".join(reasons) or "-",
+        time.monotonic() - started,
+    )
 
 
 def _sse(payload: dict) -> str:

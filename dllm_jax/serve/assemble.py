@@ -19,8 +19,9 @@ from dllm_jax.serve.worker import EngineWorker
 
 log = logging.getLogger("dllm_jax.serve")
 
-# what --method accepts: a DecodeConfig method, "+verify" for Flash-Verify
-METHOD_SPECS = ("flash_cache", "flash_cache+verify", "fast_dllm", "llada", "dream")
+# what --method accepts: a DecodeConfig method, "+verify" for Flash-Verify, "+cfg" for LLaDA's
+# classifier-free guidance (a second, unconditional pass per step: dllm.cfg_scale)
+METHOD_SPECS = ("flash_cache", "flash_cache+verify", "fast_dllm", "llada", "llada+cfg", "dream")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +40,11 @@ class ServeOptions:
     max_waiting: int = 256
     request_timeout: float = 600.0
     max_body_bytes: int = 1 << 20
+    body_timeout: float = 30.0
     iterations_per_call: int = 1
+    max_logprobs: int | None = 0  # alternatives recorded per token; None: no logprobs compiled
+    max_prompts: int = 128
+    log_interval: float = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,13 +61,14 @@ def decode_config(spec: str, options: ServeOptions) -> DecodeConfig:
     if spec not in METHOD_SPECS:
         raise ValueError(f"method {spec!r}: expected one of {METHOD_SPECS}")
     method, _, extra = spec.partition("+")
-    verify = extra == "verify"
     return DecodeConfig(
         method=method,
         gen_length=options.gen_length,
         batch_size=options.batch_size,
-        verify=verify,
+        verify=extra == "verify",
+        cfg=extra == "cfg",
         block_length=options.block_length,
+        max_logprobs=options.max_logprobs,
     )
 
 
@@ -110,43 +116,67 @@ def assemble(engine: Engine, tokenizer: Any, options: ServeOptions) -> Server:
     metrics.warmup_seconds.set(warmup)
     metrics.watch_compilations()
     log.info("warm-up: every loop compiled and run in %.1f s", warmup)
+    config = engine.config
+    refused = {config.mask_token_id: "the mask token"}
+    if config.pad_token_id is not None and config.pad_token_id != config.eos_token_id:
+        refused[config.pad_token_id] = "the padding token"
     settings = ServerSettings(
         model_name=options.model_name,
         max_model_len=max_model_len,
         gen_length=options.gen_length,
         max_prompt_tokens=max_prompt,
-        vocab_size=engine.config.vocab_size,
-        end_ids=(engine.config.eos_token_id,),
+        vocab_size=config.vocab_size,
+        end_ids=(config.eos_token_id,),
+        refused_ids=refused,
+        max_logprobs=options.max_logprobs,
+        max_prompts=options.max_prompts,
         request_timeout=options.request_timeout,
         api_key=options.api_key,
         max_body_bytes=options.max_body_bytes,
+        body_timeout=options.body_timeout,
     )
     worker = EngineWorker(
-        sessions, metrics, max_waiting=options.max_waiting, max_iterations=options.iterations_per_call
+        sessions,
+        metrics,
+        max_waiting=options.max_waiting,
+        max_iterations=options.iterations_per_call,
+        log_interval=options.log_interval,
     )
     defaults = {spec: request_defaults(config, options) for spec, config in configs.items()}
     app = create_app(
-        worker, tokenizer, settings, metrics, lambda body, length, method: make_params(body, length, defaults[method])
+        worker,
+        tokenizer,
+        settings,
+        metrics,
+        lambda body, method, choice: make_params(body, defaults[method], choice=choice),
     )
     return Server(app, worker, metrics, settings, warmup)
 
 
 def warm_up(session, max_prompt: int) -> None:
     """Runs the paths serving takes, so that they compile now: a request of the longest prompt
-    to its end, and one aborted after its first step."""
-    body = CompletionRequest(model="warm-up", prompt=[0])
-    session.add("warm-up-0", [0] * max_prompt, make_params(body, session.decode_config.gen_length))
-    # one token per step (where the method has a threshold), so it is still running when aborted
-    slow = {} if session.decode_config.fixed_schedule else {"dllm": {"threshold": 2.0}}
-    session.add("warm-up-1", [0] * max_prompt, make_params(CompletionRequest(model="warm-up", prompt=[0], **slow), 4))
-    finished, aborted, freed = False, False, False
+    to its end, and one aborted while it is in the device (the path a cancellation takes: its
+    step bound set to 0 in its ring entry and slot). It is aborted right after the call that
+    pushed it, since a request may finish at its first step (then there is nothing to abort).
+    A last request's first call clears the read results' done flags (a device-side update)."""
+    session.add("warm-up-0", [0] * max_prompt, make_params(CompletionRequest(model="warm-up", prompt=[0])))
+    session.add(
+        "warm-up-1", [0] * max_prompt, make_params(CompletionRequest(model="warm-up", prompt=[0], max_tokens=4))
+    )
+    session.step(1)  # pushes both; their results are read at a later call
+    if not session.abort("warm-up-1"):
+        raise RuntimeError("the warm-up request to abort was not in the session")
+    _run_to_the_end(session, "warm-up-0")
+    session.add("warm-up-2", [0], make_params(CompletionRequest(model="warm-up", prompt=[0], max_tokens=1)))
+    _run_to_the_end(session, "warm-up-2")
+
+
+def _run_to_the_end(session, request_id: str) -> None:
+    """Steps the session until request_id's result is read and nothing is left in it."""
+    finished = False
     for _ in range(100_000):
         updates = session.step(1)
-        freed = aborted  # the step after an abort freed its slot (the path a cancellation takes)
-        if not aborted and any(u.request_id == "warm-up-1" and u.commits for u in updates):
-            session.abort("warm-up-1")
-            aborted = True
-        finished = finished or any(u.request_id == "warm-up-0" and u.result is not None for u in updates)
-        if finished and freed and not (session.num_running or session.num_waiting):
+        finished = finished or any(u.request_id == request_id and u.result is not None for u in updates)
+        if finished and not (session.num_running or session.num_waiting):
             return
     raise RuntimeError("the warm-up requests did not finish")

@@ -1,12 +1,13 @@
 """dllm-serve: the OpenAI-compatible server (also `python -m dllm_jax.serve`).
 
   dllm-serve                                   # the embedded tiny model on 127.0.0.1:8000
-  dllm-serve --model PATH --method flash_cache+verify --batch-size 32 --api-key KEY
+  DLLM_API_KEY=KEY dllm-serve --model PATH --method flash_cache+verify --batch-size 32
 
-Every loop the server needs is compiled before it listens (the warm-up, timed in the log
-and in /metrics); nothing compiles while serving. SIGTERM (or Ctrl-C) stops accepting,
-lets running requests finish for --shutdown-grace seconds, fails the rest with a clear
-error, and exits. Bad options: one line on stderr and exit status 2.
+The port is bound first (a busy one fails at once), then every loop the server needs is
+compiled before it listens (the warm-up, timed in the log and in /metrics); nothing compiles
+while serving. SIGTERM (or Ctrl-C) stops accepting, lets running requests finish for
+--shutdown-grace seconds, fails the rest with a clear error, and exits; Ctrl-C during the
+start-up exits at once with status 130. Bad options: one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -29,7 +31,10 @@ from dllm_jax.sampling.params import SamplingParams
 log = logging.getLogger("dllm_jax.serve")
 
 # dllm_jax.serve.assemble.METHOD_SPECS (not imported here: --help stays fast)
-METHOD_SPECS = ("flash_cache", "flash_cache+verify", "fast_dllm", "llada", "dream")
+METHOD_SPECS = ("flash_cache", "flash_cache+verify", "fast_dllm", "llada", "llada+cfg", "dream")
+# third-party loggers kept at WARNING whatever --log-level says (jax's "Unable to initialize
+# backend 'tpu'" is an INFO record on every machine without a TPU)
+QUIET_LOGGERS = ("jax", "absl", "transformers", "httpx", "urllib3")
 
 
 class UsageError(ValueError):
@@ -45,13 +50,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="append",
         choices=METHOD_SPECS,
         help="decoding method; repeat to serve several (clients pick one with dllm.method; "
-        "the first is the default). Default: flash_cache",
+        "the first is the default; llada+cfg: LLaDA's loop with classifier-free guidance, for dllm.cfg_scale). "
+        "Default: flash_cache",
     )
     p.add_argument("--batch-size", type=int, default=8, help="decode slots per method (default 8)")
     p.add_argument(
         "--gen-length",
         type=int,
-        help="answer positions, the largest max_tokens (default: 64 for a model of at most 512 positions, else 256)",
+        help="answer positions: the canvas every answer decodes, cut at max_tokens (default: 64 for a model of "
+        "at most 512 positions, else 256)",
     )
     p.add_argument("--max-model-len", type=int, help="prompt + answer positions (default: the model's)")
     p.add_argument("--threshold", type=float, help="default confidence threshold (default: the method's)")
@@ -63,12 +70,39 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     p.add_argument(
         "--api-key",
-        default=os.environ.get("DLLM_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: $DLLM_API_KEY)",
+        help="require 'Authorization: Bearer KEY' on every endpoint but /health; a key on the command line is "
+        "visible to every user of the machine (ps): prefer $DLLM_API_KEY or --api-key-file",
     )
+    p.add_argument("--api-key-file", type=Path, help="read the API key from this file (its first line)")
     p.add_argument("--max-waiting", type=int, default=256, help="requests waiting for a slot before 429 (default 256)")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may take (default 600)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit (default 1 MiB)")
+    p.add_argument(
+        "--max-prompts",
+        type=int,
+        default=128,
+        help="answers per request at most: prompts x n (default 128)",
+    )
+    p.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=0,
+        help="alternatives per token a request may ask (top_logprobs), compiled into every loop: 0 (default): "
+        "the tokens' own log-probabilities only (a gather per step); K > 0: also the K most likely tokens (a "
+        "top-K over the vocabulary per step); -1: no logprobs, nothing compiled for them",
+    )
+    p.add_argument(
+        "--max-connections", type=int, default=512, help="open connections at most; more get 503 (default 512)"
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a client has to send its request headers (default 10)",
+    )
+    p.add_argument(
+        "--body-timeout", type=float, default=30.0, help="seconds a client has to send its request body (default 30)"
+    )
     p.add_argument(
         "--iterations-per-call",
         type=int,
@@ -90,22 +124,92 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--backend", choices=("auto", "xla", "pallas"), default="auto", help="kernels (default auto)")
     p.add_argument(
+        "--mesh",
+        help='decode over several devices, e.g. "data=2,tensor=2": slots split over data, heads and MLP over '
+        "tensor; the sizes multiply to the number of devices (each method's --batch-size a multiple of data)",
+    )
+    p.add_argument(
         "--batch-invariant",
         action="store_true",
         help="answers independent of the load (and, with XLA's deterministic ops, of the run); slower",
     )
     p.add_argument("--port-file", type=Path, help="write the bound port here once serving (for scripts and tests)")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info", help="default info")
+    p.add_argument(
+        "--log-interval",
+        type=float,
+        default=10.0,
+        help="seconds between throughput lines in the log (0: none; default 10)",
+    )
     return p.parse_args(argv)
 
 
+def configure_logging(level: str) -> None:
+    """Our records at `level`, third-party libraries' at WARNING and up (no backend probing noise)."""
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger().level))
+    # transformers sets its own level when first imported, from this variable
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """The key from --api-key, --api-key-file or $DLLM_API_KEY (in that order); an empty one is
+    a usage error, not an open server."""
+    given = [name for name in ("api_key", "api_key_file") if getattr(args, name) is not None]
+    if len(given) > 1:
+        raise UsageError("--api-key and --api-key-file: give one of them")
+    if args.api_key_file is not None:
+        try:
+            lines = args.api_key_file.read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"--api-key-file {args.api_key_file}: cannot read it ({e})") from None
+        key, where = (lines[0].strip() if lines else ""), f"--api-key-file {args.api_key_file}"
+    elif args.api_key is not None:
+        key, where = args.api_key, "--api-key"
+    elif "DLLM_API_KEY" in os.environ:
+        key, where = os.environ["DLLM_API_KEY"], "$DLLM_API_KEY"
+    else:
+        return None
+    if not key.strip():
+        raise UsageError(f"{where}: the API key is empty (leave it unset to serve without a key)")
+    if key != key.strip() or any(not c.isprintable() for c in key):
+        raise UsageError(f"{where}: the API key has white space or unprintable characters")
+    return key
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads: a busy port fails in a second."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise UsageError(f"--host {host}: {e.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise UsageError(f"--host {host} --port {port}: cannot listen there ({e.strerror})") from None
+    sock.listen(2048)
+    return sock
+
+
 def _check(args: argparse.Namespace) -> None:
-    for name in ("batch_size", "max_waiting", "max_body_bytes", "iterations_per_call"):
+    for name in ("batch_size", "max_waiting", "max_body_bytes", "iterations_per_call", "max_prompts"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')}={getattr(args, name)}: expected >= 1")
-    for name in ("request_timeout", "shutdown_grace"):
-        if getattr(args, name) <= 0:
+    for name in ("request_timeout", "shutdown_grace", "header_timeout", "body_timeout"):
+        if not getattr(args, name) > 0:
             raise UsageError(f"--{name.replace('_', '-')}={getattr(args, name)}: expected > 0")
+    if not -1 <= args.max_logprobs <= 64:
+        raise UsageError(f"--max-logprobs={args.max_logprobs}: expected -1 (none) to 64")
+    if args.max_connections < 2:
+        raise UsageError(f"--max-connections={args.max_connections}: expected >= 2")
+    if not args.log_interval >= 0:
+        raise UsageError(f"--log-interval={args.log_interval}: expected >= 0")
+    args.api_key = api_key(args)
     if args.gamma is not None and not any(m.endswith("+verify") for m in args.method or []):
         raise UsageError("--gamma applies to Flash-Verify: add --method flash_cache+verify")
     if not 0 <= args.port < 65536:
@@ -132,11 +236,16 @@ def build(args: argparse.Namespace):
     from dllm_jax.common.platform import start_backend
     from dllm_jax.engine.engine import Engine
     from dllm_jax.runtime.decode_config import DecodeConfigError
+    from dllm_jax.runtime.sharding import MeshError, parse_mesh
     from dllm_jax.serve.assemble import ServeOptions, assemble
 
     start_backend()  # an impossible JAX_PLATFORMS is one line
     # the warm-up's loops read back by the next start ($DLLM_JAX_COMPILE_CACHE: a folder, or off)
     compile_cache.enable_compile_cache(compile_cache.cache_dir_setting(None, False))
+    try:
+        mesh = parse_mesh(args.mesh) if args.mesh else None
+    except MeshError as e:
+        raise UsageError(f"--mesh: {e}") from None
     dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
     engine = Engine.from_pretrained(
         str(path),
@@ -144,6 +253,7 @@ def build(args: argparse.Namespace):
         quantization=args.quantization,
         backend=args.backend,
         batch_invariant=args.batch_invariant,
+        mesh=mesh,
     )
     if engine.tokenizer is None:
         raise UsageError(f"--model {path}: the folder has no tokenizer files; the server needs them")
@@ -161,7 +271,11 @@ def build(args: argparse.Namespace):
         max_waiting=args.max_waiting,
         request_timeout=args.request_timeout,
         max_body_bytes=args.max_body_bytes,
+        body_timeout=args.body_timeout,
         iterations_per_call=args.iterations_per_call,
+        max_logprobs=None if args.max_logprobs < 0 else args.max_logprobs,
+        max_prompts=args.max_prompts,
+        log_interval=args.log_interval,
     )
     try:
         return assemble(engine, engine.tokenizer, options)
@@ -175,8 +289,10 @@ def served_name(model: str | None, path: Path) -> str:
     return model if model and not Path(model).exists() else path.name
 
 
-def serve(server, args: argparse.Namespace) -> None:
+def serve(server, args: argparse.Namespace, sock: socket.socket) -> None:
     import uvicorn
+
+    from dllm_jax.serve.connections import guarded_protocol
 
     class Server(uvicorn.Server):
         """uvicorn, and on SIGTERM/SIGINT: stop accepting, then fail what is left after the grace."""
@@ -205,6 +321,7 @@ def serve(server, args: argparse.Namespace) -> None:
         access_log=False,
         timeout_graceful_shutdown=int(args.shutdown_grace) + 5,
         lifespan="on",
+        http=guarded_protocol(max_connections=args.max_connections, header_timeout=args.header_timeout),
     )
     uv = Server(config)
     if args.port_file is not None:
@@ -219,22 +336,26 @@ def serve(server, args: argparse.Namespace) -> None:
                 tmp.replace(args.port_file)
 
         threading.Thread(target=report_port, daemon=True).start()
-    uv.run()
+    uv.run(sockets=[sock])
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level)
+    sock = None
     try:
         _check(args)
+        sock = bind(args.host, args.port)
         server = build(args)
-    except UsageError as e:
+    except (KeyboardInterrupt, ValueError, OSError) as e:  # UsageError, ConversionError, TokenizerError, ...
+        if sock is not None:
+            sock.close()
+        if isinstance(e, KeyboardInterrupt):
+            print("dllm-serve: interrupted during start-up", file=sys.stderr)
+            return 130
         print(f"dllm-serve: {e}", file=sys.stderr)
         return 2
-    except (ValueError, OSError) as e:  # ConversionError, TokenizerError, GenerationError are ValueErrors
-        print(f"dllm-serve: {e}", file=sys.stderr)
-        return 2
-    serve(server, args)
+    serve(server, args, sock)
     return 0
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -33,14 +34,24 @@ _TYPES = {
 
 
 class APIError(Exception):
-    """A request that fails with `status`; `message` is shown to the client as is."""
+    """A request that fails with `status`; `message` is shown to the client as is (lone
+    surrogates escaped); headers: extra response headers (a 429's Retry-After)."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status = status
-        self.message = message
-        self.param = param
+        self.message = printable(message)
+        self.param = None if param is None else printable(param)
         self.code = code
+        self.headers = dict(headers or {})
 
     @property
     def type(self) -> str:
@@ -50,21 +61,31 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else {}
+        return JSONResponse(self.body(), status_code=self.status, headers={**headers, **self.headers})
+
+
+def printable(text: str) -> str:
+    """text with lone surrogates written as escapes (\\ud800): they cannot be encoded as UTF-8."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+# pydantic's names of union members and validator steps in an error location (never our fields)
+_TYPE_NAMES = frozenset({"str", "int", "float", "bool", "none", "dict", "list", "tuple", "bytes"})
+_TAG = re.compile(r"^(function-\w+|constrained-\w+|tagged-union|lax-or-strict|json-or-python|.*\[.*\]|[A-Z]\w*)$")
 
 
 def _location(loc: tuple) -> str:
-    """pydantic's error location as a dotted field path (body.dllm.threshold -> dllm.threshold)."""
-    parts = [str(p) for p in loc if p != "body"]
+    """pydantic's error location as a dotted field path (body.dllm.threshold -> dllm.threshold,
+    body.prompt.list[int].0 -> prompt[0])."""
     path = ""
-    for p in parts:
-        if p.isdigit():
+    for p in loc[1:] if loc[:1] == ("body",) else loc:
+        if isinstance(p, int):
             path += f"[{p}]"
-        elif p in ("function-after", "tagged-union") or p.startswith(("list[", "str", "int", "float")):
+        elif p in _TYPE_NAMES or _TAG.match(str(p)):
             continue  # union member names, not fields
         else:
-            path += f".{p}" if path else p
+            path += f".{p}" if path else str(p)
     return path
 
 
@@ -112,11 +133,13 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
-        message = {
-            404: f"no route {request.url.path}",
-            405: f"method {request.method} not allowed on {request.url.path}",
+        known = {
+            404: (f"no route {request.url.path}", "not_found"),
+            405: (f"method {request.method} not allowed on {request.url.path}", "method_not_allowed"),
+            400: (f"the request body cannot be read ({exc.detail})", "invalid_json"),
         }
-        return APIError(exc.status_code, message.get(exc.status_code, str(exc.detail))).response()
+        message, code = known.get(exc.status_code, (str(exc.detail), None))
+        return APIError(exc.status_code, message, code=code).response()
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):

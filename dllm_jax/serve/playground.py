@@ -15,11 +15,13 @@ from fastapi.responses import FileResponse
 
 STATIC_DIR = Path(__file__).with_name("static")
 
-# URL path -> (file in STATIC_DIR, media type)
+# URL path -> (file in STATIC_DIR, media type); browsers ask for /favicon.ico unprompted
 _FILES = {
     "/": ("index.html", "text/html; charset=utf-8"),
     "/static/app.js": ("app.js", "text/javascript; charset=utf-8"),
     "/static/style.css": ("style.css", "text/css; charset=utf-8"),
+    "/static/favicon.svg": ("favicon.svg", "image/svg+xml"),
+    "/favicon.ico": ("favicon.svg", "image/svg+xml"),
 }
 PLAYGROUND_PATHS = frozenset(_FILES)
 

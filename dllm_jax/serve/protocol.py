@@ -3,6 +3,10 @@
 Unknown top-level fields are rejected (OpenAI does the same), so a misspelt option is a 400
 naming it instead of a silently ignored setting. Diffusion options live in the extension
 object ``"dllm": {...}``; ``top_k`` is also accepted at the top level, as vLLM does.
+
+OpenAI fields this server cannot honour are accepted at their defaults (what clients send
+unasked: presence/frequency_penalty 0, response_format text, an empty logit_bias) and refused
+otherwise with the reason (``unsupported``).
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, create_model, model_validator
 
-from dllm_jax.sampling.params import FLOAT32_MAX, INT32_MAX, Knob, server_knobs
+from dllm_jax.sampling.params import FLOAT32_MAX, INT32_MAX, MAX_SEED, Knob, server_knobs
 
 
 class _Strict(BaseModel):
@@ -58,20 +62,33 @@ class StreamOptions(_Strict):
     include_usage: StrictBool = False
 
 
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+MAX_CHOICES = 16  # n at most: each choice is a request of its own
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit of top_logprobs (chat); completions' logprobs at most 5
+_Penalty = Annotated[StrictFloat | StrictInt, Field(ge=-2, le=2, allow_inf_nan=False)]
+
+
 class _Sampling(_Strict):
     """Fields shared by both endpoints."""
 
     model: str
-    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    max_tokens: Annotated[StrictInt, Field(ge=1, le=INT32_MAX)] | None = None
     temperature: Annotated[StrictFloat, Field(ge=0, le=2)] | None = None
     top_p: Annotated[StrictFloat, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[StrictInt, Field(ge=1)] | None = None
-    seed: StrictInt | None = None
+    top_k: Annotated[StrictInt, Field(ge=1, le=INT32_MAX)] | None = None
+    seed: Annotated[StrictInt, Field(ge=0, le=MAX_SEED - 1)] | None = None
     stop: str | list[str] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    n: Literal[1] = 1
+    n: Annotated[StrictInt, Field(ge=1, le=MAX_CHOICES)] = 1
+    presence_penalty: _Penalty | None = None
+    frequency_penalty: _Penalty | None = None
+    logit_bias: dict[str, float] | None = None
     dllm: DllmOptions = Field(default_factory=DllmOptions)
 
     @model_validator(mode="after")
@@ -104,6 +121,23 @@ class _Sampling(_Strict):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    @property
+    def top_logprobs_wanted(self) -> int | None:
+        """Alternatives per token the request asks for (None: no logprobs)."""
+        return None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(param, why) of a field this server accepts only at its default, or None."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                return name, (
+                    f"{name}={getattr(self, name)} is not supported: a diffusion model commits tokens anywhere in the "
+                    "answer, several per step, so there is no 'already generated' prefix to penalise (send 0)"
+                )
+        if self.logit_bias:
+            return "logit_bias", "logit_bias is not supported by this server (send none or {})"
+        return None
+
 
 class TextPart(_Strict):
     type: Literal["text"]
@@ -126,7 +160,10 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[StrictInt, Field(ge=1, le=INT32_MAX)] | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _check_tokens(self):
@@ -138,6 +175,20 @@ class ChatCompletionRequest(_Sampling):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    @property
+    def top_logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.top_logprobs and not self.logprobs:
+            return "top_logprobs", "top_logprobs needs logprobs=true"
+        if self.response_format is not None and self.response_format.type != "text":
+            return "response_format", (
+                f"response_format {self.response_format.type!r} is not supported: this server does not constrain "
+                "decoding to a format (send {'type': 'text'})"
+            )
+        return super().unsupported()
+
     def conversation(self) -> list[dict[str, str]]:
         """The messages as the chat template takes them (developer is OpenAI's new system)."""
         role = {"developer": "system"}
@@ -148,8 +199,29 @@ class CompletionRequest(_Sampling):
     """prompt: a string, a list of strings, a list of token ids, or a list of those lists."""
 
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
-    echo: Literal[False] = False
-    logprobs: None = None
+    echo: StrictBool = False
+    logprobs: Annotated[StrictInt, Field(ge=0, le=5)] | None = None
+    best_of: Annotated[StrictInt, Field(ge=1, le=MAX_CHOICES)] | None = None
+    suffix: str | None = None
+
+    @property
+    def top_logprobs_wanted(self) -> int | None:
+        return self.logprobs
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.echo and self.logprobs is not None:
+            return "logprobs", (
+                "echo with logprobs is not supported: it asks for the prompt tokens' log-probabilities, which a "
+                "masked diffusion model does not assign (it never predicts its prompt)"
+            )
+        if self.best_of is not None and self.best_of != self.n:
+            return (
+                "best_of",
+                f"best_of={self.best_of} is not supported: it must equal n={self.n} (no ranking of samples)",
+            )
+        if self.suffix:
+            return "suffix", "suffix (infilling) is not supported by this server"
+        return super().unsupported()
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts, one per choice (raises ValueError for an empty one)."""

@@ -14,6 +14,7 @@ import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 
 from dllm_jax.engine.results import cut_at_stop_strings
+from dllm_jax.text.tokenizer import tokens_within
 
 _REPLACEMENT = "\ufffd"
 
@@ -80,6 +81,7 @@ class StableText:
         self._prefix = 0  # positions known decoded from the start
         self.emitted = ""
         self.finish_reason: str | None = None
+        self.stopped_by_string = False  # the answer ended at a stop string (the engine does not know)
         self.answer_tokens = 0  # tokens of the stable answer (before its end marker or stop string)
 
     def commit(self, positions: Iterable[int], token_ids: Iterable[int]) -> None:
@@ -108,6 +110,7 @@ class StableText:
         reason = None
         if stopped:
             reason = "stop"
+            self.stopped_by_string = True
         elif complete:
             reason = "stop" if ended else "length"
         else:
@@ -116,6 +119,11 @@ class StableText:
             text = text.rstrip(_REPLACEMENT)
         self.answer_tokens = len(kept)
         return self._emit(text, reason)
+
+    def emitted_tokens(self) -> int:
+        """The answer's leading tokens whose text is all emitted."""
+        ids = [int(t) for t in self.tokens[: self._prefix]]
+        return tokens_within(self._decode, ids, len(self.emitted))
 
     def finish(self, text: str, finish_reason: str) -> TextDelta:
         """The engine's final answer: emits what remains of it (idempotent once finished)."""

@@ -1,10 +1,16 @@
 """The engine thread: the one owner of the device, stepping the generation sessions.
 
 HTTP handlers (on the asyncio loop) submit work and read its events; the thread, between
-short calls of each session's compiled loop, adds arrived requests (in arrival order),
-aborts cancelled and expired ones, and hands every request its step's commits and, at the
-end, its final answer. Waiting requests are bounded (`max_waiting`): past it, submit raises
-a 429. Nothing here blocks the event loop: events cross threads with call_soon_threadsafe.
+short calls of each session's compiled loop, aborts released requests (a client gone: before
+the next call), adds arrived requests (in arrival order), aborts expired ones, and hands every
+request its step's commits and, at the end, its final answer. Waiting requests are bounded
+(`max_waiting`): past it, submit raises a 429. Nothing here blocks the event loop: events
+cross threads with call_soon_threadsafe.
+
+One request cannot end the thread: a session that refuses or fails a request fails that
+request alone; a session call that raises fails the requests of that session (500, logged)
+and the session starts afresh. Every `log_interval` seconds with work done, the thread logs
+the throughput.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ class Session(Protocol):
     def add(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> None: ...
     def abort(self, request_id: str) -> bool: ...
     def step(self, max_iterations: int) -> list[RequestUpdate]: ...
+    def reset(self) -> None: ...
     @property
     def num_running(self) -> int: ...
     @property
@@ -86,8 +93,11 @@ class RequestHandle:
         return self.work.request_id
 
     def deliver(self, event: Event) -> None:
-        """Called from the engine thread."""
-        self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+        """Called from the engine thread (a closed event loop, at shutdown, drops it)."""
+        try:
+            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+        except RuntimeError:
+            pass
 
     async def next_event(self, timeout: float | None = None) -> Event | None:
         """The next event, or None after `timeout` seconds without one."""
@@ -112,6 +122,7 @@ class EngineWorker:
       max_waiting: requests that may wait for a slot; one more is a 429.
       max_iterations: loop iterations per session call (a chunk leaves at most this many
         steps after its commit; 1 = every step).
+      log_interval: seconds between throughput lines in the log (0: none).
     """
 
     def __init__(
@@ -121,6 +132,7 @@ class EngineWorker:
         *,
         max_waiting: int = 256,
         max_iterations: int = 1,
+        log_interval: float = 10.0,
     ):
         if not sessions:
             raise ValueError("no sessions")
@@ -141,6 +153,8 @@ class EngineWorker:
         self.failure: BaseException | None = None
         self._num_slots = sum(s.compiled.loop.num_slots for s in self.sessions.values())
         metrics.slots_total.set(self._num_slots)
+        self.log_interval = log_interval
+        self._throughput = _Throughput()
 
     @property
     def default_method(self) -> str:
@@ -176,6 +190,7 @@ class EngineWorker:
                     429,
                     f"too many requests waiting (the server's limit is {self.max_waiting}); retry later",
                     code="queue_full",
+                    headers={"Retry-After": "1"},
                 )
             if work.request_id in self._live:
                 raise APIError(400, f"request id {work.request_id} is already in use", code="duplicate_id")
@@ -222,6 +237,7 @@ class EngineWorker:
             while True:
                 with self._lock:
                     while self._stopping is None and not self._inbox and not self._aborts and not self._in_engine:
+                        self._log_throughput()  # the last busy interval's line, once idle
                         self._wake.wait(timeout=0.5)
                     if self._stopping is not None:
                         break
@@ -232,6 +248,7 @@ class EngineWorker:
                 self._expire()
                 self._step_sessions()
                 self._update_gauges()
+                self._log_throughput()
         except BaseException as e:  # the engine failed: every request learns it, the server stays up
             log.exception("the engine thread failed")
             self.failure = e
@@ -248,10 +265,17 @@ class EngineWorker:
             work = handle.work
             try:
                 self.sessions[work.method].add(work.request_id, work.prompt_ids, work.sampling)
-            except Exception as e:  # a request the session refuses fails alone
+            except GenerationError as e:  # a request the session refuses fails alone
                 self.metrics.errors.labels("rejected").inc()
                 handle.deliver(
                     Event(error=APIError(400, f"request rejected by the engine: {e}", code="invalid_request"))
+                )
+                continue
+            except Exception as e:  # so does one the session fails on
+                log.exception("adding request %s failed", work.request_id)
+                self.metrics.errors.labels("engine").inc()
+                handle.deliver(
+                    Event(error=APIError(500, f"internal error ({type(e).__name__})", code="internal_error"))
                 )
                 continue
             self._in_engine[work.request_id] = handle
@@ -259,7 +283,10 @@ class EngineWorker:
     def _abort(self, aborts: list[tuple[RequestHandle, APIError | None]]) -> None:
         for handle, error in aborts:
             if self._in_engine.pop(handle.request_id, None) is not None:
-                self.sessions[handle.work.method].abort(handle.request_id)
+                try:
+                    self.sessions[handle.work.method].abort(handle.request_id)
+                except Exception:  # the request is gone from the worker either way
+                    log.exception("aborting request %s failed", handle.request_id)
                 self.metrics.cancelled.inc()
             if error is not None:
                 handle.deliver(Event(error=error))
@@ -274,11 +301,15 @@ class EngineWorker:
             )
 
     def _step_sessions(self) -> None:
-        for session in self.sessions.values():
+        for method, session in self.sessions.items():
             if not (session.num_running or session.num_waiting):
                 continue
             start = time.perf_counter()
-            updates = session.step(self.max_iterations)
+            try:
+                updates = session.step(self.max_iterations)
+            except Exception as e:
+                self._session_failed(method, session, e)
+                continue
             received = time.perf_counter()
             now = time.monotonic()
             steps = max((len(u.commits) for u in updates), default=0)
@@ -299,7 +330,51 @@ class EngineWorker:
                         self.metrics.queue_wait_seconds.observe(now - handle.arrived)
                 if update.result is not None:
                     del self._in_engine[update.request_id]
+                    self._throughput.finished(update.result)
                 handle.deliver(Event(commits=update.commits, received=received, result=update.result))
+            self._throughput.steps += steps
+
+    def _session_failed(self, method: str, session: Session, error: Exception) -> None:
+        """A session call raised: its requests fail (500), the session starts afresh."""
+        log.exception("the %s session failed; its requests end with an error and it starts afresh", method)
+        self.metrics.errors.labels("engine").inc()
+        failed = [h for h in self._in_engine.values() if h.work.method == method]
+        for handle in failed:
+            del self._in_engine[handle.request_id]
+            handle.deliver(
+                Event(
+                    error=APIError(
+                        500, f"internal error while decoding ({type(error).__name__})", code="internal_error"
+                    )
+                )
+            )
+        with self._lock:
+            for handle in failed:
+                if handle.started is None:
+                    handle.started = -1.0
+                    self._waiting -= 1
+        session.reset()
+
+    def _log_throughput(self) -> None:
+        t = self._throughput
+        now = time.monotonic()
+        elapsed = now - t.since
+        if not self.log_interval or elapsed < self.log_interval:
+            return
+        if t.requests or t.steps:
+            log.info(
+                "throughput: %.2f requests/s, %.1f tokens/s (%.1f reference tokens/s), %.1f steps/s; "
+                "running %d, waiting %d, slots busy %d/%d",
+                t.requests / elapsed,
+                t.tokens / elapsed,
+                t.reference_tokens / elapsed,
+                t.steps / elapsed,
+                len(self._in_engine),
+                self._waiting,
+                sum(s.num_running for s in self.sessions.values()),
+                self._num_slots,
+            )
+        self._throughput = _Throughput(since=now)
 
     def _update_gauges(self) -> None:
         self.metrics.requests_waiting.set(self._waiting)
@@ -311,3 +386,20 @@ class EngineWorker:
         for handle in handles:
             handle.deliver(Event(error=error))
         self._in_engine.clear()
+
+
+@dataclasses.dataclass
+class _Throughput:
+    """What the engine did since `since` (time.monotonic()): answers, their completion and
+    reference tokens (docs/counters.md), loop iterations."""
+
+    since: float = dataclasses.field(default_factory=time.monotonic)
+    requests: int = 0
+    tokens: int = 0
+    reference_tokens: int = 0
+    steps: int = 0
+
+    def finished(self, result: GenerationResult) -> None:
+        self.requests += 1
+        self.tokens += result.completion_tokens
+        self.reference_tokens += result.reference_num_tokens

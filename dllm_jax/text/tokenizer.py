@@ -13,11 +13,14 @@ LLaDA's tokenizer adds no BOS/EOS on plain text; only its chat template inserts 
 
 from __future__ import annotations
 
+import copy
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from dllm_jax.common.json_file import read_json, read_text
+from dllm_jax.text.chat_encoding import ChatEncodingError, encode_conversation
 from dllm_jax.text.chat_template import ChatTemplate
 from dllm_jax.text.errors import TokenizerError
 
@@ -217,15 +220,36 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
         """Token ids of a conversation ({"role", "content"} messages, system turns included)
-        rendered by the chat template (``render_chat``), ending with the assistant header."""
-        text = self.render_chat(messages)
-        _check_unicode(text, "messages: ")
-        return self._backend.encode(text, add_special_tokens=False).ids
+        rendered by the chat template (``render_chat``), ending with the assistant header.
 
-    def encode(self, text: str, *, chat: bool = False) -> list[int]:
+        A message's content is text: special tokens typed in it are tokenized as characters,
+        only the template's own text carries them (dllm_jax.text.chat_encoding)."""
+        self.render_chat(messages)  # validates the messages and the template
+        for i, message in enumerate(messages):
+            _check_unicode(message["content"], f"message {i}: ")
+        try:
+            return encode_conversation(messages, self.render_chat, self._encode)
+        except ChatEncodingError as e:
+            raise TokenizerError(str(e)) from None
+
+    def _encode(self, text: str, special_tokens: bool) -> list[int]:
+        backend = self._backend if special_tokens else self._text_backend
+        return backend.encode(text, add_special_tokens=False).ids
+
+    @functools.cached_property
+    def _text_backend(self) -> Any:
+        """A copy of the backend that encodes special tokens' text as characters (its own
+        object: the setting is the backend's state, and prompts are encoded from threads)."""
+        backend = copy.deepcopy(self._backend)
+        backend.encode_special_tokens = True
+        return backend
+
+    def encode(self, text: str, *, chat: bool = False, special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; with ``chat=True`` the text is one user turn of the chat template.
 
         Special tokens are added only by the template (its BOS and headers), never by the tokenizer.
+        special_tokens: a special token's text in ``text`` (``<|mdm_mask|>``) is that token;
+        False: it is its characters (always so for a chat turn's text).
 
         Raises:
           TokenizerError for text it cannot encode: not a str, or not valid Unicode (e.g. a lone
@@ -235,8 +259,8 @@ class Tokenizer:
             raise TokenizerError(f"expected text (str), got {type(text).__name__}")
         _check_unicode(text, "")
         if chat:
-            text = self.chat_prompt(text)
-        return self._backend.encode(text, add_special_tokens=False).ids
+            return self.apply_chat_template([{"role": "user", "content": text}])
+        return self._encode(text, special_tokens)
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids`` up to (not including) the first EOS, with special tokens dropped.

@@ -4,6 +4,12 @@
 "use strict";
 
 const MAX_SETTINGS = 3;
+// The page's presets: "denoise" (the first load) commits one token per step, so that the
+// denoising is visible (threshold 1: only candidates the model is sure of commit together, and
+// always the most confident one); "fast" leaves the method its defaults.
+const PRESETS = { denoise: { threshold: "1" }, fast: { threshold: "" } };
+// Methods that commit by a confidence threshold (the others, llada and dream, by a fixed schedule).
+const THRESHOLD_METHODS = new Set(["flash_cache", "flash_cache+verify", "fast_dllm"]);
 // Compare mode starts with these settings (fields of the request's "dllm" object).
 // Compare mode gives setting i the server's i-th method; with fewer methods, these thresholds.
 const COMPARE_THRESHOLDS = ["0.9", "0.7", "0.5"];
@@ -290,7 +296,10 @@ class Panel {
     this.parts.steps.textContent = String(steps);
     this.parts["step-commits"].textContent = last ? String(last.commits.length) : "0";
     this.parts.tokens.textContent = String(tokens);
-    this.parts["tokens-per-step"].textContent = steps ? (tokens / steps).toFixed(2) : "–";
+    // the server's count once it sent one (reference tokens per step, docs/counters.md), else the page's own
+    const serverPerStep = history.serverStats && history.serverStats.tokens_per_step;
+    const perStep = typeof serverPerStep === "number" ? serverPerStep : steps ? tokens / steps : null;
+    this.parts["tokens-per-step"].textContent = perStep === null ? "–" : perStep.toFixed(2);
     this.parts["tokens-per-second"].textContent = seconds > 0 && tokens ? (tokens / seconds).toFixed(1) : "–";
     const passes = history.serverStats && history.serverStats.forward_passes;
     this.parts["forward-passes"].textContent = passes === undefined || passes === null ? "–" : String(passes);
@@ -363,6 +372,7 @@ const addSettingButton = document.getElementById("add-setting");
 let activeRun = null;
 let modelReady = null;
 let serverMethods = []; // the methods the server runs (GET /v1/models), the default first
+let methodsKnown = false;
 
 /** The starting values of compare setting i: the server's i-th method, else a threshold. */
 function comparePreset(i) {
@@ -377,14 +387,31 @@ function fillMethodOptions(select) {
   select.value = chosen;
 }
 
+/** The method a setting runs: its own choice, else the server's default. */
+function settingMethod(fieldset) {
+  return fieldset.querySelector('[data-field="method"]').value || serverMethods[0] || "";
+}
+
+/** Applies the page's preset to one setting (its threshold, where its method takes one). */
+function applyPreset(fieldset) {
+  const preset = PRESETS[document.getElementById("preset").value];
+  const method = settingMethod(fieldset);
+  const takesThreshold = !method || THRESHOLD_METHODS.has(method);
+  fieldset.querySelector('[data-field="threshold"]').value = takesThreshold ? preset.threshold : "";
+}
+
 function addSetting(preset = {}) {
   const fragment = document.getElementById("setting-template").content.cloneNode(true);
   const fieldset = fragment.querySelector("[data-setting]");
-  fillMethodOptions(fieldset.querySelector('[data-field="method"]'));
+  const methodSelect = fieldset.querySelector('[data-field="method"]');
+  fillMethodOptions(methodSelect);
+  if (preset.method) methodSelect.value = preset.method;
+  applyPreset(fieldset);
   for (const [field, value] of Object.entries(preset)) {
     const input = fieldset.querySelector(`[data-field="${field}"]`);
     if (input) input.value = value;
   }
+  methodSelect.addEventListener("change", () => applyPreset(fieldset));
   fieldset.querySelector('[data-role="remove-setting"]').addEventListener("click", () => {
     fieldset.remove();
     relabelSettings();
@@ -509,6 +536,11 @@ async function showModel() {
     window.dllmModel = card ? card.id : undefined;
     serverMethods = card && Array.isArray(card.methods) ? card.methods : [];
     for (const select of document.querySelectorAll('[data-field="method"]')) fillMethodOptions(select);
+    if (!methodsKnown) {
+      // the first time the methods are known: the preset, now for the server's default method
+      for (const fieldset of settingsBox.querySelectorAll("[data-setting]")) applyPreset(fieldset);
+      methodsKnown = serverMethods.length > 0;
+    }
     label.textContent = window.dllmModel ?? "unknown";
   } catch (error) {
     label.textContent = `unavailable (${error.message})`;
@@ -527,6 +559,9 @@ function main() {
     if (event.key === "Enter" && (event.ctrlKey || event.metaKey)) document.getElementById("request-form").requestSubmit();
   });
   document.getElementById("stop").addEventListener("click", () => activeRun && activeRun.abort());
+  document.getElementById("preset").addEventListener("change", () => {
+    for (const fieldset of settingsBox.querySelectorAll("[data-setting]")) applyPreset(fieldset);
+  });
   document.getElementById("api-key").addEventListener("change", () => (modelReady = showModel()));
   modelReady = showModel();
 }

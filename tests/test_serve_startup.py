@@ -1,0 +1,163 @@
+"""dllm-serve's start-up (issue 33 items 3 and 9, issue 34 item 8): an empty API key is a usage
+error, a busy port fails before the model loads, Ctrl-C while loading or compiling is one line
+and status 130, the log has no backend-probing or tokenizer noise, and --mesh reaches the
+engine. Only the Ctrl-C test loads the model (and is interrupted while it compiles)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dllm_jax.serve import cli
+
+
+def serve(args: list[str], env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess:
+    """dllm-serve with exactly this environment (and JAX on the CPU)."""
+    environment = {**env, "JAX_PLATFORMS": "cpu"}
+    return subprocess.run(
+        [sys.executable, "-m", "dllm_jax.serve", "--port", "0", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=environment,
+    )
+
+
+def one_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr[-2000:]
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "args, env, words",
+    [
+        (["--api-key", ""], {}, "--api-key: the API key is empty"),
+        (["--api-key", "   "], {}, "--api-key: the API key is empty"),
+        ([], {"DLLM_API_KEY": ""}, "$DLLM_API_KEY: the API key is empty"),
+        (["--api-key-file", "{empty}"], {}, "the API key is empty"),
+        (["--api-key-file", "/nonexistent/key"], {}, "cannot read it"),
+        (["--api-key", "a", "--api-key-file", "{empty}"], {}, "give one of them"),
+        (["--mesh", "data=3"], {}, "--mesh: mesh spec 'data=3'"),
+        (["--max-logprobs", "65"], {}, "--max-logprobs=65: expected -1 (none) to 64"),
+        (["--header-timeout", "0"], {}, "--header-timeout=0.0: expected > 0"),
+    ],
+)
+def test_bad_options_exit_2_with_one_line_before_loading(tmp_path, args, env, words):
+    empty = tmp_path / "key"
+    empty.write_text("\n")
+    args = [a.replace("{empty}", str(empty)) for a in args]
+    environment = {k: v for k, v in os.environ.items() if k != "DLLM_API_KEY"}
+    started = time.monotonic()
+    result = serve(args, {**environment, **env})
+    assert result.returncode == 2 and words in one_line(result.stderr), result.stderr[-2000:]
+    assert time.monotonic() - started < 45  # no model loaded, nothing compiled
+    assert "compiling" not in result.stderr
+
+
+def test_the_key_file_and_the_variable_give_the_key(tmp_path, monkeypatch):
+    keyfile = tmp_path / "key"
+    keyfile.write_text("from-file\nignored\n")
+    monkeypatch.setenv("DLLM_API_KEY", "from-env")
+    assert cli.api_key(cli.parse_args(["--api-key-file", str(keyfile)])) == "from-file"
+    assert cli.api_key(cli.parse_args([])) == "from-env"
+    monkeypatch.delenv("DLLM_API_KEY")
+    assert cli.api_key(cli.parse_args([])) is None
+
+
+def test_a_busy_port_fails_at_once():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        result = subprocess.run(
+            [sys.executable, "-m", "dllm_jax.serve", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        )
+    assert result.returncode == 2
+    assert f"--port {port}: cannot listen there" in one_line(result.stderr)
+    assert time.monotonic() - started < 45 and "compiling" not in result.stderr
+
+
+def test_ctrl_c_during_the_warm_up_is_one_line_and_status_130(tmp_path):
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dllm_jax.serve", "--port", "0"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "JAX_PLATFORMS": "cpu"},
+            # a runner in the background (nohup, cmd &) hands its children SIGINT ignored
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
+        try:
+            deadline = time.monotonic() + 300
+            while "compiling flash_cache" not in log_path.read_text():
+                assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-2000:]
+                time.sleep(0.1)
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(300) == 130
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(30)
+    after = log_path.read_text().split("compiling flash_cache", 1)[1].splitlines()[1:]
+    assert [line for line in after if line.strip()] == ["dllm-serve: interrupted during start-up"], after
+
+
+def test_the_log_has_no_backend_probing_noise():
+    """Without JAX_PLATFORMS, jax probes for a TPU and logs "Unable to initialize backend
+    'tpu'" at INFO; the server's logging keeps third-party records below WARNING out."""
+    probe = "import jax; jax.devices(); print('ok')"
+    environment = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    plain = subprocess.run(
+        [sys.executable, "-c", f"import logging; logging.basicConfig(level='INFO'); {probe}"],
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=120,
+    )
+    ours = subprocess.run(
+        [sys.executable, "-c", f"from dllm_jax.serve.cli import configure_logging; configure_logging('info'); {probe}"],
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=120,
+    )
+    assert "Unable to initialize backend" in plain.stderr  # what the old logging let through
+    assert ours.stdout.strip() == "ok" and ours.stderr == "", ours.stderr
+
+
+def test_a_long_prompt_logs_no_tokenizer_warning(capfd):
+    from dllm_jax.text.tiny_tokenizer import build_tiny_tokenizer
+    from dllm_jax.text.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_transformers(build_tiny_tokenizer(model_max_length=16))
+    assert len(tokenizer.encode("x" * 100)) == 100
+    assert len(tokenizer.encode("x" * 100, chat=True)) > 100
+    assert "sequence length" not in capfd.readouterr().err
+
+
+def test_mesh_reaches_the_engine(monkeypatch, capsys):
+    from dllm_jax.engine.engine import Engine
+
+    seen = {}
+
+    def from_pretrained(path, **kwargs):
+        seen.update(kwargs)
+        raise ValueError("stopped before loading")
+
+    monkeypatch.setattr(Engine, "from_pretrained", staticmethod(from_pretrained))
+    assert cli.main(["--port", "0", "--mesh", "data=2,tensor=2", "--log-level", "warning"]) == 2
+    assert "stopped before loading" in capsys.readouterr().err
+    assert dict(seen["mesh"].shape) == {"data": 2, "tensor": 2}

@@ -1,0 +1,209 @@
+"""The server's engine thread (dllm_jax.serve.worker) against a fake session: no engine, no
+compilation. What a request may do to the thread: leave (its slot is freed before the next
+call), fail inside the session (it fails alone; a failed call fails its session's requests and
+the session starts afresh), overflow the queue (429 with Retry-After)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import types
+
+import pytest
+
+from dllm_jax.common.errors import GenerationError
+from dllm_jax.engine.results import GenerationResult
+from dllm_jax.engine.session import RequestUpdate, StepCommits
+from dllm_jax.sampling.params import SamplingParams
+from dllm_jax.serve.errors import APIError
+from dllm_jax.serve.metrics import ServerMetrics
+from dllm_jax.serve.worker import EngineWorker, Work
+
+
+class FakeSession:
+    """A session whose requests commit one token per step and finish after `steps` steps.
+
+    calls: ("step" | "abort" | "reset", detail) in order; fail_step: raise on that step call;
+    fail_add: prompts (as tuples) whose add raises RuntimeError."""
+
+    def __init__(self, *, steps: int = 5, step_seconds: float = 0.01, slots: int = 2, fail_step: int | None = None):
+        self.compiled = types.SimpleNamespace(loop=types.SimpleNamespace(num_slots=slots, cfg=False))
+        self.steps, self.step_seconds, self.fail_step = steps, step_seconds, fail_step
+        self.fail_add: set[tuple[int, ...]] = set()
+        self.calls: list[tuple[str, object]] = []
+        self.running: dict[str, int] = {}  # request id -> steps done
+        self.step_calls = 0
+
+    decode_config = None
+
+    def check(self, prompt_ids, sampling, where):
+        return {}
+
+    def add(self, request_id, prompt_ids, sampling):
+        if tuple(prompt_ids) in self.fail_add:
+            raise RuntimeError("a bug in the session")
+        if not prompt_ids:
+            raise GenerationError("an empty prompt")
+        self.running[request_id] = 0
+
+    def abort(self, request_id):
+        self.calls.append(("abort", request_id))
+        return self.running.pop(request_id, None) is not None
+
+    def step(self, max_iterations):
+        self.step_calls += 1
+        self.calls.append(("step", sorted(self.running)))
+        if self.fail_step == self.step_calls:
+            raise RuntimeError("the device call failed")
+        time.sleep(self.step_seconds)
+        updates = []
+        for request_id in list(self.running):
+            done = self.running[request_id]
+            self.running[request_id] = done + 1
+            commits = (StepCommits(done, (done,), (7,), (False,)),)
+            result = None
+            if done + 1 == self.steps:
+                del self.running[request_id]
+                result = _result(self.steps)
+            updates.append(RequestUpdate(request_id, commits, result))
+        return updates
+
+    def reset(self):
+        self.calls.append(("reset", None))
+        self.running.clear()
+
+    @property
+    def num_running(self):
+        return len(self.running)
+
+    @property
+    def num_waiting(self):
+        return 0
+
+
+def _result(steps: int) -> GenerationResult:
+    return GenerationResult(
+        index=0,
+        prompt_ids=[1],
+        token_ids=[7] * steps,
+        text=None,
+        finish_reason="length",
+        prompt_tokens=1,
+        completion_tokens=steps,
+        reference_num_tokens=steps,
+        steps=steps,
+        forward_passes=steps,
+        verify_passes=0,
+        accepted_drafts=0,
+        seconds=0.0,
+    )
+
+
+def _work(request_id: str, method: str = "a", prompt=(1, 2)) -> Work:
+    return Work(request_id, method, list(prompt), SamplingParams(), time.monotonic() + 30)
+
+
+async def _events_until_end(handle, timeout: float = 10.0):
+    """The handle's events up to its result or error."""
+    events = []
+    while True:
+        event = await handle.next_event(timeout)
+        assert event is not None, "no event in time"
+        events.append(event)
+        if event.result is not None or event.error is not None:
+            return events
+
+
+def _run(sessions, scenario, **options):
+    worker = EngineWorker(sessions, ServerMetrics(), **options)
+    worker.start()
+    try:
+        return asyncio.run(scenario(worker))
+    finally:
+        worker.stop()
+
+
+def test_a_released_request_is_aborted_before_the_next_device_call():
+    session = FakeSession(steps=1000, step_seconds=0.02)
+
+    async def scenario(worker):
+        handle = worker.submit(_work("r1"))
+        assert (await handle.next_event(10)).commits  # it is in a slot, decoding
+        mark = len(session.calls)
+        handle.close()  # the client went away
+        deadline = time.monotonic() + 10
+        while ("abort", "r1") not in session.calls[mark:]:
+            assert time.monotonic() < deadline, "the request was never aborted"
+            await asyncio.sleep(0.005)
+        return session.calls[mark:]
+
+    after = _run({"a": session}, scenario)
+    steps_before_abort = [c for c in after[: after.index(("abort", "r1"))] if c[0] == "step"]
+    assert len(steps_before_abort) <= 1, f"calls after the release: {after[:5]}"  # at most the one in flight
+
+
+def test_a_failing_call_fails_its_sessions_requests_and_the_thread_goes_on():
+    failing, other = FakeSession(steps=50, fail_step=3), FakeSession(steps=4)
+
+    async def scenario(worker):
+        doomed = [worker.submit(_work(f"a{i}")) for i in range(2)]
+        bystander = worker.submit(_work("b0", method="b"))
+        for handle in doomed:
+            error = (await _events_until_end(handle))[-1].error
+            assert error is not None and error.status == 500 and error.code == "internal_error"
+        assert (await _events_until_end(bystander))[-1].result is not None
+        again = worker.submit(_work("a-after"))  # the session starts afresh
+        assert (await _events_until_end(again))[-1].result is not None
+        assert worker.failure is None
+        return worker
+
+    worker = _run({"a": failing, "b": other}, scenario)
+    assert ("reset", None) in failing.calls and ("reset", None) not in other.calls
+    assert worker._in_engine == {}
+
+
+def test_a_request_the_session_fails_to_add_fails_alone():
+    session = FakeSession(steps=3)
+    session.fail_add.add((9, 9))
+
+    async def scenario(worker):
+        bad = worker.submit(_work("bad", prompt=(9, 9)))
+        refused = worker.submit(_work("refused", prompt=()))
+        good = worker.submit(_work("good"))
+        assert (await _events_until_end(bad))[-1].error.status == 500
+        assert (await _events_until_end(refused))[-1].error.status == 400
+        assert (await _events_until_end(good))[-1].result is not None
+        assert worker.failure is None
+
+    _run({"a": session}, scenario)
+
+
+def test_a_full_queue_answers_429_with_retry_after():
+    session = FakeSession(steps=1000, slots=1)
+
+    async def scenario(worker):
+        held = [worker.submit(_work(f"r{i}")) for i in range(3)]  # 1 slot + 2 waiting
+        with pytest.raises(APIError) as e:
+            worker.submit(_work("one-too-many"))
+        for handle in held:
+            handle.close()
+        return e.value
+
+    error = _run({"a": session}, scenario, max_waiting=2)
+    assert error.status == 429 and error.headers == {"Retry-After": "1"}
+    assert error.response().headers["retry-after"] == "1"
+
+
+def test_the_thread_logs_its_throughput(caplog):
+    session = FakeSession(steps=3)
+
+    async def scenario(worker):
+        for i in range(3):
+            await _events_until_end(worker.submit(_work(f"r{i}")))
+        await asyncio.sleep(0.2)
+
+    with caplog.at_level(logging.INFO, logger="dllm_jax.serve"):
+        _run({"a": session}, scenario, log_interval=0.05)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("throughput:")]
+    assert lines and "requests/s" in lines[0] and "tokens/s" in lines[0] and "slots busy" in lines[0]
