@@ -39,7 +39,9 @@ class CharTokenizer:
 
     has_chat_template = True
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, *, chat: bool = False, special_tokens: bool = True) -> list[int]:
+        if chat:
+            return self.apply_chat_template([{"role": "user", "content": text}])
         return [ord(c) - 31 if 32 <= ord(c) < 127 else 96 for c in text]
 
     def decode(self, ids) -> str:
@@ -117,13 +119,19 @@ class FakeSession:
     def check(self, prompt_ids: list[int], sampling: SamplingParams, where: str) -> object:
         if len(prompt_ids) > self.max_prompt_len:
             raise GenerationError(f"{where}: the prompt has {len(prompt_ids)} tokens, more than {self.max_prompt_len}")
-        if sampling.max_new_tokens > self.decode_config.gen_length:
-            raise GenerationError(f"{where}: max_new_tokens={sampling.max_new_tokens} is more than the bucket")
+        for name in ("max_new_tokens", "gen_length"):
+            value = getattr(sampling, name)
+            if value is not None and value > self.decode_config.gen_length:
+                raise GenerationError(f"{where}: {name}={value} is more than the bucket")
         return {}
+
+    def _canvas(self, sampling: SamplingParams) -> int:
+        """The request's masked positions (SamplingParams.gen_length, else the bucket)."""
+        return sampling.gen_length or self.decode_config.gen_length
 
     def add(self, request_id, prompt_ids: list[int], sampling: SamplingParams) -> None:
         self.check(prompt_ids, sampling, f"request {request_id!r}")
-        length = sampling.max_new_tokens
+        length = self._canvas(sampling)
         request = _Request(request_id, self._next_order, list(prompt_ids), sampling, answer_ids(prompt_ids, length), [])
         request.pending = commit_order(length)
         self._next_order += 1
@@ -171,7 +179,8 @@ class FakeSession:
 
     def result(self, request: _Request) -> GenerationResult:
         """What the engine returns for this answer (engine.results cuts it the same way)."""
-        ids, stopped = cut_at_end_ids(request.answer, (EOS, *request.sampling.stop_token_ids))
+        cut = request.sampling.max_new_tokens or len(request.answer)
+        ids, stopped = cut_at_end_ids(request.answer[:cut], (EOS, *request.sampling.stop_token_ids))
         ids, text, hit = cut_at_stop_strings(ids, self.tokenizer.decode, request.sampling.stop)
         return GenerationResult(
             index=request.order,
@@ -209,7 +218,11 @@ class ThreadedServer:
             api_key=api_key,
         )
         app = create_app(
-            self.worker, tokenizer, settings, self.metrics, lambda body, length, method: make_params(body, length)
+            self.worker,
+            tokenizer,
+            settings,
+            self.metrics,
+            lambda body, method, choice: make_params(body, choice=choice),
         )
         config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", access_log=False, lifespan="on")
         self.server = uvicorn.Server(config)
