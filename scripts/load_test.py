@@ -57,7 +57,12 @@ def parse_args(argv):
     p.add_argument("--seed", type=int, default=0, help="arrivals and prompts (default 0)")
     p.add_argument("--output", type=Path, help="write the report as JSON here")
     p.add_argument("--plot", type=Path, help="draw latency against throughput into this PNG (needs matplotlib)")
+    p.add_argument(
+        "--replot", type=Path, metavar="JSON", help="only draw --plot from an earlier --output report (no requests)"
+    )
     opts = p.parse_args(argv)
+    if opts.replot is not None and opts.plot is None:
+        p.error("--replot needs --plot PNG")
     if opts.requests < 1:
         p.error("--requests: expected >= 1")
     if any(r <= 0 for r in opts.rate):
@@ -246,6 +251,19 @@ def fmt(value, unit="") -> str:
 
 def main(argv=None) -> int:
     opts = parse_args(argv)
+    if opts.replot is not None:
+        try:
+            report = json.loads(opts.replot.read_text())
+            runs = report["runs"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            print(f"load_test: --replot {opts.replot}: {e}", file=sys.stderr)
+            return 2
+        plot_curve(
+            runs,
+            opts.plot,
+            f"{report.get('model')} at {report.get('url')}, {runs[0].get('requests')} requests per rate",
+        )
+        return 0
     try:
         prompts = load_prompts(opts)
         model = opts.model or server_model(opts)

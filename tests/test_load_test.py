@@ -40,3 +40,24 @@ def test_the_plot_is_a_png_of_every_rate(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
     assert not list(tmp_path.glob(".curve.png.*")), "written atomically: no temporary left"
     assert isinstance(load_test.parse_args([]), argparse.Namespace)
+
+
+def test_replot_draws_an_earlier_report_and_refuses_a_bad_one(tmp_path, capsys):
+    """--replot: the curve of a report written where matplotlib was missing (the GPU image)."""
+    import json
+
+    runs = [
+        dict(rate=r, ok=4, requests=4, tokens_per_s=t, latency_p50_s=1.0, latency_p99_s=2.0, first_text_p50_s=0.5)
+        for r, t in [(2.0, 20.0), (float("inf"), 50.0)]
+    ]
+    report = tmp_path / "load.json"
+    report.write_text(json.dumps({"url": "http://x", "model": "m", "runs": runs}))
+    png = tmp_path / "again.png"
+    assert load_test.main(["--replot", str(report), "--plot", str(png)]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    report.write_text("{not json")
+    assert load_test.main(["--replot", str(report), "--plot", str(png)]) == 2
+    assert f"--replot {report}" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        load_test.parse_args(["--replot", str(report)])
+    assert e.value.code == 2
