@@ -248,7 +248,7 @@ def test_streamed_commits_rebuild_the_answer(engine):
 def test_results_ring_carries_commit_steps(engine):
     decode, sampling = DECODES["flash"]
     session = engine.session(decode, max_prompt_len=16)
-    session.add(0, [1, 2, 3], dataclasses.replace(sampling, max_new_tokens=12))
+    session.add(0, [1, 2, 3], dataclasses.replace(sampling, gen_length=12))  # a canvas of 12 in the bucket of 32
     session.step(100)
     state = session._state
     steps = np.asarray(state.results.commit_step[0])
