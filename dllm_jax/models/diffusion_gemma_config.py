@@ -115,6 +115,8 @@ class DiffusionGemmaConfig:
       image_token_id: the image placeholder id (None when outside the vocabulary).
       dtype: weights and activations ("bfloat16" to serve, "float32" in tests); matmuls,
         softmax and norm statistics are float32 either way.
+      quantization: "none" (8-bit weights are not implemented for this family yet: its
+        experts' grouped GEMMs would need them).
     """
 
     d_model: int
@@ -141,6 +143,7 @@ class DiffusionGemmaConfig:
     eos_token_ids: tuple[int, ...] = (1,)
     image_token_id: int | None = None
     dtype: str = "bfloat16"
+    quantization: str = "none"
 
     def __post_init__(self):
         for name in (
@@ -183,6 +186,11 @@ class DiffusionGemmaConfig:
             raise ConfigError(f"eos_token_ids={self.eos_token_ids!r}: expected token ids in [0, {self.vocab_size})")
         if self.dtype not in _SUPPORTED_DTYPES:
             raise ConfigError(f"dtype={self.dtype!r}: expected one of {_SUPPORTED_DTYPES}")
+        if self.quantization != "none":
+            raise ConfigError(
+                f"quantization={self.quantization!r}: DiffusionGemma runs unquantized only (8-bit weights of its "
+                "experts are not implemented yet)"
+            )
 
     family = "diffusion_gemma"
 
