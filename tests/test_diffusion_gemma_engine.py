@@ -5,10 +5,12 @@ the front ends, on a tiny checkpoint written by transformers' save_pretrained.
 The reference is tests/diffusion_gemma_reference.generate (token-identical to transformers'
 generate, tests/test_diffusion_gemma_model.py) run for one request at a time with the
 request's key, fold_in(key(seed), 0): the engine draws each request's noise from its own key,
-so at batch 1 both see the same draws. The requests differ in prompt length (one and two
+so at batch 1 both see the same draws. The requests differ in prompt length (one to three
 prefill chunks), seed, max_new_tokens and every sampling value; one of them meets the model's
 EOS inside its second canvas, and some canvases stop before max_denoising_steps. Every test
-shares one engine and its one compiled loop (two slots, three canvases).
+shares one engine and its one compiled loop (two slots, three canvases, prompts up to 32
+tokens); dllm-generate and the server reach the same program (the compilation cache, or the
+engine's own loop).
 """
 
 import dataclasses
@@ -46,8 +48,10 @@ REQUESTS = (
     (9, 5, GEN, dataclasses.replace(BASE, stability_threshold=2, confidence_threshold=5.0)),
     # two canvases, the answer cut at 7 tokens; each canvas stops after its first step
     (4, 7, 7, dataclasses.replace(BASE, stability_threshold=0, confidence_threshold=5.0)),
-    (12, 11, GEN, DenoiseSettings(4, t_min=0.4, t_max=0.9, entropy_bound=0.1, stability_threshold=1)),
+    # three prefill chunks (and the prompt bucket of 32 every test here shares)
+    (17, 11, GEN, DenoiseSettings(4, t_min=0.4, t_max=0.9, entropy_bound=0.1, stability_threshold=1)),
 )
+WIDTH = 32  # the prompt bucket of the one compiled loop
 
 
 def _sampling(seed: int, max_new_tokens: int, settings: DenoiseSettings) -> SamplingParams:
@@ -119,16 +123,20 @@ def test_answers_are_token_identical_to_the_reference(answers, expected):
     assert answers.results[2].steps == 2  # two canvases of one step each
 
 
-def test_four_requests_in_two_slots_share_one_compiled_loop(engine, answers, prompts, expected):
+def test_four_requests_in_two_slots_share_one_compiled_loop(engine, answers, prompts):
     assert answers.stats.num_requests == 4
     # other values, one request: the same compiled loop (a loop for fewer slots is not compiled)
-    again = engine.generate(prompts[1:2], _sampling(5, GEN, REQUESTS[1][3]), decode_config=DECODE)
-    assert again.results[0].token_ids == expected[1][0]
+    settings = DenoiseSettings(5, t_min=0.1, t_max=0.6, entropy_bound=0.3, stability_threshold=3)
+    again = engine.generate(prompts[3:], _sampling(21, 2 * CANVAS, settings), decode_config=DECODE)
+    reference = _reference(engine.config, engine.weights, prompts[3], 21, 2 * CANVAS, settings)
+    answer = [int(t) for t in reference.sequences[0, len(prompts[3]) :]]
+    end = next((i for i, t in enumerate(answer) if t in engine.config.eos_token_ids), len(answer))
+    assert again.results[0].token_ids == answer[:end]
     assert engine.num_compilations == 1
 
 
 def test_a_request_finishing_early_frees_its_slot_for_the_next(engine, prompts, answers):
-    compiled = engine.compile(DECODE, 16, num_slots=2)
+    compiled = engine.compile(DECODE, WIDTH, num_slots=2)
     assert engine.num_compilations == 1
     ring = HostRing(compiled.queue_capacity, compiled.prompt_width)
     short = dataclasses.replace(BASE, stability_threshold=0, confidence_threshold=5.0)  # one step per canvas
@@ -169,7 +177,7 @@ def test_an_image_token_in_a_prompt_is_refused(engine):
 
 
 def test_the_memory_estimate_counts_the_cache_and_refuses_what_does_not_fit(engine):
-    compiled = engine.compile(DECODE, 16, num_slots=2)
+    compiled = engine.compile(DECODE, WIDTH, num_slots=2)
     loop = compiled.loop
     assert compiled.memory.cache == canvas_cache_bytes(engine.config, 2, loop.max_len)
     assert compiled.memory.weights == sum(w.size * 4 for w in jax.tree.leaves(engine.weights))
@@ -178,3 +186,50 @@ def test_the_memory_estimate_counts_the_cache_and_refuses_what_does_not_fit(engi
     assert check_canvas_loop(loop, memory=enough, **shape) == compiled.memory
     with pytest.raises(InsufficientMemoryError, match="batch size 2 .* test has .* even one slot does not fit"):
         check_canvas_loop(loop, memory=DeviceMemory(available=1, name="test"), **shape)
+
+
+def test_dllm_generate_runs_a_diffusion_gemma_folder_by_its_family(checkpoint, engine, capsys):
+    from dllm_jax.cli.generate import main
+
+    prompts = ["a" * 20, "b" * 18]  # character ids: the loop's prompt bucket of 32
+    argv = ["--model", str(checkpoint), "--no-chat", "--batch-size", "2", "--gen-length", str(GEN), "--seed", "4"]
+    argv += ["--max-denoising-steps", "3", "--t-max", "0.5", "--no-progress", "-q"]
+    assert main(argv + [a for p in prompts for a in ("--prompt", p)]) == 0
+    printed = capsys.readouterr().out
+    sampling = SamplingParams(max_denoising_steps=3, t_max=0.5)
+    for i, result in enumerate(engine.generate(prompts, sampling, decode_config=DECODE, seed=4).results):
+        assert f"### [{i}] {prompts[i]}\n{result.text}\n" in printed
+    # a value of another method is refused before the weights load
+    assert main(argv + ["--prompt", "x", "--temperature", "0.5"]) == 2
+    assert "temperature=0.5 does not apply to method='diffusion_gemma'" in capsys.readouterr().err
+
+
+def test_the_server_answers_completions_and_chat_as_the_engine_does(engine):
+    from fastapi.testclient import TestClient
+
+    from dllm_jax.serve.assemble import ServeOptions, assemble
+
+    options = ServeOptions(model_name="tiny-dg", methods=("diffusion_gemma",), batch_size=2, gen_length=GEN)
+    server = assemble(engine, engine.tokenizer, dataclasses.replace(options, max_model_len=WIDTH + GEN))
+    assert engine.num_compilations == 1  # the warm-up ran the engine's own loop
+    dllm = {"max_denoising_steps": 4, "t_max": 0.5}
+    messages = [{"role": "user", "content": "hi"}]
+    with TestClient(server.app) as client:
+        completion = client.post(
+            "/v1/completions", json={"model": "tiny-dg", "prompt": "hello", "max_tokens": 12, "seed": 3, "dllm": dllm}
+        )
+        chat = client.post(
+            "/v1/chat/completions",
+            json={"model": "tiny-dg", "messages": messages, "max_tokens": 12, "seed": 4, "stream": True, "dllm": dllm},
+        )
+        refused = client.post(
+            "/v1/completions", json={"model": "tiny-dg", "prompt": "hello", "temperature": 0.7, "max_tokens": 4}
+        )
+    sampling = dict(max_new_tokens=12, max_denoising_steps=4, t_max=0.5)
+    text = engine.generate(["hello"], SamplingParams(seed=3, **sampling), decode_config=DECODE).results[0].text
+    assert completion.status_code == 200 and completion.json()["choices"][0]["text"] == text
+    streamed = [json.loads(line[6:]) for line in chat.text.splitlines() if line.startswith("data: {")]
+    content = "".join(c["choices"][0]["delta"].get("content") or "" for c in streamed if c["choices"])
+    answer = engine.chat([messages], SamplingParams(seed=4, **sampling), decode_config=DECODE).results[0].text
+    assert content == answer
+    assert refused.status_code == 400 and "does not apply to method='diffusion_gemma'" in refused.text
