@@ -345,6 +345,7 @@ class Engine:
                 max_len=-(-(bucket + generated) // _ROW_GRANULE) * _ROW_GRANULE,
                 gen_length=generated,
                 kernels=self.kernels,
+                full_pass_lanes=self.full_pass_lanes,
             )
         if decode_config.method == "flash_cache":
             max_len = ((bucket + decode_config.gen_length + decode_config.window) // _KEY_TILE + 1) * _KEY_TILE

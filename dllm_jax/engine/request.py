@@ -130,8 +130,8 @@ def slot_values(
             value = decode_config.base_seed if base_seed is None else base_seed
         elif value is None:
             value = spec.unset(decode_config)
-        if spec.compiled_high is not None and value > getattr(decode_config, spec.compiled_high):
-            limit = getattr(decode_config, spec.compiled_high)
+        limit = None if spec.compiled_high is None else getattr(decode_config, spec.compiled_high)
+        if limit is not None and value > limit:  # None: a loop the value does not apply to
             raise GenerationError(
                 f"{where}: {name}={value} is more than the loop holds (DecodeConfig {spec.compiled_high}={limit})"
             )

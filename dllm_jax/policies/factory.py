@@ -59,4 +59,5 @@ def make_canvas_policy(decode_config: DecodeConfig, model: DiffusionGemmaConfig)
         max_stability=decode_config.max_stability_threshold,
         eos_ids=model.eos_token_ids,
         pad_id=model.pad_token_id,
+        cached_rows=decode_config.canvas_rows,
     )

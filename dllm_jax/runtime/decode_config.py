@@ -46,6 +46,7 @@ _ONLY_FOR = {
     "max_stability_threshold": ("diffusion_gemma",),
     # the canvas loop records no log-probabilities
     "max_logprobs": ("llada", "fast_dllm", "flash_cache", "dream"),
+    "canvas_rows": ("diffusion_gemma",),
 }
 _VERIFY_ONLY = ("gamma", "accept", "pin")
 
@@ -112,6 +113,11 @@ class DecodeConfig:
       max_stability_threshold: diffusion_gemma only: the most previous steps a canvas's
         stability test compares (the history the loop keeps; a request's
         SamplingParams.stability_threshold is at most this). None = 4.
+      canvas_rows: diffusion_gemma only: Flash-Cache on the canvas. After a canvas's first
+        denoising step, each step recomputes this many of its rows (those whose token changed,
+        then the most attended: dllm_jax.policies.canvas) and the others keep the keys, values
+        and last-layer rows of their last recomputation; the canvas length recomputes every
+        row through the same cached path. None = every row every step, read-only (exact).
       threshold, temperature, seed, gamma: deprecated (they were the defaults of requests that
         do not set them; set them in SamplingParams): still taken for one release, with a
         DeprecationWarning. They never change the compiled loop (not compared).
@@ -135,6 +141,7 @@ class DecodeConfig:
     eps: float | None = None
     max_logprobs: int | None = None
     max_stability_threshold: int | None = None
+    canvas_rows: int | None = None
     threshold: float | None = dataclasses.field(default=None, compare=False)
     temperature: float | None = dataclasses.field(default=None, compare=False)
     seed: int | None = dataclasses.field(default=None, compare=False)
@@ -150,6 +157,7 @@ class DecodeConfig:
         check_int("steps", self.steps, _fail, low=1, optional=True)
         check_int("batch_size", self.batch_size, _fail, low=1)
         check_int("max_logprobs", self.max_logprobs, _fail, low=0, high=MAX_LOGPROBS, optional=True)
+        check_int("canvas_rows", self.canvas_rows, _fail, low=1, optional=True)
         check_bool("verify", self.verify, _fail)
         check_bool("cfg", self.cfg, _fail)
         if self.schedule is not None:
@@ -284,6 +292,8 @@ class DecodeConfig:
                 f"block_length={self.block_length}: diffusion_gemma denoises canvases of the model's "
                 f"canvas_length={model.canvas_length}"
             )
+        if self.canvas_rows is not None and self.canvas_rows > model.canvas_length:
+            raise _fail(f"canvas_rows={self.canvas_rows}: expected at most the canvas length {model.canvas_length}")
         return self if self.block_length is not None else dataclasses.replace(self, block_length=model.canvas_length)
 
     def step_limit(self, prompt_len: int, max_new_tokens: int, max_denoising_steps: int) -> int:
