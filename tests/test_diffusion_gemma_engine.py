@@ -233,3 +233,39 @@ def test_the_server_answers_completions_and_chat_as_the_engine_does(engine):
     answer = engine.chat([messages], SamplingParams(seed=4, **sampling), decode_config=DECODE).results[0].text
     assert content == answer
     assert refused.status_code == 400 and "does not apply to method='diffusion_gemma'" in refused.text
+
+
+def test_the_cached_canvas_path_recomputing_every_row_matches_the_reference(engine, prompts, expected):
+    # Flash-Cache on the canvas with every row recomputed: the canvas rows' K/V go through the
+    # cache (written, then read back) and the full pass runs in lanes, the answers as before
+    cached = Engine(engine.config, engine.weights, engine.tokenizer, full_pass_lanes=())
+    decode_config = dataclasses.replace(DECODE, canvas_rows=CANVAS)
+    sampling = [_sampling(seed, max_new, settings) for _, seed, max_new, settings in REQUESTS]
+    out = cached.generate(prompts, sampling, decode_config=decode_config)
+    for i, (result, (tokens, passes)) in enumerate(zip(out.results, expected)):
+        assert result.token_ids == tokens, f"request {i}"
+        assert result.steps == passes, f"request {i}: denoising steps"
+
+
+def test_a_sparse_step_recomputes_new_samples_then_renoised_rows_then_the_most_attended():
+    from dllm_jax.policies.canvas import CanvasPolicy
+    from dllm_jax.runtime.canvas_slots import DENOISE, empty_canvas_slots
+
+    policy = CanvasPolicy(canvas_length=6, vocab_size=VOCAB, max_stability=1, eos_ids=(1,), pad_id=0, cached_rows=4)
+    slot = jax.tree.map(lambda x: x[0], empty_canvas_slots(1, 32, 6, 1, 8, np.float32))
+    slot = slot.replace(
+        active=np.bool_(True),
+        phase=np.int32(DENOISE),
+        start=np.int32(10),
+        denoise_step=np.int32(3),
+        noisy=np.arange(6, dtype=np.int32) + 50,
+        changed=np.array([False, True, False, True, False, False]),
+        sampled=np.array([False, False, False, True, True, False]),
+        scores=np.array([0.5, 9.0, 3.0, -1.0, 2.0, 7.0], np.float32),
+    )
+    rows, offsets = policy.sparse_rows(slot)
+    # row 3: a new sample; row 1: renoised; then the highest scores among the rest: 5 (7.0), 2 (3.0)
+    np.testing.assert_array_equal(offsets, [3, 1, 5, 2])
+    np.testing.assert_array_equal(rows.positions, [13, 11, 15, 12])
+    np.testing.assert_array_equal(rows.tokens, [53, 51, 55, 52])
+    assert bool(rows.decoder) and rows.valid.all() and bool(policy.needs_full(slot.replace(denoise_step=np.int32(0))))

@@ -15,6 +15,13 @@ A request goes through (dllm_jax.runtime.canvas_slots):
   DONE     once a canvas holds an EOS or the request has its ceil(max_new_tokens / L) canvases.
 All values are the slot's own (SlotSampling): requests with different values share the loop.
 
+Flash-Cache on the canvas (``cached_rows``): a canvas's first step recomputes all its rows;
+each later step only ``cached_rows`` of them (``sparse_rows``), the others keep the keys,
+values and last-layer rows of their last recomputation. Which rows, in this order: those the
+last step gave a new token that it accepted (a sample), those it renoised with a new random
+token, then the rest; within each, the highest tracking score first (the attention the canvas
+row received in the last pass: Flash-Cache's "most attended" rows).
+
 Randomness: the key of request (seed, stream) is fold_in(key(seed), stream); canvas c draws
 from canvas_key(that, c): its initial tokens and each step's noise, at batch size 1, exactly as
 tests/diffusion_gemma_reference.py's generate does for one row. So a request's answer depends
@@ -53,6 +60,32 @@ class CanvasPolicy:
     max_stability: int
     eos_ids: tuple[int, ...]
     pad_id: int
+    cached_rows: int | None = None
+
+    def needs_full(self, slot: CanvasSlots) -> jax.Array:
+        """bool: the slot's pass this iteration is a full one (an encoding, or the first step of
+        a canvas); with cached rows, every other denoising step is a sparse one."""
+        return (slot.phase != DENOISE) | (slot.denoise_step == 0)
+
+    def sparse_rows(self, slot: CanvasSlots) -> tuple[CanvasRows, jax.Array]:
+        """The cached_rows canvas rows a sparse step recomputes (see the module doc), and their
+        canvas offsets int32 [cached_rows]."""
+        L = self.canvas_length
+        # ranks 0..L-1 of the scores, ascending: every key below 1 within its class
+        rank = jnp.argsort(jnp.argsort(slot.scores)).astype(jnp.float32) / L
+        kind = 2 * (slot.changed & slot.sampled) + (slot.changed & ~slot.sampled)
+        _, offsets = jax.lax.top_k(kind.astype(jnp.float32) + rank, self.cached_rows)
+        offsets = offsets.astype(jnp.int32)
+        valid = jnp.broadcast_to(slot.active & (slot.phase == DENOISE), offsets.shape)
+        rows = CanvasRows(
+            tokens=slot.noisy[offsets],
+            positions=slot.start + offsets,
+            valid=valid,
+            decoder=jnp.ones((), bool),
+            start=slot.start,
+            soft=slot.soft[offsets],
+        )
+        return rows, offsets
 
     def _request_key(self, slot: CanvasSlots) -> jax.Array:
         return jax.random.fold_in(jax.random.key(slot.sampling.seed), slot.sampling.stream)
@@ -85,6 +118,9 @@ class CanvasPolicy:
             noisy=noisy,
             history=jnp.full_like(slot.history, -1),
             soft=jnp.zeros_like(slot.soft),
+            scores=jnp.zeros_like(slot.scores),
+            changed=jnp.zeros_like(slot.changed),
+            sampled=jnp.zeros_like(slot.sampled),
             tokens=jax.lax.dynamic_update_slice(slot.tokens, noisy, (start,)),
         )
 
@@ -113,8 +149,11 @@ class CanvasPolicy:
         confident = jnp.mean(entropy) < p.confidence_threshold
         ends = (stable & confident) | (step + 1 >= p.max_denoising_steps)
         history = jnp.concatenate([slot.history[1:], argmax[None]]) if self.max_stability else slot.history
+        noisy = jnp.where(accepted, drawn, renoise[0])
         stepped = slot.replace(
-            noisy=jnp.where(accepted, drawn, renoise[0]),
+            noisy=noisy,
+            changed=noisy != slot.noisy,
+            sampled=accepted,
             history=history,
             denoise_step=step + 1,
             tokens=jax.lax.dynamic_update_slice(slot.tokens, argmax, (slot.start,)),

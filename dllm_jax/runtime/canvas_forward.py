@@ -13,6 +13,14 @@ This is dllm_jax.models.diffusion_gemma's encode and decode in one batch, with t
 encoded in chunks of R rows: the same keys, the same weights (the layers' encoder or decoder
 scalar per group), the experts as one grouped GEMM over every row of the pass.
 
+With a cached canvas (Flash-Cache on the canvas, ``canvas_length`` given), the decoder rows are
+any rows of the canvas at [start, start + canvas_length): they write their K/V into the slot's
+cache rows at their positions (past everything encoded: the rows the canvas's encoding
+overwrites once it is finished) and attend to every cached key before start + canvas_length,
+so the canvas rows this pass does not recompute are seen with the K/V of their last
+recomputation. The decoder groups' rows can feed tracking scores: per cached key, the raw
+q . k summed over the group's valid rows, the query heads and the layers from the third up.
+
 Shapes: S slots (group s is slot s), R rows per slot, D model width, M = S * max_len cache rows.
 """
 
@@ -24,6 +32,7 @@ from flax import struct
 
 from dllm_jax.models import diffusion_gemma as dg
 from dllm_jax.models.diffusion_gemma_config import AttentionKind, DiffusionGemmaConfig
+from dllm_jax.runtime.cached_forward import SCORE_START_LAYER
 from dllm_jax.runtime.canvas_attention import canvas_cache_attention
 from dllm_jax.runtime.canvas_cache import CanvasCache
 
@@ -48,9 +57,12 @@ class CanvasRows:
     soft: jax.Array
 
 
-def _key_windows(config: DiffusionGemmaConfig, rows: CanvasRows) -> dict[AttentionKind, tuple[jax.Array, jax.Array]]:
+def _key_windows(
+    config: DiffusionGemmaConfig, rows: CanvasRows, cached_canvas: bool
+) -> dict[AttentionKind, tuple[jax.Array, jax.Array]]:
     """Per attention kind: the first cached key each row sees, int32 [S, R], and which of the
-    group's own rows it sees, bool [S, R, R].
+    group's own rows it sees, bool [S, R, R] (a cached canvas's decoder rows: none, they are
+    in the cache).
 
     In (W 4, an encoder chunk at positions 8..10, all valid): sliding key_start [5, 6, 7],
     own rows [[T, F, F], [T, T, F], [T, T, T]]; a canvas at 8..10: key_start [5, 5, 5], all True.
@@ -63,7 +75,7 @@ def _key_windows(config: DiffusionGemmaConfig, rows: CanvasRows) -> dict[Attenti
     causal = rows.positions[:, None, :] <= rows.positions[:, :, None]
     in_window = rows.positions[:, None, :] > rows.positions[:, :, None] - W
     seen = rows.valid[:, None, :]
-    bidirectional = jnp.broadcast_to(seen, (S, R, R))
+    bidirectional = jnp.broadcast_to(seen & (not cached_canvas), (S, R, R))
     full = jnp.where(decoder[:, :, None], bidirectional, causal & seen)
     sliding = jnp.where(decoder[:, :, None], bidirectional, causal & in_window & seen)
     return {
@@ -73,26 +85,47 @@ def _key_windows(config: DiffusionGemmaConfig, rows: CanvasRows) -> dict[Attenti
 
 
 def canvas_forward(
-    config: DiffusionGemmaConfig, weights: dg.Weights, cache: CanvasCache, rows: CanvasRows, *, max_len: int
-) -> tuple[jax.Array, CanvasCache]:
+    config: DiffusionGemmaConfig,
+    weights: dg.Weights,
+    cache: CanvasCache,
+    rows: CanvasRows,
+    *,
+    max_len: int,
+    canvas_length: int | None = None,
+    with_scores: bool = False,
+    group_slot: jax.Array | None = None,
+) -> tuple[jax.Array, CanvasCache] | tuple[jax.Array, CanvasCache, jax.Array]:
     """Runs the model on the rows over the cache.
 
     Args:
       weights: DiffusionGemma's parameter tree, its layer stacks stacked or as per-layer
         tuples (dllm_jax.models.diffusion_gemma.unstack_layers: read in place, no slicing).
       cache: the slots' encoder cache; max_len: its rows per slot.
+      canvas_length: the decoder groups are rows of a cached canvas of this length (see the
+        module doc); None: each decoder group is a whole canvas, read-only.
+      with_scores: also return the decoder groups' tracking scores.
+      group_slot: int32 [S], the slot of each group (None: group s is slot s); a group of
+        invalid rows may name any slot.
     Returns:
-      the last layer's output rows [S, R, D] (before the final norm) and the cache with the
-      encoder groups' valid rows written.
+      the last layer's output rows [S, R, D] (before the final norm), the cache with the
+      written rows (the encoder groups' valid rows; with canvas_length, the decoder groups'
+      too), and with_scores the tracking scores float32 [S, max_len] of the cached keys.
     """
     S, R = rows.tokens.shape
+    cached_canvas = canvas_length is not None
     embedded = dg.embed(config, weights, rows.tokens)
     conditioned = dg.SelfConditioning(config).apply({"params": weights["self_conditioning"]}, embedded, rows.soft)
     h = jnp.where(rows.decoder[:, None, None], conditioned, embedded)
-    windows = _key_windows(config, rows)
-    written = rows.valid & ~rows.decoder[:, None]
-    # [S, R] cache row of each written row; M (out of range) drops the others
-    targets = jnp.where(written, jnp.arange(S, dtype=jnp.int32)[:, None] * max_len + rows.positions, S * max_len)
+    windows = _key_windows(config, rows, cached_canvas)
+    written = rows.valid & (~rows.decoder[:, None] | cached_canvas)
+    # the cached keys a group sees end at its start, or past a cached canvas
+    key_end = rows.start + jnp.where(rows.decoder & cached_canvas, canvas_length or 0, 0)
+    score_rows = rows.valid & rows.decoder[:, None] if with_scores else None
+    scores = jnp.zeros((S, max_len), jnp.float32)
+    slots = jnp.arange(S, dtype=jnp.int32) if group_slot is None else group_slot.astype(jnp.int32)
+    cache_rows = jax.tree_util.tree_leaves(cache)[0].shape[1]
+    # [S, R] cache row of each written row; the cache's length (out of range) drops the others
+    targets = jnp.where(written, slots[:, None] * max_len + rows.positions, cache_rows)
     encoder = ~rows.decoder[:, None, None]
     keys, values = dict(cache.keys), dict(cache.values)
     for layer in range(config.n_layers):
@@ -105,8 +138,25 @@ def canvas_forward(
         keys[name] = keys[name].at[j, targets].set(k.reshape(S, R, -1), mode="drop")
         values[name] = values[name].at[j, targets].set(v.reshape(S, R, -1), mode="drop")
         key_start, own_mask = windows[kind]
+        scored = score_rows if layer >= SCORE_START_LAYER else None
         attn = canvas_cache_attention(
-            q, keys[name], values[name], j, key_start, rows.start, k, v, own_mask, max_len=max_len, scale=1.0
+            q,
+            keys[name],
+            values[name],
+            j,
+            key_start,
+            key_end,
+            k,
+            v,
+            own_mask,
+            max_len=max_len,
+            scale=1.0,
+            score_rows=scored,
+            group_slot=group_slot,
         )
+        if scored is not None:
+            attn, layer_scores = attn
+            scores = scores + layer_scores
         h = module.apply(variables, h, attn, encoder, method=dg.DiffusionGemmaLayer.output_and_mlp)
-    return h, CanvasCache(keys=keys, values=values)
+    cache = CanvasCache(keys=keys, values=values)
+    return (h, cache, scores) if with_scores else (h, cache)

@@ -16,6 +16,13 @@ iteration advances every active slot by one pass of L rows (L = the canvas lengt
 Per-request values (t_min, t_max, entropy_bound, max_denoising_steps, stability_threshold,
 confidence_threshold, seed, max_new_tokens) are per-slot state (SlotSampling): every mix of
 them shares one compiled loop.
+
+With Flash-Cache on the canvas (the policy's cached_rows), step 2 is two passes, as the
+decode loop's: the slots whose pass is a full one (an encoding, a canvas's first step) in a
+batch of F "lanes", F the smallest of ``lane_sizes`` that fits them (``lax.switch``), and the
+other denoising slots' sparse pass over cached_rows canvas rows each (dllm_jax.policies.canvas
+picks them); both write the canvas rows' K/V into the cache rows past the encoded ones, and
+the denoising stage reads every canvas row's last-layer output, fresh or kept.
 """
 
 from __future__ import annotations
@@ -66,6 +73,8 @@ class CanvasLoop:
     """A compiled-once block-diffusion loop for one (policy, slots, max_len) combination.
 
     gen_length: the results ring's width, the most canvases of a request times L.
+    full_pass_lanes: with cached canvas rows, the batch sizes of the full pass's compiled
+      variants besides all B slots (None: 1 and B/4), as DecodeLoop's.
     mesh: not supported yet (None).
     """
 
@@ -75,6 +84,7 @@ class CanvasLoop:
     max_len: int
     gen_length: int
     kernels: Kernels = Kernels()
+    full_pass_lanes: tuple[int, ...] | None = None
     mesh: Mesh | None = None
     cfg: bool = False  # no guidance pass (GenerationSession reads it)
 
@@ -83,6 +93,16 @@ class CanvasLoop:
             raise ValueError("method='diffusion_gemma' does not decode over a mesh yet")
         if self.gen_length % self.policy.canvas_length:
             raise ValueError(f"gen_length={self.gen_length}: expected whole canvases of {self.policy.canvas_length}")
+
+    @property
+    def lane_sizes(self) -> tuple[int, ...]:
+        """The full pass's batch sizes with cached canvas rows (else the one pass of all B)."""
+        B = self.num_slots
+        if self.policy.cached_rows is None:
+            return (B,)
+        if self.full_pass_lanes is not None:
+            return tuple(sorted({min(n, B) for n in self.full_pass_lanes} | {B}))
+        return tuple(sorted({1, max(1, B // 4), B}))
 
     @property
     def sampler_slots(self) -> int:
@@ -147,11 +167,62 @@ class CanvasLoop:
         out = jax.lax.map(group, grouped)
         return jax.tree_util.tree_map(lambda x: x.reshape((B,) + x.shape[2:]), out)
 
+    def _cached_passes(self, weights, slots: CanvasSlots, cache) -> tuple[CanvasSlots, jax.Array, object]:
+        """The full pass (in lanes) and the sparse pass of a loop with cached canvas rows: the
+        slots with their canvas rows' last-layer outputs and scores updated, every slot's
+        canvas hidden rows [B, L, D], and the cache."""
+        B, L, D = self.num_slots, self.policy.canvas_length, self.model.d_model
+        dtype = self.model.jnp_dtype
+        run = dict(max_len=self.max_len, canvas_length=L, with_scores=True)
+        full = slots.active & jax.vmap(self.policy.needs_full)(slots)
+        sparse = slots.active & ~full
+        nothing = (jnp.zeros((B, L, D), dtype), jnp.zeros((B, self.max_len), jnp.float32))
+
+        def full_pass(cache, lanes: int):
+            lane_slot = jnp.nonzero(full, size=lanes, fill_value=B)[0].astype(jnp.int32)
+            safe = jnp.minimum(lane_slot, B - 1)
+            lane = jax.tree_util.tree_map(lambda x: x[safe], slots)
+            rows = jax.vmap(self.policy.rows)(lane)
+            rows = rows.replace(valid=rows.valid & (lane_slot < B)[:, None])
+            hidden, cache, scores = canvas_forward(self.model, weights, cache, rows, group_slot=safe, **run)
+            hidden = jnp.zeros((B, L, D), dtype).at[lane_slot].set(hidden, mode="drop")
+            return hidden, jnp.zeros((B, self.max_len), jnp.float32).at[lane_slot].set(scores, mode="drop"), cache
+
+        n_full = jnp.sum(full)
+        branch = jnp.where(n_full == 0, 0, 1 + jnp.searchsorted(jnp.array(self.lane_sizes), n_full))
+        branches = [lambda cache: nothing + (cache,)]
+        branches += [lambda cache, n=n: full_pass(cache, n) for n in self.lane_sizes]
+        full_hidden, full_scores, cache = jax.lax.switch(branch, branches, cache)
+
+        def sparse_pass(cache):
+            rows, offsets = jax.vmap(self.policy.sparse_rows)(slots)
+            rows = rows.replace(valid=rows.valid & sparse[:, None])
+            hidden, cache, scores = canvas_forward(self.model, weights, cache, rows, **run)
+            kept = jax.vmap(lambda kept, h, o: kept.at[o].set(h))(slots.hidden, hidden, offsets)
+            return kept, scores, cache
+
+        sparse_hidden, sparse_scores, cache = jax.lax.cond(
+            jnp.any(sparse), sparse_pass, lambda cache: (slots.hidden,) + nothing[1:] + (cache,), cache
+        )
+        hidden = jnp.where(full[:, None, None], full_hidden, sparse_hidden)
+        # the scores of the canvas rows, [B, L]
+        scores = jnp.where(full[:, None], full_scores, sparse_scores)
+        scores = jax.vmap(lambda s, start: jax.lax.dynamic_slice(s, (start,), (L,)))(scores, slots.start)
+        ran = full | sparse
+        slots = slots.replace(
+            hidden=jnp.where(ran[:, None, None], hidden, slots.hidden),
+            scores=jnp.where(ran[:, None], scores, slots.scores),
+        )
+        return slots, hidden, cache
+
     def _step(self, weights, state: DecodeState) -> DecodeState:
         slots = state.slots
         ran = slots.active
-        rows = jax.vmap(self.policy.rows)(slots)
-        hidden, cache = canvas_forward(self.model, weights, state.cache, rows, max_len=self.max_len)
+        if self.policy.cached_rows is None:
+            rows = jax.vmap(self.policy.rows)(slots)
+            hidden, cache = canvas_forward(self.model, weights, state.cache, rows, max_len=self.max_len)
+        else:
+            slots, hidden, cache = self._cached_passes(weights, slots, state.cache)
         decoding = ran & (slots.phase == DENOISE)
         denoised, finite = jax.lax.cond(
             jnp.any(decoding),

@@ -36,6 +36,10 @@ class CanvasSlots:
     noisy: int32 [B, L] the decoder's next input; history: int32 [B, S_max, L] the previous
       steps' argmax canvases, newest last (-1: none yet); soft: [B, L, D] model dtype, the
       self-conditioning soft embeddings of the last step (zeros before the first).
+    Flash-Cache on the canvas (a loop with cached canvas rows): hidden: [B, L, D] model dtype,
+      each canvas row's last-layer output at its last recomputation; scores: float32 [B, L]
+      the canvas rows' tracking scores of the last pass; changed, sampled: bool [B, L], the
+      last step gave the row a new token, accepted the row's sample (else renoised it).
     active, request, start_iter, sampling, error: as dllm_jax.runtime.slots.Slots; steps:
       denoising steps (decoder passes), passes: every pass (encoder ones too), verify_passes
       and accepted: 0 (the results ring's fields).
@@ -54,6 +58,10 @@ class CanvasSlots:
     noisy: jax.Array
     history: jax.Array
     soft: jax.Array
+    hidden: jax.Array
+    scores: jax.Array
+    changed: jax.Array
+    sampled: jax.Array
     active: jax.Array
     request: jax.Array
     steps: jax.Array
@@ -85,6 +93,10 @@ def empty_canvas_slots(
         noisy=jnp.zeros((B, L), jnp.int32),
         history=jnp.full((B, max_stability, L), -1, jnp.int32),
         soft=jnp.zeros((B, L, d_model), dtype),
+        hidden=jnp.zeros((B, L, d_model), dtype),
+        scores=jnp.zeros((B, L), jnp.float32),
+        changed=jnp.zeros((B, L), bool),
+        sampled=jnp.zeros((B, L), bool),
         active=jnp.zeros((B,), bool),
         request=i32(),
         steps=i32(),
