@@ -173,8 +173,8 @@ class Engine:
     def from_pretrained(
         cls, path: str, *, dtype: str | None = None, quantization: str | None = None, **kwargs
     ) -> Engine:
-        """Loads a Hugging Face LLaDA or Dream folder, a converted checkpoint or a cached Hub id
-        (dllm_jax.load_model; dtype None: float32 on the CPU, bfloat16 on accelerators;
+        """Loads a Hugging Face LLaDA, Dream or DiffusionGemma folder, a converted checkpoint or a
+        cached Hub id (dllm_jax.load_model; dtype None: float32 on the CPU, bfloat16 on accelerators;
         quantization: dllm_jax.models.quantization, None = as stored)."""
         from dllm_jax.models.loading import load_model
 
