@@ -118,7 +118,9 @@ def assemble(engine: Engine, tokenizer: Any, options: ServeOptions) -> Server:
     metrics.watch_compilations()
     log.info("warm-up: every loop compiled and run in %.1f s", warmup)
     config = engine.config
-    refused = {config.mask_token_id: "the mask token"}
+    refused = {}
+    if getattr(config, "mask_token_id", None) is not None:  # DiffusionGemma has none: it renoises with tokens
+        refused[config.mask_token_id] = "the mask token"
     if config.pad_token_id is not None and config.pad_token_id not in config.eos_token_ids:
         refused[config.pad_token_id] = "the padding token"
     settings = ServerSettings(
@@ -129,7 +131,8 @@ def assemble(engine: Engine, tokenizer: Any, options: ServeOptions) -> Server:
         vocab_size=config.vocab_size,
         end_ids=tuple(config.eos_token_ids),
         refused_ids=refused,
-        max_logprobs=options.max_logprobs,
+        # none where no loop records them (the canvas loop records none)
+        max_logprobs=options.max_logprobs if any(c.max_logprobs is not None for c in configs.values()) else None,
         max_prompts=options.max_prompts,
         request_timeout=options.request_timeout,
         api_key=options.api_key,
