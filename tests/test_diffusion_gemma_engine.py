@@ -34,6 +34,8 @@ from dllm_jax.text.tiny_tokenizer import save_tiny_tokenizer
 from tests.diffusion_gemma_checkpoint import save_tiny_diffusion_gemma
 from tests.diffusion_gemma_reference import generate
 
+pytestmark = pytest.mark.engine
+
 CANVAS = 6
 GEN = 3 * CANVAS
 VOCAB = 128  # the tiny tokenizer's ids fit
@@ -163,11 +165,30 @@ def test_a_request_finishing_early_frees_its_slot_for_the_next(engine, prompts, 
         (SamplingParams(), DecodeConfig(gen_length=GEN), "method='flash_cache' does not run a diffusion_gemma model"),
         (SamplingParams(), dataclasses.replace(DECODE, block_length=4), "block_length=4"),
         (SamplingParams(max_new_tokens=GEN + 1), DECODE, "generation bucket"),
+        # the canvases are the model's (max_new_tokens cuts the answer); the loop records no logprobs
+        (SamplingParams(gen_length=CANVAS), DECODE, "gen_length=6 does not apply to method='diffusion_gemma'"),
+        (SamplingParams(logprobs=0), DECODE, "logprobs=0 does not apply to method='diffusion_gemma'"),
     ],
 )
 def test_a_request_the_loop_cannot_take_is_refused_before_compiling(engine, sampling, decode_config, match):
     with pytest.raises(GenerationError, match=match):
         engine.generate([[5, 6, 7]], sampling, decode_config=decode_config)
+
+
+def test_a_loop_recording_logprobs_is_refused():
+    with pytest.raises(ValueError, match="max_logprobs=0 does not apply to method='diffusion_gemma'"):
+        dataclasses.replace(DECODE, max_logprobs=0)
+
+
+def test_the_cut_answer_is_a_prefix_of_the_uncut_one(engine, prompts, answers):
+    # request 2 is cut at 7 tokens (two canvases decoded); uncut, it decodes all three
+    length, seed, max_new, settings = REQUESTS[2]
+    other = _sampling(*REQUESTS[3][1:])  # its 17-token prompt keeps the loop's prompt bucket of 32
+    run = engine.generate([prompts[2], prompts[3]], [_sampling(seed, GEN, settings), other], decode_config=DECODE)
+    uncut = run.results[0]
+    cut = answers.results[2]
+    assert max_new < GEN and cut.finish_reason == "length" and len(cut.token_ids) == max_new
+    assert uncut.token_ids[:max_new] == cut.token_ids and len(uncut.token_ids) > max_new
 
 
 def test_an_image_token_in_a_prompt_is_refused(engine):
@@ -225,6 +246,9 @@ def test_the_server_answers_completions_and_chat_as_the_engine_does(engine):
         refused = client.post(
             "/v1/completions", json={"model": "tiny-dg", "prompt": "hello", "temperature": 0.7, "max_tokens": 4}
         )
+        no_logprobs = client.post(
+            "/v1/completions", json={"model": "tiny-dg", "prompt": "hello", "logprobs": 0, "max_tokens": 4}
+        )
     sampling = dict(max_new_tokens=12, max_denoising_steps=4, t_max=0.5)
     text = engine.generate(["hello"], SamplingParams(seed=3, **sampling), decode_config=DECODE).results[0].text
     assert completion.status_code == 200 and completion.json()["choices"][0]["text"] == text
@@ -233,6 +257,7 @@ def test_the_server_answers_completions_and_chat_as_the_engine_does(engine):
     answer = engine.chat([messages], SamplingParams(seed=4, **sampling), decode_config=DECODE).results[0].text
     assert content == answer
     assert refused.status_code == 400 and "does not apply to method='diffusion_gemma'" in refused.text
+    assert no_logprobs.status_code == 400 and "records no log-probabilities" in no_logprobs.text
 
 
 def test_the_cached_canvas_path_recomputing_every_row_matches_the_reference(engine, prompts, expected):
