@@ -21,8 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from transformers import DiffusionGemmaConfig as HFDiffusionGemmaConfig
-from transformers import DiffusionGemmaForBlockDiffusion, DynamicCache
+from transformers import DynamicCache
 from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
 from transformers_parity import relative_error
 
@@ -45,38 +44,11 @@ from dllm_jax.policies.entropy_bound import (
     sample,
     step_noise,
 )
+from tests.diffusion_gemma_checkpoint import TEXT_CONFIG, save_tiny_diffusion_gemma
 from tests.diffusion_gemma_reference import _finish_canvas, generate
 
 pytestmark = pytest.mark.unit
 
-TEXT_CONFIG = dict(
-    vocab_size=96,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=4,
-    layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    global_head_dim=16,
-    num_global_key_value_heads=1,
-    sliding_window=4,
-    num_experts=4,
-    top_k_experts=2,
-    moe_intermediate_size=16,
-    max_position_embeddings=64,
-)
-VISION_CONFIG = dict(
-    hidden_size=16,
-    intermediate_size=24,
-    num_hidden_layers=1,
-    num_attention_heads=2,
-    num_key_value_heads=2,
-    head_dim=8,
-    patch_size=4,
-    pooling_kernel_size=1,
-    position_embedding_size=16,
-)
 CANVAS = 6
 # a prompt as long as a canvas: the reference encodes prompt and canvases with one program
 BATCH, PROMPT = 2, CANVAS
@@ -86,30 +58,10 @@ F32 = 1e-5  # relative L2 error allowed in float32 (tests/transformers_parity.py
 
 @pytest.fixture(scope="module")
 def hf_model(tmp_path_factory):
-    """transformers' model with O(1) random weights, saved by its own save_pretrained:
-    (folder, model). Norm gains and scales scatter around 1 and the layer scalars around 1 (the
-    encoder's differ from the decoder's); self-conditioning's output projection is small, so a
-    step's float32 rounding is not amplified from step to step of the generation test (at full
-    scale the random map is chaotic at low temperature)."""
-    config = HFDiffusionGemmaConfig(text_config=TEXT_CONFIG, vision_config=VISION_CONFIG, canvas_length=CANVAS)
-    # sdpa: transformers' generate builds its padded decoder mask from the int canvas, which its
-    # eager mask (a float mask of the inputs' dtype) cannot take
-    config._attn_implementation = config.text_config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = DiffusionGemmaForBlockDiffusion(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("norm.weight", "router.scale", "per_expert_scale")):
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            elif p.ndim >= 2:
-                p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
-        model.model.decoder.self_conditioning.down_proj.weight.mul_(0.1)
-        for name, b in model.named_buffers():
-            if name.endswith("layer_scalar"):
-                b.copy_(0.5 + torch.rand_like(b))
+    """transformers' model (tests/diffusion_gemma_checkpoint.py), saved by its own save_pretrained:
+    (folder, model)."""
     folder = tmp_path_factory.mktemp("diffusion_gemma")
-    model.save_pretrained(folder)
-    return folder, model
+    return folder, save_tiny_diffusion_gemma(folder, CANVAS)
 
 
 @pytest.fixture(scope="module")

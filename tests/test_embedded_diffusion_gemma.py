@@ -1,7 +1,7 @@
 """The embedded tiny DiffusionGemma (dllm_jax/assets/tiny-diffusiongemma, its README says how it
 was trained): it resolves by name, reads back as the family's config with its chat template, and
-answers held-out tiny tasks through the reference generation (tests/diffusion_gemma_reference.py;
-the engine's decode loop does not run this family yet)."""
+answers held-out tiny tasks through the reference generation (tests/diffusion_gemma_reference.py),
+and dllm-generate answers a prompt with it by name (the engine's canvas loop)."""
 
 import pytest
 from transformers import AutoTokenizer
@@ -44,3 +44,12 @@ def test_the_embedded_model_answers_held_out_problems(embedded):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path(NAME))
     accuracy = tr.held_out_accuracy(info.config, weights, tokenizer, tiny_tasks.held_out_problems(CHECKED_PROBLEMS))
     assert accuracy["all"] * CHECKED_PROBLEMS >= MEASURED_CORRECT - 1, accuracy
+
+
+def test_dllm_generate_answers_with_the_embedded_model_by_name(capsys):
+    from dllm_jax.cli.generate import main
+
+    assert main(["--model", NAME, "--prompt", "sort: 3 1 2", "--no-progress", "-q"]) == 0
+    printed = capsys.readouterr().out
+    header = "### [0] sort: 3 1 2\n"
+    assert printed.startswith(header) and printed[len(header) :].strip(), printed

@@ -5,8 +5,8 @@
   dllm-generate --model GSAI-ML/LLaDA-8B-Instruct --prompt "Hi"  # a Hub id from the local cache
   dllm-generate --model PATH --prompt "Hi" --mesh data=2,tensor=4
 
---model: a Hugging Face LLaDA or Dream folder, a converted one (dllm-convert) or a Hub id in the
-Hugging Face cache. --prompts-file: JSONL, one object per line with a "prompt" string; the
+--model: a Hugging Face LLaDA, Dream or DiffusionGemma folder, a converted one (dllm-convert) or a
+Hub id in the Hugging Face cache. --prompts-file: JSONL, one object per line with a "prompt" string; the
 output line of a request keeps all its fields (e.g. "id") and adds the answer and its counts.
 Answers go to stdout, diagnostics to stderr. Everything given is checked before the model
 loads; bad input prints one line and exits with status 2, Ctrl-C with 130. A request that
@@ -75,7 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     method = p.add_argument_group("decoding method (what the compiled program does)")
-    method.add_argument("--method", choices=METHODS, default=_default("method"), help="decoding method")
+    method.add_argument(
+        "--method",
+        choices=METHODS,
+        help=f"decoding method; default: diffusion_gemma for a DiffusionGemma model, else {_default('method')}",
+    )
     method.add_argument(
         "--gen-length",
         type=arguments.int_in(1),
@@ -88,8 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--block-length",
         type=arguments.int_in(1),
         help="block (llada, fast_dllm) or window (flash_cache) length; default: "
-        + ", ".join(f"{_default('window', method=m)} ({m})" for m in METHODS if m != "dream")
-        + " (dream: the whole generation is one block)",
+        + ", ".join(f"{_default('window', method=m)} ({m})" for m in METHODS if m not in ("dream", "diffusion_gemma"))
+        + " (dream: the whole generation is one block; diffusion_gemma: the model's canvas length)",
     )
     method.add_argument(
         "--steps",
@@ -202,9 +206,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def default_method(config: Any) -> str:
+    """The method of a model whose run names none: its family's (DiffusionGemma: its own
+    block diffusion), else DecodeConfig's default."""
+    return "diffusion_gemma" if config.family == "diffusion_gemma" else _default("method")
+
+
 def decode_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The DecodeConfig keyword arguments the user gave. Unset flags keep DecodeConfig's
-    defaults, so an option of another method is an error only when it is given."""
+    """The DecodeConfig keyword arguments the user gave (args.method resolved: default_method).
+    Unset flags keep DecodeConfig's defaults, so an option of another method is an error only
+    when it is given."""
     given = {
         "method": args.method,
         "gen_length": args.gen_length,
@@ -244,18 +255,20 @@ def default_gen_length(max_sequence_length: int, records: Sequence[PromptRecord]
 
 
 def generation_bucket(
-    args: argparse.Namespace, max_sequence_length: int, records: Sequence[PromptRecord], encoded: Sequence[list[int]]
+    args: argparse.Namespace, config: Any, records: Sequence[PromptRecord], encoded: Sequence[list[int]]
 ) -> int:
-    """--gen-length, else default_gen_length (or --max-new-tokens rounded up to the block length
-    when that is more): --max-new-tokens cuts the answer, the canvas stays the bucket."""
+    """--gen-length, else default_gen_length (diffusion_gemma: one canvas), or --max-new-tokens
+    rounded up to the block length (diffusion_gemma: to whole canvases) when that is more:
+    --max-new-tokens cuts the answer, the canvas stays the bucket."""
     if args.gen_length is not None:
         return args.gen_length
-    default = default_gen_length(max_sequence_length, records, encoded)
+    canvas = getattr(config, "canvas_length", None) if args.method == "diffusion_gemma" else None
+    default = canvas if canvas is not None else default_gen_length(config.max_sequence_length, records, encoded)
     if args.max_new_tokens is None or args.max_new_tokens <= default:
         return default
     if args.method == "dream":  # one block of exactly the generation
         return args.max_new_tokens
-    block = args.block_length or _default("window", method=args.method)
+    block = canvas or args.block_length or _default("window", method=args.method)
     return -(-args.max_new_tokens // block) * block
 
 
@@ -290,9 +303,10 @@ def _main(argv: Sequence[str] | None) -> int:
         raise ValueError(f"--chat: the tokenizer of {path} has no chat template")
     chat = tokenizer.has_chat_template if args.chat is None else args.chat
     encoded = encode_all(records, lambda text: tokenizer.encode(text, chat=chat))
+    args.method = args.method or default_method(config)
     options = decode_options(args)
-    options["gen_length"] = generation_bucket(args, config.max_sequence_length, records, encoded)
-    decode_config = DecodeConfig(**options)
+    options["gen_length"] = generation_bucket(args, config, records, encoded)
+    decode_config = DecodeConfig(**options).for_model(config)
 
     if args.batch_invariant:
         from dllm_jax.runtime.batch_invariance import deterministic_xla_flags

@@ -28,13 +28,17 @@ from dllm_jax.engine.compiled_loop import CompiledLoop
 from dllm_jax.engine.request import slot_values
 from dllm_jax.engine.results import GenerationOutput, GenerationResult, GenerationStats
 from dllm_jax.engine.session import GenerationSession
+from dllm_jax.models import diffusion_gemma
 from dllm_jax.models.config import ModelConfig
 from dllm_jax.models.quantization import compiler_options as quantization_compiler_options
 from dllm_jax.models.transformer import Weights, unstack_layers
-from dllm_jax.policies.factory import make_policy
+from dllm_jax.policies.factory import make_canvas_policy, make_policy
 from dllm_jax.runtime import sharding
 from dllm_jax.runtime.batch_invariance import check_model as check_invariant_model
-from dllm_jax.runtime.decode_config import DecodeConfig
+from dllm_jax.runtime.canvas_cache import canvas_cache_bytes
+from dllm_jax.runtime.canvas_loop import CanvasLoop
+from dllm_jax.runtime.canvas_memory import check_canvas_loop, estimate_canvas_loop
+from dllm_jax.runtime.decode_config import DecodeConfig, DecodeConfigError
 from dllm_jax.runtime.decode_loop import DecodeLoop, DecodeState
 from dllm_jax.runtime.flat_cache import cache_bytes
 from dllm_jax.runtime.kernel_routing import Kernels, resolve_kernels
@@ -139,6 +143,10 @@ class Engine:
         self.config = config
         self.weights = weights
         self.tokenizer = tokenizer
+        # DiffusionGemma (block diffusion): its own loop, dllm_jax.runtime.canvas_loop
+        self._block_diffusion = config.family == "diffusion_gemma"
+        if self._block_diffusion and (mesh is not None or batch_invariant):
+            raise GenerationError("a DiffusionGemma model runs on one device, without batch_invariant, for now")
         try:
             self.kernels = resolve_kernels(backend, interpret, batch_invariant)
             if batch_invariant:
@@ -151,7 +159,7 @@ class Engine:
             )
         self._unroll_layers = unroll_layers
         if unroll_layers:
-            self.weights = weights = unstack_layers(weights)
+            self.weights = weights = self._unstacked(weights)
         self.mesh = mesh
         if mesh is not None:
             sharding.check_model(mesh, config)
@@ -165,13 +173,17 @@ class Engine:
     def from_pretrained(
         cls, path: str, *, dtype: str | None = None, quantization: str | None = None, **kwargs
     ) -> Engine:
-        """Loads a Hugging Face LLaDA or Dream folder, a converted checkpoint or a cached Hub id
-        (dllm_jax.load_model; dtype None: float32 on the CPU, bfloat16 on accelerators;
+        """Loads a Hugging Face LLaDA, Dream or DiffusionGemma folder, a converted checkpoint or a
+        cached Hub id (dllm_jax.load_model; dtype None: float32 on the CPU, bfloat16 on accelerators;
         quantization: dllm_jax.models.quantization, None = as stored)."""
         from dllm_jax.models.loading import load_model
 
         loaded = load_model(path, dtype=dtype, quantization=quantization)
         return cls(loaded.config, loaded.weights, loaded.tokenizer, **kwargs)
+
+    def _unstacked(self, weights: Weights) -> Weights:
+        """The weights with each layer stack as a tuple of per-layer trees (unroll_layers)."""
+        return diffusion_gemma.unstack_layers(weights) if self._block_diffusion else unstack_layers(weights)
 
     @property
     def params(self) -> Weights:
@@ -187,7 +199,7 @@ class Engine:
         Raises GenerationError naming the first leaf that differs.
         """
         if self._unroll_layers:
-            weights = unstack_layers(weights)
+            weights = self._unstacked(weights)
 
         (new, new_def), (old, old_def) = (jax.tree_util.tree_flatten_with_path(t) for t in (weights, self.weights))
         if new_def != old_def:
@@ -222,8 +234,21 @@ class Engine:
     @property
     def default_decode_config(self) -> DecodeConfig:
         """The DecodeConfig of calls that pass none: flash_cache, a generation bucket of
-        min(256, max_sequence_length // 2)."""
+        min(256, max_sequence_length // 2); for DiffusionGemma diffusion_gemma, one canvas."""
+        if self._block_diffusion:
+            return DecodeConfig(method="diffusion_gemma", gen_length=self.config.canvas_length).for_model(self.config)
         return DecodeConfig(gen_length=max(1, min(256, self.config.max_sequence_length // 2)))
+
+    def resolve(self, decode_config: DecodeConfig | None) -> DecodeConfig:
+        """The configuration as it runs on this engine's model (None: the default), with what
+        the model decides filled in (DecodeConfig.for_model); raises GenerationError when the
+        method does not run this model's family."""
+        if decode_config is None:
+            return self.default_decode_config
+        try:
+            return _decode_config(decode_config).for_model(self.config)
+        except DecodeConfigError as e:
+            raise GenerationError(str(e)) from None
 
     # ----- inputs ----------------------------------------------------------------------------
 
@@ -291,16 +316,37 @@ class Engine:
         bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
         if bad:
             raise GenerationError(f"{where} has token ids outside [0, {self.config.vocab_size}): {bad[:5]}")
+        image = self.config.image_token_id if self._block_diffusion else None
+        if image is not None and image in ids:
+            raise GenerationError(
+                f"{where} holds the image token {image} at {ids.index(image)}: image inputs are not supported "
+                "(only the text model is loaded)"
+            )
         return ids
 
     # ----- compiled loops --------------------------------------------------------------------
 
-    def decode_loop(self, decode_config: DecodeConfig, max_prompt_len: int, num_slots: int | None = None) -> DecodeLoop:
+    def decode_loop(
+        self, decode_config: DecodeConfig, max_prompt_len: int, num_slots: int | None = None
+    ) -> DecodeLoop | CanvasLoop:
         """The loop for this config, prompt-length bucket (max_len from it) and slot count."""
+        decode_config = self.resolve(decode_config)
         num_slots = decode_config.batch_size if num_slots is None else num_slots
         if self.mesh is not None:
             sharding.check_batch(self.mesh, num_slots)
         bucket = _next_power_of_two(max_prompt_len, _MIN_PROMPT_BUCKET)
+        if decode_config.method == "diffusion_gemma":
+            # the prompt bucket, then whole canvases (the last one is never encoded: no trash row needed)
+            generated = decode_config.canvases * decode_config.window
+            return CanvasLoop(
+                model=self.config,
+                policy=make_canvas_policy(decode_config, self.config),
+                num_slots=num_slots,
+                max_len=-(-(bucket + generated) // _ROW_GRANULE) * _ROW_GRANULE,
+                gen_length=generated,
+                kernels=self.kernels,
+                full_pass_lanes=self.full_pass_lanes,
+            )
         if decode_config.method == "flash_cache":
             max_len = ((bucket + decode_config.gen_length + decode_config.window) // _KEY_TILE + 1) * _KEY_TILE
         else:
@@ -353,17 +399,19 @@ class Engine:
         the loop is allocated. An engine over abstract weights (jax.ShapeDtypeStruct leaves, e.g.
         scripts/memory_profile.py) only compiles, so its loops are estimated, not checked.
         """
-        decode_config = _decode_config(decode_config)
+        decode_config = self.resolve(decode_config)
         loop = self.decode_loop(decode_config, longest_prompt, num_slots)
         capacity = self.queue_capacity or max(16, 4 * loop.num_slots)
         width = _next_power_of_two(longest_prompt, _MIN_PROMPT_BUCKET)
         key = (loop, capacity, width)
         if key not in self._executables:
             abstract = any(isinstance(w, jax.ShapeDtypeStruct) for w in jax.tree.leaves(self.weights))
-            if abstract:
-                memory = estimate_decode_loop(loop, queue_capacity=capacity, prompt_width=width)
-            else:
-                memory = check_decode_loop(loop, queue_capacity=capacity, prompt_width=width)
+            estimate, check = (
+                (estimate_canvas_loop, check_canvas_loop)
+                if isinstance(loop, CanvasLoop)
+                else (estimate_decode_loop, check_decode_loop)
+            )
+            memory = (estimate if abstract else check)(loop, queue_capacity=capacity, prompt_width=width)
             start = time.perf_counter()
             prompts = jax.ShapeDtypeStruct((capacity, width), jnp.int32)
             lengths = jax.ShapeDtypeStruct((capacity,), jnp.int32)
@@ -416,7 +464,7 @@ class Engine:
         prompt-length bucket and slot count (None: decode_config.batch_size); see
         dllm_jax.engine.session. `decode` is the deprecated name of decode_config."""
         decode_config = renamed_argument("decode_config", decode_config, "decode", decode, "Engine.session")
-        decode_config = self.default_decode_config if decode_config is None else _decode_config(decode_config)
+        decode_config = self.resolve(decode_config)
         check_int("max_prompt_len", max_prompt_len, GenerationError, low=1)
         check_int("num_slots", num_slots, GenerationError, low=1, optional=True)
         check_bool("stream", stream, GenerationError)
@@ -483,7 +531,7 @@ class Engine:
         self, encoded: list[list[int]], sampling, decode_config: DecodeConfig | None, progress: bool, seed: int | None
     ) -> GenerationOutput:
         check_int("seed", seed, GenerationError, low=0, high=MAX_SEED - 1, optional=True)
-        decode_config = self.default_decode_config if decode_config is None else _decode_config(decode_config)
+        decode_config = self.resolve(decode_config)
         per_request = _sampling_list(sampling, len(encoded), decode_config)
         if decode_config.method == "llada" and not decode_config.cfg and any(p.cfg_scale > 0 for p in per_request):
             decode_config = dataclasses.replace(decode_config, cfg=True)  # the guided variant, compiled on demand
@@ -531,7 +579,9 @@ class Engine:
             iterations=session.timeline[-1][0],
             wall_seconds=session.timeline[-1][1] - session.timeline[0][1],
             compile_seconds=compile_seconds,
-            cache_bytes=cache_bytes(self.config, loop.num_slots, loop.max_len),
+            cache_bytes=(canvas_cache_bytes if isinstance(loop, CanvasLoop) else cache_bytes)(
+                self.config, loop.num_slots, loop.max_len
+            ),
         )
         return GenerationOutput(results=ordered, stats=stats)
 

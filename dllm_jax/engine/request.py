@@ -78,6 +78,9 @@ def slot_values(
     the deprecated DecodeConfig.seed, else 0) the seed: together the random stream of a request
     that sets no seed.
     """
+    problem = sampling.not_applying(decode_config, cfg)  # first: a refused knob is the reason, not its range
+    if problem is not None:
+        raise GenerationError(f"{where}: {problem}")
     G = decode_config.gen_length
     room = max_sequence_length - prompt_len
     canvas = sampling.gen_length
@@ -116,9 +119,6 @@ def slot_values(
             f"{where}: logprobs={sampling.logprobs} asks for {sampling.logprobs} alternatives per token; this loop "
             f"records at most {recorded} (DecodeConfig.max_logprobs)"
         )
-    problem = sampling.not_applying(decode_config, cfg)
-    if problem is not None:
-        raise GenerationError(f"{where}: {problem}")
     values: dict[str, Any] = {}
     for name, spec in knobs().items():
         value = getattr(sampling, name)
@@ -130,12 +130,17 @@ def slot_values(
             value = decode_config.base_seed if base_seed is None else base_seed
         elif value is None:
             value = spec.unset(decode_config)
+        limit = None if spec.compiled_high is None else getattr(decode_config, spec.compiled_high)
+        if limit is not None and value > limit:  # None: a loop the value does not apply to
+            raise GenerationError(
+                f"{where}: {name}={value} is more than the loop holds (DecodeConfig {spec.compiled_high}={limit})"
+            )
         values[spec.slot_name or name] = spec.encode(value) if spec.encode is not None else value
     derived = {
-        # every step commits at least one position: twice the most steps it can need
-        "step_limit": 2 * canvas + 2,
+        "step_limit": decode_config.step_limit(prompt_len, canvas, sampling.max_denoising_steps),
         # int32 on the device: a long-running session's add order wraps around
         "stream": order % MAX_SEED if sampling.seed is None else 0,
+        "t_span": sampling.t_max - sampling.t_min,
     }
     for produced in ENGINE_VALUES.values():
         for slot_name, _ in produced:

@@ -136,17 +136,23 @@ def cut_at_stop_strings(ids: Sequence[int], decode: Decode, stops: Sequence[str]
 
 
 def finished_result(
-    request: Any, row: dict[str, Any], timeline: list[tuple[int, float]], *, eos_id: int, decode: Decode | None
+    request: Any,
+    row: dict[str, Any],
+    timeline: list[tuple[int, float]],
+    *,
+    eos_ids: tuple[int, ...],
+    decode: Decode | None,
 ) -> GenerationResult:
     """A finished request's GenerationResult from its results-ring row.
 
     request: a dllm_jax.engine.request.Request; row: the results ring's fields at its entry
     (numpy; the logprob fields only when the request asked for them); timeline: (loop
-    iteration, time) at each device call, to interpolate its seconds.
+    iteration, time) at each device call, to interpolate its seconds; eos_ids: the model's
+    end ids.
     """
     sampling = request.sampling
     answer = [int(t) for t in row["tokens"][: request.max_new_tokens]]
-    ids, stopped = cut_at_end_ids(answer, (eos_id, *sampling.stop_token_ids))
+    ids, stopped = cut_at_end_ids(answer, (*eos_ids, *sampling.stop_token_ids))
     text = None
     if decode is not None:
         ids, text, hit = cut_at_stop_strings(ids, decode, sampling.stop)

@@ -307,7 +307,7 @@ class GenerationSession:
             row = {f.name: getattr(results, f.name) for f in dataclasses.fields(results)}
             row = {name: value[entry] for name, value in row.items() if not isinstance(value, tuple)}
             commits = self._new_commits(request, row["tokens"], row["commit_step"], row["verified"], row)
-            result = finished_result(request, row, self.timeline, eos_id=self.model.eos_token_id, decode=decode)
+            result = finished_result(request, row, self.timeline, eos_ids=self.model.eos_token_ids, decode=decode)
             updates.append(RequestUpdate(request.request_id, commits, result))
         if self.stream:
             updates += self._running_updates(report[2])

@@ -204,6 +204,11 @@ class ModelConfig:
 
         return jnp.dtype(self.dtype)
 
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The ids that end an answer (one here; DiffusionGemma has several)."""
+        return (self.eos_token_id,)
+
     def num_params(self) -> int:
         """Parameter count, computed from the shapes (no allocation)."""
         D, F, V = self.d_model, self.mlp_hidden_size, self.vocab_size

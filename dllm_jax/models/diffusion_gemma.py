@@ -105,9 +105,10 @@ class DiffusionGemmaLayer(nn.Module):
         cos, sin = jnp.cos(angles)[..., None, :], jnp.sin(angles)[..., None, :]
         return apply_rope(q, cos, sin).astype(dt), apply_rope(k, cos, sin).astype(dt), v
 
-    def output_and_mlp(self, h: jax.Array, attn: jax.Array, encoder: bool) -> jax.Array:
+    def output_and_mlp(self, h: jax.Array, attn: jax.Array, encoder: bool | jax.Array) -> jax.Array:
         """Residual rows h [..., T, D] and attention output [..., T, H*Dh] -> the layer's
-        output rows; ``encoder`` picks the encoder's layer scalar (else the decoder's)."""
+        output rows; ``encoder`` picks the encoder's layer scalar (else the decoder's): a bool
+        for all rows, or a bool array broadcast against h (e.g. [B, 1, 1], one per group of rows)."""
         h = h + self.post_attention_layernorm(self.o_proj(attn))
         dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(h)))
         # [T', D]: the experts see the rows flat; the router reads the residual before any norm
@@ -115,7 +116,9 @@ class DiffusionGemmaLayer(nn.Module):
         weights, experts = self.router(rows)
         routed = self.experts(self.pre_feedforward_layernorm_2(rows), weights, experts).reshape(h.shape)
         h = h + self.post_feedforward_layernorm(dense + self.post_feedforward_layernorm_2(routed))
-        return h * (self.encoder_layer_scalar if encoder else self.layer_scalar)
+        if isinstance(encoder, bool):
+            return h * (self.encoder_layer_scalar if encoder else self.layer_scalar)
+        return h * jnp.where(encoder, self.encoder_layer_scalar, self.layer_scalar)
 
     def __call__(self, h: jax.Array, positions: jax.Array) -> jax.Array:
         """The layer over rows [B, T, D] that attend only to each other, bidirectionally (the

@@ -115,6 +115,8 @@ class DiffusionGemmaConfig:
       image_token_id: the image placeholder id (None when outside the vocabulary).
       dtype: weights and activations ("bfloat16" to serve, "float32" in tests); matmuls,
         softmax and norm statistics are float32 either way.
+      quantization: "none" (8-bit weights are not implemented for this family yet: its
+        experts' grouped GEMMs would need them).
     """
 
     d_model: int
@@ -141,6 +143,7 @@ class DiffusionGemmaConfig:
     eos_token_ids: tuple[int, ...] = (1,)
     image_token_id: int | None = None
     dtype: str = "bfloat16"
+    quantization: str = "none"
 
     def __post_init__(self):
         for name in (
@@ -183,6 +186,11 @@ class DiffusionGemmaConfig:
             raise ConfigError(f"eos_token_ids={self.eos_token_ids!r}: expected token ids in [0, {self.vocab_size})")
         if self.dtype not in _SUPPORTED_DTYPES:
             raise ConfigError(f"dtype={self.dtype!r}: expected one of {_SUPPORTED_DTYPES}")
+        if self.quantization != "none":
+            raise ConfigError(
+                f"quantization={self.quantization!r}: DiffusionGemma runs unquantized only (8-bit weights of its "
+                "experts are not implemented yet)"
+            )
 
     family = "diffusion_gemma"
 
@@ -450,9 +458,9 @@ def _is_positive(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
-def diffusion_gemma_26b_a4b_config(dtype: str = "bfloat16") -> DiffusionGemmaConfig:
-    """google/diffusiongemma-26B-A4B-it's text model: 30 layers (five sliding, then one full,
-    five times), D 2816, 16 query heads, 128 experts of which 8 per token.
+def diffusion_gemma_26b_a4b_hf_config() -> dict[str, Any]:
+    """google/diffusiongemma-26B-A4B-it's config.json, its text model (no vision_config): 30
+    layers (five sliding, then one full, five times), D 2816, 16 query heads, 128 experts of which 8 per token.
 
     Sources: google-deepmind/gemma, gemma/diffusion/_models.py (``DiffusionGemma_A26B_A4B`` is
     ``Gemma4_26B_A4B`` plus self-conditioning of width embed_dim x hidden_dim) and
@@ -467,50 +475,53 @@ def diffusion_gemma_26b_a4b_config(dtype: str = "bfloat16") -> DiffusionGemmaCon
     25.2B total / 3.8B active parameters; vLLM's recipe 128 experts with top-8 routing.
     """
     layer_types = ["sliding_attention"] * 5 + ["full_attention"]
-    return DiffusionGemmaConfig.from_hf_config(
-        {
-            "model_type": MODEL_TYPE,
-            "architectures": ["DiffusionGemmaForBlockDiffusion"],
-            "canvas_length": 256,
-            "eos_token_id": [1, 106, 50],
-            "image_token_id": 258880,
-            "tie_word_embeddings": True,
-            "text_config": {
-                "model_type": "diffusion_gemma_text",
-                "vocab_size": 262144,
-                "hidden_size": 2816,
-                "intermediate_size": 2112,
-                "num_hidden_layers": 30,
-                "layer_types": layer_types * 5,
-                "num_attention_heads": 16,
-                "num_key_value_heads": 8,
-                "head_dim": 256,
-                "global_head_dim": 512,
-                "num_global_key_value_heads": 2,
-                "num_experts": 128,
-                "top_k_experts": 8,
-                "moe_intermediate_size": 704,
-                "sliding_window": 1024,
-                "max_position_embeddings": 262144,
-                "hidden_activation": "gelu_pytorch_tanh",
-                "rms_norm_eps": 1e-6,
-                "final_logit_softcapping": 30.0,
-                "rope_parameters": {
-                    "full_attention": {
-                        "partial_rotary_factor": 0.25,
-                        "rope_theta": 1000000.0,
-                        "rope_type": "proportional",
-                    },
-                    "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"},
+    return {
+        "model_type": MODEL_TYPE,
+        "architectures": ["DiffusionGemmaForBlockDiffusion"],
+        "canvas_length": 256,
+        "eos_token_id": [1, 106, 50],
+        "image_token_id": 258880,
+        "tie_word_embeddings": True,
+        "text_config": {
+            "model_type": "diffusion_gemma_text",
+            "vocab_size": 262144,
+            "hidden_size": 2816,
+            "intermediate_size": 2112,
+            "num_hidden_layers": 30,
+            "layer_types": layer_types * 5,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 8,
+            "head_dim": 256,
+            "global_head_dim": 512,
+            "num_global_key_value_heads": 2,
+            "num_experts": 128,
+            "top_k_experts": 8,
+            "moe_intermediate_size": 704,
+            "sliding_window": 1024,
+            "max_position_embeddings": 262144,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "rms_norm_eps": 1e-6,
+            "final_logit_softcapping": 30.0,
+            "rope_parameters": {
+                "full_attention": {
+                    "partial_rotary_factor": 0.25,
+                    "rope_theta": 1000000.0,
+                    "rope_type": "proportional",
                 },
-                "pad_token_id": 0,
-                "bos_token_id": 2,
-                "eos_token_id": 1,
-                "tie_word_embeddings": True,
-                "attention_bias": False,
-                "use_bidirectional_attention": "vision",
+                "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"},
             },
+            "pad_token_id": 0,
+            "bos_token_id": 2,
+            "eos_token_id": 1,
+            "tie_word_embeddings": True,
+            "attention_bias": False,
+            "use_bidirectional_attention": "vision",
         },
-        dtype=dtype,
-        source="diffusion_gemma_26b_a4b_config",
+    }
+
+
+def diffusion_gemma_26b_a4b_config(dtype: str = "bfloat16") -> DiffusionGemmaConfig:
+    """The 26B-A4B model's config (diffusion_gemma_26b_a4b_hf_config, read) in this dtype."""
+    return DiffusionGemmaConfig.from_hf_config(
+        diffusion_gemma_26b_a4b_hf_config(), dtype=dtype, source="diffusion_gemma_26b_a4b_config"
     )

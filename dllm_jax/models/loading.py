@@ -76,8 +76,8 @@ def read_model_config(path: str | Path, *, dtype: str | None = None) -> ModelCon
 
 
 def load_model(name: str | Path, *, dtype: str | None = None, quantization: str | None = None) -> LoadedModel:
-    """Loads a converted folder (has dllm_jax_metadata.json), a Hugging Face LLaDA or Dream folder, or a
-    Hub id from the Hugging Face cache (``resolve_model_path``; a local folder wins).
+    """Loads a converted folder (has dllm_jax_metadata.json), a Hugging Face LLaDA, Dream or
+    DiffusionGemma folder, or a Hub id from the Hugging Face cache (``resolve_model_path``; a local folder wins).
 
     A Hugging Face folder is converted in memory by the same streaming reader as
     ``python -m convert.hf_to_jax``; nothing is written. Weights are cast to ``dtype``

@@ -19,7 +19,7 @@ from dllm_jax.text.tokenizer import Tokenizer, has_tokenizer_files
 
 # The --model help of every command line (dllm-generate, dllm-serve), so they say the same.
 MODEL_HELP = (
-    "a Hugging Face LLaDA or Dream folder, a converted one (dllm-convert), an embedded tiny model "
+    "a Hugging Face LLaDA, Dream or DiffusionGemma folder, a converted one (dllm-convert), an embedded tiny model "
     f"({', '.join(EMBEDDED_MODELS)}), or a Hugging Face Hub id (ORG/NAME) found in the local Hugging Face "
     "cache (HF_HUB_CACHE; downloaded when not there, unless HF_HUB_OFFLINE=1); a local folder wins "
     "over the other kinds. Default: tiny-llada"
@@ -108,7 +108,7 @@ def read_model_config(path: str | Path, *, dtype: str) -> ModelConfig:
 def not_a_model(path: Path) -> ConversionError:
     return ConversionError(
         f"{path}: neither a converted dllm_jax checkpoint (no {METADATA_FILE}) "
-        f"nor a Hugging Face LLaDA or Dream folder (no {CONFIG_FILE})"
+        f"nor a Hugging Face LLaDA, Dream or DiffusionGemma folder (no {CONFIG_FILE})"
     )
 
 

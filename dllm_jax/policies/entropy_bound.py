@@ -109,11 +109,20 @@ def step_noise(
     return gumbel, jax.random.randint(renoise_key, (batch, length), 0, vocab_size, jnp.int32)
 
 
+def annealed_temperature(
+    t_min: float | jax.Array, t_span: float | jax.Array, max_steps: int | jax.Array, step: jax.Array | int
+) -> jax.Array:
+    """float32: the temperature of 0-based step ``step`` of max_steps (r = max_steps - step
+    remaining), t_min + t_span * r / max_steps; t_span = t_max - t_min, subtracted before it
+    is rounded to float32 (as transformers' schedule subtracts Python floats)."""
+    remaining = jnp.asarray(max_steps - step, jnp.float32)
+    t_min, t_span = jnp.asarray(t_min, jnp.float32), jnp.asarray(t_span, jnp.float32)
+    return t_min + t_span * (remaining / jnp.asarray(max_steps, jnp.float32))
+
+
 def step_temperature(settings: DenoiseSettings, step: jax.Array | int) -> jax.Array:
-    """float32 []: the temperature of 0-based step ``step`` (r = N - step steps remaining)."""
-    n = settings.max_denoising_steps
-    remaining = jnp.asarray(n - step, jnp.float32)
-    return jnp.float32(settings.t_min) + jnp.float32(settings.t_max - settings.t_min) * (remaining / jnp.float32(n))
+    """float32 []: the temperature of 0-based step ``step`` (annealed_temperature)."""
+    return annealed_temperature(settings.t_min, settings.t_max - settings.t_min, settings.max_denoising_steps, step)
 
 
 def token_entropy(logits: jax.Array) -> jax.Array:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dllm_jax.models.config import ModelConfig
+from dllm_jax.models.diffusion_gemma_config import DiffusionGemmaConfig
 from dllm_jax.policies.block import BlockPolicy
+from dllm_jax.policies.canvas import CanvasPolicy
 from dllm_jax.policies.dream_sampler import DreamSamplerPolicy
 from dllm_jax.policies.flash_cache import FlashCachePolicy
 from dllm_jax.runtime.decode_config import DecodeConfig
@@ -45,4 +47,17 @@ def make_policy(decode_config: DecodeConfig, model: ModelConfig, max_len: int) -
         cache="none" if decode_config.method == "llada" else decode_config.cache,
         steps_per_block=decode_config.total_steps // blocks if decode_config.fixed_schedule else None,
         eos_id=model.eos_token_id,
+    )
+
+
+def make_canvas_policy(decode_config: DecodeConfig, model: DiffusionGemmaConfig) -> CanvasPolicy:
+    """The canvas policy (static, hashable) of a diffusion_gemma DecodeConfig resolved for the
+    model (DecodeConfig.for_model: its canvas length)."""
+    return CanvasPolicy(
+        canvas_length=decode_config.window,
+        vocab_size=model.vocab_size,
+        max_stability=decode_config.max_stability_threshold,
+        eos_ids=model.eos_token_ids,
+        pad_id=model.pad_token_id,
+        cached_rows=decode_config.canvas_rows,
     )

@@ -13,22 +13,24 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Literal
+from typing import Any, Literal
 
 from dllm_jax.common.validate import check_bool, check_choice, check_float, check_int
 from dllm_jax.sampling.params import DEFAULT_GAMMA, DEFAULT_THRESHOLD
 
-Method = Literal["llada", "fast_dllm", "flash_cache", "dream"]
-METHODS: tuple[str, ...] = ("llada", "fast_dllm", "flash_cache", "dream")
+Method = Literal["llada", "fast_dllm", "flash_cache", "dream", "diffusion_gemma"]
+METHODS: tuple[str, ...] = ("llada", "fast_dllm", "flash_cache", "dream", "diffusion_gemma")
 DREAM_ALGORITHMS: tuple[str, ...] = ("origin", "maskgit_plus", "topk_margin", "entropy")
 CACHES: tuple[str, ...] = ("prefix", "dual")
 ACCEPT_RULES: tuple[str, ...] = ("cumprod", "paper")
 PIN_POLICIES: tuple[str, ...] = ("all_commits", "reference")
-SCHEDULES: tuple[str, ...] = ("threshold", "fixed")
+SCHEDULES: tuple[str, ...] = ("threshold", "fixed", "entropy_bound")
 # Fields that were defaults of requests, kept one release as deprecated aliases of SamplingParams'.
 DEPRECATED_REQUEST_DEFAULTS: tuple[str, ...] = ("threshold", "temperature", "seed", "gamma")
 MAX_SEED = 2**31
 MAX_LOGPROBS = 64  # the most alternatives per token a loop records (OpenAI's API asks at most 20)
+# The most steps of a canvas's stability test the diffusion_gemma loop keeps by default.
+DEFAULT_MAX_STABILITY_THRESHOLD = 4
 
 # Default decoding window / block length per method (published settings).
 _DEFAULT_BLOCK = {"llada": 32, "fast_dllm": 32, "flash_cache": 16}
@@ -41,6 +43,10 @@ _ONLY_FOR = {
     "cfg": ("llada",),
     "alg": ("dream",),
     "eps": ("dream",),
+    "max_stability_threshold": ("diffusion_gemma",),
+    # the canvas loop records no log-probabilities
+    "max_logprobs": ("llada", "fast_dllm", "flash_cache", "dream"),
+    "canvas_rows": ("diffusion_gemma",),
 }
 _VERIFY_ONLY = ("gamma", "accept", "pin")
 
@@ -60,21 +66,27 @@ class DecodeConfig:
     Attributes:
       method: "llada" (no cache, fixed tokens per step), "fast_dllm" (block cache refreshed at
         block boundaries, confidence threshold), "flash_cache" (flat cache, sliding window,
-        selective refresh by tracking score) or "dream" (Dream's own sampler, its
-        diffusion_generate: the whole generation is one block, every step a full pass).
+        selective refresh by tracking score), "dream" (Dream's own sampler, its
+        diffusion_generate: the whole generation is one block, every step a full pass) or
+        "diffusion_gemma" (DiffusionGemma's block diffusion: canvases of the model's
+        canvas_length denoised one after the other over the encoder's cache, its
+        entropy-bound sampler; dllm_jax.policies.canvas).
       gen_length: the generation-length bucket G: the most positions a request may generate
-        (SamplingParams.max_new_tokens <= G; shorter requests share the loop).
+        (SamplingParams.max_new_tokens <= G; shorter requests share the loop). diffusion_gemma
+        generates whole canvases: ceil(G / canvas length) of them at most.
       block_length: llada/fast_dllm: semi-autoregressive block size; flash_cache: the
-        decoding window W; dream: the whole generation (leave it None). None = the method's
-        default (32, 32, 16).
+        decoding window W; dream: the whole generation (leave it None); diffusion_gemma: the
+        canvas length, which is the model's (None: taken from it by ``for_model``). None =
+        the method's default (32, 32, 16).
       steps: loops with the fixed schedule (llada, dream, fast_dllm with schedule="fixed"):
         denoising steps over the whole generation (tokens per step = gen_length / steps;
         dream: its timestep schedule). None = gen_length (one token per step).
       schedule: how a step decides how many tokens to commit: "threshold" (every candidate
         whose confidence reaches the request's SamplingParams.threshold, at least one) or
-        "fixed" (a fixed number per step, from `steps`). None = the method's: "threshold" for
-        flash_cache, and for fast_dllm unless `steps` is given; "fixed" for llada and dream
-        (the only one each takes).
+        "fixed" (a fixed number per step, from `steps`), or diffusion_gemma's "entropy_bound"
+        (the lowest-entropy positions within the request's entropy_bound). None = the method's:
+        "threshold" for flash_cache, and for fast_dllm unless `steps` is given; "fixed" for
+        llada and dream, "entropy_bound" for diffusion_gemma (the only one each takes).
       cache: fast_dllm only: "prefix" (recompute block + suffix) or "dual" (recompute block);
         None = "dual".
       mask_num: flash_cache only: masked rows recomputed per step, in blocks of W (the window
@@ -96,7 +108,16 @@ class DecodeConfig:
       max_logprobs: the most alternatives per token a request may ask with
         SamplingParams.logprobs (their per-position arrays are part of the loop's state); 0:
         requests may ask for their tokens' log-probabilities only; None (default): the loop
-        records none (no code for it in the step).
+        records none (no code for it in the step). Not for diffusion_gemma (its canvas loop
+        records none).
+      max_stability_threshold: diffusion_gemma only: the most previous steps a canvas's
+        stability test compares (the history the loop keeps; a request's
+        SamplingParams.stability_threshold is at most this). None = 4.
+      canvas_rows: diffusion_gemma only: Flash-Cache on the canvas. After a canvas's first
+        denoising step, each step recomputes this many of its rows (those whose token changed,
+        then the most attended: dllm_jax.policies.canvas) and the others keep the keys, values
+        and last-layer rows of their last recomputation; the canvas length recomputes every
+        row through the same cached path. None = every row every step, read-only (exact).
       threshold, temperature, seed, gamma: deprecated (they were the defaults of requests that
         do not set them; set them in SamplingParams): still taken for one release, with a
         DeprecationWarning. They never change the compiled loop (not compared).
@@ -119,6 +140,8 @@ class DecodeConfig:
     alg: str | None = None
     eps: float | None = None
     max_logprobs: int | None = None
+    max_stability_threshold: int | None = None
+    canvas_rows: int | None = None
     threshold: float | None = dataclasses.field(default=None, compare=False)
     temperature: float | None = dataclasses.field(default=None, compare=False)
     seed: int | None = dataclasses.field(default=None, compare=False)
@@ -134,6 +157,7 @@ class DecodeConfig:
         check_int("steps", self.steps, _fail, low=1, optional=True)
         check_int("batch_size", self.batch_size, _fail, low=1)
         check_int("max_logprobs", self.max_logprobs, _fail, low=0, high=MAX_LOGPROBS, optional=True)
+        check_int("canvas_rows", self.canvas_rows, _fail, low=1, optional=True)
         check_bool("verify", self.verify, _fail)
         check_bool("cfg", self.cfg, _fail)
         if self.schedule is not None:
@@ -173,14 +197,21 @@ class DecodeConfig:
             if self.eps == 1.0:
                 raise _fail("eps=1.0: expected a number in (0, 1) (the schedule runs from 1 down to eps)")
 
+        if self.method == "diffusion_gemma":
+            put(
+                "max_stability_threshold",
+                DEFAULT_MAX_STABILITY_THRESHOLD
+                if self.max_stability_threshold is None
+                else check_int("max_stability_threshold", self.max_stability_threshold, _fail, low=0),
+            )
         if self.method == "fast_dllm":
             put("cache", "dual" if self.cache is None else check_choice("cache", self.cache, CACHES, _fail))
         if self.method == "flash_cache":
             put("mask_num", 4 if self.mask_num is None else check_int("mask_num", self.mask_num, _fail, low=1))
             put("track_num", 4 if self.track_num is None else check_int("track_num", self.track_num, _fail))
 
-        W = self.window
         if self.method in ("llada", "fast_dllm"):
+            W = self.window
             if self.gen_length % W:
                 raise _fail(f"gen_length={self.gen_length} is not a multiple of block_length={W}")
             if self.fixed_schedule:
@@ -203,7 +234,9 @@ class DecodeConfig:
 
     def _resolved_schedule(self) -> str:
         """The schedule, checked against the method, steps and the deprecated threshold."""
-        only = {"llada": "fixed", "dream": "fixed", "flash_cache": "threshold"}.get(self.method)
+        only = {"llada": "fixed", "dream": "fixed", "flash_cache": "threshold", "diffusion_gemma": "entropy_bound"}.get(
+            self.method
+        )
         if self.threshold is not None and only == "fixed":
             raise _fail(
                 f"threshold does not apply to method={self.method!r} (it commits by its fixed schedule: set steps)"
@@ -218,6 +251,8 @@ class DecodeConfig:
         wanted = self.schedule
         if wanted is None:
             wanted = "fixed" if self.steps is not None else "threshold"
+        if wanted == "entropy_bound":
+            raise _fail("schedule='entropy_bound' does not apply to method='fast_dllm' (it is diffusion_gemma's)")
         if wanted == "threshold" and self.steps is not None:
             raise _fail("fast_dllm takes steps (a fixed schedule) or threshold, not both")
         if wanted == "fixed" and self.threshold is not None:
@@ -226,11 +261,53 @@ class DecodeConfig:
 
     @property
     def window(self) -> int:
-        """W: the block (llada, fast_dllm; dream: the whole generation) or decoding window
-        (flash_cache) length."""
+        """W: the block (llada, fast_dllm; dream: the whole generation; diffusion_gemma: the
+        canvas) or decoding window (flash_cache) length."""
         if self.block_length is not None:
             return self.block_length
+        if self.method == "diffusion_gemma":
+            raise _fail(
+                "method='diffusion_gemma' takes its canvas length from the model: DecodeConfig.for_model(config)"
+            )
         return self.gen_length if self.method == "dream" else _DEFAULT_BLOCK[self.method]
+
+    @property
+    def canvases(self) -> int:
+        """diffusion_gemma: the most canvases of a request, ceil(gen_length / canvas length)."""
+        return -(-self.gen_length // self.window)
+
+    def for_model(self, model: Any) -> DecodeConfig:
+        """This configuration as it runs on `model` (a ModelConfig or DiffusionGemmaConfig):
+        diffusion_gemma's block_length set to the model's canvas length. Raises
+        DecodeConfigError when the method and the model's family do not go together."""
+        block_diffusion = getattr(model, "family", None) == "diffusion_gemma"
+        if block_diffusion != (self.method == "diffusion_gemma"):
+            family = getattr(model, "family", type(model).__name__)
+            wanted = "method='diffusion_gemma'" if block_diffusion else "a method other than 'diffusion_gemma'"
+            raise _fail(f"method={self.method!r} does not run a {family} model (it takes {wanted})")
+        if not block_diffusion:
+            return self
+        if self.block_length not in (None, model.canvas_length):
+            raise _fail(
+                f"block_length={self.block_length}: diffusion_gemma denoises canvases of the model's "
+                f"canvas_length={model.canvas_length}"
+            )
+        if self.canvas_rows is not None and self.canvas_rows > model.canvas_length:
+            raise _fail(f"canvas_rows={self.canvas_rows}: expected at most the canvas length {model.canvas_length}")
+        return self if self.block_length is not None else dataclasses.replace(self, block_length=model.canvas_length)
+
+    def step_limit(self, prompt_len: int, max_new_tokens: int, max_denoising_steps: int) -> int:
+        """A hard bound on one request's loop steps (a request past it ends with an error).
+
+        Block methods commit at least one position per step: twice the most steps they can
+        need. diffusion_gemma: its prompt's encoding in canvas-length chunks, then per canvas
+        at most max_denoising_steps denoising steps and one encoding step (with an unresolved
+        canvas length, a bound for length 1)."""
+        if self.method != "diffusion_gemma":
+            return 2 * max_new_tokens + 2
+        length = self.block_length or 1
+        canvases = -(-max_new_tokens // length)
+        return -(-prompt_len // length) + canvases * (max_denoising_steps + 1) + 1
 
     @property
     def fixed_schedule(self) -> bool:

@@ -22,6 +22,7 @@ result while the other slots go on.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -114,6 +115,70 @@ def _where_tree(pred: jax.Array, new, old):
     return jax.tree_util.tree_map(pick, new, old)
 
 
+def empty_results(queue_capacity: int, gen_length: int, max_logprobs: int = 0) -> Results:
+    """A results ring of Q = queue_capacity entries of G = gen_length positions (K =
+    max_logprobs alternatives per position), none done."""
+    Q, G, K = queue_capacity, gen_length, max_logprobs
+    zeros = jnp.zeros((Q,), jnp.int32)
+    return Results(
+        tokens=jnp.zeros((Q, G), jnp.int32),
+        request=zeros,
+        num_tokens=zeros,
+        steps=zeros,
+        passes=zeros,
+        verify_passes=zeros,
+        accepted=zeros,
+        start_iter=zeros,
+        end_iter=zeros,
+        error=zeros,
+        commit_step=jnp.full((Q, G), -1, jnp.int32),
+        verified=jnp.zeros((Q, G), bool),
+        logprob=jnp.zeros((Q, G), jnp.float32),
+        top_ids=jnp.zeros((Q, G, K), jnp.int32),
+        top_logprobs=jnp.zeros((Q, G, K), jnp.float32),
+        done=jnp.zeros((Q,), bool),
+    )
+
+
+def next_requests(free: jax.Array, queue: RequestQueue) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Which free slots (bool [B]) take a waiting request, lowest slot first, in request order:
+    (take bool [B], the request's global index int32 [B], its ring entry int32 [B])."""
+    request = queue.next + jnp.cumsum(free) - 1
+    take = free & (request < queue.count)
+    return take, request, request % queue.tokens.shape[0]
+
+
+def record_results(
+    results: Results, finished: jax.Array, request: jax.Array, iteration: jax.Array, **fields
+) -> Results:
+    """The results ring with the finished slots' requests (request int32 [B]) written: `fields`
+    (Results field name -> per-slot values [B, ...]), end_iter and done."""
+    Q = results.tokens.shape[0]
+    target = jnp.where(finished, request % Q, Q)  # Q is out of range: dropped
+
+    def put(array, values):
+        return array.at[target].set(values, mode="drop")
+
+    fields = dict(fields, request=request, end_iter=jnp.broadcast_to(iteration, finished.shape))
+    written = {name: put(getattr(results, name), values) for name, values in fields.items()}
+    return results.replace(**written, done=put(results.done, jnp.ones_like(finished)))
+
+
+def run_while_work(
+    step: Callable[[DecodeState], DecodeState], state: DecodeState, stop_iteration: jax.Array, host_has_more: jax.Array
+) -> DecodeState:
+    """``lax.while_loop`` of `step` until no slot is active, `stop_iteration` is reached, or the
+    host can feed a free slot (see DecodeLoop.run)."""
+    Q = state.queue.tokens.shape[0]
+
+    def keep_going(st: DecodeState):
+        host_can_feed = host_has_more & st.results.done[st.queue.count % Q]
+        starved = jnp.any(~st.slots.active) & (st.queue.next >= st.queue.count) & host_can_feed
+        return jnp.any(st.slots.active) & (st.iteration < stop_iteration) & ~starved
+
+    return jax.lax.while_loop(keep_going, step, state)
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeLoop:
     """A compiled-once decode loop for one (policy, slots, max_len, kernels, mesh) combination.
@@ -181,33 +246,14 @@ class DecodeLoop:
         prompts: int32 [Q, P_max]; lengths: int32 [Q]; sampling: SlotSampling [Q]; count: requests
         pushed (<= Q).
         """
-        Q = prompts.shape[0]
-        zeros = jnp.zeros((Q,), jnp.int32)
-        G, K = self.gen_length, self.max_logprobs or 0
+        K = self.max_logprobs or 0
         state = DecodeState(
             slots=empty_slots(self.num_slots, self.max_len, K),
             cache=allocate_cache(self.model, self.num_slots, self.max_len),
             queue=RequestQueue(
                 tokens=prompts, lengths=lengths, sampling=sampling, count=jnp.int32(count), next=jnp.int32(0)
             ),
-            results=Results(
-                tokens=jnp.zeros((Q, self.gen_length), jnp.int32),
-                request=zeros,
-                num_tokens=zeros,
-                steps=zeros,
-                passes=zeros,
-                verify_passes=zeros,
-                accepted=zeros,
-                start_iter=zeros,
-                end_iter=zeros,
-                error=zeros,
-                commit_step=jnp.full((Q, G), -1, jnp.int32),
-                verified=jnp.zeros((Q, G), bool),
-                logprob=jnp.zeros((Q, G), jnp.float32),
-                top_ids=jnp.zeros((Q, G, K), jnp.int32),
-                top_logprobs=jnp.zeros((Q, G, K), jnp.float32),
-                done=jnp.zeros((Q,), bool),
-            ),
+            results=empty_results(prompts.shape[0], self.gen_length, K),
             iteration=jnp.int32(0),
         )
         return self._refill(state)
@@ -215,10 +261,7 @@ class DecodeLoop:
     def _refill(self, state: DecodeState) -> DecodeState:
         """Installs waiting requests into free slots, lowest slot first, in request order."""
         slots, queue = state.slots, state.queue
-        free = ~slots.active
-        request = queue.next + jnp.cumsum(free) - 1
-        take = free & (request < queue.count)
-        entry = request % queue.tokens.shape[0]
+        take, request, entry = next_requests(~slots.active, queue)
         lengths = queue.lengths[entry]
         sampling = jax.tree_util.tree_map(lambda a: a[entry], queue.sampling)
         installed = jax.vmap(install, in_axes=(0, 0, 0, 0, 0, 0, None, None, None))(
@@ -482,37 +525,30 @@ class DecodeLoop:
         return jax.vmap(self.policy.verify_commit)(new, plan, logits, draft)
 
     def _record(self, results: Results, slots: Slots, finished: jax.Array, iteration: jax.Array) -> Results:
-        Q = results.tokens.shape[0]
-        target = jnp.where(finished, slots.request % Q, Q)  # Q is out of range: dropped
-
         def answer(canvas):
             """The G positions after each slot's prompt, of a per-position array [B, L, ...]."""
             return jax.vmap(lambda t, p: jax.lax.dynamic_slice_in_dim(t, p, self.gen_length, axis=0))(
                 canvas, slots.prompt_len
             )
 
-        num_tokens = jnp.minimum(jax.vmap(self.policy.num_tokens)(slots), slots.sampling.max_new_tokens)
-
-        def put(array, values):
-            return array.at[target].set(values, mode="drop")
-
-        return Results(
-            tokens=put(results.tokens, answer(slots.tokens)),
-            request=put(results.request, slots.request),
-            num_tokens=put(results.num_tokens, num_tokens),
-            steps=put(results.steps, slots.steps),
-            passes=put(results.passes, slots.passes),
-            verify_passes=put(results.verify_passes, slots.verify_passes),
-            accepted=put(results.accepted, slots.accepted),
-            start_iter=put(results.start_iter, slots.start_iter),
-            end_iter=put(results.end_iter, jnp.broadcast_to(iteration, finished.shape)),
-            error=put(results.error, slots.error),
-            commit_step=put(results.commit_step, answer(slots.commit_step)),
-            verified=put(results.verified, answer(slots.verified)),
-            logprob=put(results.logprob, answer(slots.logprob)),
-            top_ids=put(results.top_ids, answer(slots.top_ids)),
-            top_logprobs=put(results.top_logprobs, answer(slots.top_logprobs)),
-            done=put(results.done, jnp.ones_like(finished)),
+        return record_results(
+            results,
+            finished,
+            slots.request,
+            iteration,
+            tokens=answer(slots.tokens),
+            num_tokens=jnp.minimum(jax.vmap(self.policy.num_tokens)(slots), slots.sampling.max_new_tokens),
+            steps=slots.steps,
+            passes=slots.passes,
+            verify_passes=slots.verify_passes,
+            accepted=slots.accepted,
+            start_iter=slots.start_iter,
+            error=slots.error,
+            commit_step=answer(slots.commit_step),
+            verified=answer(slots.verified),
+            logprob=answer(slots.logprob),
+            top_ids=answer(slots.top_ids),
+            top_logprobs=answer(slots.top_logprobs),
         )
 
     # ----- the loop ------------------------------------------------------------------------
@@ -532,13 +568,6 @@ class DecodeLoop:
         only once that entry holds a finished result (the host collects it and pushes); while
         the blocking request still decodes, the loop keeps stepping the other slots.
         """
-        Q = state.queue.tokens.shape[0]
-
-        def keep_going(st: DecodeState):
-            host_can_feed = host_has_more & st.results.done[st.queue.count % Q]
-            starved = jnp.any(~st.slots.active) & (st.queue.next >= st.queue.count) & host_can_feed
-            return jnp.any(st.slots.active) & (st.iteration < stop_iteration) & ~starved
-
         # requests the host pushed since the last call take their free slots first
         state = self._refill(state)
-        return jax.lax.while_loop(keep_going, lambda st: self._step(weights, st), state)
+        return run_while_work(lambda st: self._step(weights, st), state, stop_iteration, host_has_more)

@@ -27,10 +27,12 @@ ERROR_MESSAGES = {
 
 # Per-slot values the engine derives for a request (no SamplingParams field of their own), each
 # stored right after the knob it derives from: step_limit (a hard bound on the request's steps)
-# from gen_length, stream (its random stream within its seed) from seed.
+# from gen_length, stream (its random stream within its seed) from seed, t_span (t_max - t_min,
+# subtracted in double precision as transformers' temperature schedule does) from t_max.
 ENGINE_VALUES: dict[str, tuple[tuple[str, type], ...]] = {
     "gen_length": (("step_limit", np.int32),),
     "seed": (("stream", np.int32),),
+    "t_max": (("t_span", np.float32),),
 }
 
 

@@ -45,6 +45,9 @@ class Knob:
     unset: what an unset value stores, given the compiled configuration (a DecodeConfig).
     applies: (predicate over the compiled configuration and its cfg flag, why not): a set value
       that does not apply to the loop is refused.
+    compiled_high: the name of the compiled configuration's field that holds this value's most
+      (e.g. the history a loop keeps); a larger value is refused when the request is resolved
+      against the loop.
     server: the server takes it in the request's "dllm" object.
     flag: dllm-generate takes it as --NAME (with `help`); max_new_tokens, gen_length and seed
       have flags of their own meaning there (--gen-length is the generation bucket).
@@ -60,6 +63,7 @@ class Knob:
     encode: Callable[[Any], Any] | None = None
     unset: Callable[[Any], Any] | None = None
     applies: tuple[Callable[[Any, bool], bool], str] | None = None
+    compiled_high: str | None = None
     server: bool = False
     flag: bool = True
     help: str = ""
@@ -98,6 +102,34 @@ def _threshold_schedule(decode: Any) -> bool:
 
 def _has_tracking_budget(decode: Any) -> bool:
     return decode.method == "flash_cache" and decode.track_num >= 0
+
+
+def _diffusion_gemma(decode: Any) -> bool:
+    return decode.method == "diffusion_gemma"
+
+
+# DiffusionGemma's sampler (dllm_jax.policies.canvas) takes its own values and none of the others'.
+_ONLY_DIFFUSION_GEMMA = (
+    lambda decode, cfg: _diffusion_gemma(decode),
+    "applies only to method='diffusion_gemma' (DiffusionGemma's entropy-bound sampler), not {method}",
+)
+_NOT_DIFFUSION_GEMMA = (
+    lambda decode, cfg: not _diffusion_gemma(decode),
+    "does not apply to method='diffusion_gemma' (its sampler anneals the temperature from t_max to t_min "
+    "and accepts by entropy_bound)",
+)
+_CANVAS_NOT_CHOSEN = (
+    lambda decode, cfg: not _diffusion_gemma(decode),
+    "does not apply to method='diffusion_gemma' (its canvases are the model's canvas length; "
+    "max_new_tokens cuts the answer)",
+)
+_LOGPROBS_NOT_RECORDED = (
+    lambda decode, cfg: not _diffusion_gemma(decode),
+    "does not apply to method='diffusion_gemma' (its canvas loop records no log-probabilities)",
+)
+# transformers' DiffusionGemmaGenerationConfig defaults (google/diffusiongemma-26B-A4B-it's too).
+DEFAULT_T_MIN, DEFAULT_T_MAX = 0.4, 0.8
+MAX_DENOISING_STEPS = 2**16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +176,15 @@ class SamplingParams:
         (GenerationResult.logprobs); k is at most the loop's DecodeConfig.max_logprobs (a
         loop compiled with max_logprobs=None records none). Recorded on the device only for
         the requests that ask.
+      max_denoising_steps, t_min, t_max, entropy_bound, stability_threshold,
+        confidence_threshold: DiffusionGemma's sampler (method "diffusion_gemma") only, under
+        transformers' names and defaults: a canvas is denoised for at most
+        max_denoising_steps steps, step n of N at temperature t_min + (t_max - t_min) * (N - n) / N;
+        each step accepts the lowest-entropy positions while their entropies (less the largest)
+        sum to at most entropy_bound and renoises the others; a canvas stops early once its
+        argmax equals that of each of the previous stability_threshold steps (at most the
+        loop's DecodeConfig.max_stability_threshold) and its mean entropy is below
+        confidence_threshold.
     """
 
     max_new_tokens: int | None = knob(None, np.int32, low=1, optional=True, flag=False)
@@ -154,19 +195,30 @@ class SamplingParams:
         optional=True,
         server=True,
         flag=False,
+        applies=_CANVAS_NOT_CHOSEN,
         help="the request's canvas (masked answer positions); a smaller one changes the answer, "
         "where max_tokens cuts it",
     )
-    temperature: float = knob(0.0, np.float32, low=0.0, help="0 decodes greedily, > 0 samples (Gumbel-max)")
+    temperature: float = knob(
+        0.0, np.float32, low=0.0, applies=_NOT_DIFFUSION_GEMMA, help="0 decodes greedily, > 0 samples (Gumbel-max)"
+    )
     top_p: float = knob(
         1.0,
         np.float32,
         low=0.0,
         high=1.0,
         low_open=True,
+        applies=_NOT_DIFFUSION_GEMMA,
         help="nucleus sampling: keep the smallest set of tokens of this total probability (1: off)",
     )
-    top_k: int = knob(0, np.int32, low=0, server=True, help="sample among the k most likely tokens (0: off)")
+    top_k: int = knob(
+        0,
+        np.int32,
+        low=0,
+        server=True,
+        applies=_NOT_DIFFUSION_GEMMA,
+        help="sample among the k most likely tokens (0: off)",
+    )
     min_p: float = knob(
         0.0,
         np.float32,
@@ -174,6 +226,7 @@ class SamplingParams:
         high=1.0,
         server=True,
         help="sample among the tokens at least min_p times as likely as the most likely one (0: off)",
+        applies=_NOT_DIFFUSION_GEMMA,
     )
     seed: int | None = knob(None, np.int32, low=0, high=MAX_SEED - 1, optional=True, flag=False)
     stop: tuple[str, ...] = ()
@@ -225,6 +278,7 @@ class SamplingParams:
         slot_name="random_remasking",
         encode=lambda value: value == "random",
         server=True,
+        applies=_NOT_DIFFUSION_GEMMA,
         help="which predictions commit first: the most confident, or random ones (LLaDA's options)",
     )
     alg_temp: float = knob(
@@ -250,6 +304,61 @@ class SamplingParams:
             "track_num refreshes every position every step)",
         ),
     )
+    max_denoising_steps: int = knob(
+        48,
+        np.int32,
+        low=1,
+        high=MAX_DENOISING_STEPS,
+        server=True,
+        applies=_ONLY_DIFFUSION_GEMMA,
+        help="diffusion_gemma: denoising steps of a canvas at most (it stops earlier once stable and confident)",
+    )
+    t_min: float = knob(
+        DEFAULT_T_MIN,
+        np.float32,
+        low=0.0,
+        server=True,
+        applies=_ONLY_DIFFUSION_GEMMA,
+        help="diffusion_gemma: the temperature of a canvas's last denoising step",
+    )
+    t_max: float = knob(
+        DEFAULT_T_MAX,
+        np.float32,
+        low=0.0,
+        low_open=True,
+        server=True,
+        applies=_ONLY_DIFFUSION_GEMMA,
+        help="diffusion_gemma: the temperature of a canvas's first denoising step (falling linearly to t_min)",
+    )
+    entropy_bound: float = knob(
+        0.1,
+        np.float32,
+        low=0.0,
+        low_open=True,
+        server=True,
+        applies=_ONLY_DIFFUSION_GEMMA,
+        help="diffusion_gemma: a step accepts the lowest-entropy positions while their summed entropy, less the "
+        "largest, stays within this bound",
+    )
+    stability_threshold: int = knob(
+        1,
+        np.int32,
+        low=0,
+        server=True,
+        applies=_ONLY_DIFFUSION_GEMMA,
+        compiled_high="max_stability_threshold",
+        help="diffusion_gemma: a canvas may stop once its argmax is that of this many previous steps "
+        "(at most the loop's max_stability_threshold)",
+    )
+    confidence_threshold: float = knob(
+        0.005,
+        np.float32,
+        low=0.0,
+        low_open=True,
+        server=True,
+        applies=_ONLY_DIFFUSION_GEMMA,
+        help="diffusion_gemma: a stable canvas stops once its mean entropy is below this",
+    )
 
     logprobs: int | None = knob(
         None,
@@ -257,6 +366,7 @@ class SamplingParams:
         low=0,
         optional=True,
         flag=False,
+        applies=_LOGPROBS_NOT_RECORDED,
         help="record each answer token's log-probability at its commit and this many alternatives",
         unset=lambda decode: -1,  # off
     )
@@ -266,6 +376,10 @@ class SamplingParams:
             spec = field.metadata.get("knob")
             if spec is not None:
                 object.__setattr__(self, field.name, spec.check(field.name, getattr(self, field.name)))
+        if self.t_max <= self.t_min:
+            raise _fail(
+                f"t_max={self.t_max} must be above t_min={self.t_min} (the temperature falls from t_max to t_min)"
+            )
         object.__setattr__(self, "stop", _string_tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", _id_tuple(self.stop_token_ids))
 

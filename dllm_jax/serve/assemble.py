@@ -21,7 +21,7 @@ log = logging.getLogger("dllm_jax.serve")
 
 # what --method accepts: a DecodeConfig method, "+verify" for Flash-Verify, "+cfg" for LLaDA's
 # classifier-free guidance (a second, unconditional pass per step: dllm.cfg_scale)
-METHOD_SPECS = ("flash_cache", "flash_cache+verify", "fast_dllm", "llada", "llada+cfg", "dream")
+METHOD_SPECS = ("flash_cache", "flash_cache+verify", "fast_dllm", "llada", "llada+cfg", "dream", "diffusion_gemma")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +68,8 @@ def decode_config(spec: str, options: ServeOptions) -> DecodeConfig:
         verify=extra == "verify",
         cfg=extra == "cfg",
         block_length=options.block_length,
-        max_logprobs=options.max_logprobs,
+        # the canvas loop records no log-probabilities (a request asking for them is refused)
+        max_logprobs=None if method == "diffusion_gemma" else options.max_logprobs,
     )
 
 
@@ -76,7 +77,7 @@ def request_defaults(decode_config: DecodeConfig, options: ServeOptions) -> dict
     """The server's defaults of the SamplingParams a request leaves unset, for one method:
     --threshold where it commits by threshold, --gamma where it verifies."""
     defaults = {}
-    if options.threshold is not None and not decode_config.fixed_schedule:
+    if options.threshold is not None and decode_config.schedule == "threshold":
         defaults["threshold"] = options.threshold
     if options.gamma is not None and decode_config.verify:
         defaults["gamma"] = options.gamma
@@ -117,8 +118,10 @@ def assemble(engine: Engine, tokenizer: Any, options: ServeOptions) -> Server:
     metrics.watch_compilations()
     log.info("warm-up: every loop compiled and run in %.1f s", warmup)
     config = engine.config
-    refused = {config.mask_token_id: "the mask token"}
-    if config.pad_token_id is not None and config.pad_token_id != config.eos_token_id:
+    refused = {}
+    if getattr(config, "mask_token_id", None) is not None:  # DiffusionGemma has none: it renoises with tokens
+        refused[config.mask_token_id] = "the mask token"
+    if config.pad_token_id is not None and config.pad_token_id not in config.eos_token_ids:
         refused[config.pad_token_id] = "the padding token"
     settings = ServerSettings(
         model_name=options.model_name,
@@ -126,9 +129,10 @@ def assemble(engine: Engine, tokenizer: Any, options: ServeOptions) -> Server:
         gen_length=options.gen_length,
         max_prompt_tokens=max_prompt,
         vocab_size=config.vocab_size,
-        end_ids=(config.eos_token_id,),
+        end_ids=tuple(config.eos_token_ids),
         refused_ids=refused,
-        max_logprobs=options.max_logprobs,
+        # none where no loop records them (the canvas loop records none)
+        max_logprobs=options.max_logprobs if any(c.max_logprobs is not None for c in configs.values()) else None,
         max_prompts=options.max_prompts,
         request_timeout=options.request_timeout,
         api_key=options.api_key,

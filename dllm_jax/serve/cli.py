@@ -31,7 +31,7 @@ from dllm_jax.sampling.params import SamplingParams
 log = logging.getLogger("dllm_jax.serve")
 
 # dllm_jax.serve.assemble.METHOD_SPECS (not imported here: --help stays fast)
-METHOD_SPECS = ("flash_cache", "flash_cache+verify", "fast_dllm", "llada", "llada+cfg", "dream")
+METHOD_SPECS = ("flash_cache", "flash_cache+verify", "fast_dllm", "llada", "llada+cfg", "dream", "diffusion_gemma")
 # third-party loggers kept at WARNING whatever --log-level says (jax's "Unable to initialize
 # backend 'tpu'" is an INFO record on every machine without a TPU)
 QUIET_LOGGERS = ("jax", "absl", "transformers", "httpx", "urllib3")
@@ -51,14 +51,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=METHOD_SPECS,
         help="decoding method; repeat to serve several (clients pick one with dllm.method; "
         "the first is the default; llada+cfg: LLaDA's loop with classifier-free guidance, for dllm.cfg_scale). "
-        "Default: flash_cache",
+        "Default: diffusion_gemma for a DiffusionGemma model, else flash_cache",
     )
     p.add_argument("--batch-size", type=int, default=8, help="decode slots per method (default 8)")
     p.add_argument(
         "--gen-length",
         type=int,
         help="answer positions: the canvas every answer decodes, cut at max_tokens (default: 64 for a model of "
-        "at most 512 positions, else 256)",
+        "at most 512 positions, else 256; diffusion_gemma: one canvas)",
     )
     p.add_argument("--max-model-len", type=int, help="prompt + answer positions (default: the model's)")
     p.add_argument("--threshold", type=float, help="default confidence threshold (default: the method's)")
@@ -233,6 +233,7 @@ def build(args: argparse.Namespace):
     path = resolve_model_path(args.model)
     import jax
 
+    from dllm_jax.common.errors import GenerationError
     from dllm_jax.common.platform import start_backend
     from dllm_jax.engine.engine import Engine
     from dllm_jax.runtime.decode_config import DecodeConfigError
@@ -258,11 +259,13 @@ def build(args: argparse.Namespace):
     if engine.tokenizer is None:
         raise UsageError(f"--model {path}: the folder has no tokenizer files; the server needs them")
     limit = engine.config.max_sequence_length
+    block_diffusion = engine.config.family == "diffusion_gemma"
+    default_length = engine.config.canvas_length if block_diffusion else (64 if limit <= 512 else 256)
     options = ServeOptions(
         model_name=args.served_model_name or served_name(args.model, path),
-        methods=tuple(dict.fromkeys(args.method or ["flash_cache"])),
+        methods=tuple(dict.fromkeys(args.method or ["diffusion_gemma" if block_diffusion else "flash_cache"])),
         batch_size=args.batch_size,
-        gen_length=args.gen_length or (64 if limit <= 512 else 256),
+        gen_length=args.gen_length or default_length,
         max_model_len=args.max_model_len,
         threshold=args.threshold,
         gamma=args.gamma,
@@ -279,7 +282,7 @@ def build(args: argparse.Namespace):
     )
     try:
         return assemble(engine, engine.tokenizer, options)
-    except DecodeConfigError as e:
+    except (DecodeConfigError, GenerationError) as e:
         raise UsageError(f"--method: {e}") from None
 
 

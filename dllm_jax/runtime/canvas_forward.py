@@ -1,0 +1,162 @@
+"""One DiffusionGemma pass over the flat encoder cache: every slot's rows, encoder or decoder.
+
+Each slot brings R rows (R = the canvas length) at consecutive positions starting at
+``start``, in one of two modes:
+  encoder  (a chunk of its prompt, or its finished canvas) causal: row r sees the cached keys
+           before ``start`` and the group's rows up to itself, in sliding layers only the
+           window of W positions ending at its own; its K/V are written into the cache.
+  decoder  (the canvas being denoised) bidirectional among the group's rows plus every
+           cached key before ``start`` (sliding layers: the last W - 1 of them, as
+           transformers' sliding cache keeps them); the embeddings go through
+           self-conditioning; nothing is written.
+This is dllm_jax.models.diffusion_gemma's encode and decode in one batch, with the prompt
+encoded in chunks of R rows: the same keys, the same weights (the layers' encoder or decoder
+scalar per group), the experts as one grouped GEMM over every row of the pass.
+
+With a cached canvas (Flash-Cache on the canvas, ``canvas_length`` given), the decoder rows are
+any rows of the canvas at [start, start + canvas_length): they write their K/V into the slot's
+cache rows at their positions (past everything encoded: the rows the canvas's encoding
+overwrites once it is finished) and attend to every cached key before start + canvas_length,
+so the canvas rows this pass does not recompute are seen with the K/V of their last
+recomputation. The decoder groups' rows can feed tracking scores: per cached key, the raw
+q . k summed over the group's valid rows, the query heads and the layers from the third up.
+
+Shapes: S slots (group s is slot s), R rows per slot, D model width, M = S * max_len cache rows.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from dllm_jax.models import diffusion_gemma as dg
+from dllm_jax.models.diffusion_gemma_config import AttentionKind, DiffusionGemmaConfig
+from dllm_jax.runtime.cached_forward import SCORE_START_LAYER
+from dllm_jax.runtime.canvas_attention import canvas_cache_attention
+from dllm_jax.runtime.canvas_cache import CanvasCache
+
+
+@struct.dataclass
+class CanvasRows:
+    """The rows of one pass.
+
+    tokens, positions: int32 [S, R]; valid: bool [S, R] (invalid rows are computed, never
+      written, and their outputs unused).
+    decoder: bool [S], the group is a canvas (else encoder rows).
+    start: int32 [S], the position of the group's first row: cached keys before it are visible.
+    soft: [S, R, D] in the model dtype, the decoder groups' self-conditioning soft embeddings
+      (zeros: no signal, the first step of a canvas).
+    """
+
+    tokens: jax.Array
+    positions: jax.Array
+    valid: jax.Array
+    decoder: jax.Array
+    start: jax.Array
+    soft: jax.Array
+
+
+def _key_windows(
+    config: DiffusionGemmaConfig, rows: CanvasRows, cached_canvas: bool
+) -> dict[AttentionKind, tuple[jax.Array, jax.Array]]:
+    """Per attention kind: the first cached key each row sees, int32 [S, R], and which of the
+    group's own rows it sees, bool [S, R, R] (a cached canvas's decoder rows: none, they are
+    in the cache).
+
+    In (W 4, an encoder chunk at positions 8..10, all valid): sliding key_start [5, 6, 7],
+    own rows [[T, F, F], [T, T, F], [T, T, T]]; a canvas at 8..10: key_start [5, 5, 5], all True.
+    """
+    S, R = rows.tokens.shape
+    W = config.sliding_window
+    decoder = rows.decoder[:, None]
+    # the position a row's window ends at: its own (encoder), the canvas's start (decoder)
+    anchor = jnp.where(decoder, rows.start[:, None], rows.positions)
+    causal = rows.positions[:, None, :] <= rows.positions[:, :, None]
+    in_window = rows.positions[:, None, :] > rows.positions[:, :, None] - W
+    seen = rows.valid[:, None, :]
+    bidirectional = jnp.broadcast_to(seen & (not cached_canvas), (S, R, R))
+    full = jnp.where(decoder[:, :, None], bidirectional, causal & seen)
+    sliding = jnp.where(decoder[:, :, None], bidirectional, causal & in_window & seen)
+    return {
+        AttentionKind.FULL: (jnp.zeros((S, R), jnp.int32), full),
+        AttentionKind.SLIDING: (anchor - W + 1, sliding),
+    }
+
+
+def canvas_forward(
+    config: DiffusionGemmaConfig,
+    weights: dg.Weights,
+    cache: CanvasCache,
+    rows: CanvasRows,
+    *,
+    max_len: int,
+    canvas_length: int | None = None,
+    with_scores: bool = False,
+    group_slot: jax.Array | None = None,
+) -> tuple[jax.Array, CanvasCache] | tuple[jax.Array, CanvasCache, jax.Array]:
+    """Runs the model on the rows over the cache.
+
+    Args:
+      weights: DiffusionGemma's parameter tree, its layer stacks stacked or as per-layer
+        tuples (dllm_jax.models.diffusion_gemma.unstack_layers: read in place, no slicing).
+      cache: the slots' encoder cache; max_len: its rows per slot.
+      canvas_length: the decoder groups are rows of a cached canvas of this length (see the
+        module doc); None: each decoder group is a whole canvas, read-only.
+      with_scores: also return the decoder groups' tracking scores.
+      group_slot: int32 [S], the slot of each group (None: group s is slot s); a group of
+        invalid rows may name any slot.
+    Returns:
+      the last layer's output rows [S, R, D] (before the final norm), the cache with the
+      written rows (the encoder groups' valid rows; with canvas_length, the decoder groups'
+      too), and with_scores the tracking scores float32 [S, max_len] of the cached keys.
+    """
+    S, R = rows.tokens.shape
+    cached_canvas = canvas_length is not None
+    embedded = dg.embed(config, weights, rows.tokens)
+    conditioned = dg.SelfConditioning(config).apply({"params": weights["self_conditioning"]}, embedded, rows.soft)
+    h = jnp.where(rows.decoder[:, None, None], conditioned, embedded)
+    windows = _key_windows(config, rows, cached_canvas)
+    written = rows.valid & (~rows.decoder[:, None] | cached_canvas)
+    # the cached keys a group sees end at its start, or past a cached canvas
+    key_end = rows.start + jnp.where(rows.decoder & cached_canvas, canvas_length or 0, 0)
+    score_rows = rows.valid & rows.decoder[:, None] if with_scores else None
+    scores = jnp.zeros((S, max_len), jnp.float32)
+    slots = jnp.arange(S, dtype=jnp.int32) if group_slot is None else group_slot.astype(jnp.int32)
+    cache_rows = jax.tree_util.tree_leaves(cache)[0].shape[1]
+    # [S, R] cache row of each written row; the cache's length (out of range) drops the others
+    targets = jnp.where(written, slots[:, None] * max_len + rows.positions, cache_rows)
+    encoder = ~rows.decoder[:, None, None]
+    keys, values = dict(cache.keys), dict(cache.values)
+    for layer in range(config.n_layers):
+        kind = config.layer_types[layer]
+        j, name = config.stack_index(layer), kind.value
+        module = dg.DiffusionGemmaLayer(config, kind)
+        variables = {"params": dg.layer_params(config, weights, layer)}
+        q, k, v = module.apply(variables, h, rows.positions, method=dg.DiffusionGemmaLayer.project_qkv)
+        # the writes land at or after each group's start, where no row of this pass reads
+        keys[name] = keys[name].at[j, targets].set(k.reshape(S, R, -1), mode="drop")
+        values[name] = values[name].at[j, targets].set(v.reshape(S, R, -1), mode="drop")
+        key_start, own_mask = windows[kind]
+        scored = score_rows if layer >= SCORE_START_LAYER else None
+        attn = canvas_cache_attention(
+            q,
+            keys[name],
+            values[name],
+            j,
+            key_start,
+            key_end,
+            k,
+            v,
+            own_mask,
+            max_len=max_len,
+            scale=1.0,
+            score_rows=scored,
+            group_slot=group_slot,
+        )
+        if scored is not None:
+            attn, layer_scores = attn
+            scores = scores + layer_scores
+        h = module.apply(variables, h, attn, encoder, method=dg.DiffusionGemmaLayer.output_and_mlp)
+    cache = CanvasCache(keys=keys, values=values)
+    return (h, cache, scores) if with_scores else (h, cache)

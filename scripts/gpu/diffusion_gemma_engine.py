@@ -1,0 +1,525 @@
+"""DiffusionGemma on the engine at the 26B-A4B shape (random weights, bf16), in one GPU call.
+
+    PYTHONPATH=. python scripts/gpu/diffusion_gemma_engine.py --out OUT   # H200: under 200 s
+    PYTHONPATH=. python scripts/gpu/diffusion_gemma_engine.py --tiny --budget-s 900 --hard-limit-s 1000  # CPU smoke
+
+Parts, in order; after each, OUT/diffusion_gemma_engine.json and .md are rewritten, no new part
+starts once --budget-s has passed, and at --hard-limit-s the report is written and the process
+ends whatever runs:
+  transformers  in a child process, before JAX takes the device (its memory is freed when it
+            exits), stopped after --transformers-s: transformers' DiffusionGemmaForBlockDiffusion
+            of the same shape (its own random init, sdpa, eager: no torch.compile), generate of
+            one canvas per row at each batch size of --slots, with 1 and with --steps denoising
+            steps: its denoising step's time is the difference over the extra steps, its
+            tokens/s the canvas positions of the --steps run per second (OUT/transformers.json);
+  ceilings  this device's copy bandwidth (an elementwise bf16 pass) and bf16 matmul rate, the
+            floors' denominators, measured in the same process;
+  compile   the engine's canvas loop for every slot count of --slots (1, 8, 32), in
+            --compile-threads threads (each with the engine's memory check first);
+  steps     for each slot count, every slot denoising a canvas after a prompt of --prompt tokens
+            (max_denoising_steps so large and confidence_threshold so small that no canvas
+            stops): ms per loop iteration (the decoder pass over slots x 256 rows, the LM head
+            and the entropy-bound step of every slot, the soft embeddings), against the weight
+            floor (the weights' bytes, each expert counted when some row of the step is expected
+            to reach it, over the copy bandwidth) and the FLOP floor (2 x the active parameters
+            of a token + the soft embeddings' 2 V D + attention, per row, over the matmul rate);
+  e2e       for each slot count, the equal-work schedule on its compiled loop: --requests
+            requests of one canvas (256 tokens) after the prompt, --steps denoising steps each
+            (no early stop), through Engine.generate (the session's host loop included): canvas
+            positions generated per second;
+  cached    with --canvas-rows N ..., for each slot count the step of a loop with Flash-Cache on
+            the canvas (DecodeConfig canvas_rows=N: after a canvas's first step, N of its rows
+            recomputed, the others kept), its sparse step (every slot past its canvas's first
+            step), compiled with full-pass lanes of all slots only.
+Each row also says how XLA lowered the experts' grouped GEMMs (ragged dots left in the optimized
+program and cuDNN custom calls: cuDNN's grouped GEMM, or a dense rewrite when both are 0); a part
+that fails (compile, memory) is reported with its error and the next one runs.
+
+Random weights: normal with 1/sqrt(fan-in) per matrix, norms and scalars 1, made on the device
+per layer (the layer stacks as tuples of per-layer trees, as Engine(unroll_layers=True) keeps
+them), 25.25e9 parameters, 50.5 GB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor, wait
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from dllm_jax.models import diffusion_gemma as dg  # noqa: E402
+from dllm_jax.models.diffusion_gemma_config import (  # noqa: E402
+    AttentionKind,
+    DiffusionGemmaConfig,
+    diffusion_gemma_26b_a4b_config,
+)
+from dllm_jax.sampling.params import MAX_DENOISING_STEPS, SamplingParams  # noqa: E402
+
+TINY_TEXT = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=4,
+    layer_types=["sliding_attention", "full_attention"] * 2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    global_head_dim=16,
+    num_global_key_value_heads=1,
+    sliding_window=4,
+    num_experts=4,
+    top_k_experts=2,
+    moe_intermediate_size=16,
+    max_position_embeddings=256,
+)
+TINY_VISION = dict(  # transformers' model has a vision tower; dllm_jax skips it
+    hidden_size=16,
+    intermediate_size=24,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    head_dim=8,
+    patch_size=4,
+    pooling_kernel_size=1,
+    position_embedding_size=16,
+)
+ONES = ("weight", "layer_scalar", "encoder_layer_scalar", "scale", "per_expert_scale")
+
+
+def model_config(tiny: bool) -> DiffusionGemmaConfig:
+    if not tiny:
+        return diffusion_gemma_26b_a4b_config("bfloat16")
+    hf = {"model_type": "diffusion_gemma", "canvas_length": 8, "text_config": TINY_TEXT}
+    return DiffusionGemmaConfig.from_hf_config(hf, dtype="float32", source="tiny")
+
+
+def random_weights(config: DiffusionGemmaConfig, seed: int = 0) -> dg.Weights:
+    """The parameter tree with per-layer tuples, each leaf made on the device."""
+    stacked = dg.abstract_params(config)
+    tree = dict(stacked)
+    for name in dg.STACKS.values():
+        if name in stacked:
+            count = jax.tree.leaves(stacked[name])[0].shape[0]
+            one = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), stacked[name])
+            tree[name] = (one,) * count
+    makers = {}
+
+    def make(path, leaf, index):
+        name = path[-1].key
+        key = (leaf.shape, leaf.dtype, name in ONES)
+        if key not in makers:
+            if name in ONES:
+                makers[key] = jax.jit(lambda k, s=leaf.shape, d=leaf.dtype: jnp.ones(s, d))
+            else:
+                # [in, out] kernels and the embedding [V, D]: fan-in is axis 0 / D; experts [E, out, in]: the last
+                fan_in = leaf.shape[-1] if leaf.ndim == 3 or name == "embedding" else leaf.shape[0]
+                makers[key] = jax.jit(
+                    lambda k, s=leaf.shape, d=leaf.dtype, f=fan_in: (
+                        jax.random.normal(k, s, jnp.float32) / f**0.5
+                    ).astype(d)
+                )
+        return makers[key](jax.random.fold_in(jax.random.key(seed), index))
+
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    return jax.tree_util.tree_unflatten(treedef, [make(path, leaf, i) for i, (path, leaf) in enumerate(leaves)])
+
+
+def ceilings(tiny: bool) -> dict:
+    """Copy bandwidth (bytes read + written per second of an elementwise bf16 pass) and bf16 matmul FLOP/s."""
+    n = 1 << (16 if tiny else 30)
+    x = jnp.ones((n,), jnp.bfloat16)
+    double = jax.jit(lambda a: a * 2)
+    m = 256 if tiny else 8192
+    a = jnp.ones((m, m), jnp.bfloat16)
+    matmul = jax.jit(lambda p, q: jnp.dot(p, q, preferred_element_type=jnp.bfloat16))
+
+    def best(fn, *args, repeats=5):
+        jax.block_until_ready(fn(*args))
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    return {"bytes_per_s": 4 * n / best(double, x), "flops_per_s": 2 * m**3 / best(matmul, a, a)}
+
+
+def floors(config: DiffusionGemmaConfig, slots: int, prompt: int, ceiling: dict) -> dict:
+    """The step's weight floor (ms) and FLOP floor (ms): see the module docstring."""
+    shapes = dg.abstract_params(config)
+    itemsize = config.jnp_dtype.itemsize
+    total = dg.count_params(shapes)
+    experts = dg.count_params([shapes[n]["experts"] for n in dg.STACKS.values() if n in shapes])
+    L, E, K = config.canvas_length, config.n_experts, config.top_k_experts
+    rows = slots * L
+    # expected share of a layer's experts some row of the step is routed to (uniform routing)
+    reached = 1 - (1 - K / E) ** rows
+    weight_bytes = ((total - experts) + experts * reached) * itemsize
+    active = dg.active_params_per_token(config, shapes)
+    attention = 0
+    for kind in AttentionKind:
+        cached = prompt if kind is AttentionKind.FULL else min(prompt, config.sliding_window - 1)
+        attention += config.layers_of(kind) * 4 * (cached + L) * config.n_heads * config.head_dim(kind)
+    flops = rows * (2 * active + 2 * config.vocab_size * config.d_model + attention)
+    return {
+        "weight_floor_ms": 1e3 * weight_bytes / ceiling["bytes_per_s"],
+        "flop_floor_ms": 1e3 * flops / ceiling["flops_per_s"],
+        "weight_gb": weight_bytes / 1e9,
+        "gflop": flops / 1e9,
+    }
+
+
+def no_stop(max_steps: int = MAX_DENOISING_STEPS) -> SamplingParams:
+    """One canvas per request, denoised for exactly max_steps steps (random weights are never confident)."""
+    return SamplingParams(max_denoising_steps=max_steps, confidence_threshold=1e-30, seed=0)
+
+
+def step_time(engine, compiled, prompt_ids, slots: int, iterations: int, repeats: int) -> float:
+    """ms per loop iteration with every slot denoising, past its canvas's first step."""
+    sampling = dataclasses.replace(no_stop(), max_new_tokens=engine.config.canvas_length)
+    state = compiled.initial_state([prompt_ids] * slots, sampling)
+    # prefill: ceil(prompt / L) iterations, then the canvas's first (full) step, then every slot
+    # runs a plain denoising step
+    done = -(-len(prompt_ids) // engine.config.canvas_length) + 1
+    state = compiled.run(engine.weights, state, jnp.int32(done), jnp.bool_(False))
+    jax.block_until_ready(state)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        done += iterations
+        state = compiled.run(engine.weights, state, jnp.int32(done), jnp.bool_(False))
+        jax.block_until_ready(state)
+        times.append((time.perf_counter() - start) / iterations)
+    assert int(jax.device_get(state.iteration)) == done and bool(jax.device_get(state.slots.active).all())
+    return 1e3 * min(times)
+
+
+def lowering(compiled) -> dict:
+    """How XLA lowered the experts' grouped GEMMs: ragged dots left and cuDNN fusions in the
+    optimized program (a dense rewrite leaves neither)."""
+    text = compiled.run.as_text() or ""
+    return {"ragged_dot": text.count("ragged-dot("), "cudnn_calls": text.count("__cudnn$")}
+
+
+def loop_config(config: DiffusionGemmaConfig, slots: int, canvas_rows: int | None = None):
+    """The DecodeConfig of a one-canvas loop of `slots` slots."""
+    from dllm_jax.runtime.decode_config import DecodeConfig
+
+    return DecodeConfig(
+        method="diffusion_gemma", gen_length=config.canvas_length, batch_size=slots, canvas_rows=canvas_rows
+    )
+
+
+def compile_and_time(engine, config, slots: int, prompt_ids, iterations: int, row: dict, args, canvas_rows=None):
+    """Compile the loop for `slots` (with the engine's memory check; cached when compiled
+    before), then its step time."""
+    decode_config = loop_config(config, slots, canvas_rows)
+    compiled = engine.compile(decode_config, len(prompt_ids), num_slots=slots)
+    row.update(compile_s=compiled.compile_seconds, memory_gib=compiled.memory.total / 2**30, **lowering(compiled))
+    row["step_ms"] = step_time(engine, compiled, prompt_ids, slots, iterations, args.repeats)
+    return decode_config
+
+
+def end_to_end(engine, config, decode_config, prompt_ids, args) -> dict:
+    """The equal-work schedule on the loop compiled for decode_config: --requests one-canvas
+    requests of --steps denoising steps each, through Engine.generate."""
+    sampling = dataclasses.replace(no_stop(args.steps), max_new_tokens=config.canvas_length)
+    out = engine.generate([prompt_ids] * args.requests, sampling, decode_config=decode_config)
+    assert all(r.steps == args.steps for r in out.results), "every canvas runs --steps steps"
+    # every request generates its whole canvas (an EOS the random weights write ends the
+    # answer's text, not the work)
+    tokens = args.requests * config.canvas_length
+    return {
+        "requests": args.requests,
+        "tokens": tokens,
+        "wall_s": out.stats.wall_seconds,
+        "tokens_per_s": tokens / out.stats.wall_seconds,
+        "iterations": out.stats.iterations,
+    }
+
+
+# ----- transformers' generate, in a child process run before JAX takes the device ------------
+
+
+def transformers_model(tiny: bool):
+    """transformers' DiffusionGemmaForBlockDiffusion of the shape, random weights (its own
+    init), sdpa attention, on the GPU in bf16 when there is one (else the CPU in float32)."""
+    import torch
+    from transformers import DiffusionGemmaConfig as HFConfig
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    from dllm_jax.models.diffusion_gemma_config import diffusion_gemma_26b_a4b_hf_config
+
+    hf = (
+        {"model_type": "diffusion_gemma", "canvas_length": 8, "text_config": TINY_TEXT}
+        if tiny
+        else diffusion_gemma_26b_a4b_hf_config()
+    )
+    config = HFConfig.from_dict({**hf, "vision_config": TINY_VISION})
+    # sdpa: transformers' generate builds its padded decoder mask from the int canvas, which its
+    # eager mask cannot take
+    config._attn_implementation = config.text_config._attn_implementation = "sdpa"
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.set_default_dtype(torch.bfloat16 if device == "cuda" else torch.float32)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = DiffusionGemmaForBlockDiffusion(config).eval()
+    return model, device
+
+
+def transformers_part(args, prompt_ids: list[int], out: Path) -> None:
+    """Per batch size of --slots: transformers' generate of one canvas per row after the
+    prompt, 1 and --steps denoising steps (no early stop); the denoising step's time is the
+    difference over the extra steps. Written to transformers.json after each batch."""
+    import torch
+    from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
+
+    started = time.perf_counter()
+    model, device = transformers_model(args.tiny)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    result = {"device": device, "build_s": time.perf_counter() - started, "rows": []}
+    sampling = no_stop(args.steps)
+    canvas = model.config.canvas_length
+
+    def run(batch: int, steps: int) -> float:
+        ids = torch.tensor([prompt_ids] * batch, device=device)
+        start = time.perf_counter()
+        with torch.no_grad():
+            model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=canvas,
+                max_denoising_steps=steps,
+                t_min=sampling.t_min,
+                t_max=sampling.t_max,
+                sampler_config=EntropyBoundSamplerConfig(entropy_bound=sampling.entropy_bound),
+                stability_threshold=sampling.stability_threshold,
+                confidence_threshold=sampling.confidence_threshold,
+                eos_token_id=[1],
+                pad_token_id=0,
+                disable_compile=True,
+            )
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    run(1, 1)  # warm-up: kernels, cuBLAS handles
+    for batch in args.slots_counts:
+        one, full = run(batch, 1), run(batch, args.steps)
+        result["rows"].append(
+            {
+                "batch": batch,
+                "one_step_s": one,
+                "wall_s": full,
+                "step_ms": 1e3 * (full - one) / max(args.steps - 1, 1),
+                "tokens_per_s": batch * canvas / full,
+            }
+        )
+        (out / "transformers.json").write_text(json.dumps(result, indent=2))
+        print(f"transformers: {result['rows'][-1]}", flush=True)
+
+
+def run_transformers(args, seconds: float) -> dict:
+    """transformers_part in a child process (its GPU memory is freed when it exits), killed
+    after `seconds`; what it wrote by then."""
+    child = [sys.executable, str(Path(__file__).resolve()), "--transformers-child", *sys_argv_rest(args)]
+    try:
+        done = subprocess.run(child, timeout=seconds, capture_output=True, text=True)
+        status = "finished" if done.returncode == 0 else f"failed (rc {done.returncode}): {done.stderr[-1500:]}"
+    except subprocess.TimeoutExpired:
+        status = f"stopped after {seconds:.0f} s"
+    path = args.out / "transformers.json"
+    result = json.loads(path.read_text()) if path.exists() else {"rows": []}
+    result["status"] = status
+    return result
+
+
+def sys_argv_rest(args) -> list[str]:
+    """The child's command line: the shape and schedule options of this run."""
+    rest = ["--prompt", str(args.prompt), "--steps", str(args.steps), "--out", str(args.out)]
+    rest += ["--slots", *map(str, args.slots_counts)]
+    return rest + (["--tiny"] if args.tiny else [])
+
+
+# ----- the report --------------------------------------------------------------------------
+
+
+def write(out: Path, report: dict, show: bool = False) -> None:
+    """The JSON report and the table (written as .md; printed when `show`)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "diffusion_gemma_engine.json").write_text(json.dumps(report, indent=2, default=str))
+    hf = {r["batch"]: r for r in report.get("transformers", {}).get("rows", [])}
+    nan = float("nan")
+    lines = [
+        "| slots | step ms | weight floor ms (x) | FLOP floor ms (x) | compile s | e2e tokens/s | "
+        "transformers step ms | transformers tokens/s | ragged dots / cuDNN |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in report["rows"]:
+        theirs = hf.get(row["slots"], {})
+        if "step_ms" not in row:
+            lines.append(f"| {row['slots']} | {row.get('error', 'not run')[:200]} |")
+            continue
+        e2e = row.get("e2e", {})
+        lines.append(
+            f"| {row['slots']} | {row['step_ms']:.2f} | {row['weight_floor_ms']:.2f} "
+            f"({row['step_ms'] / row['weight_floor_ms']:.2f}) | {row['flop_floor_ms']:.2f} "
+            f"({row['step_ms'] / row['flop_floor_ms']:.2f}) | {row['compile_s']:.1f} | "
+            f"{e2e.get('tokens_per_s', nan):.1f} | {theirs.get('step_ms', nan):.2f} | "
+            f"{theirs.get('tokens_per_s', nan):.1f} | {row['ragged_dot']} / {row['cudnn_calls']} |"
+        )
+        for rows, cached in row.get("canvas_rows", {}).items():
+            if "step_ms" not in cached:
+                lines.append(f"| {row['slots']}, canvas_rows {rows} | {cached.get('error', 'not run')[:200]} |")
+                continue
+            lines.append(
+                f"| {row['slots']}, canvas_rows {rows} | {cached['step_ms']:.2f} | "
+                f"({cached['step_ms'] / row['weight_floor_ms']:.2f}) | "
+                f"({cached['step_ms'] / row['flop_floor_ms']:.2f}) | {cached['compile_s']:.1f} | | | | |"
+            )
+    if report.get("stopped"):
+        lines.append(f"\nstopped {report['stopped']}")
+    status = report.get("transformers", {}).get("status")
+    if status:
+        lines.append(f"\ntransformers' generate: {status}")
+    if report.get("skipped"):
+        lines.append(f"not run within the time: {', '.join(report['skipped'])}")
+    text = "\n".join(lines) + "\n"
+    (out / "diffusion_gemma_engine.md").write_text(text)
+    if show:
+        print(text, flush=True)
+
+
+def watchdog(seconds: float, out: Path, report: dict) -> threading.Timer:
+    """Writes what was measured and ends the process once `seconds` have passed."""
+
+    def stop():
+        report["stopped"] = f"at the hard limit of {seconds:.0f} s"
+        try:
+            write(out, report, show=True)
+        finally:
+            os._exit(0)
+
+    timer = threading.Timer(seconds, stop)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tiny", action="store_true", help="tiny shapes on any device (a smoke test)")
+    p.add_argument("--slots", dest="slots_counts", type=int, nargs="+", default=None, help="default 1 8 32; tiny: 1 2")
+    p.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 256; tiny: 8)")
+    p.add_argument("--iterations", type=int, default=None, help="loop iterations per timed call (default 8)")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--requests", type=int, default=32, help="e2e: requests per slot count")
+    p.add_argument("--steps", type=int, default=16, help="e2e: denoising steps per canvas")
+    p.add_argument(
+        "--canvas-rows", type=int, nargs="*", default=[], help="also time Flash-Cache on the canvas with these rows"
+    )
+    p.add_argument("--transformers-s", type=float, default=40.0, help="transformers' part's limit (0: skip it)")
+    p.add_argument("--budget-s", type=float, default=140.0, help="no new part starts after this many seconds")
+    p.add_argument("--hard-limit-s", type=float, default=190.0, help="write the report and exit at this time")
+    p.add_argument("--out", type=Path, default=Path("diffusion_gemma_engine_out"))
+    p.add_argument("--compile-threads", type=int, default=3, help="step loops compiled side by side (1: in turn)")
+    p.add_argument("--transformers-child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    began = time.perf_counter()
+    args.slots_counts = args.slots_counts or ([1, 2] if args.tiny else [1, 8, 32])
+    args.prompt = args.prompt or (8 if args.tiny else 256)
+    iterations = args.iterations or (2 if args.tiny else 8)
+    args.out.mkdir(parents=True, exist_ok=True)
+    config = model_config(args.tiny)
+    prompt_ids = [int(t) for t in np.random.default_rng(0).integers(3, config.vocab_size, args.prompt)]
+    if args.transformers_child:
+        transformers_part(args, prompt_ids, args.out)
+        return 0
+
+    report = {"prompt": args.prompt, "steps": args.steps, "requests": args.requests, "rows": [], "skipped": []}
+    watchdog(args.hard_limit_s, args.out, report)
+    if args.transformers_s > 0:  # first: JAX then takes the device's memory
+        report["transformers"] = run_transformers(args, args.transformers_s)
+        report["transformers_s"] = time.perf_counter() - began
+        write(args.out, report)
+
+    from dllm_jax.engine.engine import Engine
+
+    report.update(device=str(jax.devices()[0].device_kind), jax=jax.__version__)
+    report["ceilings"] = ceilings(args.tiny)
+    print(f"ceilings: {report['ceilings']}", flush=True)
+    start = time.perf_counter()
+    weights = random_weights(config)
+    jax.block_until_ready(weights)
+    report["weights_s"] = time.perf_counter() - start
+    report["weight_bytes"] = int(sum(w.size * w.dtype.itemsize for w in jax.tree.leaves(weights)))
+    print(f"weights: {report['weight_bytes'] / 1e9:.2f} GB in {report['weights_s']:.1f} s", flush=True)
+    # one full-pass variant (all slots) for the cached-canvas loops: the exact loop has no other
+    engine = Engine(config, weights, None, unroll_layers=True, full_pass_lanes=())
+    rows = {
+        slots: {"slots": slots, **floors(config, slots, args.prompt, report["ceilings"])} for slots in args.slots_counts
+    }
+    report["rows"] = list(rows.values())
+    loops = {}
+    if args.compile_threads > 1:  # XLA compiles without the GIL: the step loops side by side
+        start = time.perf_counter()
+        with ThreadPoolExecutor(args.compile_threads) as pool:
+            compiles = [
+                pool.submit(engine.compile, loop_config(config, slots), args.prompt, num_slots=slots)
+                for slots in args.slots_counts
+            ]
+            wait(compiles)  # a failed compile fails again, reported, in its step part
+        report["parallel_compile_s"] = time.perf_counter() - start
+        print(f"compiled {args.slots_counts} slots in {report['parallel_compile_s']:.1f} s", flush=True)
+    # the parts in order of need: every slot count's step, then the e2e schedules, then Flash-Cache
+    parts = [("step", slots, None) for slots in args.slots_counts]
+    parts += [("e2e", slots, None) for slots in sorted(args.slots_counts, reverse=True)]  # the quickest first
+    parts += [("cached", slots, n) for n in args.canvas_rows for slots in args.slots_counts]
+    for kind, slots, canvas_rows in parts:
+        name = f"{kind} {slots}" + (f" canvas_rows {canvas_rows}" if canvas_rows else "")
+        if kind != "step" and slots not in loops:
+            continue  # its step failed
+        if time.perf_counter() - began > args.budget_s:
+            report["skipped"].append(name)
+            continue
+        row = rows[slots]
+        try:
+            if kind == "step":
+                loops[slots] = compile_and_time(engine, config, slots, prompt_ids, iterations, row, args)
+            elif kind == "e2e":
+                row["e2e"] = end_to_end(engine, config, loops[slots], prompt_ids, args)
+            else:
+                cached = row.setdefault("canvas_rows", {}).setdefault(canvas_rows, {})
+                compile_and_time(engine, config, slots, prompt_ids, iterations, cached, args, canvas_rows)
+        except Exception as e:  # a failed part (compile, memory) is reported, the next one runs
+            error = f"{type(e).__name__}: {str(e)[:2000]}"
+            if kind == "step":
+                row["error"] = error
+            elif kind == "e2e":
+                row["e2e"] = {"error": error}
+            else:
+                row["canvas_rows"][canvas_rows]["error"] = error
+            print(f"{name} failed: {error}", flush=True)
+        report["elapsed_s"] = time.perf_counter() - began
+        write(args.out, report)
+    write(args.out, report, show=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
