@@ -222,7 +222,7 @@ class ReferenceDecoder:
                 logits, scores = self.rows_forward(tokens, rows, K, V, key_len, score_rows)
                 if steps > 0 and d.track_num >= 0:
                     change = (K[-1][rows] - last_before[0], V[-1][rows] - last_before[1])
-                    drift[rows] = np.sqrt(sum(np.sum(np.square(c.astype(np.float64)), axis=1) for c in change))
+                    drift[rows] = np.maximum(*(np.max(np.abs(c.astype(np.float64)), axis=1) for c in change))
                 logits = logits[: len(window)]
             cand, conf = self.confidence(logits)
             eligible = np.array([p < bound for p in window])

@@ -2,7 +2,10 @@
 tracking rule (dllm_jax.policies.tracking_rules).
 
 Measured at one layer, the last (where a change of the row's context anywhere below shows),
-as the L2 norm of the change of the row's keys and values over all kv heads, in float32. The
+as the largest absolute change of any of the row's keys and values over all kv heads, in
+float32: a maximum, whose value does not depend on the order of the reduction, so the drift
+(and the rows it picks) stays batch invariant where XLA reduces rows differently at another
+batch size (a sum of squares would not; tests/test_batch_invariance checks the loop). The
 cost of a sparse step is two gathers of the query rows' K and V at that layer, one before the
 pass and one after it: [B, R, KVH * Dh] each, against a pass that reads every key of every
 layer (LLaDA-8B at 32 slots of 128 rows: 4 x 32 MiB in bf16, against about 8.6 GB of cache
@@ -29,11 +32,9 @@ def layer_rows(cache: FlatCache, layer: int, rows: jax.Array) -> tuple[jax.Array
 
 
 def kv_change(before: tuple[jax.Array, jax.Array], after: tuple[jax.Array, jax.Array]) -> jax.Array:
-    """float32 [S, R]: || (k, v) after - (k, v) before || of each row (layer_rows' pairs)."""
-    squares = [
-        jnp.sum(jnp.square(a.astype(jnp.float32) - b.astype(jnp.float32)), axis=-1) for a, b in zip(after, before)
-    ]
-    return jnp.sqrt(squares[0] + squares[1])
+    """float32 [S, R]: max |(k, v) after - (k, v) before| of each row (layer_rows' pairs)."""
+    changes = [jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)), axis=-1) for a, b in zip(after, before)]
+    return jnp.maximum(changes[0], changes[1])
 
 
 def record_drift(drift: jax.Array, positions: jax.Array, valid: jax.Array, change: jax.Array) -> jax.Array:
