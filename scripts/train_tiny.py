@@ -307,12 +307,21 @@ def _run_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, ckpt_dir: Path) -> None:
     """Refuses contradictory input (exit 2) before any work is done."""
+    check_run_folder(parser, args, ckpt_dir, _run_settings(args))
+
+
+def check_run_folder(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, ckpt_dir: Path, settings: dict[str, Any]
+) -> None:
+    """A trainer's --out, --resume and --export (exit 2 through `parser`): a resumed run needs its
+    run.json with the same `settings`, a new one an --out without checkpoints, and --export a new
+    path. Shared by scripts/train_tiny_diffusion_gemma.py."""
     run_file = args.out / "run.json"
     if args.resume:
         if not run_file.is_file():
             parser.error(f"--resume: {run_file} not found (no run to resume in {args.out})")
         saved = json.loads(run_file.read_text())
-        changed = {k: (saved.get(k), v) for k, v in _run_settings(args).items() if saved.get(k) != v}
+        changed = {k: (saved.get(k), v) for k, v in settings.items() if saved.get(k) != v}
         if changed:
             parser.error(f"--resume: settings differ from the saved run (saved, given): {changed}")
     elif ckpt_dir.exists() and any(ckpt_dir.iterdir()):

@@ -69,7 +69,7 @@ from dllm_jax.models.config import ConfigError
 from dllm_jax.models.diffusion_gemma_config import AttentionKind, DiffusionGemmaConfig, RopeSettings
 from dllm_jax.policies.entropy_bound import DenoiseSettings
 from dllm_jax.text.tiny_tokenizer import END_OF_TURN, TINY_VOCAB_SIZE, build_tiny_tokenizer, save_tiny_tokenizer
-from scripts.train_tiny import _parse_mix, _positive_float, _positive_int, make_optimizer, prompt_ids
+from scripts.train_tiny import _parse_mix, _positive_float, _positive_int, check_run_folder, make_optimizer, prompt_ids
 
 FAMILY = "diffusion_gemma"
 CANVAS_LENGTH = 32
@@ -491,24 +491,13 @@ def _run_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, ckpt_dir: Path) -> None:
     """Refuses contradictory input (exit 2) before any work is done."""
-    run_file = args.out / "run.json"
     if not 0 <= args.self_conditioning_p <= 1:
         parser.error(f"--self-conditioning-p {args.self_conditioning_p}: expected a probability in [0, 1]")
     if args.pool_size % POOL_CHUNK:
         parser.error(f"--pool-size {args.pool_size}: expected a multiple of {POOL_CHUNK}")
     if args.encoder_loss_weight < 0:
         parser.error(f"--encoder-loss-weight {args.encoder_loss_weight}: expected >= 0")
-    if args.resume:
-        if not run_file.is_file():
-            parser.error(f"--resume: {run_file} not found (no run to resume in {args.out})")
-        saved = json.loads(run_file.read_text())
-        changed = {k: (saved.get(k), v) for k, v in _run_settings(args).items() if saved.get(k) != v}
-        if changed:
-            parser.error(f"--resume: settings differ from the saved run (saved, given): {changed}")
-    elif ckpt_dir.exists() and any(ckpt_dir.iterdir()):
-        parser.error(f"{args.out} already holds checkpoints; pass --resume or choose another --out")
-    if args.export is not None and args.export.exists():
-        parser.error(f"--export {args.export} already exists")
+    check_run_folder(parser, args, ckpt_dir, _run_settings(args))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
