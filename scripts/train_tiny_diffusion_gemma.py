@@ -66,7 +66,12 @@ from dllm_jax.evaluation import tiny_tasks
 from dllm_jax.models import diffusion_gemma as dg
 from dllm_jax.models import experts
 from dllm_jax.models.config import ConfigError
-from dllm_jax.models.diffusion_gemma_config import AttentionKind, DiffusionGemmaConfig, RopeSettings
+from dllm_jax.models.diffusion_gemma_config import (
+    SMALLEST_VISION_CONFIG,
+    AttentionKind,
+    DiffusionGemmaConfig,
+    RopeSettings,
+)
 from dllm_jax.policies.entropy_bound import DenoiseSettings
 from dllm_jax.text.tiny_tokenizer import END_OF_TURN, TINY_VOCAB_SIZE, build_tiny_tokenizer, save_tiny_tokenizer
 from scripts.train_tiny import _parse_mix, _positive_float, _positive_int, check_run_folder, make_optimizer, prompt_ids
@@ -106,22 +111,6 @@ _RUN_KEYS = (
 GENERATION = DenoiseSettings(
     max_denoising_steps=16, t_min=0.1, t_max=0.5, entropy_bound=1.0, stability_threshold=1, confidence_threshold=0.01
 )
-
-# transformers' DiffusionGemmaForBlockDiffusion always builds the Gemma 4 vision tower: the
-# smallest one, so the folder loads there (its weights are not in the file: transformers
-# initialises them and dllm_jax never reads them).
-TINY_VISION_CONFIG = {
-    "model_type": "gemma4_vision",
-    "hidden_size": 8,
-    "intermediate_size": 8,
-    "num_hidden_layers": 1,
-    "num_attention_heads": 1,
-    "num_key_value_heads": 1,
-    "head_dim": 8,
-    "patch_size": 2,
-    "pooling_kernel_size": 1,
-    "position_embedding_size": 4,
-}
 
 
 # ----------------------------------------------------------------------------- data
@@ -422,7 +411,7 @@ def export(
             config,
             jax.device_get(params),
             tokenizer_dir=tokenizer_dir,
-            extra_config={"vision_config": TINY_VISION_CONFIG},
+            extra_config={"vision_config": SMALLEST_VISION_CONFIG},
         )
         DiffusionGemmaGenerationConfig(
             max_new_tokens=MAX_CANVASES * CANVAS_LENGTH,

@@ -64,6 +64,23 @@ class AttentionKind(enum.Enum):
     FULL = "full_attention"
 
 
+# transformers' DiffusionGemmaForBlockDiffusion always builds the Gemma 4 vision tower: the
+# smallest one, so the folder loads there (text checkpoints written for it: transformers
+# initialises the tower, dllm_jax never reads it).
+SMALLEST_VISION_CONFIG = {
+    "model_type": "gemma4_vision",
+    "hidden_size": 8,
+    "intermediate_size": 8,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 1,
+    "num_key_value_heads": 1,
+    "head_dim": 8,
+    "patch_size": 2,
+    "pooling_kernel_size": 1,
+    "position_embedding_size": 4,
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeSettings:
     """Rotate-half RoPE of one layer kind (transformers' "default" and "proportional" types).

@@ -563,25 +563,15 @@ def run_torch(args: argparse.Namespace, report: Report, deadline: float) -> None
     from transformers import DiffusionGemmaForBlockDiffusion, DiffusionGemmaGenerationConfig
     from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
 
+    from dllm_jax.models.diffusion_gemma_config import SMALLEST_VISION_CONFIG
+
     shape = bench_shape(args.tiny)
     config = model_config(args.tiny)
     settings = denoise_settings(shape)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     report.data.update(torch=torch.__version__)
     hf = config.to_hf_config()
-    # the smallest vision tower: transformers builds one regardless (unused by text generation)
-    hf["vision_config"] = {
-        "model_type": "gemma4_vision",
-        "hidden_size": 8,
-        "intermediate_size": 8,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 1,
-        "num_key_value_heads": 1,
-        "head_dim": 8,
-        "patch_size": 2,
-        "pooling_kernel_size": 1,
-        "position_embedding_size": 4,
-    }
+    hf["vision_config"] = SMALLEST_VISION_CONFIG  # transformers builds one regardless (unused by text)
     hf_config = HFConfig.from_dict(hf)
     start = time.perf_counter()
     torch.manual_seed(0)
