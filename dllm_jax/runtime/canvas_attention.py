@@ -26,18 +26,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dllm_jax.runtime.chunked_attention import default_block_k
-from pallas_kernels.attention.online_softmax import initial_state, online_softmax_weights
+from dllm_jax.runtime.chunked_attention import default_block_k, softmax_update
+from pallas_kernels.attention.online_softmax import initial_state
 from pallas_kernels.attention.reference import MASKED_LOGIT
-
-
-def _update(state, logits, v):
-    """One online-softmax step: logits float32 [S, KVH, G, R, K] (hidden keys at
-    MASKED_LOGIT), v [S, K, KVH, Dh] (hidden keys zeroed); P rounded to v's dtype before P.V."""
-    m, l, acc = state
-    m, l, alpha, p = online_softmax_weights(m, l, logits)
-    pv = jnp.einsum("skgrj,sjkd->skgrd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return m, l, acc * alpha[..., None] + pv
 
 
 def canvas_cache_attention(
@@ -103,7 +94,7 @@ def canvas_cache_attention(
         k, visible = chunk(t * block_k, k_cache)
         v, _ = chunk(t * block_k, v_cache)
         logits = jnp.einsum("skgrd,sjkd->skgrj", q5, k, preferred_element_type=jnp.float32) * scale
-        state = _update(state, jnp.where(visible[:, None, None], logits, MASKED_LOGIT), v)
+        state = softmax_update(state, jnp.where(visible[:, None, None], logits, MASKED_LOGIT), v)
         if with_scores:
             part = jnp.einsum("skd,sjkd->sj", q_sum, k.astype(jnp.float32))
             scores = lax.dynamic_update_slice_in_dim(
@@ -118,7 +109,7 @@ def canvas_cache_attention(
     lowest = jnp.min(jnp.where(key_start < key_end[:, None], key_start, max_len))
     state, scores = lax.fori_loop(lowest // block_k, (jnp.max(key_end) + block_k - 1) // block_k, step, (state, scores))
     logits = jnp.einsum("skgrd,sjkd->skgrj", q5, own_k, preferred_element_type=jnp.float32) * scale
-    _, l, acc = _update(state, jnp.where(own_mask[:, None, None], logits, MASKED_LOGIT), own_v)
+    _, l, acc = softmax_update(state, jnp.where(own_mask[:, None, None], logits, MASKED_LOGIT), own_v)
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
     out = out.transpose(0, 3, 1, 2, 4).reshape(S, R, H * Dh).astype(q.dtype)
     return (out, scores[:, :max_len]) if with_scores else out

@@ -46,7 +46,7 @@ def default_block_k(n_groups: int, n_rows: int, n_heads: int, max_len: int) -> i
     return -(-per_chunk // 8) * 8
 
 
-def _softmax_update(carry, logits, v):
+def softmax_update(carry, logits, v):
     """Online-softmax step. logits f32 [S, KVH, G, R, K] (hidden keys at MASKED_LOGIT);
     v [S, K, KVH, Dh] (hidden keys zeroed). P is rounded to v's dtype before P.V."""
     m, l, acc = carry
@@ -137,7 +137,7 @@ def chunked_cache_attention(
         v, _ = chunk_keys(v_cache, first)
         logits = jnp.einsum("skgrd,sjkd->skgrj", q5, k, preferred_element_type=jnp.float32) * scale
         logits = jnp.where(visible[:, None, None, None, :], logits, MASKED_LOGIT)
-        softmax = _softmax_update(softmax, logits, v)
+        softmax = softmax_update(softmax, logits, v)
         if with_scores:
             part = jnp.einsum("skd,sjkd->sj", q_sum, k.astype(jnp.float32))
             scores = lax.dynamic_update_slice_in_dim(scores, part, first, axis=1)
@@ -156,7 +156,7 @@ def chunked_cache_attention(
         v = v_extra.reshape(n_groups, n_extra, n_kv_heads, head_dim)
         logits = jnp.einsum("skgrd,sjkd->skgrj", q5, k, preferred_element_type=jnp.float32) * scale
         logits = jnp.where(extra_mask[:, None, None], logits, MASKED_LOGIT)
-        softmax = _softmax_update(softmax, logits, v)
+        softmax = softmax_update(softmax, logits, v)
 
     _, l, acc = softmax
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
