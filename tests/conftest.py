@@ -17,29 +17,27 @@ import pytest
 # Must be set before JAX's backend starts (nothing here or in the imports below starts it).
 jax.config.update("jax_num_cpu_devices", 4)
 
-# An XLA compilation cache of this test session (each pytest-xdist worker has its own), in a
-# temporary folder removed at exit: nothing persists from one run to the next, so a fresh
-# clone's first run is what is timed. A program another test already compiled (the same HLO,
-# devices and compiler options: the same decode loop of another Engine, of a server or a
-# command line started by a test) is read back instead of compiled again. Only a speed-up:
-# every test still traces and lowers its own programs, Engine.num_compilations counts its
-# loops as before, and a server's dllm_compilations_after_warmup counts cache hits as
-# compilations (jax reports both as one backend-compile event); programs compiled in under a
-# second (jax's default threshold) are not stored. Set before the first compilation (JAX
-# decides once whether the cache is used); the processes the tests start inherit it through
-# JAX_COMPILATION_CACHE_DIR. Once per process: this module runs a second time as
-# tests.conftest when a test imports it.
-if jax.config.jax_compilation_cache_dir is None:
+# An XLA compilation cache for the processes the tests start (servers, command lines, scripts),
+# in a temporary folder removed at exit: nothing persists from one run to the next, so a fresh
+# clone's first run is what is timed. A program one such process compiled (the same HLO,
+# devices and compiler options: the same decode loop of another server or command line) is read
+# back by the next instead of compiled again. Only a speed-up: every process still traces and
+# lowers its own programs, and a server's dllm_compilations_after_warmup counts cache hits as
+# compilations (jax reports both as one backend-compile event). The processes inherit it through
+# JAX_COMPILATION_CACHE_DIR (jax read that variable when conftest imported it, so this process
+# itself keeps no cache: XLA:CPU 0.10.2 segfaulted serializing an executable more than 1000
+# tests into one CI run). Once per process: this module runs a second time as tests.conftest
+# when a test imports it.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _cache = tempfile.mkdtemp(prefix="dllm-tests-xla-cache-")
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
-    jax.config.update("jax_compilation_cache_dir", _cache)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
 
 
 def compilation_cache_env() -> dict[str, str]:
-    """The environment entry that gives a process this session's compilation cache (the
-    processes the tests start inherit it already; for tests that build an environment)."""
-    return {"JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir}
+    """The environment entry that gives a process the session's compilation cache (the processes
+    the tests start inherit it already; for tests that build an environment)."""
+    return {"JAX_COMPILATION_CACHE_DIR": os.environ["JAX_COMPILATION_CACHE_DIR"]}
 
 
 from dllm_jax.engine.engine import Engine  # noqa: E402 (after the JAX settings above)

@@ -234,7 +234,8 @@ def test_sampled_decodes_are_seeded_and_batch_invariant(engine, alg, sampling, s
     rng = np.random.RandomState(1)
     many = [list(rng.randint(0, 100, n)) for n in (5, 14, 8, 11, 3)]
     together = engine.generate(many, sampling, decode_config=dream(alg), seed=seed)
-    assert all(r.steps == STEPS for r in together.results)
+    # origin unmasks each [MASK] with probability 1 - s/t: a request may finish before its last step
+    assert max(r.steps for r in together.results) == STEPS and all(r.steps <= STEPS for r in together.results)
     fewer = engine.generate(many, sampling, decode_config=dream(alg, batch_size=1), seed=seed)
     assert [r.token_ids for r in fewer.results] == [r.token_ids for r in together.results]
     other_seed = engine.generate(many, sampling, decode_config=dream(alg), seed=seed + 1)

@@ -28,7 +28,6 @@ from dllm_jax.evaluation.model_args import ModelArgsError, parse_model_args
 from dllm_jax.evaluation.tiny_task_files import GEN_TASK, MC_TASK, write_tiny_tasks
 from dllm_jax.models.embedded import tiny_model_path
 from dllm_jax.models.transformer import forward, predictions
-from tests.conftest import compilation_cache_env
 
 pytestmark = pytest.mark.unit  # the tests that decode or evaluate say so
 
@@ -152,7 +151,6 @@ def test_lm_eval_command_line_scores_what_eval_script_scores(flash_script, task_
         stdin=subprocess.DEVNULL,
         cwd=ROOT,
         timeout=600,
-        env={**os.environ, **compilation_cache_env()},  # the loop flash_lm compiled is read back
     )
     assert result.returncode == 0, result.stderr[-3000:]
     (path,) = (tmp_path / "out").rglob("results*.json")

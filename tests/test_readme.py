@@ -124,9 +124,7 @@ def compilation_cache():
     """The session's JAX compilation cache (tests/conftest.py) for the blocks' processes: blocks
     that decode as another block or test did compile once (a speed-up only; every block still
     runs in full)."""
-    import jax
-
-    return jax.config.jax_compilation_cache_dir
+    return os.environ["JAX_COMPILATION_CACHE_DIR"]
 
 
 @pytest.fixture

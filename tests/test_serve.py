@@ -80,8 +80,7 @@ def alone_results(engine: Engine, prompts, params=None, *, chat: bool):
     params = list(params) if params is not None else [SamplingParams()] * len(prompts)
     filler = [0] * (engine.config.max_sequence_length - GEN)
     ids = engine.encode(prompts, chat)
-    # the server's own loop (its slots too), which the server process compiled into the
-    # session's compilation cache: read back here, not compiled again
+    # the server's own loop (its slots too), so the sums round as the server's do
     decode = DecodeConfig(method="flash_cache", gen_length=GEN, batch_size=SLOTS)
     engine.compile(decode, len(filler))  # all SLOTS slots, which generate then reuses for fewer requests
     out = engine.generate(ids + [filler], params + [SamplingParams(max_new_tokens=1)], decode_config=decode)

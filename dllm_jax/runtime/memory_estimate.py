@@ -45,7 +45,7 @@ from dllm_jax.runtime.cached_forward import mlp_chunk_groups
 from dllm_jax.runtime.chunked_attention import default_block_k
 from dllm_jax.runtime.flat_cache import cache_bytes
 from dllm_jax.runtime.sharding import DATA, TENSOR, axis_size
-from dllm_jax.runtime.slots import zero_sampling
+from dllm_jax.runtime.slots import SLOT_FIELDS, zero_sampling
 
 # Model-dtype copies of the hidden state alive in a layer: input, normed input, attention
 # output, the residual sum.
@@ -57,12 +57,16 @@ _LOGITS_COPIES = 4
 # float32 [B, C, V] in the sampler: the cast logits, the uniform draw, the Gumbel noise, the
 # noisy logits, the softmax.
 _SAMPLER_F32_COPIES = 5
-# Bytes per (slot, position) of the per-slot arrays: tokens, drafts, scores, commit_step and
-# logprob (4 each), decoded, pinned and verified (1 each), rounded up (plus 8 per recorded
+# Bytes per (slot, position) of the per-slot arrays: tokens, drafts, scores, commit_step, drift
+# and logprob (4 each), decoded, pinned and verified (1 each), rounded up (plus 8 per recorded
 # alternative: top_ids, top_logprobs); and per slot for its scalars (counters, bounds and the
 # request's SlotSampling).
-_SLOT_POSITION_BYTES = 24
+_SLOT_POSITION_BYTES = 28
 _SLOT_BYTES = 256
+# 4-byte words per queued request besides its prompt, its SlotSampling and its [G] result rows:
+# the prompt length, the result's counters (request, num_tokens, steps, passes, verify_passes,
+# accepted, start_iter, end_iter, error) and its done flag.
+_REQUEST_WORDS = 11
 _GIB = 2**30
 
 
@@ -177,7 +181,11 @@ def estimate_memory(
             shard_slots * (max_len * (_SLOT_POSITION_BYTES + 8 * max_logprobs) + _SLOT_BYTES)
             # request ring: prompt and SlotSampling; result ring: tokens, commit_step, logprob,
             # verified, counters, the recorded alternatives
-            + queue_capacity * ((prompt_width + 3 * gen_length + 24) * 4 + gen_length * (1 + 8 * max_logprobs))
+            + queue_capacity
+            * (
+                (prompt_width + 3 * gen_length + len(SLOT_FIELDS) + _REQUEST_WORDS) * 4
+                + gen_length * (1 + 8 * max_logprobs)
+            )
         ),
     )
 
