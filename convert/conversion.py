@@ -1,4 +1,4 @@
-"""Convert a Hugging Face LLaDA or Dream checkpoint into a dllm_jax checkpoint folder (layout in
+"""Convert a Hugging Face LLaDA, Dream or DiffusionGemma checkpoint into a dllm_jax checkpoint folder (layout in
 dllm_jax/checkpoint/converted.py), in this process.
 
 ``convert_checkpoint`` is the library entry point. The command line (convert/hf_to_jax.py)
@@ -11,6 +11,7 @@ was removed. A child can be killed outright, and once it is gone nothing writes.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shutil
 import signal
 import sys
@@ -23,11 +24,11 @@ from dllm_jax.models.checkpoint.converted import PARAMS_DIR, move_to_jax, root_c
 from dllm_jax.models.checkpoint.dtypes import DTYPES, QUANTIZATIONS
 from dllm_jax.models.checkpoint.errors import ConversionError
 from dllm_jax.models.checkpoint.hf_reader import read_checkpoint, read_config
-from dllm_jax.models.config import ModelConfig
+from dllm_jax.models.config import ConfigError, ModelConfig
 from dllm_jax.models.model_source import load_tokenizer
 from dllm_jax.models.quantization import quantize_params
 from dllm_jax.runtime.memory_estimate import host_memory
-from dllm_jax.runtime.weights_memory import available_host_memory, host_bytes_to_read
+from dllm_jax.runtime.weights_memory import available_host_memory, host_bytes_to_read, weight_bytes
 from dllm_jax.text.tokenizer import TOKENIZER_FILES, TokenizerError
 
 # Room for the metadata and tokenizer files beside the params.
@@ -40,7 +41,7 @@ def convert_checkpoint(
     """Converts ``hf_dir`` into the new folder ``out_dir`` and returns its absolute path.
 
     Args:
-      hf_dir: Hugging Face LLaDA or Dream folder (config.json, model.safetensors or shards + index,
+      hf_dir: Hugging Face LLaDA, Dream or DiffusionGemma folder (config.json, model.safetensors or shards + index,
         optional tokenizer files).
       out_dir: folder to create (relative paths are fine); it must not exist or be an empty
         folder, in an existing writable folder. Checked before anything is read.
@@ -77,7 +78,11 @@ def write_converted(
     if not hf_dir.is_dir():
         raise ConversionError(f"{hf_dir}: checkpoint folder not found")
     config, _ = read_config(hf_dir, dtype=dtype)
-    params_bytes = config.num_params() * config.jnp_dtype.itemsize
+    try:
+        config = dataclasses.replace(config, quantization=quantization)  # a family without 8-bit weights refuses
+    except ConfigError as e:
+        raise ConversionError(f"{hf_dir}: {e}") from None
+    params_bytes = weight_bytes(config)
     _check_free_space(folder, params_bytes, label)
     _check_host_memory(hf_dir, config)
     check_tokenizer(hf_dir, config)

@@ -1,4 +1,4 @@
-"""dllm-convert: a Hugging Face LLaDA or Dream checkpoint into a dllm_jax checkpoint, once.
+"""dllm-convert: a Hugging Face LLaDA, Dream or DiffusionGemma checkpoint into a dllm_jax checkpoint, once.
 
   dllm-convert --hf-dir PATH --out PATH [--dtype bfloat16]     # or: python -m convert.hf_to_jax
 

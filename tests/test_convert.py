@@ -18,7 +18,8 @@ from convert.hf_to_jax import main
 from convert.jax_to_hf import save_hf_checkpoint
 from dllm_jax.models.checkpoint.converted import METADATA_FILE, PARAMS_DIR
 from dllm_jax.models.checkpoint.errors import ConversionError
-from dllm_jax.models.loading import load_model
+from dllm_jax.models.embedded import tiny_model_path
+from dllm_jax.models.loading import load_model, read_model_config
 from dllm_jax.models.transformer import init_params
 
 pytestmark = pytest.mark.unit
@@ -136,6 +137,25 @@ def test_hf_folder_and_converted_folder_load_the_same_model(hf_dir, tmp_path):
     assert_trees_equal(from_hf.weights, from_converted.weights)
     text = "The quick brown fox"
     assert from_hf.tokenizer.encode(text, chat=True) == from_converted.tokenizer.encode(text, chat=True)
+
+
+def test_a_diffusion_gemma_folder_converts_and_loads_as_its_family(tmp_path):
+    hf_dir = tiny_model_path("tiny-diffusiongemma")
+    from_hf = load_model(hf_dir, dtype="float32")
+    from_converted = load_model(convert_checkpoint(hf_dir, tmp_path / "converted", dtype="float32"), dtype="float32")
+    assert from_converted.config.family == "diffusion_gemma" and from_hf.config == from_converted.config
+    assert read_model_config(tmp_path / "converted") == from_hf.config
+    assert_trees_equal(from_hf.weights, from_converted.weights)
+    text = "sort: 3 9 1 4"
+    assert from_hf.tokenizer.encode(text, chat=True) == from_converted.tokenizer.encode(text, chat=True)
+
+
+def test_8_bit_weights_of_a_family_without_them_are_refused_before_anything_is_written(tmp_path):
+    with pytest.raises(
+        ConversionError, match="tiny-diffusiongemma: quantization='fp8': DiffusionGemma runs unquantized"
+    ):
+        convert_checkpoint(tiny_model_path("tiny-diffusiongemma"), tmp_path / "out", quantization="fp8")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_folder_without_tokenizer_files_loads_without_tokenizer(tmp_path, tiny_cfg, params):

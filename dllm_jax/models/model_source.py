@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dllm_jax.models.checkpoint.errors import ConversionError
-from dllm_jax.models.checkpoint.hf_config import CONFIG_FILE, read_config
+from dllm_jax.models.checkpoint.hf_config import CONFIG_FILE, config_from_hf, read_config
 from dllm_jax.models.checkpoint.metadata import METADATA_FILE, is_converted, read_metadata
 from dllm_jax.models.config import ConfigError, ModelConfig
 from dllm_jax.models.embedded import EMBEDDED_MODELS, model_folder
@@ -95,9 +95,7 @@ def read_model_config(path: str | Path, *, dtype: str) -> ModelConfig:
     path = Path(path)
     if is_converted(path):
         try:
-            return ModelConfig.from_hf_config(
-                read_metadata(path)["hf_config"], dtype=dtype, source=str(path / METADATA_FILE)
-            )
+            return config_from_hf(read_metadata(path)["hf_config"], dtype=dtype, source=str(path / METADATA_FILE))
         except ConfigError as e:
             raise ConversionError(str(e)) from None
     if (path / CONFIG_FILE).is_file():

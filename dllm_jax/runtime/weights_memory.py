@@ -48,7 +48,7 @@ def check_weights_fit(config: ModelConfig, *, source: str, read_on_host: bool, t
     advice = "use --dtype bfloat16 or 8-bit weights (--quantization), or a smaller model"
     on_cpu = jax.default_backend() == "cpu"
     if read_on_host or on_cpu:
-        needed = host_bytes_to_read(config) if read_on_host else _weight_bytes(config)
+        needed = host_bytes_to_read(config) if read_on_host else weight_bytes(config)
         memory = available_host_memory()
         if needed > memory.available:
             raise InsufficientMemoryError(
@@ -57,7 +57,7 @@ def check_weights_fit(config: ModelConfig, *, source: str, read_on_host: bool, t
             )
     if on_cpu:
         return
-    needed = _weight_bytes(config) // tensor
+    needed = weight_bytes(config) // tensor
     memory = device_memory()
     if needed > memory.available:
         raise InsufficientMemoryError(
@@ -66,8 +66,9 @@ def check_weights_fit(config: ModelConfig, *, source: str, read_on_host: bool, t
         )
 
 
-def _weight_bytes(config: ModelConfig) -> int:
-    """The loaded weights' bytes (ModelConfig.weight_bytes; the table's for other families)."""
+def weight_bytes(config: ModelConfig) -> int:
+    """The loaded weights' bytes, any family (ModelConfig.weight_bytes; for the others, the
+    tensor table's shapes in config.dtype)."""
     if hasattr(config, "weight_bytes"):
         return config.weight_bytes()
     return sum(math.prod(leaf_shape(rule, config)) for rule in rules_for(config)) * config.jnp_dtype.itemsize

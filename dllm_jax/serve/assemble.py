@@ -12,16 +12,13 @@ from fastapi import FastAPI
 from dllm_jax.engine.engine import Engine
 from dllm_jax.runtime.decode_config import DecodeConfig
 from dllm_jax.serve.app import ServerSettings, create_app
+from dllm_jax.serve.method_specs import METHOD_SPECS
 from dllm_jax.serve.metrics import ServerMetrics
 from dllm_jax.serve.params import make_params
 from dllm_jax.serve.protocol import CompletionRequest
 from dllm_jax.serve.worker import EngineWorker
 
 log = logging.getLogger("dllm_jax.serve")
-
-# what --method accepts: a DecodeConfig method, "+verify" for Flash-Verify, "+cfg" for LLaDA's
-# classifier-free guidance (a second, unconditional pass per step: dllm.cfg_scale)
-METHOD_SPECS = ("flash_cache", "flash_cache+verify", "fast_dllm", "llada", "llada+cfg", "dream", "diffusion_gemma")
 
 
 @dataclasses.dataclass(frozen=True)

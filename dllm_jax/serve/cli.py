@@ -27,11 +27,10 @@ from dllm_jax.models.checkpoint.dtypes import QUANTIZATIONS
 from dllm_jax.models.model_source import MODEL_HELP, resolve_model_path
 from dllm_jax.runtime import compile_cache
 from dllm_jax.sampling.params import SamplingParams
+from dllm_jax.serve.method_specs import METHOD_SPECS
 
 log = logging.getLogger("dllm_jax.serve")
 
-# dllm_jax.serve.assemble.METHOD_SPECS (not imported here: --help stays fast)
-METHOD_SPECS = ("flash_cache", "flash_cache+verify", "fast_dllm", "llada", "llada+cfg", "dream", "diffusion_gemma")
 # third-party loggers kept at WARNING whatever --log-level says (jax's "Unable to initialize
 # backend 'tpu'" is an INFO record on every machine without a TPU)
 QUIET_LOGGERS = ("jax", "absl", "transformers", "httpx", "urllib3")

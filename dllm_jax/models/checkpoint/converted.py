@@ -25,7 +25,9 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from dllm_jax.common.quiet_logs import quiet_logs
+from dllm_jax.models import diffusion_gemma as dg
 from dllm_jax.models.checkpoint.errors import ConversionError
+from dllm_jax.models.checkpoint.hf_config import config_from_hf
 from dllm_jax.models.checkpoint.metadata import FORMAT_VERSION, METADATA_FILE, read_metadata
 from dllm_jax.models.config import ConfigError, ModelConfig
 from dllm_jax.models.quantization import quantize_params
@@ -104,7 +106,7 @@ def load_converted(folder: Path, *, dtype: str, quantization: str | None = None)
             f"they cannot be loaded as quantization={wanted!r} (convert the original checkpoint again)"
         )
     try:
-        config = ModelConfig.from_hf_config(metadata["hf_config"], dtype=dtype, source=str(folder / METADATA_FILE))
+        config = config_from_hf(metadata["hf_config"], dtype=dtype, source=str(folder / METADATA_FILE))
     except ConfigError as e:
         raise ConversionError(str(e)) from None
     params_dir = folder / PARAMS_DIR
@@ -124,7 +126,7 @@ def _restore_params(path: Path, config: ModelConfig, *, stored_dtype: str) -> We
     stored_dtype: the dtype on disk; a leaf's read buffer is the larger of it and config.dtype.
     """
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    abstract = abstract_params(config)
+    abstract = (dg.abstract_params if config.family == "diffusion_gemma" else abstract_params)(config)
     target = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), abstract)
     itemsize = max(jnp.dtype(stored_dtype).itemsize, config.jnp_dtype.itemsize)
     largest = max(leaf.size for leaf in jax.tree.leaves(abstract)) * itemsize
