@@ -80,7 +80,11 @@ class _Request:
 
 class FakeSession:
     """The Session protocol over no model. Args: num_slots, gen_length, max_prompt_len,
-    step_seconds (wall time of one step), per_step (positions committed per step)."""
+    step_seconds (wall time of one step), per_step (positions committed per step), fail_step
+    (the step call, counted from 1, that raises as a failed device call would).
+
+    calls: ("step", the running ids) | ("abort", id) | ("reset", None), in order; fail_add:
+    prompts (as tuples) whose add raises RuntimeError, as a bug in the session would."""
 
     def __init__(
         self,
@@ -91,8 +95,9 @@ class FakeSession:
         step_seconds: float = 0.01,
         per_step: int = 2,
         tokenizer: CharTokenizer | None = None,
+        fail_step: int | None = None,
     ):
-        self.compiled = SimpleNamespace(loop=SimpleNamespace(num_slots=num_slots))
+        self.compiled = SimpleNamespace(loop=SimpleNamespace(num_slots=num_slots, cfg=False))
         self._decode_config = DecodeConfig(gen_length=gen_length, batch_size=num_slots)
         self.max_prompt_len = max_prompt_len
         self.step_seconds = step_seconds
@@ -102,6 +107,10 @@ class FakeSession:
         self._running: dict[object, _Request] = {}
         self._next_order = 0
         self.aborted: list[object] = []
+        self.calls: list[tuple[str, object]] = []
+        self.fail_step = fail_step
+        self.fail_add: set[tuple[int, ...]] = set()
+        self.step_calls = 0
         self.lock = threading.Lock()  # the tests read the counters from another thread
 
     @property
@@ -130,6 +139,10 @@ class FakeSession:
         return sampling.gen_length or self.decode_config.gen_length
 
     def add(self, request_id, prompt_ids: list[int], sampling: SamplingParams) -> None:
+        if tuple(prompt_ids) in self.fail_add:
+            raise RuntimeError("a bug in the session")
+        if not prompt_ids:
+            raise GenerationError(f"request {request_id!r}: an empty prompt")
         self.check(prompt_ids, sampling, f"request {request_id!r}")
         length = self._canvas(sampling)
         request = _Request(request_id, self._next_order, list(prompt_ids), sampling, answer_ids(prompt_ids, length), [])
@@ -140,6 +153,7 @@ class FakeSession:
     def abort(self, request_id) -> bool:
         with self.lock:
             self.aborted.append(request_id)
+            self.calls.append(("abort", request_id))
         if request_id in self._running:
             del self._running[request_id]
             return True
@@ -149,10 +163,21 @@ class FakeSession:
                 return True
         return False
 
+    def reset(self) -> None:
+        with self.lock:
+            self.calls.append(("reset", None))
+        self._waiting.clear()
+        self._running.clear()
+
     def step(self, max_iterations: int) -> list[RequestUpdate]:
         while self._waiting and len(self._running) < self.compiled.loop.num_slots:
             request = self._waiting.popleft()
             self._running[request.request_id] = request
+        with self.lock:
+            self.step_calls += 1
+            self.calls.append(("step", sorted(self._running)))
+        if self.step_calls == self.fail_step:
+            raise RuntimeError("the device call failed")
         updates = []
         for _ in range(max_iterations):
             time.sleep(self.step_seconds)

@@ -1,5 +1,5 @@
-"""The server's engine thread (dllm_jax.serve.worker) against a fake session: no engine, no
-compilation. What a request may do to the thread: leave (its slot is freed before the next
+"""The server's engine thread (dllm_jax.serve.worker) against the fake session
+(tests/fake_session.py): no engine, no compilation. What a request may do to the thread: leave (its slot is freed before the next
 call), fail inside the session (it fails alone; a failed call fails its session's requests and
 the session starts afresh), overflow the queue (429 with Retry-After)."""
 
@@ -8,96 +8,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import types
 
 import pytest
 
-from dllm_jax.common.errors import GenerationError
-from dllm_jax.engine.results import GenerationResult
-from dllm_jax.engine.session import RequestUpdate, StepCommits
 from dllm_jax.sampling.params import SamplingParams
 from dllm_jax.serve.errors import APIError
 from dllm_jax.serve.metrics import ServerMetrics
 from dllm_jax.serve.worker import EngineWorker, Work
+from tests.fake_session import FakeSession
 
 
-class FakeSession:
-    """A session whose requests commit one token per step and finish after `steps` steps.
-
-    calls: ("step" | "abort" | "reset", detail) in order; fail_step: raise on that step call;
-    fail_add: prompts (as tuples) whose add raises RuntimeError."""
-
-    def __init__(self, *, steps: int = 5, step_seconds: float = 0.01, slots: int = 2, fail_step: int | None = None):
-        self.compiled = types.SimpleNamespace(loop=types.SimpleNamespace(num_slots=slots, cfg=False))
-        self.steps, self.step_seconds, self.fail_step = steps, step_seconds, fail_step
-        self.fail_add: set[tuple[int, ...]] = set()
-        self.calls: list[tuple[str, object]] = []
-        self.running: dict[str, int] = {}  # request id -> steps done
-        self.step_calls = 0
-
-    decode_config = None
-
-    def check(self, prompt_ids, sampling, where):
-        return {}
-
-    def add(self, request_id, prompt_ids, sampling):
-        if tuple(prompt_ids) in self.fail_add:
-            raise RuntimeError("a bug in the session")
-        if not prompt_ids:
-            raise GenerationError("an empty prompt")
-        self.running[request_id] = 0
-
-    def abort(self, request_id):
-        self.calls.append(("abort", request_id))
-        return self.running.pop(request_id, None) is not None
-
-    def step(self, max_iterations):
-        self.step_calls += 1
-        self.calls.append(("step", sorted(self.running)))
-        if self.fail_step == self.step_calls:
-            raise RuntimeError("the device call failed")
-        time.sleep(self.step_seconds)
-        updates = []
-        for request_id in list(self.running):
-            done = self.running[request_id]
-            self.running[request_id] = done + 1
-            commits = (StepCommits(done, (done,), (7,), (False,)),)
-            result = None
-            if done + 1 == self.steps:
-                del self.running[request_id]
-                result = _result(self.steps)
-            updates.append(RequestUpdate(request_id, commits, result))
-        return updates
-
-    def reset(self):
-        self.calls.append(("reset", None))
-        self.running.clear()
-
-    @property
-    def num_running(self):
-        return len(self.running)
-
-    @property
-    def num_waiting(self):
-        return 0
-
-
-def _result(steps: int) -> GenerationResult:
-    return GenerationResult(
-        index=0,
-        prompt_ids=[1],
-        token_ids=[7] * steps,
-        text=None,
-        finish_reason="length",
-        prompt_tokens=1,
-        completion_tokens=steps,
-        reference_num_tokens=steps,
-        steps=steps,
-        forward_passes=steps,
-        verify_passes=0,
-        accepted_drafts=0,
-        seconds=0.0,
-    )
+def fake(*, steps: int = 5, step_seconds: float = 0.01, slots: int = 2, fail_step: int | None = None):
+    """A fake session whose requests commit one position per step and finish after ``steps``."""
+    return FakeSession(num_slots=slots, gen_length=steps, step_seconds=step_seconds, per_step=1, fail_step=fail_step)
 
 
 def _work(request_id: str, method: str = "a", prompt=(1, 2)) -> Work:
@@ -125,7 +48,7 @@ def _run(sessions, scenario, **options):
 
 
 def test_a_released_request_is_aborted_before_the_next_device_call():
-    session = FakeSession(steps=1000, step_seconds=0.02)
+    session = fake(steps=1000, step_seconds=0.02)
 
     async def scenario(worker):
         handle = worker.submit(_work("r1"))
@@ -144,7 +67,7 @@ def test_a_released_request_is_aborted_before_the_next_device_call():
 
 
 def test_a_failing_call_fails_its_sessions_requests_and_the_thread_goes_on():
-    failing, other = FakeSession(steps=50, fail_step=3), FakeSession(steps=4)
+    failing, other = fake(steps=50, fail_step=3), fake(steps=4)
 
     async def scenario(worker):
         doomed = [worker.submit(_work(f"a{i}")) for i in range(2)]
@@ -164,7 +87,7 @@ def test_a_failing_call_fails_its_sessions_requests_and_the_thread_goes_on():
 
 
 def test_a_request_the_session_fails_to_add_fails_alone():
-    session = FakeSession(steps=3)
+    session = fake(steps=3)
     session.fail_add.add((9, 9))
 
     async def scenario(worker):
@@ -180,7 +103,7 @@ def test_a_request_the_session_fails_to_add_fails_alone():
 
 
 def test_a_full_queue_answers_429_with_retry_after():
-    session = FakeSession(steps=1000, slots=1)
+    session = fake(steps=1000, slots=1)
 
     async def scenario(worker):
         held = [worker.submit(_work(f"r{i}")) for i in range(3)]  # 1 slot + 2 waiting
@@ -196,7 +119,7 @@ def test_a_full_queue_answers_429_with_retry_after():
 
 
 def test_the_thread_logs_its_throughput(caplog):
-    session = FakeSession(steps=3)
+    session = fake(steps=3)
 
     async def scenario(worker):
         for i in range(3):
