@@ -2,6 +2,7 @@
 
 import atexit
 import dataclasses
+import logging
 import os
 import shutil
 import tempfile
@@ -176,6 +177,18 @@ def tiny_tokenizer_dir(tmp_path_factory):
 
 
 TIERS = ("unit", "kernels", "engine", "integration")  # registered in pyproject.toml
+
+
+@pytest.fixture(autouse=True)
+def _restore_log_levels():
+    """A command line run in process (dllm-generate's main, the server's) sets the dllm_jax
+    logger's level (ERROR with --quiet) and the root logger's; later tests' caplog must still see
+    dllm_jax's warnings."""
+    loggers = [logging.getLogger(), logging.getLogger("dllm_jax")]
+    levels = [logger.level for logger in loggers]
+    yield
+    for logger, level in zip(loggers, levels):
+        logger.setLevel(level)
 
 
 def pytest_collection_modifyitems(items):
