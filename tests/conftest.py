@@ -179,6 +179,16 @@ def tiny_tokenizer_dir(tmp_path_factory):
 TIERS = ("unit", "kernels", "engine", "integration")  # registered in pyproject.toml
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _drop_compiled_programs_after_each_module():
+    """Clears jax's caches of traced and compiled programs when a module's tests are done, so one
+    process does not hold the executables of every test (shared engines keep their own compiled
+    loops). Two CI runs died inside XLA:CPU (a segfault compiling or serializing) about 1050 tests
+    into the suite, at a test that passes alone."""
+    yield
+    jax.clear_caches()
+
+
 @pytest.fixture(autouse=True)
 def _restore_log_levels():
     """A command line run in process (dllm-generate's main, the server's) sets the dllm_jax
