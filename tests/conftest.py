@@ -25,10 +25,11 @@ jax.config.update("jax_num_cpu_devices", 4)
 # back by the next instead of compiled again. Only a speed-up: every process still traces and
 # lowers its own programs, and a server's dllm_compilations_after_warmup counts cache hits as
 # compilations (jax reports both as one backend-compile event). The processes inherit it through
-# JAX_COMPILATION_CACHE_DIR (jax read that variable when conftest imported it, so this process
-# itself keeps no cache: XLA:CPU 0.10.2 segfaulted serializing an executable more than 1000
-# tests into one CI run). Once per process: this module runs a second time as tests.conftest
-# when a test imports it.
+# JAX_COMPILATION_CACHE_DIR; jax read that variable when conftest imported it, so this process
+# itself keeps no cache (one CI run segfaulted inside XLA:CPU 0.10.2 writing it, about 1050 tests
+# in; the next, without it, segfaulted compiling at the same test, so the cache was not the cause:
+# see _drop_compiled_programs_after_each_module). Once per process: this module runs a second
+# time as tests.conftest when a test imports it.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _cache = tempfile.mkdtemp(prefix="dllm-tests-xla-cache-")
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)

@@ -1,7 +1,8 @@
 """The server's engine thread (dllm_jax.serve.worker) against the fake session
-(tests/fake_session.py): no engine, no compilation. What a request may do to the thread: leave (its slot is freed before the next
-call), fail inside the session (it fails alone; a failed call fails its session's requests and
-the session starts afresh), overflow the queue (429 with Retry-After)."""
+(tests/fake_session.py): no engine, no compilation. What a request may do to the thread: leave
+(its slot is freed before the next call), fail inside the session (it fails alone; a failed call
+fails its session's requests and the session starts afresh), overflow the queue (429 with
+Retry-After)."""
 
 from __future__ import annotations
 
