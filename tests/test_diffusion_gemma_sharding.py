@@ -29,8 +29,10 @@ from dllm_jax.models.experts import grouped_expert_mlp
 from dllm_jax.runtime.decode_config import DecodeConfig
 from dllm_jax.runtime.expert_sharding import sharded_expert_mlp
 from dllm_jax.runtime.sharding import EXPERT_ROWS, REPLICATED, SLOTS, MeshError, parse_mesh, per_data_shard
+from dllm_jax.runtime.weights_memory import expert_bytes
 from dllm_jax.sampling.params import SamplingParams
 from tests.collectives import collectives
+from tests.conftest import tiny_config
 
 pytestmark = pytest.mark.engine
 
@@ -235,6 +237,16 @@ def test_the_routed_experts_over_a_mesh_equal_the_grouped_gemms(spec):
     out = jax.jit(per_shard)(*stacked, *placed)
     for shard_out in np.asarray(out):
         np.testing.assert_allclose(shard_out, expected, rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.unit
+def test_the_weights_check_knows_the_experts_share():
+    # dllm-generate's check before loading: a device holds 1/(tensor x expert) of the experts
+    config = small_config()
+    params = dg.abstract_params(config)
+    experts = [params[stack]["experts"] for stack in ("sliding_layers", "full_layers")]
+    assert expert_bytes(config) == sum(leaf.size * 4 for leaf in jax.tree.leaves(experts)) > 0
+    assert expert_bytes(tiny_config()) == 0
 
 
 @pytest.mark.unit
