@@ -188,6 +188,10 @@ def test_default_gen_length_fits_the_model(model_dir, capsys):
         (["--prompt", "hi", "--mesh", "pipe=4"], "unknown axis 'pipe'"),
         (["--prompt", "hi", "--mesh", "data=3"], "3 devices, but 4 are available"),
         (["--prompt", "hi", "--mesh", "data=4", "--batch-size", "6"], "batch_size=6 is not divisible by the data axis"),
+        (
+            ["--prompt", "hi", "--mesh", "expert=4"],
+            "the expert axis (4) splits routed experts, and a llada model has none",
+        ),
         (["--prompt", "hi", "--output", ""], "--output: empty path"),
         (["--prompt", "hi", "--gamma", "0.5"], "gamma=0.5 applies only with verify=True"),
         (["--prompt", "hi", "--steps", "4"], "steps=4 does not apply to method='flash_cache'"),

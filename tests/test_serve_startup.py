@@ -160,4 +160,4 @@ def test_mesh_reaches_the_engine(monkeypatch, capsys):
     monkeypatch.setattr(Engine, "from_pretrained", staticmethod(from_pretrained))
     assert cli.main(["--port", "0", "--mesh", "data=2,tensor=2", "--log-level", "warning"]) == 2
     assert "stopped before loading" in capsys.readouterr().err
-    assert dict(seen["mesh"].shape) == {"data": 2, "tensor": 2}
+    assert dict(seen["mesh"].shape) == {"data": 2, "tensor": 2, "expert": 1}

@@ -1,8 +1,6 @@
 """Decoding over a device mesh (conftest gives the CPU four devices): the sharded engine
 decodes exactly the single-device tokens, and the weights, cache and slots really are split."""
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +12,7 @@ from dllm_jax.models.transformer import init_params
 from dllm_jax.runtime.decode_config import DecodeConfig
 from dllm_jax.runtime.sharding import MeshError, parse_mesh
 from dllm_jax.sampling.params import SamplingParams
+from tests.collectives import collectives
 from tests.conftest import tiny_config
 from tests.engine_checks import FAST_DUAL, FLASH, FLASH_VERIFY, random_prompts
 
@@ -134,30 +133,20 @@ def test_per_layer_weights_are_split_like_stacked_ones(lively):
         assert layer["ff_norm"]["weight"].sharding.is_fully_replicated
 
 
-def _collectives(hlo: str) -> list[tuple[str, int]]:
-    """(kind, elements moved) of every collective in an HLO module's text."""
-    found = []
-    pattern = r"= (.+?) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\("
-    for result_type, kind in re.findall(pattern, hlo):
-        shapes = re.findall(r"\[([\d,]*)\]", result_type)
-        found.append((kind, sum(int(np.prod([int(d) for d in s.split(",") if d])) for s in shapes)))
-    return found
-
-
 def test_data_shards_exchange_only_bookkeeping(engines, prompts):
     """No K/V, hidden rows or logits cross the data axis: the largest exchange is the
     finished answers [B, G] going to the (replicated) results ring."""
     decode = DECODES["flash_verify"][0]
     compiled = engines("data=2").compile(decode, max(map(len, prompts)))
-    collectives = _collectives(compiled.run.as_text())
-    assert collectives, "the data shards agree on refills and the loop condition"
-    assert max(n for _, n in collectives) <= decode.batch_size * decode.gen_length
+    found = collectives(compiled.run.as_text())
+    assert found, "the data shards agree on refills and the loop condition"
+    assert max(n for _, n in found) <= decode.batch_size * decode.gen_length
 
 
 def test_tensor_shards_never_gather_weights_or_cache(engines, prompts):
     """Tensor parallelism needs only all-reduces (of hidden rows and tracking scores)."""
     compiled = engines("tensor=2").compile(DECODES["flash"][0], max(map(len, prompts)))
-    kinds = {kind for kind, _ in _collectives(compiled.run.as_text())}
+    kinds = {kind for kind, _ in collectives(compiled.run.as_text())}
     assert kinds == {"all-reduce"}
 
 

@@ -172,7 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--mesh",
         help='decode over several devices, e.g. "data=2,tensor=2": slots split over data, '
-        "heads and MLP over tensor; the sizes multiply to the number of devices",
+        "heads and MLP over tensor, a DiffusionGemma model's experts over expert and tensor; the sizes "
+        "multiply to the number of devices",
     )
     run.add_argument(
         "--dtype",
@@ -325,6 +326,7 @@ def _main(argv: Sequence[str] | None) -> int:
     check_reserved(records, _output_keys())
     mesh = sharding.parse_mesh(args.mesh) if args.mesh else None
     if mesh is not None:
+        sharding.check_model(mesh, config)
         sharding.check_batch(mesh, decode_config.batch_size)  # the engine may use fewer slots, always a multiple
     for i, (record, ids) in enumerate(zip(records, encoded)):  # the engine's per-request checks, before loading
         slot_values(
@@ -347,7 +349,8 @@ def _main(argv: Sequence[str] | None) -> int:
         config,
         source=str(path),
         read_on_host=not converted,
-        tensor=1 if mesh is None else mesh.shape[sharding.TENSOR],
+        tensor=sharding.axis_size(mesh, sharding.TENSOR),
+        expert=sharding.axis_size(mesh, sharding.EXPERT),
     )
 
     log.info("loading %s (%s)", path, dtype)

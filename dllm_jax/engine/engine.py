@@ -94,8 +94,9 @@ class Engine:
         Fewer variants compile faster; (B,) suits batches whose slots refill together.
         With a mesh, B is the slots of one data shard.
       mesh: decode over several devices (dllm_jax.runtime.sharding.parse_mesh): slots split across
-        its data axis, weights and cache across its tensor axis. The weights are laid out
-        for it here (a no-op if they already are).
+        its data axis, weights and cache across its tensor axis, a DiffusionGemma model's
+        experts across its expert and tensor axes. The weights are laid out for it here (a
+        no-op if they already are).
       batch_invariant: compile every pass so that a slot's rows are computed independently of
         the other slots (dllm_jax.runtime.batch_invariance): a request's answer does not depend on
         the batch it runs in. Run-to-run determinism on GPUs also needs
@@ -145,8 +146,8 @@ class Engine:
         self.tokenizer = tokenizer
         # DiffusionGemma (block diffusion): its own loop, dllm_jax.runtime.canvas_loop
         self._block_diffusion = config.family == "diffusion_gemma"
-        if self._block_diffusion and (mesh is not None or batch_invariant):
-            raise GenerationError("a DiffusionGemma model runs on one device, without batch_invariant, for now")
+        if self._block_diffusion and batch_invariant:
+            raise GenerationError("a DiffusionGemma model runs without batch_invariant, for now")
         try:
             self.kernels = resolve_kernels(backend, interpret, batch_invariant)
             if batch_invariant:
@@ -346,6 +347,7 @@ class Engine:
                 gen_length=generated,
                 kernels=self.kernels,
                 full_pass_lanes=self.full_pass_lanes,
+                mesh=self.mesh,
             )
         if decode_config.method == "flash_cache":
             max_len = ((bucket + decode_config.gen_length + decode_config.window) // _KEY_TILE + 1) * _KEY_TILE

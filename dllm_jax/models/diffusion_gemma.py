@@ -44,7 +44,7 @@ import numpy as np
 from flax import struct
 
 from dllm_jax.models.diffusion_gemma_config import AttentionKind, DiffusionGemmaConfig
-from dllm_jax.models.experts import Experts, Router
+from dllm_jax.models.experts import ExpertMLP, Experts, Router
 from dllm_jax.models.gemma_layers import GatedMLP, GemmaRMSNorm, gelu_tanh, rms_normalize
 from dllm_jax.models.layers import INIT, Linear
 from pallas_kernels.attention.reference import dense_attention
@@ -58,11 +58,13 @@ class DiffusionGemmaLayer(nn.Module):
     """One layer of the given attention kind; rows are [..., T, D] in config.dtype.
 
     The methods are the pieces around attention, which the caller supplies (over the cache in
-    ``encode``, over the cache plus the canvas in ``decode``).
+    ``encode``, over the cache plus the canvas in ``decode``). expert_mlp: what computes the
+    routed experts (None: experts.grouped_expert_mlp; a mesh's, dllm_jax.runtime.expert_sharding).
     """
 
     config: DiffusionGemmaConfig
     kind: AttentionKind
+    expert_mlp: ExpertMLP | None = None
 
     def setup(self):
         c, kind = self.config, self.kind
@@ -82,7 +84,7 @@ class DiffusionGemmaLayer(nn.Module):
         self.post_feedforward_layernorm_1 = GemmaRMSNorm(eps, dt)
         self.router = Router(c.n_experts, c.top_k_experts, eps, dt)
         self.pre_feedforward_layernorm_2 = GemmaRMSNorm(eps, dt)
-        self.experts = Experts(c.n_experts, c.d_model, c.expert_hidden_size, dt)
+        self.experts = Experts(c.n_experts, c.d_model, c.expert_hidden_size, dt, self.expert_mlp)
         self.post_feedforward_layernorm_2 = GemmaRMSNorm(eps, dt)
         self.post_feedforward_layernorm = GemmaRMSNorm(eps, dt)
         self.layer_scalar = self.param("layer_scalar", nn.initializers.ones, (1,), dt)

@@ -9,6 +9,8 @@ it; a row's output is the weighted sum of its k experts' outputs (accumulated in
 ``grouped_expert_mlp`` computes this as two grouped GEMMs (``jax.lax.ragged_dot_general``,
 ragged_dot with the weights' input axis last) over the rows sorted by expert;
 ``dense_expert_mlp`` is the plain reference that runs every expert on every row and masks.
+``routed_sum`` is the grouped GEMMs' float32 sum over a contiguous block of the experts only
+(a device's share of them under a mesh, dllm_jax.runtime.expert_sharding).
 
 Parameter layout (one layer), Hugging Face's ([out, in] per expert, as torch's Linear):
   experts/gate_up_proj  [E, 2F, D]   (rows [0, F) the gate, [F, 2F) the up projection)
@@ -17,6 +19,7 @@ Parameter layout (one layer), Hugging Face's ([out, in] per expert, as torch's L
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -54,13 +57,19 @@ class Router(nn.Module):
         return weights * per_expert_scale.astype(jnp.float32)[experts], experts.astype(jnp.int32)
 
 
+# (x, weights, experts, gate_up, down) -> [T, D]: grouped_expert_mlp's signature and result
+ExpertMLP = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+
+
 class Experts(nn.Module):
-    """The expert weights of one layer; applied as grouped GEMMs."""
+    """The expert weights of one layer; applied as grouped GEMMs (expert_mlp, None:
+    grouped_expert_mlp)."""
 
     n_experts: int
     d_model: int
     hidden: int
     dtype: Any
+    expert_mlp: ExpertMLP | None = None
 
     def setup(self):
         E, D, F = self.n_experts, self.d_model, self.hidden
@@ -69,7 +78,8 @@ class Experts(nn.Module):
 
     def __call__(self, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
         """x [T, D], weights float32 [T, K], experts int32 [T, K] -> [T, D] (grouped_expert_mlp)."""
-        return grouped_expert_mlp(x, weights, experts, self.gate_up_proj, self.down_proj)
+        expert_mlp = grouped_expert_mlp if self.expert_mlp is None else self.expert_mlp
+        return expert_mlp(x, weights, experts, self.gate_up_proj, self.down_proj)
 
 
 def grouped_expert_mlp(
@@ -84,13 +94,36 @@ def grouped_expert_mlp(
     Returns:
       [T, D] in x's dtype: sum_k weights[t, k] * expert_{experts[t, k]}(x[t]), summed in float32.
     """
+    return routed_sum(x, weights, experts, gate_up, down).astype(x.dtype)
+
+
+def routed_sum(
+    x: jax.Array,
+    weights: jax.Array,
+    experts: jax.Array,
+    gate_up: jax.Array,
+    down: jax.Array,
+    first_expert: int | jax.Array = 0,
+) -> jax.Array:
+    """grouped_expert_mlp's sum before its rounding, over the experts gate_up and down hold:
+    the E experts from ``first_expert`` on (all of them by default).
+
+    Returns float32 [T, D]: sum over the rows' assignments to those experts of the routing
+    weight times the expert's output (rounded to x's dtype, as transformers rounds it); the
+    other assignments add nothing. Summed over disjoint blocks of experts, the blocks' sums
+    are all experts' (exactly so for top-2 routing: each block adds a row's two terms, or one,
+    or none, to zeros).
+    """
     T, K = experts.shape
     E, F = gate_up.shape[0], down.shape[2]
-    flat = experts.reshape(T * K)
-    # [T * K] the assignments sorted by expert (stable: a row's k slots keep their order)
-    order = jnp.argsort(flat, stable=True)
+    local = experts.reshape(T * K) - first_expert
+    here = (local >= 0) & (local < E)
+    # [T * K] the assignments sorted by local expert, those to other experts (key E) last and
+    # in no group (stable: a row's k slots keep their order)
+    key = jnp.where(here, local, E)
+    order = jnp.argsort(key, stable=True)
     rows = x[order // K]
-    group_sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+    group_sizes = jnp.bincount(key, length=E).astype(jnp.int32)
     # [T * K, 2F]
     gate_up_out = jax.lax.ragged_dot_general(rows, gate_up, group_sizes, _BY_EXPERT, preferred_element_type=jnp.float32)
     hidden = gelu_tanh(gate_up_out[:, :F].astype(x.dtype)) * gate_up_out[:, F:].astype(x.dtype)
@@ -98,9 +131,10 @@ def grouped_expert_mlp(
     out = jax.lax.ragged_dot_general(hidden, down, group_sizes, _BY_EXPERT, preferred_element_type=jnp.float32)
     out = out.astype(x.dtype)
     weighted = out.astype(jnp.float32) * weights.reshape(T * K)[order][:, None]
+    weighted = jnp.where(here[order][:, None], weighted, 0.0)
     # back to the assignments' original order, then the k slots of each row summed
     unsorted = jnp.zeros_like(weighted).at[order].set(weighted)
-    return jnp.sum(unsorted.reshape(T, K, -1), axis=1).astype(x.dtype)
+    return jnp.sum(unsorted.reshape(T, K, -1), axis=1)
 
 
 def dense_expert_mlp(

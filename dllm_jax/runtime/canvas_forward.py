@@ -29,12 +29,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import Mesh
 
 from dllm_jax.models import diffusion_gemma as dg
 from dllm_jax.models.diffusion_gemma_config import AttentionKind, DiffusionGemmaConfig
 from dllm_jax.runtime.cached_forward import SCORE_START_LAYER
 from dllm_jax.runtime.canvas_attention import canvas_cache_attention
 from dllm_jax.runtime.canvas_cache import CanvasCache
+from dllm_jax.runtime.expert_sharding import sharded_expert_mlp
 
 
 @struct.dataclass
@@ -94,6 +96,7 @@ def canvas_forward(
     canvas_length: int | None = None,
     with_scores: bool = False,
     group_slot: jax.Array | None = None,
+    mesh: Mesh | None = None,
 ) -> tuple[jax.Array, CanvasCache] | tuple[jax.Array, CanvasCache, jax.Array]:
     """Runs the model on the rows over the cache.
 
@@ -106,6 +109,8 @@ def canvas_forward(
       with_scores: also return the decoder groups' tracking scores.
       group_slot: int32 [S], the slot of each group (None: group s is slot s); a group of
         invalid rows may name any slot.
+      mesh: the device mesh, if any (the slots are one data shard's): the routed experts run
+        on their devices (dllm_jax.runtime.expert_sharding); GSPMD splits the rest.
     Returns:
       the last layer's output rows [S, R, D] (before the final norm), the cache with the
       written rows (the encoder groups' valid rows; with canvas_length, the decoder groups'
@@ -127,11 +132,12 @@ def canvas_forward(
     # [S, R] cache row of each written row; the cache's length (out of range) drops the others
     targets = jnp.where(written, slots[:, None] * max_len + rows.positions, cache_rows)
     encoder = ~rows.decoder[:, None, None]
+    expert_mlp = sharded_expert_mlp(mesh)
     keys, values = dict(cache.keys), dict(cache.values)
     for layer in range(config.n_layers):
         kind = config.layer_types[layer]
         j, name = config.stack_index(layer), kind.value
-        module = dg.DiffusionGemmaLayer(config, kind)
+        module = dg.DiffusionGemmaLayer(config, kind, expert_mlp)
         variables = {"params": dg.layer_params(config, weights, layer)}
         q, k, v = module.apply(variables, h, rows.positions, method=dg.DiffusionGemmaLayer.project_qkv)
         # the writes land at or after each group's start, where no row of this pass reads

@@ -23,6 +23,14 @@ batch of F "lanes", F the smallest of ``lane_sizes`` that fits them (``lax.switc
 other denoising slots' sparse pass over cached_rows canvas rows each (dllm_jax.policies.canvas
 picks them); both write the canvas rows' K/V into the cache rows past the encoded ones, and
 the denoising stage reads every canvas row's last-layer output, fresh or kept.
+
+With a mesh (dllm_jax.runtime.sharding), steps 2 and 3 and the slots' moves run per data shard
+(shard_map over the data axis: each shard passes and denoises its own num_slots / data slots,
+its lanes and sampler groups counted within it), the tensor axis split the layers and the
+cache as GSPMD does for LLaDA, and the routed experts run on their expert x tensor devices
+(dllm_jax.runtime.expert_sharding). Which passes run (the lane variant, the sparse pass, the
+denoising stage) is decided over all slots, so every device takes the same branches; the
+rings, the stopping rule and the refill see all slots, as in DecodeLoop.
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ from dllm_jax.runtime.decode_loop import (
     run_while_work,
 )
 from dllm_jax.runtime.kernel_routing import Kernels
+from dllm_jax.runtime.sharding import CACHE_ROWS, DATA, REPLICATED, SLOTS, axis_size, per_data_shard
 from dllm_jax.runtime.slots import ERROR_NON_FINITE, ERROR_STEP_LIMIT, SlotSampling
 
 # Most bytes of the float32 [slots, L, V] tensors of the denoising stage alive at once: the
@@ -74,8 +83,8 @@ class CanvasLoop:
 
     gen_length: the results ring's width, the most canvases of a request times L.
     full_pass_lanes: with cached canvas rows, the batch sizes of the full pass's compiled
-      variants besides all B slots (None: 1 and B/4), as DecodeLoop's.
-    mesh: not supported yet (None).
+      variants besides all B slots of a data shard (None: 1 and B/4), as DecodeLoop's.
+    mesh: decode over its devices (see the module doc; None: one device).
     """
 
     model: DiffusionGemmaConfig
@@ -89,15 +98,19 @@ class CanvasLoop:
     cfg: bool = False  # no guidance pass (GenerationSession reads it)
 
     def __post_init__(self):
-        if self.mesh is not None:
-            raise ValueError("method='diffusion_gemma' does not decode over a mesh yet")
         if self.gen_length % self.policy.canvas_length:
             raise ValueError(f"gen_length={self.gen_length}: expected whole canvases of {self.policy.canvas_length}")
 
     @property
+    def shard_slots(self) -> int:
+        """Slots of one data shard (all of them without a mesh)."""
+        return self.num_slots // axis_size(self.mesh, DATA)
+
+    @property
     def lane_sizes(self) -> tuple[int, ...]:
-        """The full pass's batch sizes with cached canvas rows (else the one pass of all B)."""
-        B = self.num_slots
+        """The full pass's batch sizes per data shard with cached canvas rows (else the one
+        pass of all its B slots)."""
+        B = self.shard_slots
         if self.policy.cached_rows is None:
             return (B,)
         if self.full_pass_lanes is not None:
@@ -106,7 +119,8 @@ class CanvasLoop:
 
     @property
     def sampler_slots(self) -> int:
-        return sampler_group(self.num_slots, self.policy.canvas_length, self.model.vocab_size)
+        """Slots per group of a data shard's denoising stage."""
+        return sampler_group(self.shard_slots, self.policy.canvas_length, self.model.vocab_size)
 
     # ----- state -------------------------------------------------------------------------
 
@@ -148,8 +162,8 @@ class CanvasLoop:
     def _denoise(self, weights, slots: CanvasSlots, hidden: jax.Array) -> tuple[CanvasSlots, jax.Array]:
         """Every slot's denoising step from its pass's last hidden rows [B, L, D], in groups of
         sampler_slots slots: the slots (with the new soft embeddings) and whether each one's
-        logits were finite, bool [B]."""
-        B, g = self.num_slots, self.sampler_slots
+        logits were finite, bool [B]. B: the slots of one data shard."""
+        B, g = self.shard_slots, self.sampler_slots
         config = self.model
 
         def group(args):
@@ -167,13 +181,16 @@ class CanvasLoop:
         out = jax.lax.map(group, grouped)
         return jax.tree_util.tree_map(lambda x: x.reshape((B,) + x.shape[2:]), out)
 
-    def _cached_passes(self, weights, slots: CanvasSlots, cache) -> tuple[CanvasSlots, jax.Array, object]:
-        """The full pass (in lanes) and the sparse pass of a loop with cached canvas rows: the
-        slots with their canvas rows' last-layer outputs and scores updated, every slot's
-        canvas hidden rows [B, L, D], and the cache."""
-        B, L, D = self.num_slots, self.policy.canvas_length, self.model.d_model
+    def _cached_passes(
+        self, weights, slots: CanvasSlots, cache, branch: jax.Array, any_sparse: jax.Array
+    ) -> tuple[CanvasSlots, jax.Array, object]:
+        """The full pass (in lanes: variant ``branch``, 0 none) and the sparse pass (if
+        any_sparse) of a loop with cached canvas rows: the slots with their canvas rows'
+        last-layer outputs and scores updated, every slot's canvas hidden rows [B, L, D], and
+        the cache. B: the slots of one data shard."""
+        B, L, D = self.shard_slots, self.policy.canvas_length, self.model.d_model
         dtype = self.model.jnp_dtype
-        run = dict(max_len=self.max_len, canvas_length=L, with_scores=True)
+        run = dict(max_len=self.max_len, canvas_length=L, with_scores=True, mesh=self.mesh)
         full = slots.active & jax.vmap(self.policy.needs_full)(slots)
         sparse = slots.active & ~full
         nothing = (jnp.zeros((B, L, D), dtype), jnp.zeros((B, self.max_len), jnp.float32))
@@ -188,8 +205,6 @@ class CanvasLoop:
             hidden = jnp.zeros((B, L, D), dtype).at[lane_slot].set(hidden, mode="drop")
             return hidden, jnp.zeros((B, self.max_len), jnp.float32).at[lane_slot].set(scores, mode="drop"), cache
 
-        n_full = jnp.sum(full)
-        branch = jnp.where(n_full == 0, 0, 1 + jnp.searchsorted(jnp.array(self.lane_sizes), n_full))
         branches = [lambda cache: nothing + (cache,)]
         branches += [lambda cache, n=n: full_pass(cache, n) for n in self.lane_sizes]
         full_hidden, full_scores, cache = jax.lax.switch(branch, branches, cache)
@@ -202,7 +217,7 @@ class CanvasLoop:
             return kept, scores, cache
 
         sparse_hidden, sparse_scores, cache = jax.lax.cond(
-            jnp.any(sparse), sparse_pass, lambda cache: (slots.hidden,) + nothing[1:] + (cache,), cache
+            any_sparse, sparse_pass, lambda cache: (slots.hidden,) + nothing[1:] + (cache,), cache
         )
         hidden = jnp.where(full[:, None, None], full_hidden, sparse_hidden)
         # the scores of the canvas rows, [B, L]
@@ -218,25 +233,22 @@ class CanvasLoop:
     def _step(self, weights, state: DecodeState) -> DecodeState:
         slots = state.slots
         ran = slots.active
-        if self.policy.cached_rows is None:
-            rows = jax.vmap(self.policy.rows)(slots)
-            hidden, cache = canvas_forward(self.model, weights, state.cache, rows, max_len=self.max_len)
-        else:
-            slots, hidden, cache = self._cached_passes(weights, slots, state.cache)
-        decoding = ran & (slots.phase == DENOISE)
-        denoised, finite = jax.lax.cond(
-            jnp.any(decoding),
-            lambda: self._denoise(weights, slots, hidden),
-            lambda: (slots, jnp.ones((self.num_slots,), bool)),
+        # Decided over all slots, so every device takes the same branches: the full-pass lane
+        # count fits the data shard with the most full passes (shard d: slots [d*B, (d+1)*B)).
+        branch, any_sparse = jnp.int32(0), jnp.bool_(False)
+        if self.policy.cached_rows is not None:
+            full = ran & jax.vmap(self.policy.needs_full)(slots)
+            n_full = jnp.max(jnp.sum(full.reshape(-1, self.shard_slots), axis=1))
+            branch = jnp.where(n_full == 0, 0, 1 + jnp.searchsorted(jnp.array(self.lane_sizes), n_full))
+            any_sparse = jnp.any(ran & ~full)
+        any_decoding = jnp.any(ran & (slots.phase == DENOISE))
+        step_slots = per_data_shard(
+            self._step_slots,
+            self.mesh,
+            in_specs=(REPLICATED, SLOTS, CACHE_ROWS, REPLICATED, REPLICATED, REPLICATED),
+            out_specs=(SLOTS, CACHE_ROWS),
         )
-        encoded = jax.vmap(self.policy.after_encoding)(slots)
-        moved = _where_tree(decoding, denoised, encoded)
-        moved = moved.replace(
-            steps=moved.steps + decoding.astype(jnp.int32),
-            passes=moved.passes + 1,
-            error=jnp.where(decoding & ~finite, ERROR_NON_FINITE, moved.error),
-        )
-        slots = _where_tree(ran, moved, slots)
+        slots, cache = step_slots(weights, slots, state.cache, branch, any_sparse, any_decoding)
 
         complete = jax.vmap(self.policy.finished)(slots)
         # the hard bound: a request that is not complete after step_limit passes ends with an error
@@ -247,6 +259,32 @@ class CanvasLoop:
         slots = slots.replace(active=slots.active & ~finished)
         state = state.replace(slots=slots, cache=cache, results=results, iteration=state.iteration + 1)
         return self._refill(state)
+
+    def _step_slots(
+        self, weights, slots: CanvasSlots, cache, branch: jax.Array, any_sparse: jax.Array, any_decoding: jax.Array
+    ) -> tuple[CanvasSlots, object]:
+        """One pass and move of the active slots (of one data shard under a mesh); the branch
+        choices are made over all slots (see _step)."""
+        ran = slots.active
+        if self.policy.cached_rows is None:
+            rows = jax.vmap(self.policy.rows)(slots)
+            hidden, cache = canvas_forward(self.model, weights, cache, rows, max_len=self.max_len, mesh=self.mesh)
+        else:
+            slots, hidden, cache = self._cached_passes(weights, slots, cache, branch, any_sparse)
+        decoding = ran & (slots.phase == DENOISE)
+        denoised, finite = jax.lax.cond(
+            any_decoding,
+            lambda: self._denoise(weights, slots, hidden),
+            lambda: (slots, jnp.ones((self.shard_slots,), bool)),
+        )
+        encoded = jax.vmap(self.policy.after_encoding)(slots)
+        moved = _where_tree(decoding, denoised, encoded)
+        moved = moved.replace(
+            steps=moved.steps + decoding.astype(jnp.int32),
+            passes=moved.passes + 1,
+            error=jnp.where(decoding & ~finite, ERROR_NON_FINITE, moved.error),
+        )
+        return _where_tree(ran, moved, slots), cache
 
     def _record(self, results: Results, slots: CanvasSlots, finished: jax.Array, iteration: jax.Array) -> Results:
         def answer(sequence):

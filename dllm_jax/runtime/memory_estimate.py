@@ -44,7 +44,7 @@ from dllm_jax.models.config import ModelConfig
 from dllm_jax.runtime.cached_forward import mlp_chunk_groups
 from dllm_jax.runtime.chunked_attention import default_block_k
 from dllm_jax.runtime.flat_cache import cache_bytes
-from dllm_jax.runtime.sharding import DATA, TENSOR, axis_size
+from dllm_jax.runtime.sharding import DATA, TENSOR, axis_size, mesh_size
 from dllm_jax.runtime.slots import SLOT_FIELDS, zero_sampling
 
 # Model-dtype copies of the hidden state alive in a layer: input, normed input, attention
@@ -238,8 +238,7 @@ def check_decode_loop(
     memory: default device_memory() of the first device, shared by the mesh's devices on the CPU.
     """
     if memory is None:
-        devices = axis_size(loop.mesh, DATA) * axis_size(loop.mesh, TENSOR)
-        memory = device_memory(devices=devices)
+        memory = device_memory(devices=mesh_size(loop.mesh))
     return check_memory(
         loop.model,
         memory,

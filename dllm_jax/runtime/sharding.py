@@ -1,6 +1,7 @@
 """Decoding over several devices: the mesh and every sharding rule, through jax.sharding only.
 
-A mesh has two axes, chosen by a spec string such as ``"data=2,tensor=2"``:
+A mesh has three axes, chosen by a spec string such as ``"data=2,tensor=2"`` (an axis left
+out has size 1):
 
   data    the slots are split across it. Each device holds its slots' share of the per-slot
           state and of the flat cache (a slot's rows are contiguous, see flat_cache), and the
@@ -11,9 +12,24 @@ A mesh has two axes, chosen by a spec string such as ``"data=2,tensor=2"``:
           kernels are split by output columns (heads, hidden units), attn_out and ff_out by
           input rows, so a block's collectives are the two all-reduces of its rows' hidden
           states (the second one also carries the tracking scores, summed over heads). The
-          cache is split by kv heads (its last axis), where k/v put them.
+          cache is split by kv heads (its last axis), where k/v put them. DiffusionGemma's layers
+          split the same way (q/k/v, the dense MLP's gate/up by columns; o_proj and its
+          down_proj by rows), each attention kind's cache by its own kv heads.
+  expert  only for a model with routed experts (DiffusionGemma): each layer's experts are
+          split across the expert and tensor axes together (EXPERTS: device (e, t) holds
+          the experts of block e * tensor + t), everything else is replicated across it. The
+          rows of a data shard are on every device of its expert x tensor group, so the routed
+          MLP needs no token exchange: each device runs the rows routed to its own experts
+          through its grouped GEMMs, and one all-reduce over the group sums the rows' outputs
+          (dllm_jax.runtime.expert_sharding). Splitting the experts (not their hidden units)
+          over the tensor axis too keeps the checkpoint's fused gate/up layout and uses the
+          tensor devices' memory for them; the expert axis adds devices for the experts alone
+          (the attention is recomputed on each of its devices), for when the heads do not split
+          further. (The alternative, the expert axis as more data parallelism with the tokens
+          all-gathered into the routed MLP and reduce-scattered back, is not built.)
 
-The embedding, the norms and the LM head are replicated. The lookup is a gather of a few
+The embedding, the norms and the LM head are replicated (DiffusionGemma's tied embedding,
+self-conditioning MLP and routers too). The lookup is a gather of a few
 rows, and the LM head runs on the candidate rows only (about 1% of a flash_cache step's
 FLOPs at LLaDA-8B shapes, 7% of a dual-cache step, whose every recomputed row is a
 candidate), while a vocabulary split would add an all-reduce of the embedded rows to every
@@ -29,6 +45,7 @@ needs (finished answers, free slots) across the data axis.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -37,11 +54,13 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dllm_jax.models.config import ModelConfig
+from dllm_jax.models.diffusion_gemma_config import AttentionKind, DiffusionGemmaConfig
 from dllm_jax.models.transformer import Weights
 
 DATA = "data"
 TENSOR = "tensor"
-AXES: tuple[str, str] = (DATA, TENSOR)
+EXPERT = "expert"
+AXES: tuple[str, str, str] = (DATA, TENSOR, EXPERT)
 
 # Specs of the decode state. Inside the data shard_map only the data axis is named: the
 # tensor split of the cache and of the weights is GSPMD's (the axis stays automatic there).
@@ -52,10 +71,17 @@ REPLICATED = P()
 # Inside the Pallas kernels' shard_map over the tensor axis: the last axis split by heads.
 HEADS = P(None, None, TENSOR)  # weights [NL, D, H*Dh], cache [NL, M, KVH*Dh], rows [S, R, H*Dh]
 FLAT_HEADS = P(None, TENSOR)  # rows [N, H*Dh]
+# A layer's routed experts [E, ...] split along E, expert-major, and (inside the routed MLP's
+# shard_map) the spec of that axis.
+EXPERTS = (EXPERT, TENSOR)
+EXPERT_ROWS = P(EXPERTS)
 
-# Layer kernels [(n_layers,) in, out] split by output columns / by input rows.
-_COLUMN_SPLIT = ("q_proj", "k_proj", "v_proj", "ff_proj", "up_proj")
-_ROW_SPLIT = ("attn_out", "ff_out")
+# The layer stacks of each family ([n_layers, ...] leaves, or a tuple of per-layer trees).
+_LAYER_STACKS = ("layers", "sliding_layers", "full_layers")
+# Layer kernels [(n_layers,) in, out] split by output columns / by input rows (LLaDA/Dream's
+# names, then DiffusionGemma's).
+_COLUMN_SPLIT = ("q_proj", "k_proj", "v_proj", "ff_proj", "up_proj", "gate_proj")
+_ROW_SPLIT = ("attn_out", "ff_out", "o_proj", "down_proj")
 
 
 class MeshError(ValueError):
@@ -63,7 +89,7 @@ class MeshError(ValueError):
 
 
 def parse_mesh(spec: str, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A ("data", "tensor") mesh from a spec like "data=2,tensor=2" (a missing axis is 1).
+    """A ("data", "tensor", "expert") mesh from a spec like "data=2,tensor=2" (a missing axis is 1).
 
     devices: the devices to lay out (default: all of jax.devices()); their number must be
     the product of the axis sizes.
@@ -84,25 +110,44 @@ def parse_mesh(spec: str, devices: Sequence[jax.Device] | None = None) -> Mesh:
         sizes[name] = int(value)
     devices = list(jax.devices() if devices is None else devices)
     shape = tuple(sizes[a] for a in AXES)
-    if shape[0] * shape[1] != len(devices):
+    if math.prod(shape) != len(devices):
         raise MeshError(
-            f"mesh spec {spec!r}: {' x '.join(map(str, shape))} = {shape[0] * shape[1]} devices, "
+            f"mesh spec {spec!r}: {' x '.join(map(str, shape))} = {math.prod(shape)} devices, "
             f"but {len(devices)} are available"
         )
-    return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * 2, devices=devices)
+    return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
 
 
 def axis_size(mesh: Mesh | None, axis: str) -> int:
     return 1 if mesh is None else mesh.shape[axis]
 
 
-def check_model(mesh: Mesh, config: ModelConfig) -> None:
-    """Raises MeshError unless the model's heads and MLP split evenly across the tensor axis."""
-    if set(mesh.axis_names) != set(AXES):
+def mesh_size(mesh: Mesh | None) -> int:
+    """Devices of the mesh (1 without one)."""
+    return 1 if mesh is None else mesh.size
+
+
+def check_model(mesh: Mesh, config: ModelConfig | DiffusionGemmaConfig) -> None:
+    """Raises MeshError unless the model's heads and MLP split evenly across the tensor axis
+    and its routed experts across the expert and tensor axes (a model without experts: an
+    expert axis of 1)."""
+    if tuple(mesh.axis_names) != AXES:
         raise MeshError(f"mesh axes {mesh.axis_names}: expected {AXES} (use parse_mesh)")
-    tensor = mesh.shape[TENSOR]
-    for name in ("n_heads", "n_kv_heads", "mlp_hidden_size"):
-        value = getattr(config, name)
+    tensor, expert = mesh.shape[TENSOR], mesh.shape[EXPERT]
+    if config.family == "diffusion_gemma":
+        sizes = {"n_heads": config.n_heads, "mlp_hidden_size": config.mlp_hidden_size}
+        for kind in AttentionKind:
+            if config.layers_of(kind):
+                sizes[f"{kind.name.lower()}_kv_heads"] = config.kv_heads(kind)
+        if config.n_experts % (expert * tensor):
+            raise MeshError(
+                f"n_experts={config.n_experts} is not divisible by the expert x tensor axes ({expert} x {tensor})"
+            )
+    else:
+        sizes = {name: getattr(config, name) for name in ("n_heads", "n_kv_heads", "mlp_hidden_size")}
+        if expert > 1:
+            raise MeshError(f"the expert axis ({expert}) splits routed experts, and a {config.family} model has none")
+    for name, value in sizes.items():
         if value % tensor:
             raise MeshError(f"{name}={value} is not divisible by the tensor axis ({tensor})")
 
@@ -115,12 +160,18 @@ def check_batch(mesh: Mesh, batch_size: int) -> None:
 
 
 def param_specs(params: Weights) -> Weights:
-    """A PartitionSpec per parameter: the tree of dllm_jax.models' docstring, its layers
-    stacked ([n_layers, in, out] kernels) or per layer (a tuple of [in, out] kernels)."""
+    """A PartitionSpec per parameter, for any family's tree (dllm_jax.models' docstring,
+    dllm_jax.models.diffusion_gemma's): its layer stacks stacked ([n_layers, in, out] kernels)
+    or per layer (a tuple of [in, out] kernels). Outside the layer stacks all is replicated."""
 
     def spec(path, leaf) -> P:
-        module = path[-2].key if path[0].key == "layers" else None
-        name = path[-1].key
+        keys = [getattr(k, "key", None) for k in path]
+        if keys[0] not in _LAYER_STACKS:
+            return REPLICATED
+        stacked = not any(isinstance(k, jax.tree_util.SequenceKey) for k in path)
+        if "experts" in keys:  # [(NL,) E, ...]
+            return P(*(None,) * stacked, EXPERTS)
+        module, name = keys[-2], keys[-1]
         if name in ("scale", "bias"):  # [(NL,) out] of a quantized kernel or a bias: split with the output columns
             return P(*(None,) * (leaf.ndim - 1), TENSOR) if module in _COLUMN_SPLIT else REPLICATED
         lead = (None,) * (leaf.ndim - 2)
@@ -135,6 +186,18 @@ def param_specs(params: Weights) -> Weights:
         return REPLICATED
 
     return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def bytes_per_device(params: Weights, mesh: Mesh | None) -> int:
+    """Bytes of the (possibly abstract) parameters one device holds under param_specs."""
+    if mesh is None:
+        return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(params))
+
+    def share(leaf, spec: P) -> int:
+        axes = [a for entry in spec if entry is not None for a in (entry if isinstance(entry, tuple) else (entry,))]
+        return leaf.size * leaf.dtype.itemsize // math.prod(mesh.shape[a] for a in axes)
+
+    return sum(jax.tree.leaves(jax.tree.map(share, params, param_specs(params))))
 
 
 def param_shardings(params: Weights, mesh: Mesh) -> Weights:
@@ -168,8 +231,8 @@ def replicated(mesh: Mesh) -> NamedSharding:
 def per_data_shard(fn: Callable, mesh: Mesh | None, in_specs: tuple, out_specs: Any) -> Callable:
     """fn run by each data shard on its own slots (shard_map, manual over the data axis only).
 
-    Specs name the data axis only (SLOTS, CACHE_ROWS, REPLICATED); the tensor axis stays
-    automatic inside. Without a mesh, or with one data shard, fn itself: GSPMD alone suffices.
+    Specs name the data axis only (SLOTS, CACHE_ROWS, REPLICATED); the tensor and expert axes
+    stay automatic inside. Without a mesh, or with one data shard, fn itself: GSPMD alone suffices.
     The bodies use no collective of their own over the data axis, so the varying-manual-axes
     check is off (it would ask every fresh zero array of a scan carry to be marked varying).
     """
@@ -187,6 +250,20 @@ def per_tensor_shard(fn: Callable, mesh: Mesh | None, in_specs: tuple, out_specs
     """
     if axis_size(mesh, TENSOR) == 1:
         return fn
+    return _inside_data_shard(fn, mesh, {TENSOR}, in_specs, out_specs)
+
+
+def per_expert_shard(fn: Callable, mesh: Mesh | None, in_specs: tuple, out_specs: Any) -> Callable:
+    """fn run by each device of the expert x tensor group on its own experts (shard_map over
+    both axes; specs name EXPERTS), inside the model passes like per_tensor_shard. Without
+    either axis, fn itself."""
+    if axis_size(mesh, TENSOR) * axis_size(mesh, EXPERT) == 1:
+        return fn
+    return _inside_data_shard(fn, mesh, {TENSOR, EXPERT}, in_specs, out_specs)
+
+
+def _inside_data_shard(fn: Callable, mesh: Mesh, axes: set[str], in_specs: tuple, out_specs: Any) -> Callable:
+    """shard_map of fn over `axes`, with the data axis manual already when it has several shards."""
     if mesh.shape[DATA] > 1:
         mesh = mesh.abstract_mesh.update_axis_types({DATA: AxisType.Manual})
-    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={TENSOR}, check_vma=False)
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=axes, check_vma=False)

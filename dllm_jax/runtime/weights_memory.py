@@ -6,7 +6,8 @@ tensor table). Two memories are checked:
   host    reading a Hugging Face folder builds the whole weights tree in host memory, in the
           target dtype, and moving it to the device needs about one more leaf
           (BENCHMARKS.md: peak = weights + the largest leaf); the converter needs the same.
-  device  the weights as loaded (8-bit where quantized), split over the mesh's tensor axis.
+  device  the weights as loaded (8-bit where quantized), split over the mesh's tensor axis
+          (routed experts: over its expert and tensor axes).
 On the CPU the two are one memory, counted once. $DLLM_MEMORY_AVAILABLE replaces what each
 memory reports (dllm_jax.common.memory_override), as it does for the decode loop's check.
 """
@@ -37,13 +38,16 @@ def available_host_memory(probe: Callable[[], DeviceMemory] = host_memory) -> De
     return DeviceMemory(available=override, name=f"${MEMORY_ENV}") if override is not None else probe()
 
 
-def check_weights_fit(config: ModelConfig, *, source: str, read_on_host: bool, tensor: int = 1) -> None:
+def check_weights_fit(
+    config: ModelConfig, *, source: str, read_on_host: bool, tensor: int = 1, expert: int = 1
+) -> None:
     """Raises InsufficientMemoryError, one line naming ``source``, when the weights of
     ``config`` (its dtype and quantization) cannot be loaded here.
 
     read_on_host: the weights are built in host memory first (a Hugging Face folder), not
     restored to the device one leaf at a time (a converted folder).
-    tensor: the mesh's tensor axis size (the device holds 1/tensor of the weights).
+    tensor, expert: the mesh's axis sizes (the device holds 1/tensor of the weights, and
+    1/(tensor x expert) of the routed experts).
     """
     advice = "use --dtype bfloat16 or 8-bit weights (--quantization), or a smaller model"
     on_cpu = jax.default_backend() == "cpu"
@@ -57,7 +61,8 @@ def check_weights_fit(config: ModelConfig, *, source: str, read_on_host: bool, t
             )
     if on_cpu:
         return
-    needed = weight_bytes(config) // tensor
+    experts = expert_bytes(config)
+    needed = (weight_bytes(config) - experts) // tensor + experts // (tensor * expert)
     memory = device_memory()
     if needed > memory.available:
         raise InsufficientMemoryError(
@@ -72,6 +77,13 @@ def weight_bytes(config: ModelConfig) -> int:
     if hasattr(config, "weight_bytes"):
         return config.weight_bytes()
     return sum(math.prod(leaf_shape(rule, config)) for rule in rules_for(config)) * config.jnp_dtype.itemsize
+
+
+def expert_bytes(config: ModelConfig) -> int:
+    """The routed experts' share of weight_bytes (0 for a model without them), from the tensor
+    table's shapes in config.dtype."""
+    experts = [rule for rule in rules_for(config) if "experts" in rule.path]
+    return sum(math.prod(leaf_shape(rule, config)) for rule in experts) * config.jnp_dtype.itemsize
 
 
 def _size(n: int) -> str:

@@ -125,7 +125,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--mesh",
         help='decode over several devices, e.g. "data=2,tensor=2": slots split over data, heads and MLP over '
-        "tensor; the sizes multiply to the number of devices (each method's --batch-size a multiple of data)",
+        "tensor, a DiffusionGemma model's experts over expert and tensor; the sizes multiply to the number of "
+        "devices (each method's --batch-size a multiple of data)",
     )
     p.add_argument(
         "--batch-invariant",
