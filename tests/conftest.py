@@ -5,41 +5,70 @@ import dataclasses
 import logging
 import os
 import shutil
+import sys
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The command lines the tests start keep no compiled loops in ~/.cache (tests of the cache set their own).
 os.environ.setdefault("DLLM_JAX_COMPILE_CACHE", "off")
 
-import jax
-import pytest
+# XLA:CPU's code generation at its lowest optimization level, in this process and the ones the
+# tests start (they inherit XLA_FLAGS). A tiny decode loop then compiles in about a third of the
+# time and runs a few times slower; the suite is compile-bound (about 100 distinct loops, each run
+# for well under a second), so this halves its CPU time. Only how the host code is optimized
+# changes: the programs, their HLO and what the tests check are the same. Flags already in
+# XLA_FLAGS come after these and win.
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{TEST_XLA_FLAGS} {os.environ.get('XLA_FLAGS', '')}".strip()
 
-# Four CPU devices, so the sharded tests run on a real mesh; unsharded code uses the first.
-# Must be set before JAX's backend starts (nothing here or in the imports below starts it).
-jax.config.update("jax_num_cpu_devices", 4)
-
-# An XLA compilation cache for the processes the tests start (servers, command lines, scripts),
-# in a temporary folder removed at exit: nothing persists from one run to the next, so a fresh
-# clone's first run is what is timed. A program one such process compiled (the same HLO,
-# devices and compiler options: the same decode loop of another server or command line) is read
-# back by the next instead of compiled again. Only a speed-up: every process still traces and
-# lowers its own programs, and a server's dllm_compilations_after_warmup counts cache hits as
-# compilations (jax reports both as one backend-compile event). The processes inherit it through
-# JAX_COMPILATION_CACHE_DIR; jax read that variable when conftest imported it, so this process
-# itself keeps no cache (one CI run segfaulted inside XLA:CPU 0.10.2 writing it, about 1050 tests
-# in; the next, without it, segfaulted compiling at the same test, so the cache was not the cause:
-# see _drop_compiled_programs_after_each_module). Once per process: this module runs a second
-# time as tests.conftest when a test imports it.
+# One XLA compilation cache for the whole run: this process, pytest-xdist's workers and every
+# process the tests start (servers, command lines, scripts) read and write the same temporary
+# folder, removed at exit, so nothing persists from one run to the next (a fresh clone's first
+# run is what is timed). A program compiled once (the same HLO, devices and compiler options: a
+# loop another test, worker, server or command line already compiled) is read back instead of
+# compiled again. Only a speed-up: every process still traces and lowers its own programs, and a
+# server's dllm_compilations_after_warmup counts cache hits as compilations (jax reports both as
+# one backend-compile event). The first process (pytest itself, or xdist's controller) makes the
+# folder; the workers and the processes the tests start inherit JAX_COMPILATION_CACHE_DIR.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _cache = tempfile.mkdtemp(prefix="dllm-tests-xla-cache-")
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
 
 
-def compilation_cache_env() -> dict[str, str]:
-    """The environment entry that gives a process the session's compilation cache (the processes
-    the tests start inherit it already; for tests that build an environment)."""
-    return {"JAX_COMPILATION_CACHE_DIR": os.environ["JAX_COMPILATION_CACHE_DIR"]}
+# before jax is imported: it reads JAX_COMPILATION_CACHE_DIR then
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+# Four CPU devices, so the sharded tests run on a real mesh; unsharded code uses the first.
+# Must be set before JAX's backend starts (nothing here or in the imports below starts it).
+jax.config.update("jax_num_cpu_devices", 4)
+
+
+def child_process_env() -> dict[str, str]:
+    """The environment entries a process the tests start needs to compile as this one does (the
+    run's compilation cache and XLA flags); processes started with os.environ have them already."""
+    return {key: os.environ[key] for key in ("JAX_COMPILATION_CACHE_DIR", "XLA_FLAGS")}
+
+
+# `python -c` this, a module and its arguments: the module runs as `python -m module` with the
+# signal dispositions of a process started from a terminal. A runner in the background (nohup,
+# `cmd &`) hands its children SIGINT ignored, and Python, and our command lines, then keep
+# ignoring it; the signal tests must not depend on what runs the suite.
+_FROM_A_TERMINAL = (
+    "import runpy, signal, sys\n"
+    "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+    "for s in (signal.SIGTERM, signal.SIGHUP):\n"
+    "    signal.signal(s, signal.SIG_DFL)\n"
+    "runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)\n"
+)
+
+
+def python_module_from_a_terminal(module: str) -> list[str]:
+    """The command that runs `python -m module` with a terminal's signal dispositions (SIGINT
+    raising KeyboardInterrupt, SIGTERM and SIGHUP at their defaults); append its arguments."""
+    return [sys.executable, "-c", _FROM_A_TERMINAL, module]
 
 
 from dllm_jax.engine.engine import Engine  # noqa: E402 (after the JAX settings above)

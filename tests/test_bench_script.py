@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import compilation_cache_env
+from tests.conftest import child_process_env
 
 pytestmark = pytest.mark.integration
 
@@ -36,7 +36,7 @@ def test_bench_tiny_reports_steps_and_comparisons(tmp_path):
         text=True,
         stdin=subprocess.DEVNULL,
         cwd=ROOT,
-        env={"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", **compilation_cache_env()},
+        env={"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", **child_process_env()},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((tmp_path / "bench.json").read_text())
@@ -83,7 +83,7 @@ def test_bench_gemm_tiny_times_every_variant_and_the_int8_kernel_tilings(tmp_pat
         text=True,
         stdin=subprocess.DEVNULL,
         cwd=ROOT,
-        env={"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", **compilation_cache_env()},
+        env={"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", **child_process_env()},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads((tmp_path / "bench_gemm.json").read_text())["results"]
@@ -130,7 +130,7 @@ def test_bench_tiny_runs_both_families_in_one_report(tmp_path):
         text=True,
         stdin=subprocess.DEVNULL,
         cwd=ROOT,
-        env={"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", **compilation_cache_env()},
+        env={"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", **child_process_env()},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((tmp_path / "bench.json").read_text())

@@ -16,7 +16,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import tiny_config
+from conftest import python_module_from_a_terminal, tiny_config
 
 import convert.conversion
 import convert.hf_to_jax
@@ -321,16 +321,6 @@ SIGNAL_CASES = [
 ]
 
 
-# The converter keeps a signal its parent ignores (as under nohup, or in a background job), so
-# the signal tests start it with the default dispositions whatever runs the suite.
-_WITH_DEFAULT_SIGNALS = (
-    "import runpy, signal\n"
-    "for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):\n"
-    "    signal.signal(s, signal.SIG_DFL)\n"
-    "runpy.run_module('convert.hf_to_jax', run_name='__main__', alter_sys=True)\n"
-)
-
-
 @pytest.mark.integration
 @pytest.mark.parametrize(
     "signum,phase,delay", SIGNAL_CASES, ids=[f"{s.name}-{p}{'+1s' if d else ''}" for s, p, d in SIGNAL_CASES]
@@ -343,9 +333,7 @@ def test_a_signal_at_any_phase_leaves_the_parent_as_before(hf_dir, tmp_path, sig
     # its own session, so the signal goes to its process group as a terminal's Ctrl-C or hang-up does
     process = subprocess.Popen(
         [
-            sys.executable,
-            "-c",
-            _WITH_DEFAULT_SIGNALS,
+            *python_module_from_a_terminal("convert.hf_to_jax"),
             "--hf-dir",
             str(hf_dir),
             "--out",

@@ -18,7 +18,7 @@ import dllm_jax.models.loading
 from convert.jax_to_hf import save_hf_checkpoint
 from dllm_jax.cli.generate import build_parser, main
 from dllm_jax.models.transformer import init_params
-from tests.conftest import tiny_config
+from tests.conftest import python_module_from_a_terminal, tiny_config
 
 pytestmark = pytest.mark.unit
 
@@ -307,9 +307,7 @@ def test_a_signal_mid_run_leaves_the_output_as_it_was(model_dir, tmp_path, signu
     out.write_text("the previous run\n")
     proc = subprocess.Popen(
         [
-            sys.executable,
-            "-m",
-            "dllm_jax.cli.generate",
+            *python_module_from_a_terminal("dllm_jax.cli.generate"),
             "--model",
             str(model_dir),
             "--prompts-file",

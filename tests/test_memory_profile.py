@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import child_process_env
+
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,7 +33,7 @@ def test_memory_profile_of_the_tiny_model(tmp_path):
         text=True,
         stdin=subprocess.DEVNULL,
         cwd=ROOT,
-        env={"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
+        env={"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", **child_process_env()},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((tmp_path / "memory.json").read_text())

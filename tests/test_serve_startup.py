@@ -15,6 +15,7 @@ import time
 import pytest
 
 from dllm_jax.serve import cli
+from tests.conftest import python_module_from_a_terminal
 
 
 def serve(args: list[str], env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess:
@@ -93,12 +94,10 @@ def test_ctrl_c_during_the_warm_up_is_one_line_and_status_130(tmp_path):
     log_path = tmp_path / "serve.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "dllm_jax.serve", "--port", "0"],
+            [*python_module_from_a_terminal("dllm_jax.serve"), "--port", "0"],
             stdout=log,
             stderr=subprocess.STDOUT,
             env={**os.environ, "JAX_PLATFORMS": "cpu"},
-            # a runner in the background (nohup, cmd &) hands its children SIGINT ignored
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         try:
             deadline = time.monotonic() + 300
