@@ -182,8 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--quantization",
         choices=QUANTIZATIONS,
-        help="8-bit block projections and an int8 embedding (fp8: W8A8, int8-weights: weight-only); default: as the "
-        "checkpoint stores them (none for a Hugging Face folder)",
+        help="8-bit block projections (and DiffusionGemma's experts) and an int8 untied embedding (fp8: W8A8, "
+        "int8-weights: weight-only); default: as the checkpoint stores them (none for a Hugging Face folder)",
     )
     run.add_argument(
         "--batch-invariant",

@@ -2,7 +2,8 @@
 
 The terms of dllm_jax.runtime.memory_estimate.MemoryEstimate, counted as the canvas loop
 (dllm_jax.runtime.canvas_loop) materialises them:
-  weights      every parameter (the layer stacks, the tied embedding, self-conditioning);
+  weights      every parameter (the layer stacks, the tied embedding, self-conditioning; 8-bit
+               where quantized: DiffusionGemmaConfig.weight_bytes);
   cache        the encoder caches of both attention kinds (exact: the loop's state shapes);
   activations  one layer of a pass over B slots x L rows: the hidden state's copies, q/k/v
                of the wider kind, the dense MLP and self-conditioning widths, the experts'
@@ -22,7 +23,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from dllm_jax.models import diffusion_gemma as dg
 from dllm_jax.models.diffusion_gemma_config import AttentionKind
 from dllm_jax.runtime.canvas_loop import SAMPLER_F32_COPIES, CanvasLoop, sampler_group
 from dllm_jax.runtime.chunked_attention import default_block_k
@@ -76,7 +76,7 @@ def estimate_canvas_loop(
     )
     cache = _nbytes(state.cache)
     if weights is None:
-        weights = dg.count_params(dg.abstract_params(c)) * itemsize
+        weights = c.weight_bytes()
     return MemoryEstimate(
         weights=weights, cache=cache, activations=activations, logits=logits, state=_nbytes(state) - cache
     )
