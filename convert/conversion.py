@@ -24,7 +24,7 @@ from dllm_jax.models.checkpoint.converted import PARAMS_DIR, move_to_jax, root_c
 from dllm_jax.models.checkpoint.dtypes import DTYPES, QUANTIZATIONS
 from dllm_jax.models.checkpoint.errors import ConversionError
 from dllm_jax.models.checkpoint.hf_reader import read_checkpoint, read_config
-from dllm_jax.models.config import ConfigError, ModelConfig
+from dllm_jax.models.config import ModelConfig
 from dllm_jax.models.model_source import load_tokenizer
 from dllm_jax.models.quantization import quantize_params
 from dllm_jax.runtime.memory_estimate import host_memory
@@ -46,9 +46,9 @@ def convert_checkpoint(
       out_dir: folder to create (relative paths are fine); it must not exist or be an empty
         folder, in an existing writable folder. Checked before anything is read.
       dtype: dtype of the stored params; every tensor (F16, BF16 or F32) is cast to it.
-      quantization: "none", or store the block projections as 8-bit weights with per-channel
-        scales and the embedding as int8 with per-row scales ("fp8", "int8-weights";
-        dllm_jax.models.quantization): about half the size.
+      quantization: "none", or store the block projections (and DiffusionGemma's experts) as
+        8-bit weights with per-channel scales and an untied embedding as int8 with per-row
+        scales ("fp8", "int8-weights"; dllm_jax.models.quantization): about half the size.
     Raises:
       ConversionError naming the file / tensor for any bad input, or ``out_dir`` for a write
       failure; nothing is left on disk (on KeyboardInterrupt too, as far as orbax's writer
@@ -78,10 +78,7 @@ def write_converted(
     if not hf_dir.is_dir():
         raise ConversionError(f"{hf_dir}: checkpoint folder not found")
     config, _ = read_config(hf_dir, dtype=dtype)
-    try:
-        config = dataclasses.replace(config, quantization=quantization)  # a family without 8-bit weights refuses
-    except ConfigError as e:
-        raise ConversionError(f"{hf_dir}: {e}") from None
+    config = dataclasses.replace(config, quantization=quantization)
     params_bytes = weight_bytes(config)
     _check_free_space(folder, params_bytes, label)
     _check_host_memory(hf_dir, config)

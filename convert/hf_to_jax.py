@@ -156,8 +156,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--quantization",
         default="none",
         choices=QUANTIZATIONS,
-        help="store the block projections as 8-bit weights with per-channel scales and the embedding "
-        "as int8 with per-row scales (about half the size)",
+        help="store the block projections (and DiffusionGemma's experts) as 8-bit weights with per-channel "
+        "scales and an untied embedding as int8 with per-row scales (about half the size)",
     )
     args = parser.parse_args(argv)
     started = time.monotonic()

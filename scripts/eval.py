@@ -13,10 +13,14 @@ methods (keys up to the next multiple of 128, as the published Flash-dLLM code a
 model's training sequences have). LLaDA's own sampler (one token per step, blocks, keys =
 prompt + generation only) is reported beside it. Writes eval.json and eval.md to --out after
 every setting; --resume keeps the settings an interrupted run of the same command finished.
---model takes any LLaDA or Dream checkpoint, or the embedded tiny-llada / tiny-dream; with
-several models each is evaluated on the same problems and settings into --out/<model name>/,
-and the tables are printed one after the other. The dream-* settings are Dream's own sampler
-(method "dream", one alg each), on either family; the problems stay the tiny tasks.
+--model takes any LLaDA, Dream or DiffusionGemma checkpoint, or the embedded tiny-llada /
+tiny-dream / tiny-diffusiongemma; with several models each is evaluated on the same problems
+and settings into --out/<model name>/, and the tables are printed one after the other. The
+dream-* settings are Dream's own sampler (method "dream", one alg each), on either masked
+diffusion family; the problems stay the tiny tasks. A DiffusionGemma model has its own settings
+(method diffusion_gemma with tiny-diffusiongemma's generation_config.json values, seed 0:
+request i draws stream i): its reference is diffusion_gemma-full (every canvas row recomputed
+each denoising step), beside Flash-Cache on the canvas (diffusion_gemma-canvas_rows16).
 """
 
 from __future__ import annotations
@@ -39,6 +43,11 @@ from dllm_jax.runtime.decode_config import DecodeConfig  # noqa: E402
 from dllm_jax.sampling.params import SamplingParams  # noqa: E402
 
 EXACT = "exact-one-per-step"
+DIFFUSION_GEMMA_FULL = "diffusion_gemma-full"
+# the embedded tiny-diffusiongemma's generation_config.json (what its README's accuracy used)
+TINY_DIFFUSION_GEMMA_SAMPLER = dict(
+    max_denoising_steps=16, t_min=0.1, t_max=0.5, entropy_bound=1.0, stability_threshold=1, confidence_threshold=0.01
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,9 +71,23 @@ def setting(decode_config: DecodeConfig, threshold: float | None = None) -> Sett
     return Setting(decode_config, SamplingParams(threshold=threshold))
 
 
-def settings(gen_length: int, batch_size: int) -> dict[str, Setting]:
-    """The evaluated settings by name; EXACT is the reference of the agreement column."""
+def reference(family: str) -> str:
+    """The setting every other's agreement is measured against, for a model family."""
+    return DIFFUSION_GEMMA_FULL if family == "diffusion_gemma" else EXACT
+
+
+def settings(gen_length: int, batch_size: int, family: str = "llada") -> dict[str, Setting]:
+    """The evaluated settings of a model family by name; reference(family) is the reference of
+    the agreement column."""
     common = dict(gen_length=gen_length, batch_size=batch_size)
+    if family == "diffusion_gemma":
+        sampler = SamplingParams(**TINY_DIFFUSION_GEMMA_SAMPLER)
+        return {
+            DIFFUSION_GEMMA_FULL: Setting(DecodeConfig(method="diffusion_gemma", **common), sampler),
+            "diffusion_gemma-canvas_rows16": Setting(
+                DecodeConfig(method="diffusion_gemma", canvas_rows=16, **common), sampler
+            ),
+        }
     flash = dict(method="flash_cache", mask_num=4, **common)
     verify = dict(flash, track_num=4, verify=True)  # gamma 0.8: the default
     grid = {
@@ -197,7 +220,7 @@ def finished_results(path: Path, report: dict) -> dict:
         for name, result in old.get("results", {}).items()
         if name in report["settings"] and old["settings"].get(name) == report["settings"][name]
     }
-    return kept if EXACT in kept else {}
+    return kept if reference(report.get("family", "llada")) in kept else {}
 
 
 def read_baseline(path: Path, problems: int, seed: int) -> dict:
@@ -217,19 +240,22 @@ def read_baseline(path: Path, problems: int, seed: int) -> dict:
 def parse_args(argv):
     from dllm_jax.models.embedded import tiny_model_path
 
-    grid_names = list(settings(64, 8))
+    grid_names = [name for family in ("llada", "diffusion_gemma") for name in settings(64, 8, family)]
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--model",
         nargs="+",
         default=[str(tiny_model_path())],
-        help="LLaDA or Dream checkpoint(s), or tiny-llada / tiny-dream (default: the embedded tiny-llada)",
+        help="LLaDA, Dream or DiffusionGemma checkpoint(s), or tiny-llada / tiny-dream / tiny-diffusiongemma "
+        "(default: the embedded tiny-llada)",
     )
     p.add_argument("--problems", type=int, default=256, help="held-out problems")
     p.add_argument("--seed", type=int, default=tiny_tasks.HELD_OUT_SEED, help="seed of the held-out stream")
     p.add_argument("--gen-length", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--settings", nargs="+", choices=grid_names, default=grid_names)
+    p.add_argument(
+        "--settings", nargs="+", choices=grid_names, default=None, help="default: every setting of the model's family"
+    )
     p.add_argument("--backend", choices=("auto", "xla", "pallas"), default="auto")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="default: float32 on CPU")
     p.add_argument(
@@ -288,8 +314,16 @@ def evaluate_model(args, model_name: str, out_dir: Path) -> tuple[int, str]:
         return 2, ""
     args = argparse.Namespace(**{**vars(args), "model": model_name, "out": out_dir})
     problems = tiny_tasks.held_out_problems(args.problems, seed=args.seed)
-    grid = settings(args.gen_length, args.batch_size)
-    names = [EXACT] + [n for n in args.settings if n != EXACT]
+    family = engine.config.family
+    grid, exact = settings(args.gen_length, args.batch_size, family), reference(family)
+    other = [n for n in args.settings or grid if n not in grid]
+    if other:
+        print(
+            f"error: --settings {' '.join(other)}: not settings of a {family} model ({', '.join(grid)})",
+            file=sys.stderr,
+        )
+        return 2, ""
+    names = [exact] + [n for n in args.settings or grid if n != exact]
     report = {
         "model": args.model,
         "family": engine.config.family,
@@ -314,12 +348,12 @@ def evaluate_model(args, model_name: str, out_dir: Path) -> tuple[int, str]:
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2, ""
-    exact_texts = report["results"].get(EXACT, {}).get("texts")
+    exact_texts = report["results"].get(exact, {}).get("texts")
     for name in tqdm(names, desc="settings"):
         if name in report["results"]:
             continue
         result = evaluate(engine, problems, grid[name], exact_texts)
-        if name == EXACT:
+        if name == exact:
             exact_texts = result["texts"]
             result["agreement_with_exact"] = 1.0
         if baseline is not None and name in baseline:

@@ -150,12 +150,28 @@ def test_a_diffusion_gemma_folder_converts_and_loads_as_its_family(tmp_path):
     assert from_hf.tokenizer.encode(text, chat=True) == from_converted.tokenizer.encode(text, chat=True)
 
 
-def test_8_bit_weights_of_a_family_without_them_are_refused_before_anything_is_written(tmp_path):
-    with pytest.raises(
-        ConversionError, match="tiny-diffusiongemma: quantization='fp8': DiffusionGemma runs unquantized"
-    ):
-        convert_checkpoint(tiny_model_path("tiny-diffusiongemma"), tmp_path / "out", quantization="fp8")
-    assert list(tmp_path.iterdir()) == []
+@pytest.mark.parametrize("mode", ["fp8", "int8-weights"])
+def test_a_diffusion_gemma_folder_converts_to_8_bit_weights_and_loads_as_stored(tmp_path, mode):
+    """The converter (host, numpy) stores what loading the Hugging Face folder quantizes on the
+    host, exactly; an unquantized converted folder quantized as it loads (device, jax) stores the
+    same weights up to a last-bit scale at a rounding boundary (see test_quantization)."""
+    hf_dir = tiny_model_path("tiny-diffusiongemma")
+    out = convert_checkpoint(hf_dir, tmp_path / "q", dtype="float32", quantization=mode)
+    assert json.loads((out / METADATA_FILE).read_text())["quantization"] == mode
+    stored = load_model(out, dtype="float32")
+    assert stored.config.family == "diffusion_gemma" and stored.config.quantization == mode
+    assert set(stored.weights["full_layers"]["experts"]["gate_up_proj"]) == {"qkernel", "scale"}
+    assert_trees_equal(stored.weights, load_model(hf_dir, dtype="float32", quantization=mode).weights)
+    plain = convert_checkpoint(hf_dir, tmp_path / "plain", dtype="float32")
+    on_load = load_model(plain, dtype="float32", quantization=mode)
+    assert on_load.config == stored.config
+    for a, b in zip(jax.tree.leaves(on_load.weights), jax.tree.leaves(stored.weights)):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert np.linalg.norm(a - b) <= 1e-3 * np.linalg.norm(b)
+    size = lambda folder: sum(p.stat().st_size for p in (folder / PARAMS_DIR).rglob("*") if p.is_file())  # noqa: E731
+    assert size(out) < 0.5 * size(plain)
+    with pytest.raises(ConversionError, match=f"stored with quantization='{mode}'.*cannot be loaded as"):
+        load_model(out, dtype="float32", quantization="none")
 
 
 def test_folder_without_tokenizer_files_loads_without_tokenizer(tmp_path, tiny_cfg, params):

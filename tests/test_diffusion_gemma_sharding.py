@@ -26,6 +26,7 @@ from dllm_jax.engine.engine import Engine
 from dllm_jax.models import diffusion_gemma as dg
 from dllm_jax.models.diffusion_gemma_config import AttentionKind, DiffusionGemmaConfig, RopeSettings
 from dllm_jax.models.experts import grouped_expert_mlp
+from dllm_jax.models.quantization import quantize_experts
 from dllm_jax.runtime.decode_config import DecodeConfig
 from dllm_jax.runtime.expert_sharding import sharded_expert_mlp
 from dllm_jax.runtime.sharding import EXPERT_ROWS, REPLICATED, SLOTS, MeshError, parse_mesh, per_data_shard
@@ -213,8 +214,18 @@ def test_the_memory_estimate_is_one_devices_share(engines, requests):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("spec", ["expert=4", "tensor=4", "tensor=2,expert=2", "data=2,expert=2"])
-def test_the_routed_experts_over_a_mesh_equal_the_grouped_gemms(spec):
+@pytest.mark.parametrize(
+    "spec, quantization",
+    [
+        ("expert=4", "none"),
+        ("tensor=4", "none"),
+        ("tensor=2,expert=2", "none"),
+        ("data=2,expert=2", "none"),
+        ("tensor=2,expert=2", "fp8"),
+        ("expert=4", "int8-weights"),
+    ],
+)
+def test_the_routed_experts_over_a_mesh_equal_the_grouped_gemms(spec, quantization):
     mesh = mesh_of(spec)
     T, K, E, D, F = 10, 2, 4, 8, 6
     keys = jax.random.split(jax.random.key(0), 5)
@@ -222,6 +233,8 @@ def test_the_routed_experts_over_a_mesh_equal_the_grouped_gemms(spec):
     weights = jax.random.uniform(keys[1], (T, K))
     experts = jax.random.randint(keys[2], (T, K), 0, E)
     gate_up, down = jax.random.normal(keys[3], (E, 2 * F, D)), jax.random.normal(keys[4], (E, D, F))
+    if quantization != "none":  # 8-bit experts: {"qkernel", "scale"}, split along E like the plain ones
+        gate_up, down = (quantize_experts(w, quantization) for w in (gate_up, down))
     expected = jax.jit(grouped_expert_mlp)(x, weights, experts, gate_up, down)
     placed = [jax.device_put(w, jax.sharding.NamedSharding(mesh, EXPERT_ROWS)) for w in (gate_up, down)]
     routed = sharded_expert_mlp(mesh)

@@ -117,3 +117,31 @@ def test_resume_keeps_only_settings_of_the_same_run(tmp_path):
     path.write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
         eval_script.finished_results(path, now)
+
+
+def test_a_diffusion_gemma_model_is_evaluated_on_its_own_settings(tmp_path, capsys):
+    eval_script = _eval_module()
+    full = eval_script.DIFFUSION_GEMMA_FULL
+    grid = eval_script.settings(64, 8, "diffusion_gemma")
+    assert list(grid) == [full, "diffusion_gemma-canvas_rows16"] and eval_script.reference("diffusion_gemma") == full
+    assert {s.decode_config.method for s in grid.values()} == {"diffusion_gemma"}
+    assert grid[full].sampling.max_denoising_steps == 16  # tiny-diffusiongemma's generation_config.json
+    # a resumed DiffusionGemma run is kept only with its own reference
+    run = dict(model="m", problems=4, seed=1, gen_length=64, batch_size=4, backend="xla", dtype="float32")
+    old = dict(run, family="diffusion_gemma", settings={full: {}, "x": {}}, results={full: {"a": 1}, "x": {"a": 2}})
+    path = tmp_path / "eval.json"
+    path.write_text(json.dumps(old))
+    assert eval_script.finished_results(path, dict(old, results={})) == old["results"]
+    # another family's setting is refused by name, before anything compiles
+    argv = [
+        "--model",
+        "tiny-diffusiongemma",
+        "--settings",
+        "flash-track4-t0.9",
+        "--problems",
+        "1",
+        "--out",
+        str(tmp_path),
+    ]
+    assert eval_script.main(argv) == 2
+    assert "--settings flash-track4-t0.9: not settings of a diffusion_gemma model" in capsys.readouterr().err

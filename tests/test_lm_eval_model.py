@@ -6,6 +6,7 @@ loglikelihood (LLaDA's Monte-Carlo estimator) picks the right answer of a multip
 where the model solves the problem, and equals a plain computation over the same masks.
 """
 
+import functools
 import importlib.util
 import json
 import os
@@ -13,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -26,6 +28,7 @@ from dllm_jax.evaluation.lm_eval_model import DLLMJaxLM, GenerationKwargsError, 
 from dllm_jax.evaluation.mc_loglikelihood import MonteCarloLoglikelihood
 from dllm_jax.evaluation.model_args import ModelArgsError, parse_model_args
 from dllm_jax.evaluation.tiny_task_files import GEN_TASK, MC_TASK, write_tiny_tasks
+from dllm_jax.models import diffusion_gemma as dg
 from dllm_jax.models.embedded import tiny_model_path
 from dllm_jax.models.transformer import forward, predictions
 
@@ -374,6 +377,113 @@ def test_greedy_check_is_llada_suffix_greedy_prediction(flash_lm):
     greedy = seq[len(prefix) :]
     other = greedy[:-1] + [(greedy[-1] + 1) % config.vocab_size]
     assert flash_lm.scorer.greedy_reproduces(prefix, greedy) and not flash_lm.scorer.greedy_reproduces(prefix, other)
+
+
+# ----- DiffusionGemma --------------------------------------------------------------------------
+
+# the embedded tiny DiffusionGemma's generation_config.json values, as model_args
+DG_SAMPLER = dict(
+    max_denoising_steps=16, t_min=0.1, t_max=0.5, entropy_bound=1.0, stability_threshold=1, confidence_threshold=0.01
+)
+DG_PROBLEMS = 16
+
+
+@pytest.fixture(scope="module")
+def gemma_lm():
+    """pretrained=tiny-diffusiongemma without a method: the family's own (one compiled canvas loop)."""
+    return DLLMJaxLM(
+        pretrained="tiny-diffusiongemma", backend="xla", gen_length=GEN_LENGTH, batch_size=BATCH, **DG_SAMPLER
+    )
+
+
+@pytest.fixture(scope="module")
+def gemma_task_manager(tmp_path_factory):
+    folder = write_tiny_tasks(tmp_path_factory.mktemp("gemma_tasks"), DG_PROBLEMS, end_of_turn="<end_of_turn>")
+    return TaskManager(include_path=str(folder), include_defaults=False)
+
+
+@functools.cache
+def _encoder_logits(config, length: int):
+    """The encoder's logits over an unpadded sequence (no bucket, no padding): float32 [1, T, V]."""
+
+    def run(weights, tokens):
+        _, _, hidden = dg.encode(config, weights, tokens, dg.init_cache(config, 1, length), return_hidden=True)
+        return dg.final_logits(config, weights, hidden[-1])
+
+    return jax.jit(run)
+
+
+def plain_encoder_loglikelihood(lm, prefix, target) -> float:
+    """log p(target | prefix) written out: one unpadded causal pass, float64 log-softmax of row
+    P - 1 + j for target token j."""
+    sequence = prefix + target
+    logits = _encoder_logits(lm.config, len(sequence))(lm.engine.weights, jnp.asarray([sequence], jnp.int32))
+    logits = np.asarray(logits, np.float64)[0]
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    return float(sum(logp[len(prefix) - 1 + j, t] for j, t in enumerate(target)))
+
+
+@pytest.mark.integration
+def test_a_diffusion_gemma_model_generates_and_scores_through_lm_eval(gemma_lm, gemma_task_manager):
+    """generate_until: the family's method, every request with its own seed; it scores what the
+    engine's own answers to the same prompts score. loglikelihood: the encoder's exact causal
+    likelihood (no Monte-Carlo), which picks the right answer of most problems."""
+    lm = gemma_lm
+    assert lm.decode_config.method == "diffusion_gemma" and lm.decode_config.block_length == 32
+    results = simple_evaluate(
+        model=lm, tasks=[GEN_TASK, MC_TASK], apply_chat_template=True, log_samples=True, task_manager=gemma_task_manager
+    )
+    samples = sorted(results["samples"][GEN_TASK], key=lambda s: s["doc_id"])
+    problems = tiny_tasks.held_out_problems(DG_PROBLEMS)
+    prompts = [lm.encode(s["arguments"][0][0]) for s in samples]
+    sampling = [SamplingParams(seed=i, **DG_SAMPLER) for i in range(DG_PROBLEMS)]
+    own = lm.engine.generate(prompts, sampling, decode_config=lm.decode_config)  # the same compiled loop
+    assert lm.engine.num_compilations == 1
+    finals = [tiny_tasks.extract_final(r.text) for r in own.results]
+    assert [tiny_tasks.extract_final(s["filtered_resps"][0]) for s in samples] == finals
+    accuracy = sum(tiny_tasks.is_correct(p, r.text) for p, r in zip(problems, own.results)) / DG_PROBLEMS
+    assert results["results"][GEN_TASK]["exact_match,none"] == pytest.approx(accuracy) and accuracy >= 0.25
+
+    assert results["results"][MC_TASK]["acc,none"] >= 0.75  # 0.875 measured (14 of 16)
+    sample = min(results["samples"][MC_TASK], key=lambda s: s["doc_id"])
+    for (context, continuation), ((value, greedy),) in list(zip(sample["arguments"], sample["resps"]))[:2]:
+        prefix, target = lm.encode_pair(context, continuation)
+        assert value == pytest.approx(plain_encoder_loglikelihood(lm, prefix, target), rel=1e-5, abs=1e-4)
+        assert isinstance(greedy, bool)
+
+
+@pytest.mark.engine
+def test_diffusion_gemma_rolling_loglikelihood_is_the_encoders_over_rolling_windows(gemma_lm):
+    lm = gemma_lm
+    bos = [lm.config.bos_token_id]
+    short = "sort: 3 1 2"
+    (value,) = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (short,), 0, ("t", 0, 1))])
+    assert value == pytest.approx(plain_encoder_loglikelihood(lm, bos, lm.encode(short)), rel=1e-5)
+    # past max_sequence_length (128): the first window after BOS, the rest each after the
+    # max_sequence_length tokens before it
+    long = " ".join(f"{i % 20}+{i % 7}" for i in range(40))
+    ids = lm.encode(long)
+    assert len(ids) > lm.config.max_sequence_length
+    (value,) = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (long,), 0, ("t", 0, 1))])
+    n = lm.config.max_sequence_length
+    expected = plain_encoder_loglikelihood(lm, bos, ids[:n]) + plain_encoder_loglikelihood(
+        lm, ids[len(ids) - n - 1 : n], ids[n:]
+    )
+    assert value == pytest.approx(expected, rel=1e-5)
+
+
+def test_diffusion_gemma_refuses_by_name_what_its_sampler_and_likelihood_do_not_take(gemma_lm):
+    context = gemma_lm.apply_chat_template([{"role": "user", "content": "sort: 3 1 2"}])
+    with pytest.raises(GenerationKwargsError, match="do_sample=True, temperature=0.5: DiffusionGemma's sampler"):
+        gemma_lm.generate_until([request(context, until=[], do_sample=True, temperature=0.5)])
+    with pytest.raises(ModelArgsError, match="cfg_scale=1.0: LLaDA's guidance"):
+        DLLMJaxLM(pretrained="tiny-diffusiongemma", cfg_scale=1.0)
+    with pytest.raises(ModelArgsError, match="method='flash_cache' does not run a diffusion_gemma model"):
+        DLLMJaxLM(pretrained="tiny-diffusiongemma", method="flash_cache")
+    # DiffusionGemma's sampler values are refused for another method when it is named
+    with pytest.raises(ModelArgsError, match="t_max=0.5 applies only to method='diffusion_gemma'"):
+        parse_model_args(dict(pretrained="p", method="flash_cache", t_max=0.5))
 
 
 def test_the_registered_model_is_the_entry_point_of_the_package():

@@ -34,7 +34,15 @@ from dllm_jax.models.checkpoint.dtypes import QUANTIZATIONS
 from dllm_jax.models.checkpoint.metadata import is_converted, read_metadata
 from dllm_jax.models.model_source import MODEL_HELP, load_tokenizer, read_model_config, resolve_model_path
 from dllm_jax.runtime import compile_cache
-from dllm_jax.runtime.decode_config import ACCEPT_RULES, CACHES, DREAM_ALGORITHMS, METHODS, PIN_POLICIES, DecodeConfig
+from dllm_jax.runtime.decode_config import (
+    ACCEPT_RULES,
+    CACHES,
+    DREAM_ALGORITHMS,
+    METHODS,
+    PIN_POLICIES,
+    DecodeConfig,
+    default_method,
+)
 from dllm_jax.sampling.params import SamplingParams
 
 log = logging.getLogger("dllm_jax.cli.generate")
@@ -183,8 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--quantization",
         choices=QUANTIZATIONS,
-        help="8-bit block projections and an int8 embedding (fp8: W8A8, int8-weights: weight-only); default: as the "
-        "checkpoint stores them (none for a Hugging Face folder)",
+        help="8-bit block projections (and DiffusionGemma's experts) and an int8 untied embedding (fp8: W8A8, "
+        "int8-weights: weight-only); default: as the checkpoint stores them (none for a Hugging Face folder)",
     )
     run.add_argument(
         "--batch-invariant",
@@ -205,12 +213,6 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     running.add_logging_flags(p)
     return p
-
-
-def default_method(config: Any) -> str:
-    """The method of a model whose run names none: its family's (DiffusionGemma: its own
-    block diffusion), else DecodeConfig's default."""
-    return "diffusion_gemma" if config.family == "diffusion_gemma" else _default("method")
 
 
 def decode_options(args: argparse.Namespace) -> dict[str, Any]:

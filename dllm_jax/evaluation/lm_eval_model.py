@@ -25,7 +25,14 @@ stop string such as ``<|eot_id|>`` works; the engine matches stop strings on tex
 special tokens).
 
 loglikelihood: LLaDA's Monte-Carlo estimator (dllm_jax.evaluation.mc_loglikelihood) over the
-full bidirectional forward. loglikelihood_rolling is refused (see its docstring).
+full bidirectional forward; for DiffusionGemma the exact autoregressive likelihood of its
+causal encoder (dllm_jax.evaluation.encoder_loglikelihood), which also gives
+loglikelihood_rolling (refused for the masked diffusion families: see its docstring).
+
+DiffusionGemma (pretrained= a DiffusionGemma folder): the method defaults to diffusion_gemma,
+every request samples with its own seed (seed + i) under the model_args' denoising values
+(max_denoising_steps, t_min, t_max, ...), and a task's temperature is refused: its sampler
+anneals its own from t_max to t_min.
 
 Throughput is counted as the published Flash-dLLM eval_llada.py counts it: tokens = the
 engine's credited tokens, NFE = the sum over requests of their decode steps, tokens/s over
@@ -45,13 +52,14 @@ import jax
 from lm_eval.api.instance import Instance
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
-from lm_eval.utils import simple_parse_args_string
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 from tqdm.auto import tqdm
 
 from dllm_jax.common.atomic_write import write_text_atomically
 from dllm_jax.engine.engine import Engine
+from dllm_jax.evaluation.encoder_loglikelihood import EncoderLoglikelihood
 from dllm_jax.evaluation.mc_loglikelihood import MonteCarloLoglikelihood
-from dllm_jax.evaluation.model_args import ModelArgsError, ParsedArgs, parse_model_args
+from dllm_jax.evaluation.model_args import ModelArgsError, ParsedArgs, decode_config_for, parse_model_args
 from dllm_jax.models.loading import load_model
 from dllm_jax.runtime.decode_config import DecodeConfig
 from dllm_jax.sampling.params import MAX_SEED, SamplingParams, SamplingParamsError
@@ -134,23 +142,35 @@ class DLLMJaxLM(LM):
         parsed = parsed if parsed is not None else parse_model_args(model_args)
         a = parsed.adapter
         self.args = a
-        self.decode_config = parsed.decode_config
         dtype = a.dtype or ("float32" if jax.devices()[0].platform == "cpu" else "bfloat16")
         try:
-            loaded = load_model(a.pretrained, dtype=dtype)
+            loaded = load_model(a.pretrained, dtype=dtype, quantization=a.quantization)
         except ValueError as e:
             raise ModelArgsError(f"model_args: pretrained={a.pretrained}: {e}") from None
         self.config = loaded.config
+        self.decode_config = decode_config_for(parsed, loaded.config)
         self.tokenizer = _load_hf_tokenizer(str(loaded.path))  # the folder found (an embedded name, a Hub id)
         self.engine = Engine(loaded.config, loaded.weights, loaded.tokenizer, backend=a.backend)
-        self.scorer = MonteCarloLoglikelihood(
-            loaded.config,
-            loaded.weights,
-            mc_num=a.mc_num,
-            mc_batch_size=a.mc_batch_size if a.mc_batch_size is not None else self.decode_config.batch_size,
-            cfg_scale=a.cfg_scale,
-            seed=a.seed,
-        )
+        self.block_diffusion = loaded.config.family == "diffusion_gemma"
+        if self.block_diffusion:
+            if a.cfg_scale:
+                raise ModelArgsError(
+                    f"model_args: cfg_scale={a.cfg_scale}: LLaDA's guidance of the Monte-Carlo loglikelihood; "
+                    "DiffusionGemma's loglikelihood is its encoder's (exact, unguided)"
+                )
+            # the engine's weights (its layers unrolled or not): no second copy of the model
+            self.scorer: MonteCarloLoglikelihood | EncoderLoglikelihood = EncoderLoglikelihood(
+                loaded.config, self.engine.weights
+            )
+        else:
+            self.scorer = MonteCarloLoglikelihood(
+                loaded.config,
+                loaded.weights,
+                mc_num=a.mc_num,
+                mc_batch_size=a.mc_batch_size if a.mc_batch_size is not None else self.decode_config.batch_size,
+                cfg_scale=a.cfg_scale,
+                seed=a.seed,
+            )
         self.dtype = dtype
         self.generation_calls: list[dict[str, Any]] = []
         self.loglikelihood_calls: list[dict[str, Any]] = []
@@ -233,18 +253,25 @@ class DLLMJaxLM(LM):
         do_sample = kwargs.get("do_sample", temperature > 0)
         if do_sample and temperature == 0:
             raise GenerationKwargsError(f"{where}: generation kwarg do_sample=True needs temperature > 0")
-        sampling = dict(top_p=kwargs.get("top_p", 1.0), top_k=kwargs.get("top_k") or 0) if do_sample else {}
-        try:
-            params = SamplingParams(
-                # the canvas, as the published evaluations set gen_length (not a cut of a longer one)
-                gen_length=None if max_new is None or max_new >= G else max_new,
-                temperature=float(temperature) if do_sample else 0.0,
-                seed=(self.args.seed + i) % MAX_SEED if do_sample else None,
-                threshold=self.args.threshold,
-                gamma=self.args.gamma,
-                stop=until,
-                **sampling,
+        if do_sample and self.block_diffusion:
+            raise GenerationKwargsError(
+                f"{where}: generation kwargs do_sample=True, temperature={temperature!r}: DiffusionGemma's sampler "
+                "anneals its own temperature from t_max to t_min (model_args t_max=..., t_min=...)"
             )
+        requests = self.args.request_defaults()
+        if self.block_diffusion:  # its sampler always samples: every request its own seed
+            requests["seed"] = (self.args.seed + i) % MAX_SEED
+            length = dict(max_new_tokens=None if max_new is None else min(max_new, G))
+        else:
+            requests["seed"] = (self.args.seed + i) % MAX_SEED if do_sample else None
+            # the canvas, as the published evaluations set gen_length (not a cut of a longer one)
+            length = dict(gen_length=None if max_new is None or max_new >= G else max_new)
+        if do_sample:
+            requests.update(
+                temperature=float(temperature), top_p=kwargs.get("top_p", 1.0), top_k=kwargs.get("top_k") or 0
+            )
+        try:
+            params = SamplingParams(stop=until, **length, **requests)
         except SamplingParamsError as e:
             raise GenerationKwargsError(f"{where}: generation kwargs: {e}") from None
         prompt_ids = self.encode(context)
@@ -312,8 +339,12 @@ class DLLMJaxLM(LM):
                     f"request {i} (task {req.task_name}, doc {req.doc_id}): {len(prefix)} context + "
                     f"{len(target)} continuation tokens exceed the model's max_sequence_length={limit}"
                 )
-            value = self.scorer.estimate(prefix, target).value
-            greedy = self.scorer.greedy_reproduces(prefix, target) if self.args.is_check_greedy else False
+            if self.block_diffusion:  # exact, and greedy comes with the same pass
+                score = self.scorer.score(prefix, target)
+                value, greedy = score.value, score.greedy
+            else:
+                value = self.scorer.estimate(prefix, target).value
+                greedy = self.scorer.greedy_reproduces(prefix, target) if self.args.is_check_greedy else False
             out.append((value, greedy))
             self.cache_hook.add_partial("loglikelihood", req.args, (value, greedy))
         self.loglikelihood_calls.append(
@@ -327,15 +358,44 @@ class DLLMJaxLM(LM):
         return out
 
     def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False) -> list[float]:
-        """Refused: a rolling loglikelihood (perplexity tasks) is log p of each token given the
-        tokens before it. A masked diffusion model has no left-to-right factorisation; LLaDA's
-        Monte-Carlo estimate of a whole text is a bound over random maskings, not that
+        """Perplexity tasks: log p of each token given the tokens before it, summed over the text.
+
+        DiffusionGemma: its causal encoder's, over lm-eval's rolling windows of
+        max_sequence_length tokens (the first after BOS), as for any autoregressive model.
+        LLaDA and Dream: refused. A masked diffusion model has no left-to-right factorisation;
+        LLaDA's Monte-Carlo estimate of a whole text is a bound over random maskings, not that
         quantity, so these tasks' perplexities would not be comparable."""
-        raise LoglikelihoodRollingError(
-            "dllm_jax: loglikelihood_rolling (perplexity tasks) is not available: a masked diffusion "
-            "model has no left-to-right factorisation, so the per-token rolling likelihood these tasks "
-            "define does not exist; use generate_until or multiple-choice (loglikelihood) tasks"
+        if not self.block_diffusion:
+            raise LoglikelihoodRollingError(
+                "dllm_jax: loglikelihood_rolling (perplexity tasks) is not available: a masked diffusion "
+                "model has no left-to-right factorisation, so the per-token rolling likelihood these tasks "
+                "define does not exist; use generate_until or multiple-choice (loglikelihood) tasks"
+            )
+        if self.config.bos_token_id is None:
+            raise LoglikelihoodRollingError(f"{self.args.pretrained}: the model has no BOS token to start a text from")
+        start = time.perf_counter()
+        passes = self.scorer.forward_passes
+        out = []
+        for req in tqdm(requests, desc="dllm_jax loglikelihood_rolling", disable=disable_tqdm):
+            windows = get_rolling_token_windows(
+                self.encode(req.args[0]),
+                prefix_token=self.config.bos_token_id,
+                max_seq_len=self.config.max_sequence_length,
+                context_len=1,
+            )
+            value = sum(self.scorer.score(*make_disjoint_window(w)).value for w in windows)
+            out.append(value)
+            self.cache_hook.add_partial("loglikelihood_rolling", (req.args[0],), value)
+        self.loglikelihood_calls.append(
+            {
+                "requests": len(requests),
+                "rolling": True,
+                "forward_passes": self.scorer.forward_passes - passes,
+                "wall_seconds": time.perf_counter() - start,
+            }
         )
+        self._write_stats()
+        return out
 
     # ----- reporting ------------------------------------------------------------------------
 

@@ -34,7 +34,7 @@ from dllm_jax.models.transformer import Transformer, Weights
 _MIN_BUCKET = 16
 
 
-def _bucket(n: int) -> int:
+def bucket_length(n: int) -> int:
     """n rounded up to one of four sizes per octave (at most 25% padding; few compiled shapes)."""
     if n <= _MIN_BUCKET:
         return _MIN_BUCKET
@@ -128,7 +128,7 @@ class MonteCarloLoglikelihood:
         """
         P, L = len(prefix), len(target)
         rows = masks.shape[0]
-        width, target_width = _bucket(P + L), _bucket(L)
+        width, target_width = bucket_length(P + L), bucket_length(L)
         tokens = np.full((rows, width), self.config.pad_token_id, np.int32)
         tokens[:, :P] = prefix
         tokens[:, P : P + L] = np.where(masks, self.config.mask_token_id, np.asarray(target, np.int32))
@@ -151,7 +151,7 @@ class MonteCarloLoglikelihood:
         P, L = len(prefix), len(target)
         if L == 0:
             return True
-        width, target_width = _bucket(P + L), _bucket(L)
+        width, target_width = bucket_length(P + L), bucket_length(L)
         tokens = np.full((1, width), self.config.pad_token_id, np.int32)
         tokens[0, :P] = prefix
         tokens[0, P : P + L] = self.config.mask_token_id

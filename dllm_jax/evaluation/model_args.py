@@ -3,8 +3,9 @@
 lm-eval hands the constructor a dict (from ``key=value,...`` or ``simple_evaluate``'s
 ``model_args``) plus its own ``batch_size``/``device``/``max_batch_size``. Every key is either a
 decoding option (a ``DecodeConfig`` field) or an option of the adapter (``AdapterArgs``, which
-also holds the defaults of every request: threshold, gamma, seed);
-anything else, or a value of the wrong type, is a ``ModelArgsError`` naming the key.
+also holds the values of every request: threshold, gamma, DiffusionGemma's sampler values,
+seed); anything else, or a value of the wrong type, is a ``ModelArgsError`` naming the key.
+Without ``method`` the model's family picks it once the model is known (decode_config_for).
 """
 
 from __future__ import annotations
@@ -15,7 +16,13 @@ import typing
 from typing import Any
 
 from dllm_jax.common.validate import check_float
-from dllm_jax.runtime.decode_config import DEPRECATED_REQUEST_DEFAULTS, DecodeConfig, DecodeConfigError
+from dllm_jax.models.checkpoint.dtypes import QUANTIZATIONS
+from dllm_jax.runtime.decode_config import (
+    DEPRECATED_REQUEST_DEFAULTS,
+    DecodeConfig,
+    DecodeConfigError,
+    default_method,
+)
 from dllm_jax.sampling.params import FLOAT32_MAX, SamplingParams, SamplingParamsError
 
 # Per-request generation parameters come from lm-eval's gen_kwargs, not from model_args.
@@ -37,8 +44,10 @@ class AdapterArgs:
     """Options of the lm-eval adapter (everything in model_args that is not a DecodeConfig field).
 
     Attributes:
-      pretrained: a Hugging Face LLaDA or Dream folder or a converted dllm_jax checkpoint.
+      pretrained: a Hugging Face LLaDA, Dream or DiffusionGemma folder or a converted dllm_jax
+        checkpoint.
       dtype: weights and activations; None = float32 on CPU, bfloat16 elsewhere.
+      quantization: "none", "fp8" or "int8-weights" (load_model's; None = as the folder stores it).
       backend: "auto", "xla" or "pallas" (Engine backend).
       mc_num: Monte-Carlo samples per loglikelihood request (LLaDA's mc_num).
       mc_batch_size: samples per forward pass; None = batch_size (as LLaDA's eval_llada.py).
@@ -48,12 +57,16 @@ class AdapterArgs:
         continuation reproduces it (LLaDA's suffix_greedy_prediction; one forward per token).
       stats_path: write the throughput counters (tokens/s, tokens per step, NFE) to this JSON.
       threshold, gamma: the requests' SamplingParams.threshold and gamma (None: their defaults);
-      seed: request i of a generate_until call that samples takes seed + i; also the
-        Monte-Carlo masks' seed.
+      max_denoising_steps, t_min, t_max, entropy_bound, stability_threshold,
+        confidence_threshold: the requests' values of DiffusionGemma's sampler (method
+        diffusion_gemma; None: SamplingParams' defaults).
+      seed: request i of a generate_until call that samples takes seed + i (every request of
+        method diffusion_gemma, whose sampler always samples); also the Monte-Carlo masks' seed.
     """
 
     pretrained: str | None = None
     dtype: str | None = None
+    quantization: str | None = None
     backend: str = "auto"
     mc_num: int = 128
     mc_batch_size: int | None = None
@@ -62,13 +75,41 @@ class AdapterArgs:
     stats_path: str | None = None
     threshold: float | None = None
     gamma: float | None = None
+    max_denoising_steps: int | None = None
+    t_min: float | None = None
+    t_max: float | None = None
+    entropy_bound: float | None = None
+    stability_threshold: int | None = None
+    confidence_threshold: float | None = None
     seed: int = 0
+
+    def request_defaults(self) -> dict[str, Any]:
+        """The SamplingParams values every request takes (those given, and the seed)."""
+        given = {name: getattr(self, name) for name in _REQUEST_DEFAULTS if getattr(self, name) is not None}
+        return {**given, "seed": self.seed}
+
+
+# AdapterArgs fields that are SamplingParams values of every request (None: not given)
+_REQUEST_DEFAULTS = (
+    "threshold",
+    "gamma",
+    "max_denoising_steps",
+    "t_min",
+    "t_max",
+    "entropy_bound",
+    "stability_threshold",
+    "confidence_threshold",
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class ParsedArgs:
+    """adapter: the adapter's options; decode_config: the DecodeConfig of model_args (the model
+    completes it: decode_config_for); decode_options: the DecodeConfig fields model_args give."""
+
     adapter: AdapterArgs
     decode_config: DecodeConfig
+    decode_options: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def _field_types(cls) -> dict[str, Any]:
@@ -158,20 +199,40 @@ def parse_model_args(args: dict[str, Any], *, harness_batch_size: Any = None) ->
         decode["batch_size"] = size
     if adapter.get("pretrained") is None:
         raise ModelArgsError(
-            "model_args: pretrained=PATH is required (a Hugging Face LLaDA or Dream folder or a converted checkpoint)"
+            "model_args: pretrained=PATH is required (a Hugging Face LLaDA, Dream or DiffusionGemma folder or a "
+            "converted checkpoint)"
         )
     try:
         decode_config = DecodeConfig(**decode)
     except DecodeConfigError as e:
         raise ModelArgsError(f"model_args: {e}") from None
     parsed = AdapterArgs(**adapter)
-    _check_adapter(parsed, decode_config)
-    return ParsedArgs(adapter=parsed, decode_config=decode_config)
+    _check_adapter(parsed, decode_config, method_given="method" in decode)
+    return ParsedArgs(adapter=parsed, decode_config=decode_config, decode_options=decode)
 
 
-def _check_adapter(a: AdapterArgs, decode: DecodeConfig) -> None:
+def decode_config_for(parsed: ParsedArgs, model: Any) -> DecodeConfig:
+    """The DecodeConfig model_args ask of `model` (a ModelConfig or DiffusionGemmaConfig): the
+    family's method when model_args name none (default_method), completed for the model
+    (DecodeConfig.for_model), its requests' values checked against it. Raises ModelArgsError."""
+    decode = parsed.decode_config
+    try:
+        if "method" not in parsed.decode_options:
+            decode = DecodeConfig(**parsed.decode_options, method=default_method(model))
+        decode = decode.for_model(model)
+    except DecodeConfigError as e:
+        raise ModelArgsError(f"model_args: pretrained={parsed.adapter.pretrained}: {e}") from None
+    _check_request_defaults(parsed.adapter, decode)
+    return decode
+
+
+def _check_adapter(a: AdapterArgs, decode: DecodeConfig, *, method_given: bool) -> None:
+    """The adapter's values alone; the requests' values against the method when it is given
+    (else the model's family picks it: decode_config_for checks them then)."""
     if a.dtype not in (None, "float32", "bfloat16", "float16"):
         raise ModelArgsError(f"model_args: dtype={a.dtype!r}: expected float32, bfloat16 or float16")
+    if a.quantization not in (None, *QUANTIZATIONS):
+        raise ModelArgsError(f"model_args: quantization={a.quantization!r}: expected one of {', '.join(QUANTIZATIONS)}")
     if a.backend not in ("auto", "xla", "pallas"):
         raise ModelArgsError(f"model_args: backend={a.backend!r}: expected auto, xla or pallas")
     if a.mc_num < 1:
@@ -185,9 +246,14 @@ def _check_adapter(a: AdapterArgs, decode: DecodeConfig) -> None:
     # a float32 on the device: the range of the type it is stored in, as the requests' knobs
     check_float("model_args: cfg_scale", a.cfg_scale, ModelArgsError, low=0.0, high=FLOAT32_MAX)
     try:
-        defaults = SamplingParams(threshold=a.threshold, gamma=a.gamma, seed=a.seed)
+        SamplingParams(**a.request_defaults())
     except SamplingParamsError as e:
         raise ModelArgsError(f"model_args: {e}") from None
-    problem = defaults.not_applying(decode, cfg=False)
+    if method_given:
+        _check_request_defaults(a, decode)
+
+
+def _check_request_defaults(a: AdapterArgs, decode: DecodeConfig) -> None:
+    problem = SamplingParams(**a.request_defaults()).not_applying(decode, cfg=False)
     if problem is not None:
         raise ModelArgsError(f"model_args: {problem}")

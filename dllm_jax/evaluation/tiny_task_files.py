@@ -7,13 +7,15 @@ writes into one folder (pass it to lm-eval as ``--include_path``):
 * ``tiny_problems.jsonl``: one held-out problem per line (dllm_jax.evaluation.tiny_tasks): task, prompt,
   answer, final, and for the multiple-choice task the answer among three wrong ones
   (``choices``, ``label``; see wrong_answers);
-* ``tiny_gen.yaml``: ``generate_until`` over the prompts, stopped at ``<|eot_id|>``, scored as
-  scripts/eval.py scores (the text after the last ``####`` equals the final answer);
-* ``tiny_mc.yaml``: ``multiple_choice`` over the full answers (each ending with ``<|eot_id|>``,
-  as the model writes them), scored by ``acc`` through loglikelihood;
+* ``tiny_gen.yaml``: ``generate_until`` over the prompts, stopped at the end-of-turn token
+  (``--end-of-turn``: tiny-llada's ``<|eot_id|>`` by default, tiny-diffusiongemma's is
+  ``<end_of_turn>``), scored as scripts/eval.py scores (the text after the last ``####`` equals
+  the final answer);
+* ``tiny_mc.yaml``: ``multiple_choice`` over the full answers (each ending with the end-of-turn
+  token, as the model writes them), scored by ``acc`` through loglikelihood;
 * ``tiny_task_scoring.py``: the generative task's process_results.
 
-The tiny model was trained on chat-formatted prompts: evaluate with ``--apply_chat_template``.
+The tiny models were trained on chat-formatted prompts: evaluate with ``--apply_chat_template``.
 """
 
 from __future__ import annotations
@@ -113,14 +115,14 @@ def wrong_answers(problem: tiny_tasks.Problem, rng: random.Random) -> list[str]:
     return wrong
 
 
-def problem_records(problems: int, seed: int = tiny_tasks.HELD_OUT_SEED) -> list[dict]:
+def problem_records(problems: int, seed: int = tiny_tasks.HELD_OUT_SEED, end_of_turn: str = END_OF_TURN) -> list[dict]:
     """The JSONL records: each problem with its right answer at a random position among wrong ones."""
     rng = random.Random(seed)
     records = []
     for p in tiny_tasks.held_out_problems(problems, seed=seed):
-        choices = [a + END_OF_TURN for a in wrong_answers(p, rng)]
+        choices = [a + end_of_turn for a in wrong_answers(p, rng)]
         label = rng.randrange(len(choices) + 1)
-        choices.insert(label, p.answer + END_OF_TURN)
+        choices.insert(label, p.answer + end_of_turn)
         records.append(
             {
                 "task": p.task,
@@ -134,17 +136,21 @@ def problem_records(problems: int, seed: int = tiny_tasks.HELD_OUT_SEED) -> list
     return records
 
 
-def write_tiny_tasks(folder: str | Path, problems: int, seed: int = tiny_tasks.HELD_OUT_SEED) -> Path:
-    """Writes the data, the two task YAMLs and the scoring module into folder; returns it."""
+def write_tiny_tasks(
+    folder: str | Path, problems: int, seed: int = tiny_tasks.HELD_OUT_SEED, end_of_turn: str = END_OF_TURN
+) -> Path:
+    """Writes the data, the two task YAMLs and the scoring module into folder; returns it.
+    end_of_turn: the text of the model's end-of-turn token (the stop string, and each choice's end)."""
     if problems < 1:
         raise ValueError(f"problems={problems}: expected >= 1")
     folder = Path(folder).resolve()
     data = folder / "tiny_problems.jsonl"
-    records = problem_records(problems, seed)
+    records = problem_records(problems, seed, end_of_turn)
     write_text_atomically(data, "".join(json.dumps(r) + "\n" for r in records))
     write_text_atomically(folder / "tiny_task_scoring.py", _SCORING)
     write_text_atomically(
-        folder / f"{GEN_TASK}.yaml", _GEN_YAML.format(task=GEN_TASK, data=json.dumps(str(data)), eot=END_OF_TURN)
+        folder / f"{GEN_TASK}.yaml",
+        _GEN_YAML.format(task=GEN_TASK, data=json.dumps(str(data)), eot=json.dumps(end_of_turn)[1:-1]),
     )
     write_text_atomically(folder / f"{MC_TASK}.yaml", _MC_YAML.format(task=MC_TASK, data=json.dumps(str(data))))
     return folder
@@ -155,10 +161,18 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, required=True, help="folder to write (lm-eval --include_path)")
     p.add_argument("--problems", type=int, default=64)
     p.add_argument("--seed", type=int, default=tiny_tasks.HELD_OUT_SEED)
+    p.add_argument(
+        "--end-of-turn",
+        default=END_OF_TURN,
+        help=f"the model's end-of-turn token as text (default {END_OF_TURN}, tiny-llada's; tiny-diffusiongemma: "
+        "<end_of_turn>)",
+    )
     args = p.parse_args(argv)
     if args.problems < 1:
         p.error("--problems must be >= 1")
-    folder = write_tiny_tasks(args.out, args.problems, args.seed)
+    if not args.end_of_turn:
+        p.error("--end-of-turn must not be empty")
+    folder = write_tiny_tasks(args.out, args.problems, args.seed, args.end_of_turn)
     print(f"--include_path {folder} --tasks {GEN_TASK},{MC_TASK}")
     return 0
 

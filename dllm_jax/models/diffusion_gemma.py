@@ -31,10 +31,17 @@ per-layer trees as ``unstack_layers`` makes them)::
   norm/weight                           [D]
   self_conditioning/{pre_norm/weight [D], gate_proj/kernel [D, F], up_proj/kernel [D, F],
                      down_proj/kernel [F, D]}
+
+With config.quantization "fp8" or "int8-weights" (dllm_jax.models.quantization), each layer's
+q/k/v/o projections and mlp's three hold ``qkernel`` [out, in] (8-bit) and ``scale`` [out]
+instead of ``kernel``, and experts/gate_up_proj and experts/down_proj are each
+{qkernel [E, out, in] (8-bit), scale [E, out]}; the router, the norms, self-conditioning and the
+(tied) embedding stay in the model dtype.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import flax.linen as nn
@@ -43,15 +50,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from dllm_jax.models.diffusion_gemma_config import AttentionKind, DiffusionGemmaConfig
+from dllm_jax.models.diffusion_gemma_config import STACKS, AttentionKind, DiffusionGemmaConfig
 from dllm_jax.models.experts import ExpertMLP, Experts, Router
 from dllm_jax.models.gemma_layers import GatedMLP, GemmaRMSNorm, gelu_tanh, rms_normalize
 from dllm_jax.models.layers import INIT, Linear
+from dllm_jax.models.quantization import quantize_params
 from pallas_kernels.attention.reference import dense_attention
 from pallas_kernels.projection.rope import apply_rope
 
 Weights = Any
-STACKS = {AttentionKind.SLIDING: "sliding_layers", AttentionKind.FULL: "full_layers"}
 
 
 class DiffusionGemmaLayer(nn.Module):
@@ -70,21 +77,22 @@ class DiffusionGemmaLayer(nn.Module):
         c, kind = self.config, self.kind
         dt, eps = c.jnp_dtype, c.rms_norm_eps
         heads, head_dim, kv = c.n_heads, c.head_dim(kind), c.kv_heads(kind) * c.head_dim(kind)
+        q = c.quantization
         self.input_layernorm = GemmaRMSNorm(eps, dt)
-        self.q_proj = Linear(heads * head_dim, dt)
-        self.k_proj = Linear(kv, dt)
+        self.q_proj = Linear(heads * head_dim, dt, q)
+        self.k_proj = Linear(kv, dt, q)
         if kind is AttentionKind.SLIDING:
-            self.v_proj = Linear(kv, dt)
-        self.o_proj = Linear(c.d_model, dt)
+            self.v_proj = Linear(kv, dt, q)
+        self.o_proj = Linear(c.d_model, dt, q)
         self.q_norm = GemmaRMSNorm(eps, dt)
         self.k_norm = GemmaRMSNorm(eps, dt)
         self.post_attention_layernorm = GemmaRMSNorm(eps, dt)
         self.pre_feedforward_layernorm = GemmaRMSNorm(eps, dt)
-        self.mlp = GatedMLP(c.mlp_hidden_size, c.d_model, dt)
+        self.mlp = GatedMLP(c.mlp_hidden_size, c.d_model, dt, q)
         self.post_feedforward_layernorm_1 = GemmaRMSNorm(eps, dt)
         self.router = Router(c.n_experts, c.top_k_experts, eps, dt)
         self.pre_feedforward_layernorm_2 = GemmaRMSNorm(eps, dt)
-        self.experts = Experts(c.n_experts, c.d_model, c.expert_hidden_size, dt, self.expert_mlp)
+        self.experts = Experts(c.n_experts, c.d_model, c.expert_hidden_size, dt, q, self.expert_mlp)
         self.post_feedforward_layernorm_2 = GemmaRMSNorm(eps, dt)
         self.post_feedforward_layernorm = GemmaRMSNorm(eps, dt)
         self.layer_scalar = self.param("layer_scalar", nn.initializers.ones, (1,), dt)
@@ -176,7 +184,13 @@ def init_cache(config: DiffusionGemmaConfig, batch: int, max_length: int) -> Enc
 
 
 def init_params(config: DiffusionGemmaConfig, rng: jax.Array) -> Weights:
-    """Random parameters (normal(0.02) matrices, unit norm weights and scalars) in config.dtype."""
+    """Random parameters (normal(0.02) matrices, unit norm weights and scalars) in config.dtype,
+    then quantized as config.quantization says."""
+    plain = dataclasses.replace(config, quantization="none")
+    return quantize_params(_init_plain_params(plain, rng), config.quantization)
+
+
+def _init_plain_params(config: DiffusionGemmaConfig, rng: jax.Array) -> Weights:
     dt = config.jnp_dtype
     rng_embed, rng_layers, rng_sc = jax.random.split(rng, 3)
     h = jnp.zeros((1, 2, config.d_model), dt)

@@ -24,6 +24,7 @@ import enum
 import math
 from typing import TYPE_CHECKING, Any
 
+from dllm_jax.models.checkpoint.dtypes import QUANTIZATIONS
 from dllm_jax.models.config import ConfigError, _ConfigKeys, _is_int, _show, _size_problem
 
 if TYPE_CHECKING:
@@ -63,6 +64,9 @@ class AttentionKind(enum.Enum):
     SLIDING = "sliding_attention"
     FULL = "full_attention"
 
+
+# the name of each kind's layer stack in the parameter tree (dllm_jax.models.diffusion_gemma)
+STACKS = {AttentionKind.SLIDING: "sliding_layers", AttentionKind.FULL: "full_layers"}
 
 # transformers' DiffusionGemmaForBlockDiffusion always builds the Gemma 4 vision tower: the
 # smallest one, so the folder loads there (text checkpoints written for it: transformers
@@ -132,8 +136,9 @@ class DiffusionGemmaConfig:
       image_token_id: the image placeholder id (None when outside the vocabulary).
       dtype: weights and activations ("bfloat16" to serve, "float32" in tests); matmuls,
         softmax and norm statistics are float32 either way.
-      quantization: "none" (8-bit weights are not implemented for this family yet: its
-        experts' grouped GEMMs would need them).
+      quantization: "none", "fp8" or "int8-weights": 8-bit attention projections, dense MLP
+        and routed experts (dllm_jax.models.quantization); a load-time choice, not part of
+        config.json.
     """
 
     d_model: int
@@ -203,11 +208,8 @@ class DiffusionGemmaConfig:
             raise ConfigError(f"eos_token_ids={self.eos_token_ids!r}: expected token ids in [0, {self.vocab_size})")
         if self.dtype not in _SUPPORTED_DTYPES:
             raise ConfigError(f"dtype={self.dtype!r}: expected one of {_SUPPORTED_DTYPES}")
-        if self.quantization != "none":
-            raise ConfigError(
-                f"quantization={self.quantization!r}: DiffusionGemma runs unquantized only (8-bit weights of its "
-                "experts are not implemented yet)"
-            )
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"quantization={self.quantization!r}: expected one of {QUANTIZATIONS}")
 
     family = "diffusion_gemma"
 
@@ -233,6 +235,51 @@ class DiffusionGemmaConfig:
     def layers_of(self, kind: AttentionKind) -> int:
         """How many layers are of this kind (the length of its parameter stack)."""
         return sum(k is kind for k in self.layer_types)
+
+    def quantized_matrices(self, kind: AttentionKind) -> tuple[tuple[int, int], ...]:
+        """(entries, output channels) of each matrix a layer of this kind stores in 8 bits when
+        quantized: q, k, (v,) o, the dense MLP's gate, up and down, the experts' gate/up and
+        down stacks (their channels per expert, summed over the experts)."""
+        D, F, E, Fe = self.d_model, self.mlp_hidden_size, self.n_experts, self.expert_hidden_size
+        q, kv = self.n_heads * self.head_dim(kind), self.kv_heads(kind) * self.head_dim(kind)
+        v = ((D * kv, kv),) if kind is AttentionKind.SLIDING else ()
+        return (
+            (D * q, q),
+            (D * kv, kv),
+            *v,
+            (q * D, D),
+            (D * F, F),
+            (D * F, F),
+            (F * D, D),
+            (E * 2 * Fe * D, E * 2 * Fe),
+            (E * D * Fe, E * D),
+        )
+
+    def num_params(self) -> int:
+        """Parameter count, computed from the shapes (no allocation): the layers, the tied
+        embedding, the final norm and self-conditioning."""
+        D, E = self.d_model, self.n_experts
+        # per layer besides its matrices: 7 norms, q/k norms, the router, the two layer scalars
+        total = self.vocab_size * D + D + (D + 3 * D * self.mlp_hidden_size)
+        for kind in AttentionKind:
+            vectors = 7 * D + 2 * self.head_dim(kind) + (D * E + D + E) + 2
+            matrices = sum(entries for entries, _ in self.quantized_matrices(kind))
+            total += self.layers_of(kind) * (matrices + vectors)
+        return total
+
+    def weight_bytes(self) -> int:
+        """Bytes of the params tree (dllm_jax.models.diffusion_gemma), computed from the shapes:
+        every leaf in the model dtype, except with quantization each quantized_matrices entry
+        takes 1 byte plus a float32 scale per output channel (dllm_jax.models.quantization)."""
+        itemsize = self.jnp_dtype.itemsize
+        if self.quantization == "none":
+            return self.num_params() * itemsize
+        quantized = stored = 0
+        for kind in AttentionKind:
+            matrices = self.quantized_matrices(kind)
+            quantized += self.layers_of(kind) * sum(entries for entries, _ in matrices)
+            stored += self.layers_of(kind) * sum(entries + 4 * channels for entries, channels in matrices)
+        return (self.num_params() - quantized) * itemsize + stored
 
     def stack_index(self, layer: int) -> int:
         """Layer ``layer``'s index in the parameter stack of its kind."""

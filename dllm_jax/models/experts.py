@@ -15,11 +15,14 @@ ragged_dot with the weights' input axis last) over the rows sorted by expert;
 Parameter layout (one layer), Hugging Face's ([out, in] per expert, as torch's Linear):
   experts/gate_up_proj  [E, 2F, D]   (rows [0, F) the gate, [F, 2F) the up projection)
   experts/down_proj     [E, D, F]
+With 8-bit weights (dllm_jax.models.quantization.quantize_experts) each is
+{"qkernel": [E, out, in] 8-bit, "scale": float32 [E, out]}, and the grouped GEMMs are
+quantization.quantized_ragged_dot.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -28,11 +31,10 @@ import jax.numpy as jnp
 
 from dllm_jax.models.gemma_layers import gelu_tanh, rms_normalize
 from dllm_jax.models.layers import INIT, Linear
+from dllm_jax.models.quantization import GROUPED_ROWS, quantized_ragged_dot, weight_dtype
 
-# rows [M, K] (ragged along M, sorted by group) times weights [G, N, K]: contract K with K
-_BY_EXPERT = jax.lax.RaggedDotDimensionNumbers(
-    dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]
-)
+# An expert weight stack: [E, out, in] in the model dtype, or its 8-bit {"qkernel", "scale"}
+ExpertWeights = Any
 
 
 class Router(nn.Module):
@@ -58,23 +60,31 @@ class Router(nn.Module):
 
 
 # (x, weights, experts, gate_up, down) -> [T, D]: grouped_expert_mlp's signature and result
-ExpertMLP = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+ExpertMLP = Callable[[jax.Array, jax.Array, jax.Array, ExpertWeights, ExpertWeights], jax.Array]
 
 
 class Experts(nn.Module):
-    """The expert weights of one layer; applied as grouped GEMMs (expert_mlp, None:
-    grouped_expert_mlp)."""
+    """The expert weights of one layer (8-bit with quantization "fp8" or "int8-weights");
+    applied as grouped GEMMs (expert_mlp, None: grouped_expert_mlp)."""
 
     n_experts: int
     d_model: int
     hidden: int
     dtype: Any
+    quantization: str = "none"
     expert_mlp: ExpertMLP | None = None
 
     def setup(self):
         E, D, F = self.n_experts, self.d_model, self.hidden
-        self.gate_up_proj = self.param("gate_up_proj", INIT, (E, 2 * F, D), self.dtype)
-        self.down_proj = self.param("down_proj", INIT, (E, D, F), self.dtype)
+        self.gate_up_proj = self._weights("gate_up_proj", (E, 2 * F, D))
+        self.down_proj = self._weights("down_proj", (E, D, F))
+
+    def _weights(self, name: str, shape: tuple[int, ...]) -> ExpertWeights:
+        if self.quantization == "none":
+            return self.param(name, INIT, shape, self.dtype)
+        q = weight_dtype(self.quantization)
+        # one param holding both leaves (quantize_experts' tree); init only gives the shapes
+        return self.param(name, lambda _: {"qkernel": jnp.zeros(shape, q), "scale": jnp.ones(shape[:-1], jnp.float32)})
 
     def __call__(self, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
         """x [T, D], weights float32 [T, K], experts int32 [T, K] -> [T, D] (grouped_expert_mlp)."""
@@ -83,14 +93,14 @@ class Experts(nn.Module):
 
 
 def grouped_expert_mlp(
-    x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up: jax.Array, down: jax.Array
+    x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up: ExpertWeights, down: ExpertWeights
 ) -> jax.Array:
     """The routed experts' output per row, as two grouped GEMMs.
 
     Args:
       x: [T, D] rows (already normed), in the model dtype.
       weights: float32 [T, K] routing weights; experts: int32 [T, K] expert ids.
-      gate_up: [E, 2F, D]; down: [E, D, F].
+      gate_up: [E, 2F, D]; down: [E, D, F] (or each 8-bit: see the module docstring).
     Returns:
       [T, D] in x's dtype: sum_k weights[t, k] * expert_{experts[t, k]}(x[t]), summed in float32.
     """
@@ -101,8 +111,8 @@ def routed_sum(
     x: jax.Array,
     weights: jax.Array,
     experts: jax.Array,
-    gate_up: jax.Array,
-    down: jax.Array,
+    gate_up: ExpertWeights,
+    down: ExpertWeights,
     first_expert: int | jax.Array = 0,
 ) -> jax.Array:
     """grouped_expert_mlp's sum before its rounding, over the experts gate_up and down hold:
@@ -115,7 +125,7 @@ def routed_sum(
     or none, to zeros).
     """
     T, K = experts.shape
-    E, F = gate_up.shape[0], down.shape[2]
+    E, F = _shape(gate_up)[0], _shape(down)[2]
     local = experts.reshape(T * K) - first_expert
     here = (local >= 0) & (local < E)
     # [T * K] the assignments sorted by local expert, those to other experts (key E) last and
@@ -124,17 +134,36 @@ def routed_sum(
     order = jnp.argsort(key, stable=True)
     rows = x[order // K]
     group_sizes = jnp.bincount(key, length=E).astype(jnp.int32)
+    # each sorted row's local expert (E, clamped by the scales' gather, for rows in no group)
+    sorted_experts = key[order]
     # [T * K, 2F]
-    gate_up_out = jax.lax.ragged_dot_general(rows, gate_up, group_sizes, _BY_EXPERT, preferred_element_type=jnp.float32)
+    gate_up_out = _by_expert(rows, gate_up, group_sizes, sorted_experts)
     hidden = gelu_tanh(gate_up_out[:, :F].astype(x.dtype)) * gate_up_out[:, F:].astype(x.dtype)
     # [T * K, D]
-    out = jax.lax.ragged_dot_general(hidden, down, group_sizes, _BY_EXPERT, preferred_element_type=jnp.float32)
-    out = out.astype(x.dtype)
+    out = _by_expert(hidden, down, group_sizes, sorted_experts).astype(x.dtype)
     weighted = out.astype(jnp.float32) * weights.reshape(T * K)[order][:, None]
     weighted = jnp.where(here[order][:, None], weighted, 0.0)
     # back to the assignments' original order, then the k slots of each row summed
     unsorted = jnp.zeros_like(weighted).at[order].set(weighted)
     return jnp.sum(unsorted.reshape(T, K, -1), axis=1)
+
+
+def _shape(w: ExpertWeights) -> tuple[int, ...]:
+    """The shape of a layer's expert weights, [E, out, in], plain or 8-bit."""
+    return (w["qkernel"] if isinstance(w, Mapping) else w).shape
+
+
+def num_experts(w: ExpertWeights) -> int:
+    """How many experts the (plain or 8-bit) expert weights hold: their leading axis."""
+    return _shape(w)[0]
+
+
+def _by_expert(rows: jax.Array, w: ExpertWeights, group_sizes: jax.Array, row_experts: jax.Array) -> jax.Array:
+    """rows [M, in] sorted by expert (group_sizes int32 [E]; row_experts int32 [M]) times their
+    expert's weights -> float32 [M, out]."""
+    if isinstance(w, Mapping):  # flax hands a dict param over as a FrozenDict
+        return quantized_ragged_dot(rows, w["qkernel"], w["scale"], group_sizes, row_experts, jnp.float32)
+    return jax.lax.ragged_dot_general(rows, w, group_sizes, GROUPED_ROWS, preferred_element_type=jnp.float32)
 
 
 def dense_expert_mlp(

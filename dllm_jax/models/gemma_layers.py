@@ -41,14 +41,17 @@ class GemmaRMSNorm(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """down_proj(gelu_tanh(gate_proj(x)) * up_proj(x)): [..., D] -> [..., features], in dtype."""
+    """down_proj(gelu_tanh(gate_proj(x)) * up_proj(x)): [..., D] -> [..., features], in dtype
+    (the three projections 8-bit with quantization "fp8" or "int8-weights")."""
 
     hidden: int
     features: int
     dtype: Any
+    quantization: str = "none"
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        gate = Linear(self.hidden, self.dtype, name="gate_proj")(x)
-        up = Linear(self.hidden, self.dtype, name="up_proj")(x)
-        return Linear(self.features, self.dtype, name="down_proj")(gelu_tanh(gate) * up)
+        q = self.quantization
+        gate = Linear(self.hidden, self.dtype, q, name="gate_proj")(x)
+        up = Linear(self.hidden, self.dtype, q, name="up_proj")(x)
+        return Linear(self.features, self.dtype, q, name="down_proj")(gelu_tanh(gate) * up)

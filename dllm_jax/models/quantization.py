@@ -25,6 +25,18 @@ no transpose of the weights at run time. The matmuls:
                  older Triton one (pallas_kernels.matmul.int8_matmul, opt-in, int8_gemm="pallas": on
                  the H200 1.45-2.0x the bf16 GEMM's time).
 
+DiffusionGemma (dllm_jax.models.diffusion_gemma) quantizes, in every layer, its attention
+projections (q/k/v, o_proj) and dense MLP (gate/up/down) the same way, and its routed experts'
+two weight stacks, which are already [E, out, in] per layer, in place:
+
+  experts/{gate_up_proj, down_proj}  {"qkernel": [E, out, in] 8-bit, "scale": [E, out] float32}
+                                     (per expert and output channel)
+
+Their grouped GEMMs (quantized_ragged_dot) keep jax.lax.ragged_dot_general: fp8 quantizes the
+gathered rows per row and runs it on float8 operands, int8-weights converts the weights to the
+rows' dtype inside it; the product is scaled by each row's expert's channel scales. Its
+router, self-conditioning MLP and embedding (tied to its LM head) stay in the model dtype.
+
 The embedding (``wte``) stores, instead of ``embedding`` [V, D]:
 
   qembedding  [V, D]  int8, whatever the mode (a lookup is a gather, not a GEMM: no FP8 to gain)
@@ -48,8 +60,25 @@ import numpy as np
 
 from dllm_jax.common import platform
 from dllm_jax.models.checkpoint.dtypes import QUANTIZATIONS, quantizes_embedding
+from dllm_jax.models.diffusion_gemma_config import STACKS
 
 QUANTIZED_MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "attn_out", "ff_proj", "up_proj", "ff_out")
+# DiffusionGemma's, per layer of its stacks: projections by their path in the layer's tree, and
+# the experts' weight stacks (under "experts")
+DIFFUSION_GEMMA_PROJECTIONS: tuple[tuple[str, ...], ...] = (
+    ("q_proj",),
+    ("k_proj",),
+    ("v_proj",),  # sliding layers only (full layers take v from k_proj)
+    ("o_proj",),
+    ("mlp", "gate_proj"),
+    ("mlp", "up_proj"),
+    ("mlp", "down_proj"),
+)
+DIFFUSION_GEMMA_EXPERTS: tuple[str, ...] = ("gate_up_proj", "down_proj")
+# rows [M, K] (ragged along M, sorted by group) times weights [G, N, K]: contract K with K
+GROUPED_ROWS = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]
+)
 
 _FP8 = jnp.float8_e4m3fn
 _FP8_MAX = float(jnp.finfo(_FP8).max)  # 448
@@ -80,13 +109,39 @@ def quantize_kernel(kernel: Any, mode: str) -> dict[str, Any]:
     """kernel [..., in, out] (any float dtype, numpy or jax) -> {"qkernel": [..., out, in], "scale": [..., out]}.
 
     Per-output-channel symmetric scales (max |w| of the channel maps to the format's largest
-    value); an all-zero channel gets scale 1.
+    value); an all-zero channel gets scale 1. A stack ([NL, in, out]) is converted one matrix
+    at a time (_per_matrix).
     """
-    xp = np if isinstance(kernel, np.ndarray) else jnp
-    if xp is np and kernel.ndim == 3:  # a host layer stack: one layer's float32 copy at a time
-        layers = [quantize_kernel(layer, mode) for layer in kernel]
-        return {key: np.stack([layer[key] for layer in layers]) for key in ("qkernel", "scale")}
-    w = xp.swapaxes(xp.asarray(kernel, dtype=np.float32), -1, -2)  # [..., out, in]
+    return _per_matrix(lambda w: _quantize_channels(w.swapaxes(-1, -2), mode), kernel)
+
+
+def quantize_experts(weights: Any, mode: str) -> dict[str, Any]:
+    """Expert weights [..., E, out, in] (torch's Linear layout per expert; numpy or jax) ->
+    {"qkernel": [..., E, out, in], "scale": [..., E, out]}: quantize_kernel's rule per expert
+    and output channel, one expert's matrix at a time."""
+    return _per_matrix(lambda w: _quantize_channels(w, mode), weights)
+
+
+def _per_matrix(quantize: Any, w: Any) -> dict[str, Any]:
+    """quantize (one 2-D matrix -> a dict of arrays) over every matrix of w [..., a, b], the
+    results stacked on w's leading axes: one matrix's float32 copy at a time (a numpy stack is
+    filled into outputs allocated once; a jax one goes through lax.map)."""
+    if w.ndim <= 2:
+        return quantize(w)
+    if not isinstance(w, np.ndarray):
+        return jax.lax.map(lambda one: _per_matrix(quantize, one), w)
+    first = _per_matrix(quantize, w[0])
+    out = {key: np.empty((w.shape[0], *value.shape), value.dtype) for key, value in first.items()}
+    for i in range(w.shape[0]):
+        for key, value in (first if i == 0 else _per_matrix(quantize, w[i])).items():
+            out[key][i] = value
+    return out
+
+
+def _quantize_channels(w: Any, mode: str) -> dict[str, Any]:
+    """w [out, in] -> {"qkernel": [out, in] 8-bit, "scale": float32 [out]} (quantize_kernel's rule)."""
+    xp = np if isinstance(w, np.ndarray) else jnp
+    w = xp.asarray(w, dtype=np.float32)
     amax = xp.max(xp.abs(w), axis=-1)
     limit = _FP8_MAX if mode == "fp8" else _INT8_MAX
     # Written as multiplications by float32 reciprocals, the form XLA rewrites a division by a
@@ -147,8 +202,9 @@ def embedding_rows(qembedding: jax.Array, scale: jax.Array, tokens: jax.Array, d
 
 
 def quantize_params(params: Any, mode: str) -> Any:
-    """The params tree with every block projection quantized, and the embedding unless the tree
-    has no lm_head (a tied head: quantizes_embedding); a no-op for "none".
+    """The params tree with every block projection quantized (LLaDA and Dream's "layers";
+    DiffusionGemma's stacks: DIFFUSION_GEMMA_PROJECTIONS and DIFFUSION_GEMMA_EXPERTS), and the
+    embedding unless the tree has no lm_head (a tied head: quantizes_embedding); a no-op for "none".
 
     Works on layer-stacked ([NL, in, out]) and per-layer (a tuple of trees) params, and on
     numpy or jax leaves; one projection is converted at a time.
@@ -158,21 +214,56 @@ def quantize_params(params: Any, mode: str) -> Any:
     if mode not in QUANTIZATIONS:
         raise ValueError(f"quantization={mode!r}: expected one of {QUANTIZATIONS}")
 
-    def block(tree: dict[str, Any]) -> dict[str, Any]:
+    def projection(sub: dict[str, Any]) -> dict[str, Any]:
         # a projection's other leaves (Dream's q/k/v biases) stay as they are
+        return {**{k: v for k, v in sub.items() if k != "kernel"}, **quantize_kernel(sub["kernel"], mode)}
+
+    def block(tree: dict[str, Any]) -> dict[str, Any]:
         return {
-            name: {**{k: v for k, v in sub.items() if k != "kernel"}, **quantize_kernel(sub["kernel"], mode)}
-            if name in QUANTIZED_MODULES and "kernel" in sub
-            else sub
+            name: projection(sub) if name in QUANTIZED_MODULES and "kernel" in sub else sub
             for name, sub in tree.items()
         }
 
-    layers = params["layers"]
-    layers = tuple(block(lp) for lp in layers) if isinstance(layers, (list, tuple)) else block(layers)
-    quantized = {**params, "layers": layers}
+    def diffusion_gemma_layer(tree: dict[str, Any]) -> dict[str, Any]:
+        tree = {**tree, "mlp": dict(tree["mlp"])}
+        for path in DIFFUSION_GEMMA_PROJECTIONS:
+            parent = tree if len(path) == 1 else tree[path[0]]
+            if path[-1] in parent:
+                parent[path[-1]] = projection(parent[path[-1]])
+        experts = tree["experts"]
+        tree["experts"] = {
+            name: quantize_experts(w, mode) if name in DIFFUSION_GEMMA_EXPERTS else w for name, w in experts.items()
+        }
+        return tree
+
+    def each_layer(layers: Any, quantize: Any) -> Any:
+        return tuple(quantize(lp) for lp in layers) if isinstance(layers, (list, tuple)) else quantize(layers)
+
+    quantized = dict(params)
+    if "layers" in params:
+        quantized["layers"] = each_layer(params["layers"], block)
+    for stack in STACKS.values():
+        if stack in params:
+            quantized[stack] = each_layer(params[stack], diffusion_gemma_layer)
     if quantizes_embedding(mode, weight_tying="lm_head" not in params) and "embedding" in params.get("wte", {}):
         quantized["wte"] = quantize_embedding(params["wte"]["embedding"])
     return quantized
+
+
+def _fp8_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [..., K] -> (e4m3 rows [..., K], float32 scales [..., 1]): each row scaled so that its
+    largest |value| is e4m3's 448 (an all-zero row: scale 1)."""
+    x32 = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
+    x_scale = jnp.where(amax > 0, amax / _FP8_MAX, 1.0)
+    return (x32 / x_scale).astype(_FP8), x_scale
+
+
+def _fp8_product_dtype(out_dtype: Any) -> Any:
+    # the GEMM writes out_dtype when that is narrower than float32 (its float32 accumulator
+    # rounded once; XLA can fuse the scaling into the consumer): half the product's bytes,
+    # which at 32 slots are 200 MB per [4096, 12288] float32 product
+    return jnp.float32 if jnp.dtype(out_dtype).itemsize >= 4 else out_dtype
 
 
 def quantized_matmul(
@@ -185,15 +276,8 @@ def quantized_matmul(
     """
     contract = (((x.ndim - 1,), (1,)), ((), ()))
     if qkernel.dtype == _FP8:
-        x32 = x.astype(jnp.float32)
-        amax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
-        x_scale = jnp.where(amax > 0, amax / _FP8_MAX, 1.0)
-        xq = (x32 / x_scale).astype(_FP8)
-        # the GEMM writes out_dtype when that is narrower than float32 (its float32 accumulator
-        # rounded once; XLA can fuse the scaling into the consumer): half the product's bytes,
-        # which at 32 slots are 200 MB per [4096, 12288] float32 product
-        product = jnp.float32 if jnp.dtype(out_dtype).itemsize >= 4 else out_dtype
-        y = jax.lax.dot_general(xq, qkernel, contract, preferred_element_type=product)
+        xq, x_scale = _fp8_rows(x)
+        y = jax.lax.dot_general(xq, qkernel, contract, preferred_element_type=_fp8_product_dtype(out_dtype))
         return (y.astype(jnp.float32) * (x_scale * scale)).astype(out_dtype)
     gemm = _int8_gemm(int8_gemm, x, qkernel, out_dtype)
     lead, (n, k) = x.shape[:-1], qkernel.shape
@@ -210,6 +294,35 @@ def quantized_matmul(
         return y.reshape(*lead, n)
     y = jax.lax.dot_general(x, qkernel.astype(x.dtype), contract, preferred_element_type=jnp.float32)
     return (y * scale).astype(out_dtype)
+
+
+def quantized_ragged_dot(
+    x: jax.Array,
+    qweights: jax.Array,
+    scale: jax.Array,
+    group_sizes: jax.Array,
+    row_groups: jax.Array,
+    out_dtype: Any,
+) -> jax.Array:
+    """Grouped GEMM over quantized weights: rows x [M, in], sorted by group (group_sizes int32
+    [G] rows each), times their group's weights -> [M, out] in out_dtype (float32 accumulation).
+
+    qweights: [G, out, in] 8-bit (quantize_experts); scale: float32 [G, out]; row_groups: int32
+    [M], each row's group (whose channel scales its product takes). One
+    jax.lax.ragged_dot_general (GROUPED_ROWS) as the unquantized experts run it: on e4m3 rows
+    (quantized per row, as quantized_matmul's W8A8) and weights for fp8, on the weights converted
+    to x's dtype for int8-weights; the product times the row's and its group's scales.
+    """
+    if qweights.dtype == _FP8:
+        xq, x_scale = _fp8_rows(x)
+        y = jax.lax.ragged_dot_general(
+            xq, qweights, group_sizes, GROUPED_ROWS, preferred_element_type=_fp8_product_dtype(out_dtype)
+        )
+        return (y.astype(jnp.float32) * (x_scale * scale[row_groups])).astype(out_dtype)
+    y = jax.lax.ragged_dot_general(
+        x, qweights.astype(x.dtype), group_sizes, GROUPED_ROWS, preferred_element_type=jnp.float32
+    )
+    return (y * scale[row_groups]).astype(out_dtype)
 
 
 def _int8_gemm(int8_gemm: str, x: jax.Array, qkernel: jax.Array, out_dtype: Any) -> str:

@@ -3,9 +3,9 @@
 The terms of dllm_jax.runtime.memory_estimate.MemoryEstimate, per device, counted as the canvas
 loop (dllm_jax.runtime.canvas_loop) materialises them; under a mesh B is the slots of one data
 shard and every width split by the tensor axis is the device's share:
-  weights      every parameter (the layer stacks, the tied embedding, self-conditioning), the
-               device's share of them under the mesh's parameter specs (exact:
-               sharding.bytes_per_device);
+  weights      every parameter (the layer stacks, the tied embedding, self-conditioning; 8-bit
+               where quantized), the device's share of them under the mesh's parameter specs
+               (exact: sharding.bytes_per_device);
   cache        the encoder caches of both attention kinds (exact: the loop's state shapes,
                split over the data and tensor axes);
   activations  one layer of a pass over B slots x L rows: the hidden state's copies, q/k/v

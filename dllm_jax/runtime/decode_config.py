@@ -332,3 +332,11 @@ class DecodeConfig:
     def base_seed(self) -> int:
         """The seed of requests that set none (the deprecated `seed`, else 0)."""
         return 0 if self.seed is None else self.seed
+
+
+def default_method(model: Any) -> str:
+    """The method of a run that names none on `model` (a ModelConfig or DiffusionGemmaConfig):
+    its family's (DiffusionGemma: its own block diffusion), else DecodeConfig's default."""
+    if getattr(model, "family", None) == "diffusion_gemma":
+        return "diffusion_gemma"
+    return DecodeConfig.__dataclass_fields__["method"].default

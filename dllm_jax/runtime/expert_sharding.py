@@ -18,19 +18,19 @@ from __future__ import annotations
 import jax
 from jax.sharding import Mesh
 
-from dllm_jax.models.experts import ExpertMLP, routed_sum
+from dllm_jax.models.experts import ExpertMLP, num_experts, routed_sum
 from dllm_jax.runtime.sharding import EXPERT, EXPERT_ROWS, EXPERTS, REPLICATED, TENSOR, axis_size, per_expert_shard
 
 
 def sharded_expert_mlp(mesh: Mesh | None) -> ExpertMLP | None:
     """experts.grouped_expert_mlp under `mesh` (same signature and result: x [T, D], weights
     float32 [T, K], experts int32 [T, K], gate_up [E, 2F, D], down [E, D, F] split along E ->
-    [T, D] in x's dtype, replicated), or None when the mesh splits no expert (the model's own)."""
+    [T, D] in x's dtype, replicated; 8-bit expert weights likewise), or None when the mesh splits no expert (the model's own)."""
     if axis_size(mesh, EXPERT) * axis_size(mesh, TENSOR) == 1:
         return None
 
     def own_experts(x, weights, experts, gate_up, down):
-        first = jax.lax.axis_index(EXPERTS) * gate_up.shape[0]
+        first = jax.lax.axis_index(EXPERTS) * num_experts(gate_up)
         return jax.lax.psum(routed_sum(x, weights, experts, gate_up, down, first), EXPERTS).astype(x.dtype)
 
     in_specs = (REPLICATED, REPLICATED, REPLICATED, EXPERT_ROWS, EXPERT_ROWS)

@@ -118,8 +118,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--quantization",
         choices=QUANTIZATIONS,
-        help="8-bit block projections and an int8 embedding (fp8: W8A8, int8-weights: weight-only); "
-        "default: as the checkpoint stores them",
+        help="8-bit block projections (and DiffusionGemma's experts) and an int8 untied embedding (fp8: W8A8, "
+        "int8-weights: weight-only); default: as the checkpoint stores them",
     )
     p.add_argument("--backend", choices=("auto", "xla", "pallas"), default="auto", help="kernels (default auto)")
     p.add_argument(

@@ -2,6 +2,12 @@
 
     PYTHONPATH=. python scripts/gpu/diffusion_gemma_engine.py --out OUT   # H200: under 200 s
     PYTHONPATH=. python scripts/gpu/diffusion_gemma_engine.py --tiny --budget-s 900 --hard-limit-s 1000  # CPU smoke
+    PYTHONPATH=. python scripts/gpu/diffusion_gemma_engine.py --quantization fp8 --transformers-s 0 --out OUT
+
+--quantization fp8 / int8-weights: the random bf16 weights quantized on the device, layer by layer
+(dllm_jax.models.quantization: the projections and the experts in 8 bits), and the engine run on
+them (fp8 with the quantization's compiler options); the weight floor counts their bytes, the
+FLOP floor stays at the bf16 matmul rate.
 
 Parts, in order; after each, OUT/diffusion_gemma_engine.json and .md are rewritten, no new part
 starts once --budget-s has passed, and at --hard-limit-s the report is written and the process
@@ -61,11 +67,13 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from dllm_jax.models import diffusion_gemma as dg  # noqa: E402
+from dllm_jax.models.checkpoint.dtypes import QUANTIZATIONS  # noqa: E402
 from dllm_jax.models.diffusion_gemma_config import (  # noqa: E402
     AttentionKind,
     DiffusionGemmaConfig,
     diffusion_gemma_26b_a4b_config,
 )
+from dllm_jax.models.quantization import quantize_params, weight_bytes  # noqa: E402
 from dllm_jax.sampling.params import MAX_DENOISING_STEPS, SamplingParams  # noqa: E402
 
 TINY_TEXT = dict(
@@ -159,26 +167,27 @@ def ceilings(tiny: bool) -> dict:
 
 
 def floors(config: DiffusionGemmaConfig, slots: int, prompt: int, ceiling: dict) -> dict:
-    """The step's weight floor (ms) and FLOP floor (ms): see the module docstring."""
+    """The step's weight floor (ms) and FLOP floor (ms): see the module docstring (8-bit
+    weights: their bytes; the FLOPs are counted on the unquantized model)."""
     shapes = dg.abstract_params(config)
-    itemsize = config.jnp_dtype.itemsize
-    total = dg.count_params(shapes)
-    experts = dg.count_params([shapes[n]["experts"] for n in dg.STACKS.values() if n in shapes])
+    total = weight_bytes(shapes)
+    experts = weight_bytes([shapes[n]["experts"] for n in dg.STACKS.values() if n in shapes])
     L, E, K = config.canvas_length, config.n_experts, config.top_k_experts
     rows = slots * L
     # expected share of a layer's experts some row of the step is routed to (uniform routing)
     reached = 1 - (1 - K / E) ** rows
-    weight_bytes = ((total - experts) + experts * reached) * itemsize
-    active = dg.active_params_per_token(config, shapes)
+    read = (total - experts) + experts * reached
+    plain = dataclasses.replace(config, quantization="none")
+    active = dg.active_params_per_token(plain, dg.abstract_params(plain))
     attention = 0
     for kind in AttentionKind:
         cached = prompt if kind is AttentionKind.FULL else min(prompt, config.sliding_window - 1)
         attention += config.layers_of(kind) * 4 * (cached + L) * config.n_heads * config.head_dim(kind)
     flops = rows * (2 * active + 2 * config.vocab_size * config.d_model + attention)
     return {
-        "weight_floor_ms": 1e3 * weight_bytes / ceiling["bytes_per_s"],
+        "weight_floor_ms": 1e3 * read / ceiling["bytes_per_s"],
         "flop_floor_ms": 1e3 * flops / ceiling["flops_per_s"],
-        "weight_gb": weight_bytes / 1e9,
+        "weight_gb": read / 1e9,
         "gflop": flops / 1e9,
     }
 
@@ -438,6 +447,7 @@ def main(argv=None) -> int:
     p.add_argument("--hard-limit-s", type=float, default=190.0, help="write the report and exit at this time")
     p.add_argument("--out", type=Path, default=Path("diffusion_gemma_engine_out"))
     p.add_argument("--compile-threads", type=int, default=3, help="step loops compiled side by side (1: in turn)")
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default="none", help="8-bit weights (made from bf16 ones)")
     p.add_argument("--transformers-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     began = time.perf_counter()
@@ -452,6 +462,7 @@ def main(argv=None) -> int:
         return 0
 
     report = {"prompt": args.prompt, "steps": args.steps, "requests": args.requests, "rows": [], "skipped": []}
+    report["quantization"] = args.quantization
     watchdog(args.hard_limit_s, args.out, report)
     if args.transformers_s > 0:  # first: JAX then takes the device's memory
         report["transformers"] = run_transformers(args, args.transformers_s)
@@ -465,6 +476,9 @@ def main(argv=None) -> int:
     print(f"ceilings: {report['ceilings']}", flush=True)
     start = time.perf_counter()
     weights = random_weights(config)
+    if args.quantization != "none":  # layer by layer on the device; the bf16 leaves are dropped
+        weights = quantize_params(weights, args.quantization)
+        config = dataclasses.replace(config, quantization=args.quantization)
     jax.block_until_ready(weights)
     report["weights_s"] = time.perf_counter() - start
     report["weight_bytes"] = int(sum(w.size * w.dtype.itemsize for w in jax.tree.leaves(weights)))
