@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from dllm_jax import DecodeConfig
+from dllm_jax import DecodeConfig, Engine
 from dllm_jax.evaluation import tiny_tasks
+from tests.conftest import RUN_HEAVY_COMPILER_OPTIONS
 
 pytestmark = pytest.mark.unit  # the tests that decode or start a process say so
 
@@ -16,8 +17,15 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
-def tiny_engine(embedded_engine):
-    return embedded_engine
+def tiny_engine(embedded):
+    # its one loop decodes 12 requests for 64 full steps: run-heavy
+    return Engine(
+        embedded.config,
+        embedded.weights,
+        embedded.tokenizer,
+        backend="xla",
+        compiler_options=RUN_HEAVY_COMPILER_OPTIONS,
+    )
 
 
 @pytest.mark.engine

@@ -13,6 +13,7 @@ from dllm_jax.models.transformer import init_params
 from dllm_jax.runtime.decode_config import DecodeConfig
 from dllm_jax.text.tiny_tokenizer import EOT, build_tiny_tokenizer
 from scripts import train_tiny as tr
+from tests.conftest import RUN_HEAVY_COMPILER_OPTIONS
 
 pytestmark = pytest.mark.unit
 
@@ -84,7 +85,12 @@ def test_the_held_out_metric_is_the_engine_on_swapped_weights():
     tiny = load_model(tiny_model_path(), dtype="float32")
     tok = build_tiny_tokenizer(tr.SEQ_LEN)
     problems = tiny_tasks.held_out_problems(12)
-    engine = Engine(tiny.config, init_params(tiny.config, jax.random.key(3)), Tokenizer.from_transformers(tok))
+    engine = Engine(
+        tiny.config,
+        init_params(tiny.config, jax.random.key(3)),
+        Tokenizer.from_transformers(tok),
+        compiler_options=RUN_HEAVY_COMPILER_OPTIONS,
+    )
     untrained = tr.held_out_accuracy(engine, problems, gen_len=64, batch_size=4)
     engine.swap_weights(tiny.weights)
     trained = tr.held_out_accuracy(engine, problems, gen_len=64, batch_size=4)
@@ -94,7 +100,7 @@ def test_the_held_out_metric_is_the_engine_on_swapped_weights():
     decode = DecodeConfig(method="llada", gen_length=64, block_length=64, steps=64, batch_size=4)
     texts = [
         r.text
-        for r in Engine(tiny.config, tiny.weights, tiny.tokenizer)
+        for r in Engine(tiny.config, tiny.weights, tiny.tokenizer, compiler_options=RUN_HEAVY_COMPILER_OPTIONS)
         .generate([p.prompt for p in problems], decode_config=decode, chat=True)
         .results
     ]
