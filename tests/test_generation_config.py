@@ -225,3 +225,15 @@ def test_a_bad_file_stops_the_front_ends_before_the_weights_load(broken_folder, 
     # off, the file is not read
     off = GenerationDefaults.of_folder(broken_folder, "none")
     assert dict(off.values) == {}
+
+
+def test_dllm_generate_sizes_a_diffusion_gemma_bucket_for_the_models_max_new_tokens(dg_config):
+    from dllm_jax.cli.generate import build_parser, generation_bucket
+
+    def bucket(*flags, mode="auto", prompt_len=20):
+        args = build_parser().parse_args(["--prompt", "x", "--method", "diffusion_gemma", *flags])
+        return generation_bucket(args, dg_config, [], [[1] * prompt_len], GenerationDefaults.of_folder(TINY_DG, mode))
+
+    assert (bucket(), bucket(mode="none")) == (64, 32)  # two canvases hold its max_new_tokens 64
+    assert bucket(prompt_len=100) == 32  # what the model's 128 positions leave room for
+    assert (bucket("--gen-length", "32"), bucket("--max-new-tokens", "40", mode="none")) == (32, 64)

@@ -318,6 +318,7 @@ def test_stop_strings_are_cut_on_the_text_with_special_tokens(flash_lm):
         (dict(pretrained="p", method="beam"), "method='beam'"),
         (dict(pretrained="p", mc_num=100, batch_size=32), "mc_num=100 is not a multiple of mc_batch_size=32"),
         (dict(method="llada"), "pretrained=PATH is required"),
+        (dict(pretrained="p", generation_config="vllm"), "generation_config='vllm': expected one of auto, none"),
     ],
 )
 def test_bad_model_args_name_the_key(args, message):
@@ -452,6 +453,22 @@ def test_a_diffusion_gemma_model_generates_and_scores_through_lm_eval(gemma_lm, 
         prefix, target = lm.encode_pair(context, continuation)
         assert value == pytest.approx(plain_encoder_loglikelihood(lm, prefix, target), rel=1e-5, abs=1e-4)
         assert isinstance(greedy, bool)
+
+
+def test_what_neither_model_args_nor_the_task_set_is_left_to_the_models_generation_config(flash_lm, gemma_lm):
+    def sampling(lm, **gen_kwargs):
+        context = lm.apply_chat_template([{"role": "user", "content": "sort: 3 1 2"}])
+        return lm._generation_request(0, request(context, until=[], **gen_kwargs))[1]
+
+    # a task that names neither temperature nor do_sample: the model's; one that does: its own
+    assert sampling(flash_lm).temperature is None
+    assert sampling(flash_lm, do_sample=False).temperature == sampling(flash_lm, temperature=0.0).temperature == 0.0
+    sampled = sampling(flash_lm, do_sample=True, temperature=0.5)
+    assert (sampled.temperature, sampled.top_p, sampled.top_k) == (0.5, None, None)
+    unset = sampling(gemma_lm)
+    assert [getattr(unset, name) for name in DG_SAMPLER] == [None] * len(DG_SAMPLER)
+    off = DLLMJaxLM(pretrained="tiny-diffusiongemma", generation_config="none")
+    assert dict(off.engine.generation_defaults.values) == {} and gemma_lm.engine.generation_defaults.values
 
 
 @pytest.mark.engine
