@@ -102,6 +102,7 @@ def test_the_embedded_diffusion_gemma_takes_its_files_values(dg_decode):
     assert values["step_limit"] == dg_decode.step_limit(20, 64, 16)  # its canvases' bound: 16 steps each
     # the bucket a front end picks for it: the canvases that hold its max_new_tokens
     assert defaults.canvas_bucket(32, 64) == 64 and GenerationDefaults().canvas_bucket(32, 64) == 32
+    assert (defaults.canvas_bucket(32, 63), defaults.canvas_bucket(24, 70)) == (32, 48)  # whole canvases that fit
 
 
 def test_a_value_the_request_sets_wins_also_at_the_class_default(dg_decode):

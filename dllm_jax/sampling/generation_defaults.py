@@ -123,11 +123,11 @@ class GenerationDefaults:
 
     def canvas_bucket(self, canvas_length: int, limit: int) -> int:
         """The generation bucket a DiffusionGemma front end picks when it is given none: the
-        whole canvases that hold the model's max_new_tokens (one canvas without it), within
-        `limit` positions (at least one canvas). A canvas decodes only while the answer has not
+        whole canvases that hold the model's max_new_tokens (one canvas without it), as many as
+        fit in `limit` positions (at least one). A canvas decodes only while the answer has not
         ended, so room for more costs a short answer nothing."""
-        wanted = min(self.values.get("max_new_tokens", canvas_length), limit)
-        return max(1, -(-wanted // canvas_length)) * canvas_length
+        wanted = -(-self.values.get("max_new_tokens", canvas_length) // canvas_length)
+        return max(1, min(wanted, limit // canvas_length)) * canvas_length
 
     def describe(self) -> str:
         """One line for a log: where they come from and the values (e.g. "tiny/generation_config.json:
