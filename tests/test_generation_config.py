@@ -238,3 +238,4 @@ def test_dllm_generate_sizes_a_diffusion_gemma_bucket_for_the_models_max_new_tok
     assert (bucket(), bucket(mode="none")) == (64, 32)  # two canvases hold its max_new_tokens 64
     assert bucket(prompt_len=100) == 32  # what the model's 128 positions leave room for
     assert (bucket("--gen-length", "32"), bucket("--max-new-tokens", "40", mode="none")) == (32, 64)
+    assert bucket("--max-new-tokens", "16") == 32  # the run's own cut wins over the model's

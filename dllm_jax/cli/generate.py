@@ -268,23 +268,23 @@ def generation_bucket(
     encoded: Sequence[list[int]],
     defaults: GenerationDefaults,
 ) -> int:
-    """--gen-length, else default_gen_length (diffusion_gemma: the canvases that hold the model's
-    max_new_tokens, one without it), or --max-new-tokens rounded up to the block length
-    (diffusion_gemma: to whole canvases) when that is more: --max-new-tokens cuts the answer,
-    the canvas stays the bucket."""
+    """--gen-length, else default_gen_length, or --max-new-tokens rounded up to the block length
+    when that is more: --max-new-tokens cuts the answer, the canvas stays the bucket.
+    diffusion_gemma: the whole canvases that hold --max-new-tokens, else the model's
+    max_new_tokens (within the positions after the longest prompt), else one."""
     if args.gen_length is not None:
         return args.gen_length
     canvas = getattr(config, "canvas_length", None) if args.method == "diffusion_gemma" else None
+    if canvas is not None and args.max_new_tokens is not None:
+        return -(-args.max_new_tokens // canvas) * canvas
     if canvas is not None:
-        room = config.max_sequence_length - max(len(ids) for ids in encoded)
-        default = defaults.canvas_bucket(canvas, room)
-    else:
-        default = default_gen_length(config.max_sequence_length, records, encoded)
+        return defaults.canvas_bucket(canvas, config.max_sequence_length - max(len(ids) for ids in encoded))
+    default = default_gen_length(config.max_sequence_length, records, encoded)
     if args.max_new_tokens is None or args.max_new_tokens <= default:
         return default
     if args.method == "dream":  # one block of exactly the generation
         return args.max_new_tokens
-    block = canvas or args.block_length or _default("window", method=args.method)
+    block = args.block_length or _default("window", method=args.method)
     return -(-args.max_new_tokens // block) * block
 
 
