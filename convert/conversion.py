@@ -23,12 +23,14 @@ from dllm_jax.common.platform import PlatformError, start_backend
 from dllm_jax.models.checkpoint.converted import PARAMS_DIR, move_to_jax, root_cause, save_params, write_metadata
 from dllm_jax.models.checkpoint.dtypes import DTYPES, QUANTIZATIONS
 from dllm_jax.models.checkpoint.errors import ConversionError
+from dllm_jax.models.checkpoint.generation_config import GENERATION_CONFIG_FILE
 from dllm_jax.models.checkpoint.hf_reader import read_checkpoint, read_config
 from dllm_jax.models.config import ModelConfig
 from dllm_jax.models.model_source import load_tokenizer
 from dllm_jax.models.quantization import quantize_params
 from dllm_jax.runtime.memory_estimate import host_memory
 from dllm_jax.runtime.weights_memory import available_host_memory, host_bytes_to_read, weight_bytes
+from dllm_jax.sampling.generation_defaults import GenerationDefaults
 from dllm_jax.text.tokenizer import TOKENIZER_FILES, TokenizerError
 
 # Room for the metadata and tokenizer files beside the params.
@@ -42,7 +44,7 @@ def convert_checkpoint(
 
     Args:
       hf_dir: Hugging Face LLaDA, Dream or DiffusionGemma folder (config.json, model.safetensors or shards + index,
-        optional tokenizer files).
+        optional tokenizer files and generation_config.json, copied as they are).
       out_dir: folder to create (relative paths are fine); it must not exist or be an empty
         folder, in an existing writable folder. Checked before anything is read.
       dtype: dtype of the stored params; every tensor (F16, BF16 or F32) is cast to it.
@@ -83,11 +85,12 @@ def write_converted(
     _check_free_space(folder, params_bytes, label)
     _check_host_memory(hf_dir, config)
     check_tokenizer(hf_dir, config)
+    GenerationDefaults.of_folder(hf_dir)  # what loading the converted folder will read: checked now
     info, params = read_checkpoint(hf_dir, dtype=dtype)
     params = move_to_jax(quantize_params(params, quantization))
     try:
         save_params(folder / PARAMS_DIR, params)
-        for name in TOKENIZER_FILES:
+        for name in (*TOKENIZER_FILES, GENERATION_CONFIG_FILE):
             if (hf_dir / name).is_file():
                 shutil.copy2(hf_dir / name, folder / name)
         write_metadata(

@@ -3,7 +3,7 @@
   dllm-convert --hf-dir PATH --out PATH [--dtype bfloat16]     # or: python -m convert.hf_to_jax
 
 Reads config.json and the safetensors shards (streamed, see dllm_jax/checkpoint/hf_reader.py), writes the
-params as an orbax checkpoint with a metadata file and the tokenizer files (layout in
+params as an orbax checkpoint with a metadata file, the tokenizer files and generation_config.json (layout in
 dllm_jax/checkpoint/converted.py). ``--out`` is checked before anything is read; the output is built in a
 temporary sibling folder, renamed at the end, and removed on any error and on SIGINT, SIGTERM
 or SIGHUP at any point: the conversion runs in a child process (convert/conversion.py says

@@ -1,4 +1,5 @@
-"""Write dllm_jax parameters as a Hugging Face LLaDA or Dream checkpoint (config.json + safetensors).
+"""Write dllm_jax parameters as a Hugging Face LLaDA or Dream checkpoint (config.json + safetensors,
+and the generation_config.json a loaded model came with).
 
 Used to ship the embedded tiny model and by the tests, which build small LLaDA- and Dream-format
 checkpoints to exercise the real loading path. The output folder appears complete or not at
@@ -17,6 +18,7 @@ import jax
 import numpy as np
 from safetensors.numpy import save_file
 
+from dllm_jax.models.checkpoint.generation_config import GENERATION_CONFIG_FILE
 from dllm_jax.models.checkpoint.tensor_names import leaf_shape, tensor_entries
 from dllm_jax.models.config import ModelConfig
 from dllm_jax.models.transformer import Weights
@@ -54,6 +56,7 @@ def save_hf_checkpoint(
     max_shard_bytes: int | None = None,
     tokenizer_dir: str | Path | None = None,
     extra_config: dict | None = None,
+    generation_config: dict | None = None,
 ) -> Path:
     """Writes ``config.json`` and ``model.safetensors`` (or shards plus the index).
 
@@ -64,6 +67,8 @@ def save_hf_checkpoint(
       max_shard_bytes: split into ``model-0000i-of-0000n.safetensors`` shards of at most this
         many bytes (each tensor whole) with ``model.safetensors.index.json``; None = one file.
       tokenizer_dir: copy the tokenizer files found there.
+      generation_config: written as ``generation_config.json`` (e.g. LoadedModel.generation_config,
+        so that a converted folder's sampling defaults come back); None = none written.
     Returns:
       The output folder.
     """
@@ -97,6 +102,8 @@ def save_hf_checkpoint(
         hf_config = config.to_hf_config()
         hf_config.update(extra_config or {})
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
+        if generation_config is not None:
+            (tmp / GENERATION_CONFIG_FILE).write_text(json.dumps(generation_config, indent=2) + "\n")
         if tokenizer_dir is not None:
             for fname in TOKENIZER_FILES:
                 src = Path(tokenizer_dir) / fname

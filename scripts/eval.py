@@ -18,9 +18,10 @@ tiny-dream / tiny-diffusiongemma; with several models each is evaluated on the s
 and settings into --out/<model name>/, and the tables are printed one after the other. The
 dream-* settings are Dream's own sampler (method "dream", one alg each), on either masked
 diffusion family; the problems stay the tiny tasks. A DiffusionGemma model has its own settings
-(method diffusion_gemma with tiny-diffusiongemma's generation_config.json values, seed 0:
+(method diffusion_gemma with the sampler values of the model's generation_config.json, seed 0:
 request i draws stream i): its reference is diffusion_gemma-full (every canvas row recomputed
 each denoising step), beside Flash-Cache on the canvas (diffusion_gemma-canvas_rows16).
+--generation-config none decodes with SamplingParams' own defaults instead of the model's.
 """
 
 from __future__ import annotations
@@ -40,14 +41,11 @@ from dllm_jax.common.atomic_write import write_text_atomically  # noqa: E402
 from dllm_jax.evaluation import tiny_tasks  # noqa: E402
 from dllm_jax.models.quantization import QUANTIZATIONS  # noqa: E402
 from dllm_jax.runtime.decode_config import DecodeConfig  # noqa: E402
+from dllm_jax.sampling.generation_defaults import GENERATION_CONFIG_MODES  # noqa: E402
 from dllm_jax.sampling.params import SamplingParams  # noqa: E402
 
 EXACT = "exact-one-per-step"
 DIFFUSION_GEMMA_FULL = "diffusion_gemma-full"
-# the embedded tiny-diffusiongemma's generation_config.json (what its README's accuracy used)
-TINY_DIFFUSION_GEMMA_SAMPLER = dict(
-    max_denoising_steps=16, t_min=0.1, t_max=0.5, entropy_bound=1.0, stability_threshold=1, confidence_threshold=0.01
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +79,7 @@ def settings(gen_length: int, batch_size: int, family: str = "llada") -> dict[st
     the agreement column."""
     common = dict(gen_length=gen_length, batch_size=batch_size)
     if family == "diffusion_gemma":
-        sampler = SamplingParams(**TINY_DIFFUSION_GEMMA_SAMPLER)
+        sampler = SamplingParams()  # the model's generation_config.json (Engine.generation_defaults)
         return {
             DIFFUSION_GEMMA_FULL: Setting(DecodeConfig(method="diffusion_gemma", **common), sampler),
             "diffusion_gemma-canvas_rows16": Setting(
@@ -172,6 +170,8 @@ def markdown(report: dict) -> str:
         f"model: {report['model']} ({report.get('family', 'llada')}) | {report['problems']} held-out problems (seed {report['seed']}) | "
         f"gen_length {report['gen_length']} | batch {report['batch_size']} | backend {report['backend']} | "
         f"quantization {report.get('quantization', 'none')} | {report['device']}",
+        f"model defaults (--generation-config {report.get('generation_config', 'auto')}): "
+        + (", ".join(f"{k}={v}" for k, v in report.get("generation_defaults", {}).items()) or "none"),
         "",
     ]
     baseline = report.get("baseline")
@@ -194,8 +194,19 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-_KEY_DEFAULTS = {"quantization": "none"}
-SAME_RUN_KEYS = ("model", "problems", "seed", "gen_length", "batch_size", "backend", "dtype", "quantization", "device")
+_KEY_DEFAULTS = {"quantization": "none", "generation_config": "auto"}
+SAME_RUN_KEYS = (
+    "model",
+    "problems",
+    "seed",
+    "gen_length",
+    "batch_size",
+    "backend",
+    "dtype",
+    "quantization",
+    "generation_config",
+    "device",
+)
 
 
 def finished_results(path: Path, report: dict) -> dict:
@@ -265,6 +276,13 @@ def parse_args(argv):
         help="8-bit block projections and int8 embedding (dllm_jax.models.quantization); compare with --baseline",
     )
     p.add_argument(
+        "--generation-config",
+        choices=GENERATION_CONFIG_MODES,
+        default="auto",
+        help="auto: what a setting leaves unset takes the model's generation_config.json values; none: "
+        "SamplingParams' own defaults",
+    )
+    p.add_argument(
         "--baseline",
         type=Path,
         default=None,
@@ -307,7 +325,13 @@ def evaluate_model(args, model_name: str, out_dir: Path) -> tuple[int, str]:
 
     dtype = args.dtype or ("float32" if jax.devices()[0].platform == "cpu" else "bfloat16")
     try:
-        engine = Engine.from_pretrained(model_name, dtype=dtype, backend=args.backend, quantization=args.quantization)
+        engine = Engine.from_pretrained(
+            model_name,
+            dtype=dtype,
+            backend=args.backend,
+            quantization=args.quantization,
+            generation_config=args.generation_config,
+        )
         baseline = read_baseline(args.baseline, args.problems, args.seed) if args.baseline else None
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -334,6 +358,8 @@ def evaluate_model(args, model_name: str, out_dir: Path) -> tuple[int, str]:
         "backend": engine.backend,
         "dtype": dtype,
         "quantization": args.quantization,
+        "generation_config": args.generation_config,
+        "generation_defaults": dict(engine.generation_defaults.values),
         "baseline": None if baseline is None else str(args.baseline),
         "device": str(jax.devices()[0].device_kind),
         "date": time.strftime("%Y-%m-%d"),

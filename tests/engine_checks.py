@@ -147,7 +147,7 @@ def assert_batching_invariance(
     assert together.stats.iterations < sum(r.steps for r in together.results), "slots ran concurrently"
     fewer_slots = engine.generate(many, sampling, decode_config=one_slot(decode))
     assert [r.token_ids for r in fewer_slots.results] == [r.token_ids for r in together.results]
-    if sampling.temperature == 0:
+    if not sampling.temperature:  # greedy (None: 0, these engines' models have no generation_config)
         for i in range(len(many)) if alone is None else alone:
             result = engine.generate([many[i]], sampling, decode_config=decode).results[0]
             assert together.results[i].token_ids == result.token_ids

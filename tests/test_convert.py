@@ -18,13 +18,17 @@ from convert.hf_to_jax import main
 from convert.jax_to_hf import save_hf_checkpoint
 from dllm_jax.models.checkpoint.converted import METADATA_FILE, PARAMS_DIR
 from dllm_jax.models.checkpoint.errors import ConversionError
+from dllm_jax.models.checkpoint.generation_config import GENERATION_CONFIG_FILE as GENERATION_FILE
 from dllm_jax.models.embedded import tiny_model_path
 from dllm_jax.models.loading import load_model, read_model_config
 from dllm_jax.models.transformer import init_params
+from dllm_jax.sampling.generation_defaults import GenerationDefaults
 
 pytestmark = pytest.mark.unit
 
 INDEX = "model.safetensors.index.json"
+# a generation_config.json as transformers writes one (the sampling values of its requests' defaults)
+GENERATION_CONFIG = {"eos_token_id": 127, "max_new_tokens": 48, "temperature": 0.2, "transformers_version": "4.46.2"}
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +39,8 @@ def params():
 
 @pytest.fixture(scope="module")
 def pristine_hf_dir(tmp_path_factory, params, tiny_tokenizer_dir):
-    """The tiny model as a Hugging Face LLaDA folder in two safetensors shards, with a tokenizer."""
+    """The tiny model as a Hugging Face LLaDA folder in two safetensors shards, with a tokenizer
+    and a generation_config.json."""
     total = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
     folder = save_hf_checkpoint(
         tmp_path_factory.mktemp("pristine") / "hf",
@@ -43,6 +48,7 @@ def pristine_hf_dir(tmp_path_factory, params, tiny_tokenizer_dir):
         params,
         max_shard_bytes=int(total * 0.6),
         tokenizer_dir=tiny_tokenizer_dir,
+        generation_config=GENERATION_CONFIG,
     )
     assert len(shards(folder)) == 2
     return folder
@@ -96,7 +102,7 @@ def assert_conversion_fails(hf, out, match):
 def test_two_shard_conversion_round_trips_every_leaf(hf_dir, tmp_path, tiny_cfg, params):
     out = convert_checkpoint(hf_dir, tmp_path / "converted", dtype="float32")
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        [PARAMS_DIR, METADATA_FILE, "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"]
+        [PARAMS_DIR, METADATA_FILE, "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", GENERATION_FILE]
     )
     assert not list(tmp_path.glob(".converted.tmp-*"))
     metadata = json.loads((out / METADATA_FILE).read_text())
@@ -110,6 +116,18 @@ def test_two_shard_conversion_round_trips_every_leaf(hf_dir, tmp_path, tiny_cfg,
     assert all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(loaded.weights))
     assert_trees_equal(loaded.weights, params)
     assert loaded.tokenizer.encode("What is 2 + 2?", chat=True)[0] == loaded.tokenizer.encode("<|startoftext|>")[0]
+    # the sampling defaults survive the round trip: converted, loaded, and written back as Hugging Face's
+    assert loaded.generation_config == GENERATION_CONFIG
+    back = save_hf_checkpoint(
+        tmp_path / "back", loaded.config, loaded.weights, generation_config=loaded.generation_config
+    )
+    assert json.loads((back / GENERATION_FILE).read_text()) == GENERATION_CONFIG
+    assert dict(GenerationDefaults.of_folder(back).values) == {"max_new_tokens": 48, "temperature": 0.2}
+
+
+def test_a_bad_generation_config_stops_the_conversion_before_anything_is_written(hf_dir, tmp_path):
+    (hf_dir / GENERATION_FILE).write_text(json.dumps({**GENERATION_CONFIG, "top_k": -1}))
+    assert_conversion_fails(hf_dir, tmp_path / "out", "generation_config.json: top_k=-1: expected an int in")
 
 
 def test_bfloat16_conversion_rounds_once(hf_dir, tmp_path, params):

@@ -190,9 +190,7 @@ def reference_decode(engine, prompt, decode: DecodeConfig, sampling: SamplingPar
         if not mask_index.any():
             break
         logits = np.asarray(run(jnp.asarray(x)[None]))[0][mask_index]
-        tokens, confidence = reference_confidence(
-            logits, decode.alg, sampling.temperature, sampling.top_p, sampling.top_k
-        )
+        tokens, confidence = reference_confidence(logits, decode.alg, 0.0, sampling.top_p, sampling.top_k)
         count = reference_count(int(mask_index.sum()), step, steps, decode.eps)
         where = np.flatnonzero(mask_index)
         chosen = np.argsort(-confidence, kind="stable")[:count]

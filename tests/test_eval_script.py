@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dllm_jax import DecodeConfig, Engine
+from dllm_jax import DecodeConfig, Engine, SamplingParams
 from dllm_jax.evaluation import tiny_tasks
 from tests.conftest import RUN_HEAVY_COMPILER_OPTIONS
 
@@ -122,6 +122,9 @@ def test_resume_keeps_only_settings_of_the_same_run(tmp_path):
     }
     with pytest.raises(ValueError, match="quantization='none', this run has 'fp8'"):
         eval_script.finished_results(path, dict(now, quantization="fp8"))
+    # and with the model's generation_config defaults (those before it read them were the tiny model's own)
+    with pytest.raises(ValueError, match="generation_config='auto', this run has 'none'"):
+        eval_script.finished_results(path, dict(now, generation_config="none"))
     path.write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
         eval_script.finished_results(path, now)
@@ -133,7 +136,8 @@ def test_a_diffusion_gemma_model_is_evaluated_on_its_own_settings(tmp_path, caps
     grid = eval_script.settings(64, 8, "diffusion_gemma")
     assert list(grid) == [full, "diffusion_gemma-canvas_rows16"] and eval_script.reference("diffusion_gemma") == full
     assert {s.decode_config.method for s in grid.values()} == {"diffusion_gemma"}
-    assert grid[full].sampling.max_denoising_steps == 16  # tiny-diffusiongemma's generation_config.json
+    # the sampler's values are the model's (its generation_config.json: Engine.generation_defaults)
+    assert all(s.sampling == SamplingParams() for s in grid.values())
     # a resumed DiffusionGemma run is kept only with its own reference
     run = dict(model="m", problems=4, seed=1, gen_length=64, batch_size=4, backend="xla", dtype="float32")
     old = dict(run, family="diffusion_gemma", settings={full: {}, "x": {}}, results={full: {"a": 1}, "x": {"a": 2}})

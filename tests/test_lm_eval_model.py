@@ -6,6 +6,7 @@ loglikelihood (LLaDA's Monte-Carlo estimator) picks the right answer of a multip
 where the model solves the problem, and equals a plain computation over the same masks.
 """
 
+import dataclasses
 import functools
 import importlib.util
 import json
@@ -31,6 +32,7 @@ from dllm_jax.evaluation.tiny_task_files import GEN_TASK, MC_TASK, write_tiny_ta
 from dllm_jax.models import diffusion_gemma as dg
 from dllm_jax.models.embedded import tiny_model_path
 from dllm_jax.models.transformer import forward, predictions
+from dllm_jax.policies.entropy_bound import DenoiseSettings
 
 pytestmark = pytest.mark.unit  # the tests that decode or evaluate say so
 
@@ -316,6 +318,7 @@ def test_stop_strings_are_cut_on_the_text_with_special_tokens(flash_lm):
         (dict(pretrained="p", method="beam"), "method='beam'"),
         (dict(pretrained="p", mc_num=100, batch_size=32), "mc_num=100 is not a multiple of mc_batch_size=32"),
         (dict(method="llada"), "pretrained=PATH is required"),
+        (dict(pretrained="p", generation_config="vllm"), "generation_config='vllm': expected one of auto, none"),
     ],
 )
 def test_bad_model_args_name_the_key(args, message):
@@ -381,7 +384,7 @@ def test_greedy_check_is_llada_suffix_greedy_prediction(flash_lm):
 
 # ----- DiffusionGemma --------------------------------------------------------------------------
 
-# the embedded tiny DiffusionGemma's generation_config.json values, as model_args
+# the embedded tiny DiffusionGemma's generation_config.json values
 DG_SAMPLER = dict(
     max_denoising_steps=16, t_min=0.1, t_max=0.5, entropy_bound=1.0, stability_threshold=1, confidence_threshold=0.01
 )
@@ -390,10 +393,9 @@ DG_PROBLEMS = 16
 
 @pytest.fixture(scope="module")
 def gemma_lm():
-    """pretrained=tiny-diffusiongemma without a method: the family's own (one compiled canvas loop)."""
-    return DLLMJaxLM(
-        pretrained="tiny-diffusiongemma", backend="xla", gen_length=GEN_LENGTH, batch_size=BATCH, **DG_SAMPLER
-    )
+    """pretrained=tiny-diffusiongemma without a method: the family's own (one compiled canvas loop),
+    its sampler's values its generation_config.json's."""
+    return DLLMJaxLM(pretrained="tiny-diffusiongemma", backend="xla", gen_length=GEN_LENGTH, batch_size=BATCH)
 
 
 @pytest.fixture(scope="module")
@@ -437,7 +439,7 @@ def test_a_diffusion_gemma_model_generates_and_scores_through_lm_eval(gemma_lm, 
     samples = sorted(results["samples"][GEN_TASK], key=lambda s: s["doc_id"])
     problems = tiny_tasks.held_out_problems(DG_PROBLEMS)
     prompts = [lm.encode(s["arguments"][0][0]) for s in samples]
-    sampling = [SamplingParams(seed=i, **DG_SAMPLER) for i in range(DG_PROBLEMS)]
+    sampling = [SamplingParams(seed=i) for i in range(DG_PROBLEMS)]
     own = lm.engine.generate(prompts, sampling, decode_config=lm.decode_config)  # the same compiled loop
     assert lm.engine.num_compilations == 1
     finals = [tiny_tasks.extract_final(r.text) for r in own.results]
@@ -451,6 +453,37 @@ def test_a_diffusion_gemma_model_generates_and_scores_through_lm_eval(gemma_lm, 
         prefix, target = lm.encode_pair(context, continuation)
         assert value == pytest.approx(plain_encoder_loglikelihood(lm, prefix, target), rel=1e-5, abs=1e-4)
         assert isinstance(greedy, bool)
+
+
+def test_what_neither_model_args_nor_the_task_set_is_left_to_the_models_generation_config(flash_lm, gemma_lm):
+    def sampling(lm, **gen_kwargs):
+        context = lm.apply_chat_template([{"role": "user", "content": "sort: 3 1 2"}])
+        return lm._generation_request(0, request(context, until=[], **gen_kwargs))[1]
+
+    # a task that names neither temperature nor do_sample: the model's; one that does: its own
+    assert sampling(flash_lm).temperature is None
+    assert sampling(flash_lm, do_sample=False).temperature == sampling(flash_lm, temperature=0.0).temperature == 0.0
+    sampled = sampling(flash_lm, do_sample=True, temperature=0.5)
+    assert (sampled.temperature, sampled.top_p, sampled.top_k) == (0.5, None, None)
+    unset = sampling(gemma_lm)
+    assert [getattr(unset, name) for name in DG_SAMPLER] == [None] * len(DG_SAMPLER)
+    off = DLLMJaxLM(pretrained="tiny-diffusiongemma", generation_config="none")
+    assert dict(off.engine.generation_defaults.values) == {} and gemma_lm.engine.generation_defaults.values
+
+
+@pytest.mark.engine
+def test_the_embedded_model_decodes_with_its_generation_config_values(gemma_lm):
+    """Unset, the sampler's values are the model's generation_config.json's: the answer (and its
+    steps) of a request that sets none is that of one setting the file's values, not that of one
+    setting transformers' class defaults (what the engine used before it read the file)."""
+    engine = gemma_lm.engine
+    assert dict(engine.generation_defaults.values) == dict(DG_SAMPLER, max_new_tokens=GEN_LENGTH)
+    class_defaults = dataclasses.asdict(DenoiseSettings())
+    sampling = [SamplingParams(seed=0), SamplingParams(seed=0, **DG_SAMPLER), SamplingParams(seed=0, **class_defaults)]
+    prompt = engine.encode(["(3+2)*4-7"], chat=True)[0]
+    unset, from_file, from_class = engine.generate([prompt] * 3, sampling, decode_config=gemma_lm.decode_config).results
+    assert (unset.token_ids, unset.steps) == (from_file.token_ids, from_file.steps)
+    assert from_class.token_ids != from_file.token_ids  # the values matter: the comparison means something
 
 
 @pytest.mark.engine

@@ -34,7 +34,6 @@ def test_defaults_and_normalisation():
         (dict(temperature=math.nan), "temperature=nan: expected a finite number"),
         (dict(temperature=math.inf), "temperature=inf: expected a finite number"),
         (dict(temperature=-0.1), "temperature=-0.1"),
-        (dict(temperature=None), "temperature=None"),
         (dict(temperature=False), r"temperature=False \(bool\)"),
         (dict(top_p=0.0), r"top_p=0.0: expected a number in \(0.0, 1.0\]"),
         (dict(top_p=1.5), "top_p=1.5"),

@@ -5,6 +5,7 @@ engine. Only the Ctrl-C test loads the model (and is interrupted while it compil
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -14,6 +15,7 @@ import time
 
 import pytest
 
+from dllm_jax.models.embedded import tiny_model_path
 from dllm_jax.serve import cli
 from tests.conftest import python_module_from_a_terminal
 
@@ -160,3 +162,30 @@ def test_mesh_reaches_the_engine(monkeypatch, capsys):
     assert cli.main(["--port", "0", "--mesh", "data=2,tensor=2", "--log-level", "warning"]) == 2
     assert "stopped before loading" in capsys.readouterr().err
     assert dict(seen["mesh"].shape) == {"data": 2, "tensor": 2, "expert": 1}
+
+
+@pytest.mark.parametrize(
+    "setting, logged", [("auto", "max_new_tokens=64, max_denoising_steps=16"), ("none", "no model")]
+)
+def test_generation_config_reaches_the_engine_and_its_defaults_are_logged(monkeypatch, caplog, setting, logged):
+    from types import SimpleNamespace
+
+    from dllm_jax.engine.engine import Engine
+    from dllm_jax.sampling.generation_defaults import GenerationDefaults
+
+    seen = {}
+
+    def from_pretrained(path, **kwargs):
+        seen.update(kwargs)
+        # no tokenizer: the start-up stops right after it logged the defaults it took
+        defaults = GenerationDefaults.of_folder(path, kwargs["generation_config"])
+        return SimpleNamespace(generation_defaults=defaults, tokenizer=None)
+
+    monkeypatch.setattr(Engine, "from_pretrained", staticmethod(from_pretrained))
+    argv = ["--port", "0", "--model", "tiny-diffusiongemma", "--generation-config", setting]
+    with caplog.at_level(logging.INFO, logger="dllm_jax.serve"):
+        assert cli.main(argv) == 2
+    assert seen["generation_config"] == setting
+    assert f"defaults of the values a request leaves unset: {logged}" in caplog.text.replace(
+        f"{tiny_model_path('tiny-diffusiongemma')}/generation_config.json: ", ""
+    )

@@ -72,19 +72,23 @@ def seed(text: str) -> int:
 
 def add_knob_flags(group: argparse._ArgumentGroup) -> None:
     """One flag per SamplingParams knob that takes one (--top-p for top_p), its range and
-    choices from the knob's declaration, its default SamplingParams' own."""
+    choices from the knob's declaration, its default SamplingParams' own (None: unset, which
+    takes the model's generation_config.json value, else the knob's fallback)."""
     for name, spec in flag_knobs().items():
         default = SamplingParams.__dataclass_fields__[name].default
         flag = "--" + name.replace("_", "-")
+        text = spec.help
+        if spec.generation_config is not None:
+            text += f"; default: the model's generation_config.json {spec.generation_config}, else {spec.fallback}"
         if spec.kind == "choice":
-            group.add_argument(flag, dest=name, choices=spec.choices, default=default, help=spec.help)
+            group.add_argument(flag, dest=name, choices=spec.choices, default=default, help=text)
         elif spec.kind == "int":
             high = INT32_MAX if spec.high is None else int(spec.high)
-            group.add_argument(flag, dest=name, type=int_in(int(spec.low), high), default=default, help=spec.help)
+            group.add_argument(flag, dest=name, type=int_in(int(spec.low), high), default=default, help=text)
         else:
             high = FLOAT32_MAX if spec.high is None else spec.high
             group.add_argument(
-                flag, dest=name, type=float_in(spec.low, high, low_open=spec.low_open), default=default, help=spec.help
+                flag, dest=name, type=float_in(spec.low, high, low_open=spec.low_open), default=default, help=text
             )
 
 

@@ -43,6 +43,7 @@ from dllm_jax.runtime.decode_config import (
     DecodeConfig,
     default_method,
 )
+from dllm_jax.sampling.generation_defaults import GENERATION_CONFIG_HELP, GENERATION_CONFIG_MODES, GenerationDefaults
 from dllm_jax.sampling.params import SamplingParams
 
 log = logging.getLogger("dllm_jax.cli.generate")
@@ -164,6 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     arguments.add_knob_flags(sampling)
     sampling.add_argument(
+        "--generation-config", choices=GENERATION_CONFIG_MODES, default="auto", help=GENERATION_CONFIG_HELP
+    )
+    sampling.add_argument(
         "--seed",
         type=arguments.seed,
         default=0,
@@ -258,20 +262,29 @@ def default_gen_length(max_sequence_length: int, records: Sequence[PromptRecord]
 
 
 def generation_bucket(
-    args: argparse.Namespace, config: Any, records: Sequence[PromptRecord], encoded: Sequence[list[int]]
+    args: argparse.Namespace,
+    config: Any,
+    records: Sequence[PromptRecord],
+    encoded: Sequence[list[int]],
+    defaults: GenerationDefaults,
 ) -> int:
-    """--gen-length, else default_gen_length (diffusion_gemma: one canvas), or --max-new-tokens
-    rounded up to the block length (diffusion_gemma: to whole canvases) when that is more:
-    --max-new-tokens cuts the answer, the canvas stays the bucket."""
+    """--gen-length, else default_gen_length, or --max-new-tokens rounded up to the block length
+    when that is more: --max-new-tokens cuts the answer, the canvas stays the bucket.
+    diffusion_gemma: the whole canvases that hold --max-new-tokens, else the model's
+    max_new_tokens (within the positions after the longest prompt), else one."""
     if args.gen_length is not None:
         return args.gen_length
     canvas = getattr(config, "canvas_length", None) if args.method == "diffusion_gemma" else None
-    default = canvas if canvas is not None else default_gen_length(config.max_sequence_length, records, encoded)
+    if canvas is not None and args.max_new_tokens is not None:
+        return -(-args.max_new_tokens // canvas) * canvas
+    if canvas is not None:
+        return defaults.canvas_bucket(canvas, config.max_sequence_length - max(len(ids) for ids in encoded))
+    default = default_gen_length(config.max_sequence_length, records, encoded)
     if args.max_new_tokens is None or args.max_new_tokens <= default:
         return default
     if args.method == "dream":  # one block of exactly the generation
         return args.max_new_tokens
-    block = canvas or args.block_length or _default("window", method=args.method)
+    block = args.block_length or _default("window", method=args.method)
     return -(-args.max_new_tokens // block) * block
 
 
@@ -306,9 +319,10 @@ def _main(argv: Sequence[str] | None) -> int:
         raise ValueError(f"--chat: the tokenizer of {path} has no chat template")
     chat = tokenizer.has_chat_template if args.chat is None else args.chat
     encoded = encode_all(records, lambda text: tokenizer.encode(text, chat=chat))
+    defaults = GenerationDefaults.of_folder(path, args.generation_config)
     args.method = args.method or default_method(config)
     options = decode_options(args)
-    options["gen_length"] = generation_bucket(args, config, records, encoded)
+    options["gen_length"] = generation_bucket(args, config, records, encoded, defaults)
     decode_config = DecodeConfig(**options).for_model(config)
 
     if args.batch_invariant:
@@ -339,6 +353,7 @@ def _main(argv: Sequence[str] | None) -> int:
             max_sequence_length=config.max_sequence_length,
             order=i,
             where=record.where,
+            defaults=defaults,
         )
     dtype = args.dtype or default_dtype()
     config = dataclasses.replace(config, dtype=dtype)
@@ -358,14 +373,21 @@ def _main(argv: Sequence[str] | None) -> int:
     log.info("loading %s (%s)", path, dtype)
     loaded = load_model(path, dtype=dtype, quantization=args.quantization)
     engine = Engine(
-        loaded.config, loaded.weights, tokenizer, backend=args.backend, mesh=mesh, batch_invariant=args.batch_invariant
+        loaded.config,
+        loaded.weights,
+        tokenizer,
+        backend=args.backend,
+        mesh=mesh,
+        batch_invariant=args.batch_invariant,
+        generation_defaults=defaults,
     )
     log.info(
-        "generating %d request(s): %s, gen_length=%d, chat=%s",
+        "generating %d request(s): %s, gen_length=%d, chat=%s; defaults of unset values: %s",
         len(encoded),
         decode_config.method,
         decode_config.gen_length,
         chat,
+        defaults.describe(),
     )
     output = engine.generate(
         encoded, sampling, decode_config=decode_config, seed=args.seed, progress=not (args.no_progress or args.quiet)

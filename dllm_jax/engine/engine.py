@@ -44,6 +44,7 @@ from dllm_jax.runtime.flat_cache import cache_bytes
 from dllm_jax.runtime.kernel_routing import Kernels, resolve_kernels
 from dllm_jax.runtime.memory_estimate import check_decode_loop, estimate_decode_loop
 from dllm_jax.runtime.slots import zero_sampling
+from dllm_jax.sampling.generation_defaults import GENERATION_CONFIG_MODES, GenerationDefaults
 from dllm_jax.sampling.params import MAX_SEED, SamplingParams
 
 __all__ = ["CompiledLoop", "Engine", "GenerationOutput", "GenerationResult", "GenerationStats"]
@@ -101,6 +102,9 @@ class Engine:
         the other slots (dllm_jax.runtime.batch_invariance): a request's answer does not depend on
         the batch it runs in. Run-to-run determinism on GPUs also needs
         batch_invariance.deterministic_xla_flags() in XLA_FLAGS before JAX starts.
+      generation_defaults: the model's values of the SamplingParams a request leaves unset
+        (dllm_jax.sampling.generation_defaults; from_pretrained reads the folder's
+        generation_config.json); None: SamplingParams' own defaults.
     """
 
     def __init__(
@@ -118,6 +122,7 @@ class Engine:
         mesh: Mesh | None = None,
         compiler_options: dict[str, Any] | None = None,
         batch_invariant: bool = False,
+        generation_defaults: GenerationDefaults | None = None,
         params: Weights = None,
     ):
         weights = renamed_argument("weights", weights, "params", params, "Engine")
@@ -141,9 +146,12 @@ class Engine:
             full_pass_lanes = tuple(
                 check_int("full_pass_lanes entry", n, GenerationError, low=1) for n in full_pass_lanes
             )
+        if generation_defaults is not None and not isinstance(generation_defaults, GenerationDefaults):
+            raise GenerationError(f"generation_defaults={generation_defaults!r}: expected a GenerationDefaults or None")
         self.config = config
         self.weights = weights
         self.tokenizer = tokenizer
+        self.generation_defaults = GenerationDefaults() if generation_defaults is None else generation_defaults
         # DiffusionGemma (block diffusion): its own loop, dllm_jax.runtime.canvas_loop
         self._block_diffusion = config.family == "diffusion_gemma"
         if self._block_diffusion and batch_invariant:
@@ -172,15 +180,32 @@ class Engine:
 
     @classmethod
     def from_pretrained(
-        cls, path: str, *, dtype: str | None = None, quantization: str | None = None, **kwargs
+        cls,
+        path: str,
+        *,
+        dtype: str | None = None,
+        quantization: str | None = None,
+        generation_config: str = "auto",
+        **kwargs,
     ) -> Engine:
         """Loads a Hugging Face LLaDA, Dream or DiffusionGemma folder, a converted checkpoint or a
         cached Hub id (dllm_jax.load_model; dtype None: float32 on the CPU, bfloat16 on accelerators;
-        quantization: dllm_jax.models.quantization, None = as stored)."""
+        quantization: dllm_jax.models.quantization, None = as stored). generation_config: "auto"
+        (the folder's generation_config.json gives the defaults of what requests leave unset) or
+        "none" (SamplingParams' own defaults)."""
         from dllm_jax.models.loading import load_model
 
+        if generation_config not in GENERATION_CONFIG_MODES:
+            raise GenerationError(
+                f"generation_config={generation_config!r}: expected one of {', '.join(GENERATION_CONFIG_MODES)}"
+            )
         loaded = load_model(path, dtype=dtype, quantization=quantization)
-        return cls(loaded.config, loaded.weights, loaded.tokenizer, **kwargs)
+        defaults = (
+            GenerationDefaults.from_hf(loaded.generation_config, source=loaded.generation_config_file)
+            if generation_config == "auto"
+            else None
+        )
+        return cls(loaded.config, loaded.weights, loaded.tokenizer, generation_defaults=defaults, **kwargs)
 
     def _unstacked(self, weights: Weights) -> Weights:
         """The weights with each layer stack as a tuple of per-layer trees (unroll_layers)."""
@@ -235,9 +260,13 @@ class Engine:
     @property
     def default_decode_config(self) -> DecodeConfig:
         """The DecodeConfig of calls that pass none: flash_cache, a generation bucket of
-        min(256, max_sequence_length // 2); for DiffusionGemma diffusion_gemma, one canvas."""
+        min(256, max_sequence_length // 2); for DiffusionGemma diffusion_gemma over the canvases
+        that hold the model's max_new_tokens (generation_defaults; one canvas without it)."""
         if self._block_diffusion:
-            return DecodeConfig(method="diffusion_gemma", gen_length=self.config.canvas_length).for_model(self.config)
+            length = self.generation_defaults.canvas_bucket(
+                self.config.canvas_length, self.config.max_sequence_length // 2
+            )
+            return DecodeConfig(method="diffusion_gemma", gen_length=length).for_model(self.config)
         return DecodeConfig(gen_length=max(1, min(256, self.config.max_sequence_length // 2)))
 
     def resolve(self, decode_config: DecodeConfig | None) -> DecodeConfig:
@@ -478,6 +507,7 @@ class Engine:
             max_prompt_len=max_prompt_len,
             stream=stream,
             chunk_iterations=self.chunk_iterations,
+            defaults=self.generation_defaults,
         )
 
     def generate(
@@ -547,6 +577,7 @@ class Engine:
                 order=i,
                 where=f"request {i}",
                 base_seed=seed,
+                defaults=self.generation_defaults,
             )
         longest = max(len(p) for p in encoded)
         compiled_before = self.num_compilations
@@ -559,6 +590,7 @@ class Engine:
             max_prompt_len=longest,
             chunk_iterations=self.chunk_iterations,
             seed=seed,
+            defaults=self.generation_defaults,
         )
         for i, (ids, p) in enumerate(zip(encoded, per_request)):
             session.add(i, ids, p)

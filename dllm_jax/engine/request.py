@@ -3,8 +3,9 @@
 A request is WAITING once added to a session, RUNNING once handed to the device's request
 ring (the device installs it in a slot when one frees), and then FINISHED (its result was
 collected) or ABORTED. Its per-slot values are its SamplingParams resolved against the compiled
-loop (dllm_jax.runtime.slots.SLOT_FIELDS): unset values take their defaults, and every value is
-checked to apply to the loop.
+loop (dllm_jax.runtime.slots.SLOT_FIELDS): unset values take the model's defaults (its
+generation_config.json) where they apply to the loop, else their own, and every value is checked
+to apply to the loop. slot_values is the one place where that happens.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import numpy as np
 from dllm_jax.common.errors import GenerationError
 from dllm_jax.runtime.decode_config import DecodeConfig
 from dllm_jax.runtime.slots import ENGINE_VALUES, SLOT_FIELDS, SlotSampling
-from dllm_jax.sampling.params import MAX_SEED, SamplingParams, knobs
+from dllm_jax.sampling.generation_defaults import GenerationDefaults
+from dllm_jax.sampling.params import MAX_SEED, SamplingParams, annealing_problem, knobs
 
 
 class RequestStatus(enum.Enum):
@@ -71,13 +73,16 @@ def slot_values(
     order: int,
     where: str,
     base_seed: int | None = None,
+    defaults: GenerationDefaults | None = None,
 ) -> dict[str, Any]:
     """The per-slot values of one request (SLOT_FIELDS names), or GenerationError naming `where`.
 
     cfg: the loop has the guidance pass; order: the request's add order, and base_seed (None:
     the deprecated DecodeConfig.seed, else 0) the seed: together the random stream of a request
-    that sets no seed.
+    that sets no seed. defaults: the model's values of the fields the request leaves unset
+    (None: none); its max_new_tokens is cut to the request's canvas.
     """
+    defaults = GenerationDefaults() if defaults is None else defaults
     problem = sampling.not_applying(decode_config, cfg)  # first: a refused knob is the reason, not its range
     if problem is not None:
         raise GenerationError(f"{where}: {problem}")
@@ -91,7 +96,10 @@ def slot_values(
                 f"{where}: the prompt has {prompt_len} tokens, no room for an answer within the model's "
                 f"max_sequence_length={max_sequence_length}"
             )
-    max_new = canvas if sampling.max_new_tokens is None else sampling.max_new_tokens
+    max_new = sampling.max_new_tokens
+    if max_new is None:
+        model_max_new = defaults.value("max_new_tokens", decode_config, cfg)
+        max_new = canvas if model_max_new is None else min(model_max_new, canvas)
     for name, value in (("gen_length", sampling.gen_length), ("max_new_tokens", sampling.max_new_tokens)):
         if value is None:
             continue
@@ -120,6 +128,8 @@ def slot_values(
             f"records at most {recorded} (DecodeConfig.max_logprobs)"
         )
     values: dict[str, Any] = {}
+    resolved: dict[str, Any] = {}
+    from_model: list[str] = []  # named in errors: the request did not set them
     for name, spec in knobs().items():
         value = getattr(sampling, name)
         if name == "max_new_tokens":
@@ -129,18 +139,29 @@ def slot_values(
         elif name == "seed" and value is None:
             value = decode_config.base_seed if base_seed is None else base_seed
         elif value is None:
-            value = spec.unset(decode_config)
+            value = defaults.value(name, decode_config, cfg)
+            if value is None:
+                value = spec.unset_value(decode_config)
+            else:
+                from_model.append(name)
         limit = None if spec.compiled_high is None else getattr(decode_config, spec.compiled_high)
         if limit is not None and value > limit:  # None: a loop the value does not apply to
             raise GenerationError(
                 f"{where}: {name}={value} is more than the loop holds (DecodeConfig {spec.compiled_high}={limit})"
+                + _origin(name, from_model, defaults)
             )
+        resolved[name] = value
         values[spec.slot_name or name] = spec.encode(value) if spec.encode is not None else value
+    # a request's own pair was checked when it was made; here one of them may be the model's
+    problem = annealing_problem(resolved["t_min"], resolved["t_max"])
+    if problem is not None:
+        origins = "".join(_origin(name, from_model, defaults) for name in ("t_min", "t_max"))
+        raise GenerationError(f"{where}: {problem}{origins}")
     derived = {
-        "step_limit": decode_config.step_limit(prompt_len, canvas, sampling.max_denoising_steps),
+        "step_limit": decode_config.step_limit(prompt_len, canvas, resolved["max_denoising_steps"]),
         # int32 on the device: a long-running session's add order wraps around
         "stream": order % MAX_SEED if sampling.seed is None else 0,
-        "t_span": sampling.t_max - sampling.t_min,
+        "t_span": resolved["t_max"] - resolved["t_min"],
     }
     for produced in ENGINE_VALUES.values():
         for slot_name, _ in produced:
@@ -148,6 +169,11 @@ def slot_values(
     for slot_name, dtype in SLOT_FIELDS:  # what the ring stores must fit its dtype (never an overflow there)
         _check_fits(slot_name, values[slot_name], dtype, where)
     return values
+
+
+def _origin(name: str, from_model: list[str], defaults: GenerationDefaults) -> str:
+    """The note "; NAME is the model's default, from FILE" for a value the model's generation_config gave."""
+    return f"; {name} is the model's default, from {defaults.source}" if name in from_model else ""
 
 
 def _check_fits(name: str, value: Any, dtype: type, where: str) -> None:

@@ -34,6 +34,7 @@ from dllm_jax.engine.request import HostRing, Request, RequestStatus, slot_value
 from dllm_jax.engine.results import GenerationResult, TokenLogprob, finished_result, token_logprob
 from dllm_jax.models.config import ModelConfig
 from dllm_jax.runtime.decode_config import DecodeConfig
+from dllm_jax.sampling.generation_defaults import GenerationDefaults
 from dllm_jax.sampling.params import SamplingParams
 
 # Reads in a row that show no step, no result and follow a call that pushed and aborted nothing,
@@ -82,6 +83,8 @@ class GenerationSession:
       chunk_iterations: loop iterations per `step` call when the call names none.
       seed: the seed of requests whose SamplingParams set none (each draws its own stream from
         it, by add order; None: the deprecated DecodeConfig.seed, else 0).
+      defaults: the model's values of what a request leaves unset (Engine.generation_defaults;
+        None: none).
     """
 
     def __init__(
@@ -94,6 +97,7 @@ class GenerationSession:
         stream: bool = False,
         chunk_iterations: int = 64,
         seed: int | None = None,
+        defaults: GenerationDefaults | None = None,
     ):
         if max_prompt_len > compiled.prompt_width:
             raise GenerationError(
@@ -106,6 +110,7 @@ class GenerationSession:
         self.chunk_iterations = chunk_iterations
         self.max_prompt_len = max_prompt_len
         self.seed = seed
+        self.defaults = GenerationDefaults() if defaults is None else defaults
         self.reset()
 
     def reset(self) -> None:
@@ -177,6 +182,7 @@ class GenerationSession:
             order=self._next_order,
             where=where,
             base_seed=self.seed,
+            defaults=self.defaults,
         )
 
     def add(self, request_id: Hashable, prompt_ids: list[int], sampling: SamplingParams | None = None) -> None:

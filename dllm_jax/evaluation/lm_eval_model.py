@@ -30,9 +30,14 @@ causal encoder (dllm_jax.evaluation.encoder_loglikelihood), which also gives
 loglikelihood_rolling (refused for the masked diffusion families: see its docstring).
 
 DiffusionGemma (pretrained= a DiffusionGemma folder): the method defaults to diffusion_gemma,
-every request samples with its own seed (seed + i) under the model_args' denoising values
-(max_denoising_steps, t_min, t_max, ...), and a task's temperature is refused: its sampler
-anneals its own from t_max to t_min.
+every request samples with its own seed (seed + i) under the denoising values model_args give
+(max_denoising_steps, t_min, t_max, ...), else the model's generation_config.json's, and a task's
+temperature is refused: its sampler anneals its own from t_max to t_min.
+
+What neither model_args nor a task's generation kwargs set (a task that names neither
+temperature nor do_sample, top_p, top_k, the sampler values) takes the model's
+generation_config.json values, as transformers' generate does; model_args
+generation_config=none turns that off.
 
 Throughput is counted as the published Flash-dLLM eval_llada.py counts it: tokens = the
 engine's credited tokens, NFE = the sum over requests of their decode steps, tokens/s over
@@ -62,6 +67,7 @@ from dllm_jax.evaluation.mc_loglikelihood import MonteCarloLoglikelihood
 from dllm_jax.evaluation.model_args import ModelArgsError, ParsedArgs, decode_config_for, parse_model_args
 from dllm_jax.models.loading import load_model
 from dllm_jax.runtime.decode_config import DecodeConfig
+from dllm_jax.sampling.generation_defaults import GenerationDefaults
 from dllm_jax.sampling.params import MAX_SEED, SamplingParams, SamplingParamsError
 
 logger = logging.getLogger(__name__)
@@ -145,12 +151,18 @@ class DLLMJaxLM(LM):
         dtype = a.dtype or ("float32" if jax.devices()[0].platform == "cpu" else "bfloat16")
         try:
             loaded = load_model(a.pretrained, dtype=dtype, quantization=a.quantization)
+            defaults = GenerationDefaults.from_hf(
+                loaded.generation_config if a.generation_config == "auto" else None,
+                source=loaded.generation_config_file,
+            )
         except ValueError as e:
             raise ModelArgsError(f"model_args: pretrained={a.pretrained}: {e}") from None
         self.config = loaded.config
         self.decode_config = decode_config_for(parsed, loaded.config)
         self.tokenizer = _load_hf_tokenizer(str(loaded.path))  # the folder found (an embedded name, a Hub id)
-        self.engine = Engine(loaded.config, loaded.weights, loaded.tokenizer, backend=a.backend)
+        self.engine = Engine(
+            loaded.config, loaded.weights, loaded.tokenizer, backend=a.backend, generation_defaults=defaults
+        )
         self.block_diffusion = loaded.config.family == "diffusion_gemma"
         if self.block_diffusion:
             if a.cfg_scale:
@@ -247,6 +259,8 @@ class DLLMJaxLM(LM):
             raise GenerationKwargsError(
                 f"{where}: generation kwarg max_gen_toks={max_new!r}: expected a positive integer"
             )
+        # a task that says neither leaves them to the model's generation_config (as transformers does)
+        chooses = "temperature" in kwargs or "do_sample" in kwargs
         temperature = kwargs.get("temperature", 0.0)
         if not isinstance(temperature, (int, float)) or isinstance(temperature, bool):
             raise GenerationKwargsError(f"{where}: generation kwarg temperature={temperature!r}: expected a number")
@@ -267,9 +281,9 @@ class DLLMJaxLM(LM):
             # the canvas, as the published evaluations set gen_length (not a cut of a longer one)
             length = dict(gen_length=None if max_new is None or max_new >= G else max_new)
         if do_sample:
-            requests.update(
-                temperature=float(temperature), top_p=kwargs.get("top_p", 1.0), top_k=kwargs.get("top_k") or 0
-            )
+            requests.update(temperature=float(temperature), top_p=kwargs.get("top_p"), top_k=kwargs.get("top_k"))
+        elif chooses and not self.block_diffusion:
+            requests.update(temperature=0.0)  # greedy, whatever the model's default
         try:
             params = SamplingParams(stop=until, **length, **requests)
         except SamplingParamsError as e:

@@ -23,6 +23,7 @@ from dllm_jax.runtime.decode_config import (
     DecodeConfigError,
     default_method,
 )
+from dllm_jax.sampling.generation_defaults import GENERATION_CONFIG_MODES
 from dllm_jax.sampling.params import FLOAT32_MAX, SamplingParams, SamplingParamsError
 
 # Per-request generation parameters come from lm-eval's gen_kwargs, not from model_args.
@@ -59,7 +60,10 @@ class AdapterArgs:
       threshold, gamma: the requests' SamplingParams.threshold and gamma (None: their defaults);
       max_denoising_steps, t_min, t_max, entropy_bound, stability_threshold,
         confidence_threshold: the requests' values of DiffusionGemma's sampler (method
-        diffusion_gemma; None: SamplingParams' defaults).
+        diffusion_gemma; None: the model's generation_config.json values, else SamplingParams'
+        defaults).
+      generation_config: "auto" (what neither model_args nor a task's generation kwargs set takes
+        the model's generation_config.json values) or "none" (SamplingParams' own defaults).
       seed: request i of a generate_until call that samples takes seed + i (every request of
         method diffusion_gemma, whose sampler always samples); also the Monte-Carlo masks' seed.
     """
@@ -81,6 +85,7 @@ class AdapterArgs:
     entropy_bound: float | None = None
     stability_threshold: int | None = None
     confidence_threshold: float | None = None
+    generation_config: str = "auto"
     seed: int = 0
 
     def request_defaults(self) -> dict[str, Any]:
@@ -235,6 +240,10 @@ def _check_adapter(a: AdapterArgs, decode: DecodeConfig, *, method_given: bool) 
         raise ModelArgsError(f"model_args: quantization={a.quantization!r}: expected one of {', '.join(QUANTIZATIONS)}")
     if a.backend not in ("auto", "xla", "pallas"):
         raise ModelArgsError(f"model_args: backend={a.backend!r}: expected auto, xla or pallas")
+    if a.generation_config not in GENERATION_CONFIG_MODES:
+        raise ModelArgsError(
+            f"model_args: generation_config={a.generation_config!r}: expected one of {', '.join(GENERATION_CONFIG_MODES)}"
+        )
     if a.mc_num < 1:
         raise ModelArgsError(f"model_args: mc_num={a.mc_num}: expected >= 1")
     mc_batch = a.mc_batch_size if a.mc_batch_size is not None else decode.batch_size

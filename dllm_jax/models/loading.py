@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 from dllm_jax.common.deprecation import warn_renamed
 from dllm_jax.models.checkpoint.converted import load_converted, move_to_jax
 from dllm_jax.models.checkpoint.errors import ConversionError
+from dllm_jax.models.checkpoint.generation_config import GENERATION_CONFIG_FILE, read_generation_config
 from dllm_jax.models.checkpoint.hf_config import CONFIG_FILE
 from dllm_jax.models.checkpoint.hf_reader import read_checkpoint
 from dllm_jax.models.checkpoint.metadata import is_converted
@@ -45,12 +47,21 @@ class LoadedModel:
       its deprecated name).
     tokenizer: the folder's tokenizer, or None when it holds no tokenizer files.
     path: the local folder it came from (for a Hub id, its snapshot in the cache).
+    generation_config: its generation_config.json, parsed (the sampling values the model was
+      published with; dllm_jax.sampling.generation_defaults maps them onto SamplingParams), or
+      None when it has none.
     """
 
     config: ModelConfig
     weights: Weights
     tokenizer: Tokenizer | None
     path: Path
+    generation_config: dict[str, Any] | None = None
+
+    @property
+    def generation_config_file(self) -> Path:
+        """Where generation_config comes from (the file may not exist)."""
+        return self.path / GENERATION_CONFIG_FILE
 
     @property
     def params(self) -> Weights:
@@ -86,20 +97,28 @@ def load_model(name: str | Path, *, dtype: str | None = None, quantization: str 
 
     Raises:
       ModelNotFoundError for a name that is neither a folder nor a cached (or downloadable) Hub id;
-      ConversionError for a folder that is neither kind, or whose files are missing or malformed;
+      ConversionError for a folder that is neither kind, or whose files are missing or malformed
+      (a generation_config.json that is not a JSON object too);
       TokenizerError for tokenizer files that cannot be loaded.
     """
     path = resolve_model_path(name)
     dtype = dtype or default_dtype()
+    if not is_converted(path) and not (path / CONFIG_FILE).is_file():
+        raise not_a_model(path)
+    generation_config = read_generation_config(path)  # a bad file fails before the weights load
     if is_converted(path):
         config, params = load_converted(path, dtype=dtype, quantization=quantization)
-    elif (path / CONFIG_FILE).is_file():
+    else:
         quantization = quantization or "none"
         if quantization not in QUANTIZATIONS:
             raise ConversionError(f"quantization={quantization!r}: expected one of {', '.join(QUANTIZATIONS)}")
         info, host_params = read_checkpoint(path, dtype=dtype)
         config = dataclasses.replace(info.config, quantization=quantization)
         params = move_to_jax(quantize_params(host_params, quantization))
-    else:
-        raise not_a_model(path)
-    return LoadedModel(config=config, weights=params, tokenizer=load_tokenizer(path), path=path)
+    return LoadedModel(
+        config=config,
+        weights=params,
+        tokenizer=load_tokenizer(path),
+        path=path,
+        generation_config=generation_config,
+    )

@@ -3,8 +3,9 @@
 This is the one schema of per-request values. A field declared with ``knob(...)`` travels to the
 device as one scalar per slot: the declaration gives its device dtype, its bounds (within what
 that dtype can hold), how the stored value is encoded when it differs from the request's, what
-an unset value (None) becomes, which compiled configurations it applies to, and whether the
-server takes it in the ``dllm`` extension. The per-slot arrays (dllm_jax.runtime.slots.SlotSampling),
+an unset value (None) becomes, which key of a model's generation_config.json supplies its
+default, which compiled configurations it applies to, and whether the server takes it in the
+``dllm`` extension. The per-slot arrays (dllm_jax.runtime.slots.SlotSampling),
 their zero constructor, the host's request ring and the server's options are derived from these
 declarations, so a new knob is one field here plus its use in a policy.
 
@@ -42,7 +43,12 @@ class Knob:
     optional: None is allowed (it means "unset": see `unset`).
     slot_name: the per-slot value's name where it differs from the field's.
     encode: request value -> stored value (e.g. remasking -> whether it is "random").
-    unset: what an unset value stores, given the compiled configuration (a DecodeConfig).
+    unset: what an unset value stores, given the compiled configuration (a DecodeConfig);
+      fallback: the same for a value that does not depend on it (e.g. temperature 0.0). Both
+      come after the model's default (generation_config).
+    generation_config: the key of a model's generation_config.json (transformers'
+      GenerationConfig) whose value is this field's default for that model; a dotted key names
+      one inside an object ("sampler_config.entropy_bound").
     applies: (predicate over the compiled configuration and its cfg flag, why not): a set value
       that does not apply to the loop is refused.
     compiled_high: the name of the compiled configuration's field that holds this value's most
@@ -62,6 +68,8 @@ class Knob:
     slot_name: str | None = None
     encode: Callable[[Any], Any] | None = None
     unset: Callable[[Any], Any] | None = None
+    fallback: Any = None
+    generation_config: str | None = None
     applies: tuple[Callable[[Any, bool], bool], str] | None = None
     compiled_high: str | None = None
     server: bool = False
@@ -85,6 +93,11 @@ class Knob:
         low = -FLOAT32_MAX if self.low is None else self.low
         high = FLOAT32_MAX if self.high is None else self.high
         return check_float(name, value, _fail, low=low, high=high, low_open=self.low_open, optional=self.optional)
+
+    def unset_value(self, decode: Any) -> Any:
+        """What an unset value (None) stores when the model sets no default: unset(decode), else
+        the fallback (None for a field whose None is meaningful, e.g. seed)."""
+        return self.unset(decode) if self.unset is not None else self.fallback
 
 
 def knob(default: Any, dtype: type, **spec: Any) -> Any:
@@ -136,22 +149,26 @@ MAX_DENOISING_STEPS = 2**16
 class SamplingParams:
     """Generation parameters of one request.
 
+    A field left at None is unset: it takes the model's default where its generation_config.json
+    sets one (the fields named in the Knob's generation_config; Engine.generation_defaults),
+    else the value said below. A value the request sets always wins.
+
     Attributes:
       max_new_tokens: the most tokens of the answer: it is cut after this many (finish_reason
         "length"), and its decoding ends once they are all decoded. The canvas stays
-        gen_length, so the answer is a prefix of the one without the cut. None = gen_length;
-        at most gen_length.
+        gen_length, so the answer is a prefix of the one without the cut. None = the model's
+        max_new_tokens (at most the canvas), else gen_length; at most gen_length.
       gen_length: the request's canvas: the masked positions it decodes (the positions after
         it are EOS padding). A smaller canvas changes the answer itself (the model sees a
         shorter masked answer: the diffusion behaviour), unlike max_new_tokens. None = the
         engine's generation bucket (DecodeConfig.gen_length), capped by the model's
         max_sequence_length minus the prompt; at most the bucket.
       temperature: 0 = greedy; > 0 = Gumbel-max sampling at this temperature (LLaDA's
-        add_gumbel_noise).
-      top_p: nucleus filtering before sampling (Dream's top_p_logits), 1 = off.
-      top_k: keep the k largest logits before sampling (Dream's top_k_logits), 0 = off.
+        add_gumbel_noise); None = 0.
+      top_p: nucleus filtering before sampling (Dream's top_p_logits), 1 = off; None = 1.
+      top_k: keep the k largest logits before sampling (Dream's top_k_logits), 0 = off; None = 0.
       min_p: keep the tokens whose probability is at least min_p times the most likely one's
-        (transformers' MinPLogitsWarper, at the request's temperature), 0 = off.
+        (transformers' MinPLogitsWarper, at the request's temperature), 0 = off; None = 0.
       seed: this request's random stream (same seed, same answer, wherever it runs); None =
         seed 0 and the request's index in its generate() call (its add order in a session).
       stop: strings that end the answer (cut before the first occurrence).
@@ -164,7 +181,7 @@ class SamplingParams:
       remasking: "low_confidence" (commit the most confident) or "random" (LLaDA's random
         remasking: confidence is a uniform random number).
       alg_temp: Dream's sampler (method "dream") only: 0 = unmask the most confident masked
-        positions; > 0 = draw them from softmax(confidence / alg_temp).
+        positions; > 0 = draw them from softmax(confidence / alg_temp); None = 0.
       track_rule: flash_cache with track_num >= 0: which decoded rows fill the step's tracking
         budget after this step's fresh commits: "attention" (the highest tracking scores, the
         published rule), "recent" (the most recently committed), "random" (uniform, from the
@@ -178,8 +195,9 @@ class SamplingParams:
         the requests that ask.
       max_denoising_steps, t_min, t_max, entropy_bound, stability_threshold,
         confidence_threshold: DiffusionGemma's sampler (method "diffusion_gemma") only, under
-        transformers' names and defaults: a canvas is denoised for at most
-        max_denoising_steps steps, step n of N at temperature t_min + (t_max - t_min) * (N - n) / N;
+        transformers' names and defaults (None = 48, 0.4, 0.8, 0.1, 1, 0.005): a canvas is
+        denoised for at most max_denoising_steps steps, step n of N at temperature
+        t_min + (t_max - t_min) * (N - n) / N;
         each step accepts the lowest-entropy positions while their entropies (less the largest)
         sum to at most entropy_bound and renoises the others; a canvas stops early once its
         argmax equals that of each of the previous stability_threshold steps (at most the
@@ -187,7 +205,9 @@ class SamplingParams:
         confidence_threshold.
     """
 
-    max_new_tokens: int | None = knob(None, np.int32, low=1, optional=True, flag=False)
+    max_new_tokens: int | None = knob(
+        None, np.int32, low=1, optional=True, flag=False, generation_config="max_new_tokens"
+    )
     gen_length: int | None = knob(
         None,
         np.int32,
@@ -199,31 +219,47 @@ class SamplingParams:
         help="the request's canvas (masked answer positions); a smaller one changes the answer, "
         "where max_tokens cuts it",
     )
-    temperature: float = knob(
-        0.0, np.float32, low=0.0, applies=_NOT_DIFFUSION_GEMMA, help="0 decodes greedily, > 0 samples (Gumbel-max)"
+    temperature: float | None = knob(
+        None,
+        np.float32,
+        low=0.0,
+        optional=True,
+        fallback=0.0,
+        generation_config="temperature",
+        applies=_NOT_DIFFUSION_GEMMA,
+        help="0 decodes greedily, > 0 samples (Gumbel-max)",
     )
-    top_p: float = knob(
-        1.0,
+    top_p: float | None = knob(
+        None,
         np.float32,
         low=0.0,
         high=1.0,
         low_open=True,
+        optional=True,
+        fallback=1.0,
+        generation_config="top_p",
         applies=_NOT_DIFFUSION_GEMMA,
         help="nucleus sampling: keep the smallest set of tokens of this total probability (1: off)",
     )
-    top_k: int = knob(
-        0,
+    top_k: int | None = knob(
+        None,
         np.int32,
         low=0,
+        optional=True,
+        fallback=0,
+        generation_config="top_k",
         server=True,
         applies=_NOT_DIFFUSION_GEMMA,
         help="sample among the k most likely tokens (0: off)",
     )
-    min_p: float = knob(
-        0.0,
+    min_p: float | None = knob(
+        None,
         np.float32,
         low=0.0,
         high=1.0,
+        optional=True,
+        fallback=0.0,
+        generation_config="min_p",
         server=True,
         help="sample among the tokens at least min_p times as likely as the most likely one (0: off)",
         applies=_NOT_DIFFUSION_GEMMA,
@@ -281,10 +317,13 @@ class SamplingParams:
         applies=_NOT_DIFFUSION_GEMMA,
         help="which predictions commit first: the most confident, or random ones (LLaDA's options)",
     )
-    alg_temp: float = knob(
-        0.0,
+    alg_temp: float | None = knob(
+        None,
         np.float32,
         low=0.0,
+        optional=True,
+        fallback=0.0,
+        generation_config="alg_temp",
         server=True,
         help="dream: 0 unmasks the most confident positions, > 0 draws them from softmax(confidence / alg_temp)",
         applies=(lambda decode, cfg: decode.method == "dream", "applies only to method='dream', not {method}"),
@@ -304,57 +343,75 @@ class SamplingParams:
             "track_num refreshes every position every step)",
         ),
     )
-    max_denoising_steps: int = knob(
-        48,
+    max_denoising_steps: int | None = knob(
+        None,
         np.int32,
         low=1,
         high=MAX_DENOISING_STEPS,
+        optional=True,
+        fallback=48,
+        generation_config="max_denoising_steps",
         server=True,
         applies=_ONLY_DIFFUSION_GEMMA,
         help="diffusion_gemma: denoising steps of a canvas at most (it stops earlier once stable and confident)",
     )
-    t_min: float = knob(
-        DEFAULT_T_MIN,
+    t_min: float | None = knob(
+        None,
         np.float32,
         low=0.0,
+        optional=True,
+        fallback=DEFAULT_T_MIN,
+        generation_config="t_min",
         server=True,
         applies=_ONLY_DIFFUSION_GEMMA,
         help="diffusion_gemma: the temperature of a canvas's last denoising step",
     )
-    t_max: float = knob(
-        DEFAULT_T_MAX,
+    t_max: float | None = knob(
+        None,
         np.float32,
         low=0.0,
         low_open=True,
+        optional=True,
+        fallback=DEFAULT_T_MAX,
+        generation_config="t_max",
         server=True,
         applies=_ONLY_DIFFUSION_GEMMA,
         help="diffusion_gemma: the temperature of a canvas's first denoising step (falling linearly to t_min)",
     )
-    entropy_bound: float = knob(
-        0.1,
+    entropy_bound: float | None = knob(
+        None,
         np.float32,
         low=0.0,
         low_open=True,
+        optional=True,
+        fallback=0.1,
+        generation_config="sampler_config.entropy_bound",
         server=True,
         applies=_ONLY_DIFFUSION_GEMMA,
         help="diffusion_gemma: a step accepts the lowest-entropy positions while their summed entropy, less the "
         "largest, stays within this bound",
     )
-    stability_threshold: int = knob(
-        1,
+    stability_threshold: int | None = knob(
+        None,
         np.int32,
         low=0,
+        optional=True,
+        fallback=1,
+        generation_config="stability_threshold",
         server=True,
         applies=_ONLY_DIFFUSION_GEMMA,
         compiled_high="max_stability_threshold",
         help="diffusion_gemma: a canvas may stop once its argmax is that of this many previous steps "
         "(at most the loop's max_stability_threshold)",
     )
-    confidence_threshold: float = knob(
-        0.005,
+    confidence_threshold: float | None = knob(
+        None,
         np.float32,
         low=0.0,
         low_open=True,
+        optional=True,
+        fallback=0.005,
+        generation_config="confidence_threshold",
         server=True,
         applies=_ONLY_DIFFUSION_GEMMA,
         help="diffusion_gemma: a stable canvas stops once its mean entropy is below this",
@@ -376,21 +433,19 @@ class SamplingParams:
             spec = field.metadata.get("knob")
             if spec is not None:
                 object.__setattr__(self, field.name, spec.check(field.name, getattr(self, field.name)))
-        if self.t_max <= self.t_min:
-            raise _fail(
-                f"t_max={self.t_max} must be above t_min={self.t_min} (the temperature falls from t_max to t_min)"
-            )
+        if self.t_min is not None and self.t_max is not None and (problem := annealing_problem(self.t_min, self.t_max)):
+            raise _fail(problem)
         object.__setattr__(self, "stop", _string_tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", _id_tuple(self.stop_token_ids))
 
     def not_applying(self, decode: Any, cfg: bool) -> str | None:
         """Why a value this request sets does not apply to a loop compiled for `decode` (with
-        the guidance pass when `cfg`), or None when all apply. A value at its default (0, None)
-        always applies."""
+        the guidance pass when `cfg`), or None when all apply. A value that changes nothing (None,
+        the default, the fallback: temperature 0, top_p 1) always applies."""
         for name, spec in knobs().items():
             value = getattr(self, name)
             default = SamplingParams.__dataclass_fields__[name].default
-            if spec.applies is None or value is None or value == default:
+            if spec.applies is None or value is None or value == default or value == spec.fallback:
                 continue
             holds, why = spec.applies
             if not holds(decode, cfg):
@@ -398,6 +453,13 @@ class SamplingParams:
                     method=repr(decode.method), schedule=repr(decode.schedule), cfg=cfg
                 )
         return None
+
+
+def annealing_problem(t_min: float, t_max: float) -> str | None:
+    """What is wrong with DiffusionGemma's temperature range, or None: it falls from t_max to t_min."""
+    if t_max > t_min:
+        return None
+    return f"t_max={t_max} must be above t_min={t_min} (the temperature falls from t_max to t_min)"
 
 
 def knobs() -> dict[str, Knob]:

@@ -26,6 +26,7 @@ from dllm_jax.common.errors import SamplingParamsError
 from dllm_jax.models.checkpoint.dtypes import QUANTIZATIONS
 from dllm_jax.models.model_source import MODEL_HELP, resolve_model_path
 from dllm_jax.runtime import compile_cache
+from dllm_jax.sampling.generation_defaults import GENERATION_CONFIG_HELP, GENERATION_CONFIG_MODES
 from dllm_jax.sampling.params import SamplingParams
 from dllm_jax.serve.method_specs import METHOD_SPECS
 
@@ -57,7 +58,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--gen-length",
         type=int,
         help="answer positions: the canvas every answer decodes, cut at max_tokens (default: 64 for a model of "
-        "at most 512 positions, else 256; diffusion_gemma: one canvas)",
+        "at most 512 positions, else 256; diffusion_gemma: the canvases that hold the model's generation_config.json "
+        "max_new_tokens, one without it)",
     )
     p.add_argument("--max-model-len", type=int, help="prompt + answer positions (default: the model's)")
     p.add_argument("--threshold", type=float, help="default confidence threshold (default: the method's)")
@@ -65,6 +67,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--gamma", type=float, help="default Flash-Verify threshold of +verify methods (default: the engine's)"
     )
     p.add_argument("--block-length", type=int, help="block / window length (default: the method's)")
+    p.add_argument("--generation-config", choices=GENERATION_CONFIG_MODES, default="auto", help=GENERATION_CONFIG_HELP)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     p.add_argument(
@@ -255,12 +258,18 @@ def build(args: argparse.Namespace):
         backend=args.backend,
         batch_invariant=args.batch_invariant,
         mesh=mesh,
+        generation_config=args.generation_config,
     )
+    log.info("defaults of the values a request leaves unset: %s", engine.generation_defaults.describe())
     if engine.tokenizer is None:
         raise UsageError(f"--model {path}: the folder has no tokenizer files; the server needs them")
     limit = engine.config.max_sequence_length
     block_diffusion = engine.config.family == "diffusion_gemma"
-    default_length = engine.config.canvas_length if block_diffusion else (64 if limit <= 512 else 256)
+    default_length = (
+        engine.generation_defaults.canvas_bucket(engine.config.canvas_length, limit // 2)
+        if block_diffusion
+        else (64 if limit <= 512 else 256)
+    )
     options = ServeOptions(
         model_name=args.served_model_name or served_name(args.model, path),
         methods=tuple(dict.fromkeys(args.method or ["diffusion_gemma" if block_diffusion else "flash_cache"])),

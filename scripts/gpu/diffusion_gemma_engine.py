@@ -74,6 +74,7 @@ from dllm_jax.models.diffusion_gemma_config import (  # noqa: E402
     diffusion_gemma_26b_a4b_config,
 )
 from dllm_jax.models.quantization import quantize_params, weight_bytes  # noqa: E402
+from dllm_jax.policies.entropy_bound import DenoiseSettings  # noqa: E402
 from dllm_jax.sampling.params import MAX_DENOISING_STEPS, SamplingParams  # noqa: E402
 
 TINY_TEXT = dict(
@@ -193,8 +194,10 @@ def floors(config: DiffusionGemmaConfig, slots: int, prompt: int, ceiling: dict)
 
 
 def no_stop(max_steps: int = MAX_DENOISING_STEPS) -> SamplingParams:
-    """One canvas per request, denoised for exactly max_steps steps (random weights are never confident)."""
-    return SamplingParams(max_denoising_steps=max_steps, confidence_threshold=1e-30, seed=0)
+    """One canvas per request, denoised for exactly max_steps steps (random weights are never confident),
+    every sampler value set (transformers' defaults otherwise): the transformers run reads them."""
+    settings = dataclasses.replace(DenoiseSettings(), max_denoising_steps=max_steps, confidence_threshold=1e-30)
+    return SamplingParams(**dataclasses.asdict(settings), seed=0)
 
 
 def step_time(engine, compiled, prompt_ids, slots: int, iterations: int, repeats: int) -> float:

@@ -5,6 +5,7 @@ Layout::
   params/                  orbax checkpoint of the params tree (layout: dllm_jax.models)
   dllm_jax_metadata.json   {"format_version", "hf_config", "dtype", "tensor_count", "source"}
   tokenizer files          copied from the Hugging Face folder when present
+  generation_config.json   likewise (the sampling defaults the model was published with)
 
 Memory: orbax deep-copies numpy leaves before writing them (all at once), which would double
 the host footprint, so the tree is moved to jax arrays one leaf at a time and written through
