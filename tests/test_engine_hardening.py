@@ -247,10 +247,9 @@ def test_streamed_commits_rebuild_the_answer(engine):
 
 def test_results_ring_carries_commit_steps(engine):
     decode, sampling = DECODES["flash"]
-    session = engine.session(decode, max_prompt_len=16)
-    session.add(0, [1, 2, 3], dataclasses.replace(sampling, gen_length=12))  # a canvas of 12 in the bucket of 32
-    session.step(100)
-    state = session._state
+    compiled = engine.compile(decode, 16)
+    state = compiled.initial_state([[1, 2, 3]], dataclasses.replace(sampling, gen_length=12))  # 12 of the bucket's 32
+    state = compiled.run(engine.weights, state, 100)
     steps = np.asarray(state.results.commit_step[0])
     assert steps.shape == (32,)
     assert (steps[12:] == -1).all(), "padding positions are never committed"
