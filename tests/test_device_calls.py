@@ -25,8 +25,8 @@ def test_calls_chain_their_states_in_order_and_the_next_starts_while_the_host_re
     second = calls.submit("w", 2)
     assert not second.started.is_set()
     release.set()
-    assert first.report.result(5) == ("report 1",)
-    assert second.started.wait(5) and second.report.result(5) == ("report 2",)
+    assert first.result(5) == ("report 1",)
+    assert second.started.wait(5) and second.result(5) == ("report 2",)
     assert [s[1:] for s in seen] == [([0], 1), ([0, 1], 2)]
     assert all(name.startswith("dllm-loop-call") for name, _, _ in seen)
     assert calls.state() == [0, 1, 2]
@@ -42,8 +42,8 @@ def test_a_failed_call_fails_the_calls_after_it_until_the_state_is_dropped():
     calls.submit("w", 1, state=0)
     failed, after = calls.submit("w", 2), calls.submit("w", 3)
     with pytest.raises(ValueError, match="device error"):
-        failed.report.result(5)
+        failed.result(5)
     with pytest.raises(RuntimeError, match="earlier call of this loop failed"):
-        after.report.result(5)
+        after.result(5)
     calls.drop_state()
-    assert calls.submit("w", 4, state=10).report.result(5) == (4,) and calls.state() == 11
+    assert calls.submit("w", 4, state=10).result(5) == (4,) and calls.state() == 11

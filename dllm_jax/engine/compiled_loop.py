@@ -62,6 +62,11 @@ class CompiledLoop:
         tokens, lengths, slot_sampling = ring.arrays()
         return self.init(tokens, lengths, slot_sampling, jnp.int32(len(prompts)))
 
+    def put_control(self, control: np.ndarray) -> jax.Array:
+        """A packed control on the device, laid out as `call` takes it: sent before the call,
+        so that the call's dispatch transfers nothing."""
+        return jax.device_put(control, self.call.input_shardings[0][2])
+
     def put_ring(self, ints: np.ndarray, floats: np.ndarray) -> tuple[jax.Array, jax.Array]:
         """A packed ring on the device, laid out as `call` takes it (passed again to later calls,
         it costs no transfer)."""
@@ -76,6 +81,6 @@ class CompiledLoop:
             self._empty_ring["ring"] = self.put_ring(
                 np.zeros((ring.num_ints,), np.int32), np.zeros((ring.num_floats,), np.float32)
             )
-        control = self.packings.control_vector(iterations, host_has_more, count=0)
+        control = self.put_control(self.packings.control_vector(iterations, host_has_more, count=0))
         state, _ = self.call(weights, state, control, *self._empty_ring["ring"])
         return state

@@ -16,20 +16,60 @@ whatever the platform (on the CPU, dispatch is asynchronous anyway).
 
 from __future__ import annotations
 
-import concurrent.futures
-import dataclasses
+import queue
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 
-@dataclasses.dataclass(frozen=True)
 class Submitted:
-    """A queued call: `report` gives its report (or raises what it raised); `started` is set
-    once the thread is about to dispatch it."""
+    """A queued call: `started` is set once the thread is about to dispatch it, `result()`
+    waits for its report (and raises what the call raised)."""
 
-    report: concurrent.futures.Future
-    started: threading.Event
+    __slots__ = ("args", "state", "started", "_done", "_report", "_error")
+
+    def __init__(self, args: tuple, state: Any):
+        self.args = args
+        self.state = state  # the state to start from (None: the last call's output)
+        self.started = threading.Event()
+        self._done = threading.Event()
+        self._report: Sequence[Any] | None = None
+        self._error: BaseException | None = None
+
+    def result(self, timeout: float | None = None) -> Sequence[Any]:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"the loop's call did not return within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self._report
+
+
+class _Chain:
+    """What the thread keeps between calls: the last output state, or the failure that lost it."""
+
+    def __init__(self):
+        self.state: Any = None
+        self.failed: BaseException | None = None
+
+
+def _serve(call: Callable, inbox: queue.SimpleQueue, chain: _Chain) -> None:
+    """The thread: runs the queued calls in order until it takes None."""
+    while (item := inbox.get()) is not None:
+        item.started.set()
+        try:
+            if chain.failed is not None:
+                raise RuntimeError("an earlier call of this loop failed; its state is gone") from chain.failed
+            state = chain.state if item.state is None else item.state
+            item.state = chain.state = None
+            try:
+                chain.state, item._report = call(item.args[0], state, *item.args[1:])
+            except BaseException as e:
+                chain.failed = e
+                raise
+        except BaseException as e:
+            item._error = e
+        item._done.set()
 
 
 class DeviceCalls:
@@ -41,45 +81,34 @@ class DeviceCalls:
     """
 
     def __init__(self, call: Callable[..., tuple[Any, Sequence[Any]]]):
-        self._call = call
-        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dllm-loop-call")
-        self._state = None  # the last call's output: only the thread touches it while calls are queued
-        self._failed: BaseException | None = None
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._chain = _Chain()
         self._last: Submitted | None = None
+        thread = threading.Thread(
+            target=_serve, args=(call, self._inbox, self._chain), name="dllm-loop-call", daemon=True
+        )
+        thread.start()
+        weakref.finalize(self, self._inbox.put, None)
 
     def submit(self, weights: Any, *args: Any, state: Any = None) -> Submitted:
         """Queues a call with these arguments, from `state` (a session's first call) or else
         from the last call's output."""
-        started = threading.Event()
-
-        def run():
-            started.set()
-            if self._failed is not None:
-                raise RuntimeError("an earlier call of this loop failed; its state is gone") from self._failed
-            current = self._state if state is None else state
-            self._state = None
-            try:
-                self._state, report = self._call(weights, current, *args)
-            except BaseException as e:
-                self._failed = e
-                raise
-            return report
-
-        self._last = Submitted(self._thread.submit(run), started)
+        self._last = Submitted((weights, *args), state)
+        self._inbox.put(self._last)
         return self._last
 
     def drop_state(self) -> None:
         """Waits for the queued calls (their reports are dropped) and forgets the state and any
         failure: the next call must bring a state."""
         if self._last is not None:
-            concurrent.futures.wait([self._last.report])
+            self._last._done.wait()
         self._last = None
-        self._state = None
-        self._failed = None
+        self._chain.state = None
+        self._chain.failed = None
 
     def state(self) -> Any:
-        """The last call's output state, once every queued call has returned (tests and
-        benchmarks look into it; a session never does)."""
+        """The last call's output state, once every queued call has returned (tests look into
+        it; a session never does)."""
         if self._last is not None:
-            concurrent.futures.wait([self._last.report])
-        return self._state
+            self._last._done.wait()
+        return self._chain.state

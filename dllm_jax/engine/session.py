@@ -243,14 +243,14 @@ class GenerationSession:
             self._in_flight = (self._submit(max_iterations), pushed or bool(self._end.any()))
         if previous is None:
             return []
-        report = previous[0].report.result()  # raises what the call raised
-        parts = self._wanted(report)
-        for part in parts:
-            part.copy_to_host_async()
         if self._in_flight is not None:
-            # the next call's dispatch holds the interpreter lock until it waits for the device:
-            # reading now would keep it from the lock for up to sys.getswitchinterval() (5 ms)
+            # the next call starts when the previous returns; its dispatch holds the interpreter
+            # lock until it waits for the device, and reading now would keep the lock from it for
+            # up to sys.getswitchinterval() (5 ms) while the device idles
             self._in_flight[0].started.wait()
+        report = previous[0].result()  # raises what the call raised
+        for part in self._wanted(report):
+            part.copy_to_host_async()
         return self._read(report, previous[1])
 
     def _submit(self, max_iterations: int) -> Submitted:
@@ -275,7 +275,7 @@ class GenerationSession:
         self._ring_changed = False
         self._release = np.zeros_like(self._release)
         self._end = np.zeros_like(self._end)
-        return self._calls.submit(self.weights, control, *self._ring_on_device, state=state)
+        return self._calls.submit(self.weights, compiled.put_control(control), *self._ring_on_device, state=state)
 
     def _wanted(self, report: Sequence[jax.Array]) -> list[jax.Array]:
         """The report's parts the host reads: the results always, the canvas when streaming,
