@@ -585,7 +585,7 @@ class Engine:
             steps=sum(r.steps for r in ordered),
             forward_passes=sum(r.forward_passes for r in ordered),
             iterations=session.timeline[-1][0],
-            wall_seconds=session.timeline[-1][1] - session.timeline[0][1],
+            wall_seconds=session.timeline[-1][1] - session.started_at,
             compile_seconds=compile_seconds,
             cache_bytes=(canvas_cache_bytes if isinstance(loop, CanvasLoop) else cache_bytes)(
                 self.config, loop.num_slots, loop.max_len

@@ -46,6 +46,9 @@ from dllm_jax.sampling.params import SamplingParams
 # it had not read the results that free the ring, legitimately does nothing).
 _MAX_IDLE_READS = 4
 
+# Timeline entries past which a read trims the ones no running request needs.
+_TIMELINE_TRIM = 1024
+
 
 @dataclasses.dataclass(frozen=True)
 class StepCommits:
@@ -130,7 +133,11 @@ class GenerationSession:
         self._idle_reads = 0  # consecutive reads that showed no progress
         self._count = 0  # requests pushed into the ring
         self._iteration = 0
+        # (loop iteration, time) at each read since the oldest running request entered the ring:
+        # its results' seconds are interpolated there (a server's session would otherwise keep
+        # every call it ever made, and interpolate over them all at every result)
         self.timeline: list[tuple[int, float]] = [(0, time.perf_counter())]
+        self.started_at = self.timeline[0][1]  # the time of the first call since the reset
 
     @property
     def decode_config(self) -> DecodeConfig:
@@ -221,6 +228,7 @@ class GenerationSession:
         while self._waiting and self._ring.free[self._count % self._ring.capacity]:
             request = self._waiting.pop(0)
             request.ring_index = self._count
+            request.pushed_iteration = self._iteration
             request.status = RequestStatus.RUNNING
             self._count += 1
             self._ring.put(request)
@@ -262,6 +270,7 @@ class GenerationSession:
             state = compiled.init(tokens, lengths, sampling, jnp.int32(self._count))
             self._started = True
             self.timeline = [(0, time.perf_counter())]
+            self.started_at = self.timeline[0][1]
         if self._ring_changed or self._ring_on_device is None:
             self._ring_on_device = compiled.put_ring(*packings.ring.pack(host_ring(self._ring), np))
         control = packings.control_vector(
@@ -315,6 +324,8 @@ class GenerationSession:
             updates.append(RequestUpdate(request.request_id, commits, result))
         if self.stream:
             updates += self._running_updates(report)
+        if len(self.timeline) > _TIMELINE_TRIM:
+            self._trim_timeline()
         progress = stepped or done.size or had_news
         self._idle_reads = 0 if progress or not self._pushed else self._idle_reads + 1
         if self._idle_reads > _MAX_IDLE_READS:
@@ -323,6 +334,13 @@ class GenerationSession:
                 f"(no step, no result, nothing new pushed in {self._idle_reads} calls, at iteration {iteration})"
             )
         return updates
+
+    def _trim_timeline(self) -> None:
+        """Drops the timeline's entries before the last one at or before the iteration at which
+        the oldest request in the ring entered it (its interpolation needs none before)."""
+        oldest = min((r.pushed_iteration for r in self._pushed.values()), default=self._iteration)
+        keep = max(i for i, (iteration, _) in enumerate(self.timeline) if iteration <= oldest)
+        self.timeline = self.timeline[keep:]
 
     def _asks(self, ring_index: int) -> bool:
         """The request at this ring index asked for log-probabilities."""
