@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -46,11 +47,13 @@ class Submitted:
 
 
 class _Chain:
-    """What the thread keeps between calls: the last output state, or the failure that lost it."""
+    """What the thread keeps between calls: the last output state, or the failure that lost it,
+    and the seconds its calls took (dispatch to return)."""
 
     def __init__(self):
         self.state: Any = None
         self.failed: BaseException | None = None
+        self.seconds = 0.0
 
 
 def _serve(call: Callable, inbox: queue.SimpleQueue, chain: _Chain) -> None:
@@ -62,22 +65,33 @@ def _serve(call: Callable, inbox: queue.SimpleQueue, chain: _Chain) -> None:
                 raise RuntimeError("an earlier call of this loop failed; its state is gone") from chain.failed
             state = chain.state if item.state is None else item.state
             item.state = chain.state = None
+            start = time.perf_counter()
             try:
                 chain.state, item._report = call(item.args[0], state, *item.args[1:])
             except BaseException as e:
                 chain.failed = e
                 raise
+            finally:
+                chain.seconds += time.perf_counter() - start
         except BaseException as e:
             item._error = e
         item._done.set()
+
+
+def _stop(inbox: queue.SimpleQueue, thread: threading.Thread) -> None:
+    """Ends the thread once its queued calls are done: when its DeviceCalls is collected, and at
+    exit (a call still inside XLA when the interpreter finalizes would abort the process)."""
+    inbox.put(None)
+    if thread is not threading.current_thread():
+        thread.join()
 
 
 class DeviceCalls:
     """Runs call(weights, state, *args) -> (state, report) in submission order on one thread,
     each call from the state the one before returned (donated to it).
 
-    The thread ends once this object is collected; a call that raises fails every call queued
-    after it (their state is gone) until `drop_state`.
+    The thread ends once this object is collected (or at exit), after its queued calls; a call
+    that raises fails every call queued after it (their state is gone) until `drop_state`.
     """
 
     def __init__(self, call: Callable[..., tuple[Any, Sequence[Any]]]):
@@ -88,7 +102,7 @@ class DeviceCalls:
             target=_serve, args=(call, self._inbox, self._chain), name="dllm-loop-call", daemon=True
         )
         thread.start()
-        weakref.finalize(self, self._inbox.put, None)
+        weakref.finalize(self, _stop, self._inbox, thread)
 
     def submit(self, weights: Any, *args: Any, state: Any = None) -> Submitted:
         """Queues a call with these arguments, from `state` (a session's first call) or else
@@ -106,9 +120,8 @@ class DeviceCalls:
         self._chain.state = None
         self._chain.failed = None
 
-    def state(self) -> Any:
-        """The last call's output state, once every queued call has returned (tests look into
-        it; a session never does)."""
-        if self._last is not None:
-            self._last._done.wait()
-        return self._chain.state
+    @property
+    def seconds(self) -> float:
+        """Seconds the calls took so far, from dispatch to return: on XLA:GPU, where a call
+        returns when the device is done, the device's busy time."""
+        return self._chain.seconds

@@ -150,6 +150,13 @@ class GenerationSession:
     # ----- requests ----------------------------------------------------------------------------
 
     @property
+    def call_seconds(self) -> float:
+        """Seconds the loop's calls took so far, from dispatch to return (on XLA:GPU, where a
+        call returns when the device is done, the device's busy time; over a wall time, how
+        busy the host kept the device)."""
+        return self._calls.seconds
+
+    @property
     def num_waiting(self) -> int:
         """Requests added but not yet in the device ring."""
         return len(self._waiting)

@@ -1,25 +1,41 @@
 """The server under saturating load against Engine.generate on the same requests, and its
-latency-throughput curve.
+latency-throughput curve, within a time budget.
 
-    PYTHONPATH=. python scripts/gpu/serve_vs_engine.py --configs 1 8 8:canvas 32 --curve-rates 2 8 32 inf
-    PYTHONPATH=. python scripts/gpu/serve_vs_engine.py --smoke          # CPU: a tiny random model, a few requests
+    PYTHONPATH=.:gpu_serve_deps python scripts/gpu/serve_vs_engine.py --budget-s 450   # H200: the issue's table and curve
+    PYTHONPATH=. python scripts/gpu/serve_vs_engine.py --smoke                         # CPU: a tiny random model
+    PYTHONPATH=. python scripts/gpu/serve_vs_engine.py --smoke --sync-dispatch         # CPU, calls blocking as on XLA:GPU
 
-Each configuration is SLOTS or SLOTS:canvas (the requests ask for the canvas stream); the
-weights are made once, each configuration gets its own server (its loops compiled and warmed
-up) and 4 x SLOTS requests (--requests overrides). After the last configuration, --curve-rates
-runs open-loop Poisson arrivals at each offered rate on its server and draws latency against
-throughput (serve_curve.png).
+Each configuration is SLOTS or SLOTS:canvas (the requests ask for the canvas stream); default
+1, 1:canvas, 8, 8:canvas, 32, 32:canvas (smoke: 1, 1:canvas, 8, 8:canvas). The weights are made
+once; each slot count's loop is compiled and warmed up by its first server, and each
+configuration gets a server of its own and max(4, 2 x SLOTS) requests (--requests overrides),
+all at once. After the last configuration, --curve-rates runs open-loop Poisson arrivals at each
+offered rate on its server (default 32 slots: 4 8 16 inf; smoke: 2 8 inf) and draws latency
+against throughput (serve_curve.png, where matplotlib is installed).
 
-Random weights make confidences meaningless, so every request runs the equal-work schedule
-of bench.py ("one": threshold 2, one token per step, flash_cache). The server runs in this
-process (uvicorn on 127.0.0.1, its engine thread owning the device); the load comes from
-scripts/load_test.py in a subprocess (its own interpreter: the client does not compete for
-this one's GIL), all requests at once, streaming with usage. Then Engine.generate decodes
-the same token-id prompts with the same DecodeConfig (its compiled loop is the server's).
-Reported: completion tokens/s of both and their ratio (the issue's target: the server within
-10%), the server's step time, and the time from the loop call that returned a commit to the
-chunk carrying it (the server's dllm_commit_to_chunk_seconds histogram). Writes
-serve_bench.json and serve_bench.md to --out (default $OUT or ./out).
+Random weights make confidences meaningless, so every request runs the equal-work schedule of
+bench.py ("one": threshold 2, one token per step, flash_cache, one loop iteration per call).
+The server runs in this process (uvicorn on 127.0.0.1, its engine thread owning the device);
+the load comes from scripts/load_test.py in a subprocess (its own interpreter: the client does
+not compete for this one's interpreter lock), streaming with usage. Then Engine.generate
+decodes the same token-id prompts with the same DecodeConfig and compiled loop (64 iterations
+per call; once per slot count). Reported per configuration: completion tokens/s of both and
+their ratio (the issue's target: at least 0.95), the server's step time (dllm_step_seconds),
+the engine's time per iteration, the share of the load's wall time the server's loop calls took
+(dispatch to return: on XLA:GPU, where a call returns when the device is done, how busy the
+server kept the device), and the time from the loop call that returned a commit to the chunk
+carrying it (dllm_commit_to_chunk_seconds; target p99 <= 5 ms).
+
+--budget-s bounds the whole run (weights, compiles, loads): before each configuration and curve
+rate the script estimates its time from what it measured so far (compile and warm-up, the
+engine's time per iteration against slots) and skips it, saying so, when it would not fit; a
+load still running when the budget ends is cut (its server keeps what it counted). The report
+(serve_bench.json, serve_bench.md in --out, default $OUT or ./out) is rewritten after each
+configuration, so a run cut short keeps what it measured.
+
+--sync-dispatch (CPU only) runs XLA:CPU's computations synchronously, so a loop call returns
+when it is done, as on XLA:GPU (which reads every while-loop condition back to the host): the
+CPU then shows the host overhead a GPU server would have.
 """
 
 from __future__ import annotations
@@ -27,7 +43,9 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
+import random
 import subprocess
 import sys
 import threading
@@ -45,6 +63,8 @@ from dllm_jax.models.config import ModelConfig, llada_8b_config  # noqa: E402
 from dllm_jax.models.transformer import init_params, init_params_per_layer  # noqa: E402
 from dllm_jax.sampling.params import SamplingParams  # noqa: E402
 from dllm_jax.serve.assemble import ServeOptions, assemble, decode_config, request_defaults  # noqa: E402
+
+METHOD = "flash_cache"
 
 
 class IdTokenizer:
@@ -82,22 +102,27 @@ def tiny_config() -> ModelConfig:
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--smoke", action="store_true", help="CPU: tiny random model, few requests")
-    p.add_argument("--configs", nargs="+", help="SLOTS or SLOTS:canvas, one server each (default 32; smoke 4 4:canvas)")
-    p.add_argument("--requests", type=int, help="requests per configuration (default 4 x slots)")
-    p.add_argument("--gen-length", type=int, help="answer positions (default 128; smoke 16)")
+    p.add_argument("--smoke", action="store_true", help="CPU: tiny random model, short prompts and answers")
+    p.add_argument("--configs", nargs="+", help="SLOTS or SLOTS:canvas, one server each (see the module help)")
+    p.add_argument("--requests", type=int, help="requests per configuration (default max(4, 2 x slots))")
+    p.add_argument("--gen-length", type=int, help="answer positions (default 128; smoke 32)")
     p.add_argument("--prompt-length", type=int, help="prompt tokens (default 256; smoke 16)")
     p.add_argument("--iterations-per-call", type=int, default=1, help="server loop iterations per device call")
-    p.add_argument(
-        "--curve-rates", nargs="*", default=[], help="offered requests/s for the last server's curve (inf: all at once)"
-    )
+    p.add_argument("--curve-rates", nargs="*", help="offered requests/s for the last server's curve (inf: all at once)")
     p.add_argument("--curve-requests", type=int, help="requests per rate of the curve (default 2 x slots)")
+    p.add_argument("--budget-s", type=float, default=0.0, help="seconds the whole run may take (0: no bound)")
+    p.add_argument("--sync-dispatch", action="store_true", help="CPU only: loop calls return when done, as on XLA:GPU")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
     opts = p.parse_args(argv)
     defaults = (
-        dict(configs=["4", "4:canvas"], gen_length=16, prompt_length=16)
+        dict(configs=["1", "1:canvas", "8", "8:canvas"], gen_length=32, prompt_length=16, curve_rates=["2", "8", "inf"])
         if opts.smoke
-        else dict(configs=["32"], gen_length=128, prompt_length=256)
+        else dict(
+            configs=["1", "1:canvas", "8", "8:canvas", "32", "32:canvas"],
+            gen_length=128,
+            prompt_length=256,
+            curve_rates=["4", "8", "16", "inf"],
+        )
     )
     for name, value in defaults.items():
         if getattr(opts, name) is None:
@@ -107,7 +132,48 @@ def parse_args(argv):
         opts.curve_rates = [float(r) for r in opts.curve_rates]
     except ValueError:
         p.error(f"--configs {opts.configs} / --curve-rates {opts.curve_rates}: expected SLOTS[:canvas] and numbers")
+    if any(s < 1 for s, _ in opts.configs) or any(not r > 0 for r in opts.curve_rates):
+        p.error("--configs: slots >= 1; --curve-rates: > 0 (inf: all at once)")
+    for name in ("requests", "gen_length", "prompt_length", "iterations_per_call", "curve_requests"):
+        value = getattr(opts, name)
+        if value is not None and value < 1:
+            p.error(f"--{name.replace('_', '-')}={value}: expected >= 1")
+    if opts.budget_s < 0:
+        p.error(f"--budget-s={opts.budget_s}: expected >= 0 (0: no bound)")
     return opts
+
+
+class Budget:
+    """The run's deadline and what it learned about its costs, to skip what would not fit."""
+
+    def __init__(self, seconds: float):
+        self.end = time.monotonic() + seconds if seconds else math.inf
+        self.step_ms: dict[int, float] = {}  # slots -> the engine's ms per iteration
+        self.compile_s = 0.0  # the longest compile + warm-up seen
+
+    def left(self) -> float:
+        return self.end - time.monotonic()
+
+    def ms_per_iteration(self, slots: int) -> float | None:
+        """The engine's ms per iteration at `slots`, from the measured slot counts (a line
+        through them; one point: in proportion to the slots, an overestimate); None: none yet."""
+        known = sorted(self.step_ms.items())
+        if not known:
+            return None
+        if len(known) == 1:
+            ((s0, m0),) = known
+            return m0 * max(1.0, slots / s0)
+        (s0, m0), (s1, m1) = known[-2], known[-1]
+        slope = (m1 - m0) / (s1 - s0)
+        return max(m0 + slope * (slots - s0), min(m for _, m in known))
+
+    def load_s(self, slots: int, requests: int, gen_length: int) -> float:
+        """Seconds one saturating load (or one Engine.generate) of these requests should take."""
+        ms = self.ms_per_iteration(slots)
+        return 0.0 if ms is None else 1.3 * math.ceil(requests / slots) * (gen_length + 2) * ms / 1e3 + 5.0
+
+    def fits(self, seconds: float) -> bool:
+        return seconds <= self.left()
 
 
 def histogram(samples: dict[str, float], name: str) -> dict:
@@ -153,15 +219,16 @@ def start_server(server):
     return uv, thread, f"http://127.0.0.1:{uv.servers[0].sockets[0].getsockname()[1]}"
 
 
-def load(url: str, opts, config, requests: int, rates: list[str], out: Path, canvas: bool, plot: Path | None = None):
-    """scripts/load_test.py in its own interpreter (never this one's): its report's runs."""
+def load(url: str, opts, config, requests: int, rates: list[float], out: Path, canvas: bool, timeout: float, plot=None):
+    """scripts/load_test.py in its own interpreter (never this one's): its report's runs, or
+    None when the budget cut it."""
     cmd = [
         sys.executable,
         str(Path(__file__).resolve().parents[1] / "load_test.py"),
         "--url",
         url,
         "--rate",
-        *rates,
+        *[str(r) for r in rates],
         "--requests",
         str(requests),
         "--prompt-ids",
@@ -177,12 +244,35 @@ def load(url: str, opts, config, requests: int, rates: list[str], out: Path, can
     ]
     cmd += ["--dllm", '{"canvas": true}'] if canvas else []
     cmd += ["--plot", str(plot)] if plot is not None else []
-    subprocess.run(cmd, check=True, timeout=1200, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    try:
+        subprocess.run(cmd, check=True, timeout=max(timeout, 1.0), env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    except subprocess.TimeoutExpired:
+        return None
     return json.loads(out.read_text())["runs"]
 
 
-def run_config(engine, config, opts, slots: int, canvas: bool, curve: bool) -> dict:
-    options = ServeOptions(
+def same_prompts(config, opts, requests: int) -> list[list[int]]:
+    """The token-id prompts load_test.py --prompt-ids --seed 7 sends."""
+    rng = random.Random(7)
+    return [[rng.randrange(config.vocab_size - 2) for _ in range(opts.prompt_length)] for _ in range(requests)]
+
+
+def engine_run(engine, config, opts, options: ServeOptions, requests: int) -> dict:
+    decode = decode_config(METHOD, options)
+    prompts = same_prompts(config, opts, requests)
+    out = engine.generate(prompts, SamplingParams(**request_defaults(decode, options)), decode_config=decode)
+    rate = out.stats.completion_tokens / out.stats.wall_seconds
+    return {
+        "tokens": out.stats.completion_tokens,
+        "wall_s": out.stats.wall_seconds,
+        "tokens_per_s": rate,
+        "iterations": out.stats.iterations,
+        "ms_per_iteration": 1e3 * out.stats.wall_seconds / max(out.stats.iterations, 1),
+    }
+
+
+def serve_options(opts, slots: int) -> ServeOptions:
+    return ServeOptions(
         model_name="random",
         batch_size=slots,
         gen_length=opts.gen_length,
@@ -190,63 +280,102 @@ def run_config(engine, config, opts, slots: int, canvas: bool, curve: bool) -> d
         threshold=2.0,
         max_waiting=4096,
         iterations_per_call=opts.iterations_per_call,
+        log_interval=0,
     )
-    server = assemble(engine, IdTokenizer(config.eos_token_id), options)
-    requests = opts.requests or 4 * slots
-    name = f"{slots}{'-canvas' if canvas else ''}"
-    print(f"[{name}] server warm-up {server.warmup_seconds:.1f} s", flush=True)
-    uv, thread, url = start_server(server)
-    t = time.perf_counter()
-    run = load(url, opts, config, requests, ["inf"], opts.out / f"load_{name}.json", canvas)[0]
-    print(f"[{name}] load test {time.perf_counter() - t:.1f} s", flush=True)
-    samples = read_metrics(url)
-    curve_runs = []
-    if curve and opts.curve_rates:
-        curve_runs = load(
-            url,
-            opts,
-            config,
-            opts.curve_requests or 2 * slots,
-            [str(r) for r in opts.curve_rates],
-            opts.out / "serve_curve.json",
-            canvas,
-            # the GPU machine's image has no matplotlib: draw it later with load_test.py --replot
-            plot=opts.out / "serve_curve.png" if importlib.util.find_spec("matplotlib") else None,
-        )
-    uv.should_exit = True
-    thread.join(60)
-    import random
 
-    rng = random.Random(7)  # the same prompts (load_test's --prompt-ids draw), decoded by Engine.generate
-    prompts = [[rng.randrange(config.vocab_size - 2) for _ in range(opts.prompt_length)] for _ in range(requests)]
-    decode = decode_config("flash_cache", options)
-    out = engine.generate(prompts, SamplingParams(**request_defaults(decode, options)), decode_config=decode)
-    engine_rate = out.stats.completion_tokens / out.stats.wall_seconds
-    return {
-        "slots": slots,
-        "canvas": canvas,
-        "requests": requests,
-        "warmup_s": server.warmup_seconds,
-        "server": {
+
+def run_config(engine, config, opts, budget: Budget, engines: dict, slots: int, canvas: bool) -> dict:
+    options = serve_options(opts, slots)
+    requests = opts.requests or max(4, 2 * slots)
+    name = f"{slots}{'-canvas' if canvas else ''}"
+    row: dict = {"slots": slots, "canvas": canvas, "requests": requests}
+    start = time.monotonic()
+    server = assemble(engine, IdTokenizer(config.eos_token_id), options)
+    budget.compile_s = max(budget.compile_s, time.monotonic() - start)
+    row["warmup_s"] = server.warmup_seconds
+    print(f"[{name}] server warm-up {server.warmup_seconds:.1f} s", flush=True)
+    session = server.worker.sessions[METHOD]
+    uv, thread, url = start_server(server)
+    try:
+        calls_before, t = session.call_seconds, time.perf_counter()
+        runs = load(url, opts, config, requests, [math.inf], opts.out / f"load_{name}.json", canvas, budget.left())
+        wall = time.perf_counter() - t
+        samples = read_metrics(url)
+        if runs is None:
+            row["cut"] = f"the budget ended during the load ({wall:.0f} s)"
+            return row
+        run = runs[0]
+        print(f"[{name}] load test {wall:.1f} s", flush=True)
+        row["server"] = {
             **run,
+            "calls_share_of_wall": (session.call_seconds - calls_before) / wall,
             "compilations_after_warmup": samples.get("dllm_compilations_after_warmup"),
             "step": histogram(samples, "dllm_step_seconds"),
             "commit_to_chunk": histogram(samples, "dllm_commit_to_chunk_seconds"),
-        },
-        "engine": {
-            "tokens": out.stats.completion_tokens,
-            "wall_s": out.stats.wall_seconds,
-            "tokens_per_s": engine_rate,
-            "iterations": out.stats.iterations,
-            "ms_per_iteration": 1e3 * out.stats.wall_seconds / max(out.stats.iterations, 1),
-        },
-        "server_over_engine": run["tokens_per_s"] / engine_rate if engine_rate else None,
-        "same_tokens": run["tokens"] == out.stats.completion_tokens,
-        "curve": curve_runs,
-    }
+        }
+    finally:
+        uv.should_exit = True
+        thread.join(60)
+    if slots not in engines:
+        if not budget.fits(budget.load_s(slots, requests, opts.gen_length)):
+            row["cut"] = "no budget left for Engine.generate"
+            return row
+        engines[slots] = engine_run(engine, config, opts, options, requests)
+        budget.step_ms[slots] = engines[slots]["ms_per_iteration"]
+    e = row["engine"] = engines[slots]
+    row["server_over_engine"] = run["tokens_per_s"] / e["tokens_per_s"] if e["tokens_per_s"] else None
+    row["same_tokens"] = run["tokens"] == e["tokens"]
+    return row
 
 
-def write_report(opts, rows: list[dict]) -> None:
+def run_curve(engine, config, opts, budget: Budget, slots: int) -> list[dict]:
+    """Open-loop Poisson arrivals at each --curve-rates rate that fits the budget, on a server
+    of `slots` slots (its loop compiled already), plain streams."""
+    requests = opts.curve_requests or 2 * slots
+    server = assemble(engine, IdTokenizer(config.eos_token_id), serve_options(opts, slots))
+    uv, thread, url = start_server(server)
+    try:
+        runs = _curve_loads(url, opts, config, budget, slots, requests)
+    finally:
+        uv.should_exit = True
+        thread.join(60)
+    return runs
+
+
+def _curve_loads(url: str, opts, config, budget: Budget, slots: int, requests: int) -> list[dict]:
+    runs = []
+    for rate in opts.curve_rates:
+        saturated = budget.load_s(slots, requests, opts.gen_length)
+        needed = (
+            max(saturated, requests / rate + saturated / math.ceil(requests / slots)) if rate < math.inf else saturated
+        )
+        if not budget.fits(needed):
+            print(f"[curve] rate {rate:g}/s skipped: about {needed:.0f} s, {budget.left():.0f} s left", flush=True)
+            continue
+        out = opts.out / f"serve_curve_{rate:g}.json"
+        got = load(url, opts, config, requests, [rate], out, False, budget.left())
+        if got is None:
+            break
+        runs += got
+    if runs:
+        write_text_atomically(opts.out / "serve_curve.json", json.dumps({"model": "random", "runs": runs}, indent=1))
+        if importlib.util.find_spec("matplotlib"):  # the GPU image has none: load_test.py --replot draws it later
+            subprocess.run(
+                [
+                    sys.executable,
+                    str(Path(__file__).resolve().parents[1] / "load_test.py"),
+                    "--replot",
+                    str(opts.out / "serve_curve.json"),
+                    "--plot",
+                    str(opts.out / "serve_curve.png"),
+                ],
+                check=False,
+                timeout=120,
+            )
+    return runs
+
+
+def write_report(opts, rows: list[dict], skipped: list[str], curve: dict | None = None) -> None:
     """serve_bench.json and serve_bench.md of the configurations measured so far (and printed)."""
     report = {
         "device": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
@@ -257,36 +386,43 @@ def write_report(opts, rows: list[dict]) -> None:
         "gen_length": opts.gen_length,
         "prompt_length": opts.prompt_length,
         "iterations_per_call": opts.iterations_per_call,
+        "sync_dispatch": opts.sync_dispatch,
         "configs": rows,
+        "skipped": skipped,
+        "curve": curve,
     }
     lines = [
         f"# serve bench: {report['model']} on {report['device']}, {report['date']}",
         "",
         f"Prompts of {opts.prompt_length} tokens, {opts.gen_length} generated, one token per step, "
-        f"{opts.iterations_per_call} iteration(s) per call, all requests at once.",
+        f"{opts.iterations_per_call} iteration(s) per call, all requests at once"
+        f"{'; XLA:CPU dispatch synchronous' if opts.sync_dispatch else ''}.",
         "",
-        "| slots | requests | canvas | server tokens/s | engine tokens/s | server / engine | server step ms | engine ms/iteration | commit-to-chunk mean / p99 ms | same tokens | errors |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| slots | requests | canvas | server tokens/s | engine tokens/s | server / engine | server step ms | "
+        "engine ms/iteration | calls' share of wall | commit-to-chunk mean / p99 ms | same tokens | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        if "server" not in r or "engine" not in r:
+            lines.append(f"| {r['slots']} | {r['requests']} | {'on' if r['canvas'] else 'off'} | {r.get('cut')} |")
+            continue
         s, e, c = r["server"], r["engine"], r["server"]["commit_to_chunk"]
-        p99 = c.get("p99_le_s")
         lines.append(
             f"| {r['slots']} | {r['requests']} | {'on' if r['canvas'] else 'off'} | {s['tokens_per_s']:.1f} | "
-            f"{e['tokens_per_s']:.1f} | {r['server_over_engine']:.3f} | {ms(s['step'].get('mean_s'))} | "
-            f"{e['ms_per_iteration']:.2f} | {ms(c.get('mean_s'))} / <= {ms(p99)} | {r['same_tokens']} | "
-            f"{s['errors'] or 'none'} |"
+            f"{e['tokens_per_s']:.1f} | **{r['server_over_engine']:.3f}** | {ms(s['step'].get('mean_s'))} | "
+            f"{e['ms_per_iteration']:.2f} | {s['calls_share_of_wall']:.2f} | {ms(c.get('mean_s'))} / <= "
+            f"{ms(c.get('p99_le_s'))} | {r['same_tokens']} | {s['errors'] or 'none'} |"
         )
-    curve = rows[-1]["curve"]
-    if curve:
+    lines += [f"\nSkipped: {'; '.join(skipped)}."] if skipped else []
+    if curve and curve["runs"]:
         lines += [
             "",
-            f"Latency-throughput curve, {rows[-1]['slots']} slots (serve_curve.png):",
+            f"Latency-throughput curve, {curve['slots']} slots, {curve['requests']} requests per rate (serve_curve.png):",
             "",
             "| offered req/s | ok | req/s | tokens/s | first text p50 / p99 s | latency p50 / p90 / p99 s |",
             "|---|---|---|---|---|---|",
         ]
-        for c in curve:
+        for c in curve["runs"]:
             lines.append(
                 f"| {c['rate']:g} | {c['ok']}/{c['requests']} | {c['requests_per_s']:.2f} | {c['tokens_per_s']:.1f} | "
                 f"{c['first_text_p50_s']:.3f} / {c['first_text_p99_s']:.3f} | {c['latency_p50_s']:.3f} / "
@@ -295,7 +431,7 @@ def write_report(opts, rows: list[dict]) -> None:
     md = "\n".join(lines)
     write_text_atomically(opts.out / "serve_bench.json", json.dumps(report, indent=1))
     write_text_atomically(opts.out / "serve_bench.md", md + "\n")
-    print(md)
+    print(md, flush=True)
 
 
 def ms(value) -> str:
@@ -304,6 +440,12 @@ def ms(value) -> str:
 
 def main(argv=None) -> int:
     opts = parse_args(argv)
+    budget = Budget(opts.budget_s)
+    if opts.sync_dispatch:
+        if jax.devices()[0].platform != "cpu":
+            print("serve_vs_engine: --sync-dispatch is for the CPU (XLA:GPU's calls block already)", file=sys.stderr)
+            return 2
+        jax.config.update("jax_cpu_enable_async_dispatch", False)
     config = tiny_config() if opts.smoke else llada_8b_config()
     t = time.perf_counter()
     if opts.smoke:
@@ -313,11 +455,26 @@ def main(argv=None) -> int:
     print(f"random weights on {jax.devices()[0]} in {time.perf_counter() - t:.1f} s", flush=True)
     engine = Engine(config, weights, backend="auto")
     opts.out.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for i, (slots, canvas) in enumerate(opts.configs):
-        rows.append(run_config(engine, config, opts, slots, canvas, curve=i == len(opts.configs) - 1))
-        write_report(opts, rows)  # after each configuration: a run cut short keeps what it measured
-    ok = all(not r["server"]["errors"] and r["same_tokens"] for r in rows)
+    rows, skipped, engines = [], [], {}
+    compiled_slots: set[int] = set()
+    for slots, canvas in opts.configs:
+        requests = opts.requests or max(4, 2 * slots)
+        needed = (0 if slots in compiled_slots else 1.5 * budget.compile_s) + budget.load_s(
+            slots, requests, opts.gen_length
+        ) * (1 if slots in engines else 2)
+        if not budget.fits(needed):
+            skipped.append(f"{slots}{':canvas' if canvas else ''} (about {needed:.0f} s, {budget.left():.0f} s left)")
+            continue
+        rows.append(run_config(engine, config, opts, budget, engines, slots, canvas))
+        compiled_slots.add(slots)
+        write_report(opts, rows, skipped)  # after each configuration: a run cut short keeps what it measured
+    curve = None
+    if opts.curve_rates and compiled_slots:
+        slots = max(compiled_slots)
+        requests = opts.curve_requests or 2 * slots
+        curve = {"slots": slots, "requests": requests, "runs": run_curve(engine, config, opts, budget, slots)}
+    write_report(opts, rows, skipped, curve)
+    ok = all(r.get("server") and not r["server"]["errors"] and r.get("same_tokens") for r in rows)
     return 0 if ok else 1
 
 
