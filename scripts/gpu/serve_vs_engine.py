@@ -3,7 +3,7 @@ latency-throughput curve, within a time budget.
 
     PYTHONPATH=.:gpu_serve_deps python scripts/gpu/serve_vs_engine.py --budget-s 450   # H200: the issue's table and curve
     PYTHONPATH=. python scripts/gpu/serve_vs_engine.py --smoke                         # CPU: a tiny random model
-    PYTHONPATH=. python scripts/gpu/serve_vs_engine.py --smoke --sync-dispatch         # CPU, calls blocking as on XLA:GPU
+    PYTHONPATH=. python scripts/gpu/serve_vs_engine.py --smoke --blocking-calls        # CPU, calls blocking as on XLA:GPU
 
 Each configuration is SLOTS or SLOTS:canvas (the requests ask for the canvas stream); default
 1, 1:canvas, 8, 8:canvas, 32, 32:canvas (smoke: 1, 1:canvas, 8, 8:canvas). The weights are made
@@ -33,19 +33,23 @@ load still running when the budget ends is cut (its server keeps what it counted
 (serve_bench.json, serve_bench.md in --out, default $OUT or ./out) is rewritten after each
 configuration, so a run cut short keeps what it measured.
 
---sync-dispatch (CPU only) runs XLA:CPU's computations synchronously, so a loop call returns
-when it is done, as on XLA:GPU (which reads every while-loop condition back to the host): the
-CPU then shows the host overhead a GPU server would have.
+--blocking-calls (CPU only) makes every loop call return only when its results are ready
+(jax.block_until_ready), as XLA:GPU's do (it reads every while-loop condition back to the host),
+for the server and Engine.generate alike: the CPU then shows the host overhead a GPU server
+would have. (XLA:CPU's own synchronous dispatch does not do it: it runs parallel computations,
+the decode loop's among them, asynchronously still.)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import math
 import os
 import random
+import statistics
 import subprocess
 import sys
 import threading
@@ -110,8 +114,9 @@ def parse_args(argv):
     p.add_argument("--iterations-per-call", type=int, default=1, help="server loop iterations per device call")
     p.add_argument("--curve-rates", nargs="*", help="offered requests/s for the last server's curve (inf: all at once)")
     p.add_argument("--curve-requests", type=int, help="requests per rate of the curve (default 2 x slots)")
+    p.add_argument("--repeats", type=int, default=1, help="loads (and engine runs) per configuration; medians")
     p.add_argument("--budget-s", type=float, default=0.0, help="seconds the whole run may take (0: no bound)")
-    p.add_argument("--sync-dispatch", action="store_true", help="CPU only: loop calls return when done, as on XLA:GPU")
+    p.add_argument("--blocking-calls", action="store_true", help="CPU only: loop calls return when done, as on XLA:GPU")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
     opts = p.parse_args(argv)
     defaults = (
@@ -134,7 +139,7 @@ def parse_args(argv):
         p.error(f"--configs {opts.configs} / --curve-rates {opts.curve_rates}: expected SLOTS[:canvas] and numbers")
     if any(s < 1 for s, _ in opts.configs) or any(not r > 0 for r in opts.curve_rates):
         p.error("--configs: slots >= 1; --curve-rates: > 0 (inf: all at once)")
-    for name in ("requests", "gen_length", "prompt_length", "iterations_per_call", "curve_requests"):
+    for name in ("requests", "gen_length", "prompt_length", "iterations_per_call", "curve_requests", "repeats"):
         value = getattr(opts, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')}={value}: expected >= 1")
@@ -285,46 +290,62 @@ def serve_options(opts, slots: int) -> ServeOptions:
 
 
 def run_config(engine, config, opts, budget: Budget, engines: dict, slots: int, canvas: bool) -> dict:
+    """One configuration: its server under --repeats saturating loads, each followed (while
+    the slot count has fewer) by an Engine.generate of the same requests; medians of both."""
     options = serve_options(opts, slots)
     requests = opts.requests or max(4, 2 * slots)
     name = f"{slots}{'-canvas' if canvas else ''}"
-    row: dict = {"slots": slots, "canvas": canvas, "requests": requests}
+    row: dict = {"slots": slots, "canvas": canvas, "requests": requests, "server_runs": []}
     start = time.monotonic()
     server = assemble(engine, IdTokenizer(config.eos_token_id), options)
     budget.compile_s = max(budget.compile_s, time.monotonic() - start)
     row["warmup_s"] = server.warmup_seconds
     print(f"[{name}] server warm-up {server.warmup_seconds:.1f} s", flush=True)
     session = server.worker.sessions[METHOD]
+    runs = engines.setdefault(slots, [])
     uv, thread, url = start_server(server)
     try:
-        calls_before, t = session.call_seconds, time.perf_counter()
-        runs = load(url, opts, config, requests, [math.inf], opts.out / f"load_{name}.json", canvas, budget.left())
-        wall = time.perf_counter() - t
+        for repeat in range(opts.repeats):
+            if repeat and not budget.fits(budget.load_s(slots, requests, opts.gen_length) * 2):
+                break
+            calls_before = session.call_seconds
+            got = load(url, opts, config, requests, [math.inf], opts.out / f"load_{name}.json", canvas, budget.left())
+            if got is None:
+                row["cut"] = "the budget ended during a load"
+                break
+            run = got[0]
+            # the loop calls' share of the load's wall (from its first request to its last answer)
+            run["calls_share_of_wall"] = (session.call_seconds - calls_before) / run["wall_s"]
+            row["server_runs"].append(run)
+            print(f"[{name}] load {repeat + 1}: {run['tokens_per_s']:.1f} tokens/s", flush=True)
+            if len(runs) < opts.repeats and budget.fits(budget.load_s(slots, requests, opts.gen_length)):
+                runs.append(engine_run(engine, config, opts, options, requests))
+                budget.step_ms[slots] = statistics.median(e["ms_per_iteration"] for e in runs)
         samples = read_metrics(url)
-        if runs is None:
-            row["cut"] = f"the budget ended during the load ({wall:.0f} s)"
-            return row
-        run = runs[0]
-        print(f"[{name}] load test {wall:.1f} s", flush=True)
-        row["server"] = {
-            **run,
-            "calls_share_of_wall": (session.call_seconds - calls_before) / wall,
-            "compilations_after_warmup": samples.get("dllm_compilations_after_warmup"),
-            "step": histogram(samples, "dllm_step_seconds"),
-            "commit_to_chunk": histogram(samples, "dllm_commit_to_chunk_seconds"),
-        }
     finally:
         uv.should_exit = True
         thread.join(60)
-    if slots not in engines:
-        if not budget.fits(budget.load_s(slots, requests, opts.gen_length)):
-            row["cut"] = "no budget left for Engine.generate"
-            return row
-        engines[slots] = engine_run(engine, config, opts, options, requests)
-        budget.step_ms[slots] = engines[slots]["ms_per_iteration"]
-    e = row["engine"] = engines[slots]
-    row["server_over_engine"] = run["tokens_per_s"] / e["tokens_per_s"] if e["tokens_per_s"] else None
-    row["same_tokens"] = run["tokens"] == e["tokens"]
+    if not row["server_runs"] or not runs:
+        row.setdefault("cut", "no budget left for Engine.generate")
+        return row
+    served = row["server_runs"]
+    row["server"] = {
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in served),
+        "calls_share_of_wall": statistics.median(r["calls_share_of_wall"] for r in served),
+        "tokens": served[-1]["tokens"],
+        "errors": {k: v for r in served for k, v in r["errors"].items()},
+        "compilations_after_warmup": samples.get("dllm_compilations_after_warmup"),
+        "step": histogram(samples, "dllm_step_seconds"),
+        "commit_to_chunk": histogram(samples, "dllm_commit_to_chunk_seconds"),
+    }
+    row["engine_runs"] = runs
+    row["engine"] = {
+        "tokens_per_s": statistics.median(e["tokens_per_s"] for e in runs),
+        "ms_per_iteration": statistics.median(e["ms_per_iteration"] for e in runs),
+        "tokens": runs[-1]["tokens"],
+    }
+    row["server_over_engine"] = row["server"]["tokens_per_s"] / row["engine"]["tokens_per_s"]
+    row["same_tokens"] = all(r["tokens"] == runs[0]["tokens"] for r in served + runs)
     return row
 
 
@@ -386,7 +407,8 @@ def write_report(opts, rows: list[dict], skipped: list[str], curve: dict | None 
         "gen_length": opts.gen_length,
         "prompt_length": opts.prompt_length,
         "iterations_per_call": opts.iterations_per_call,
-        "sync_dispatch": opts.sync_dispatch,
+        "blocking_calls": opts.blocking_calls,
+        "repeats": opts.repeats,
         "configs": rows,
         "skipped": skipped,
         "curve": curve,
@@ -395,8 +417,9 @@ def write_report(opts, rows: list[dict], skipped: list[str], curve: dict | None 
         f"# serve bench: {report['model']} on {report['device']}, {report['date']}",
         "",
         f"Prompts of {opts.prompt_length} tokens, {opts.gen_length} generated, one token per step, "
-        f"{opts.iterations_per_call} iteration(s) per call, all requests at once"
-        f"{'; XLA:CPU dispatch synchronous' if opts.sync_dispatch else ''}.",
+        f"{opts.iterations_per_call} iteration(s) per call, all requests at once, "
+        f"{opts.repeats} load(s) and Engine.generate run(s) per configuration (medians)"
+        f"{'; every loop call blocking until its results are ready' if opts.blocking_calls else ''}.",
         "",
         "| slots | requests | canvas | server tokens/s | engine tokens/s | server / engine | server step ms | "
         "engine ms/iteration | calls' share of wall | commit-to-chunk mean / p99 ms | same tokens | errors |",
@@ -434,6 +457,21 @@ def write_report(opts, rows: list[dict], skipped: list[str], curve: dict | None 
     print(md, flush=True)
 
 
+class BlockingCall:
+    """A compiled loop's call that returns when its outputs are ready (--blocking-calls)."""
+
+    def __init__(self, call):
+        self.call = call
+        self.input_shardings = call.input_shardings
+
+    def __call__(self, *args):
+        return jax.block_until_ready(self.call(*args))
+
+
+def blocking(compiled):
+    return dataclasses.replace(compiled, call=BlockingCall(compiled.call))
+
+
 def ms(value) -> str:
     return "-" if value is None else f"{1e3 * value:.2f}"
 
@@ -441,11 +479,9 @@ def ms(value) -> str:
 def main(argv=None) -> int:
     opts = parse_args(argv)
     budget = Budget(opts.budget_s)
-    if opts.sync_dispatch:
-        if jax.devices()[0].platform != "cpu":
-            print("serve_vs_engine: --sync-dispatch is for the CPU (XLA:GPU's calls block already)", file=sys.stderr)
-            return 2
-        jax.config.update("jax_cpu_enable_async_dispatch", False)
+    if opts.blocking_calls and jax.devices()[0].platform != "cpu":
+        print("serve_vs_engine: --blocking-calls is for the CPU (XLA:GPU's calls block already)", file=sys.stderr)
+        return 2
     config = tiny_config() if opts.smoke else llada_8b_config()
     t = time.perf_counter()
     if opts.smoke:
@@ -454,6 +490,9 @@ def main(argv=None) -> int:
         weights = jax.block_until_ready(init_params_per_layer(config, jax.random.key(0)))
     print(f"random weights on {jax.devices()[0]} in {time.perf_counter() - t:.1f} s", flush=True)
     engine = Engine(config, weights, backend="auto")
+    if opts.blocking_calls:
+        compile_loop = engine.compile
+        engine.compile = lambda *a, **k: blocking(compile_loop(*a, **k))
     opts.out.mkdir(parents=True, exist_ok=True)
     rows, skipped, engines = [], [], {}
     compiled_slots: set[int] = set()
@@ -461,7 +500,7 @@ def main(argv=None) -> int:
         requests = opts.requests or max(4, 2 * slots)
         needed = (0 if slots in compiled_slots else 1.5 * budget.compile_s) + budget.load_s(
             slots, requests, opts.gen_length
-        ) * (1 if slots in engines else 2)
+        ) * opts.repeats * (1 if len(engines.get(slots, ())) >= opts.repeats else 2)
         if not budget.fits(needed):
             skipped.append(f"{slots}{':canvas' if canvas else ''} (about {needed:.0f} s, {budget.left():.0f} s left)")
             continue
