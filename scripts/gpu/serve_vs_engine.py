@@ -7,11 +7,11 @@ latency-throughput curve, within a time budget.
 
 Each configuration is SLOTS or SLOTS:canvas (the requests ask for the canvas stream); default
 1, 1:canvas, 8, 8:canvas, 32, 32:canvas (smoke: 1, 1:canvas, 8, 8:canvas). The weights are made
-once; each slot count's loop is compiled and warmed up by its first server, and each
-configuration gets a server of its own and max(4, 2 x SLOTS) requests (--requests overrides),
-all at once. After the last configuration, --curve-rates runs open-loop Poisson arrivals at each
-offered rate on its server (default 32 slots: 4 8 16 inf; smoke: 2 8 inf) and draws latency
-against throughput (serve_curve.png, where matplotlib is installed).
+once; each slot count gets one server (its loop compiled and warmed up) for its configurations,
+each of max(4, 2 x SLOTS) requests (--requests overrides), all at once. On the last slot
+count's server, --curve-rates then runs open-loop Poisson arrivals at each offered rate
+(default 4 8 16 inf; smoke: 2 8 inf), plain streams, and draws latency against throughput
+(serve_curve.png, where matplotlib is installed).
 
 Random weights make confidences meaningless, so every request runs the equal-work schedule of
 bench.py ("one": threshold 2, one token per step, flash_cache, one loop iteration per call).
@@ -31,7 +31,7 @@ rate the script estimates its time from what it measured so far (compile and war
 engine's time per iteration against slots) and skips it, saying so, when it would not fit; a
 load still running when the budget ends is cut (its server keeps what it counted). The report
 (serve_bench.json, serve_bench.md in --out, default $OUT or ./out) is rewritten after each
-configuration, so a run cut short keeps what it measured.
+slot count, so a run cut short keeps what it measured.
 
 --blocking-calls (CPU only) makes every loop call return only when its results are ready
 (jax.block_until_ready), as XLA:GPU's do (it reads every while-loop condition back to the host),
@@ -181,13 +181,16 @@ class Budget:
         return seconds <= self.left()
 
 
-def histogram(samples: dict[str, float], name: str) -> dict:
-    """Mean and bucket quantiles (upper bounds) of a Prometheus histogram from /metrics samples."""
-    count = samples.get(f"{name}_count", 0.0)
+def histogram(samples: dict[str, float], name: str, before: dict[str, float] | None = None) -> dict:
+    """Mean and bucket quantiles (upper bounds) of a Prometheus histogram from /metrics samples
+    (of what it counted since the `before` samples, when given)."""
+    before = before or {}
+    counts = {k: v - before.get(k, 0.0) for k, v in samples.items() if k.startswith(name)}
+    count = counts.get(f"{name}_count", 0.0)
     if not count:
         return {"count": 0}
     buckets = sorted(
-        (float(k.split('le="')[1].rstrip('"}')), v) for k, v in samples.items() if k.startswith(f"{name}_bucket")
+        (float(k.split('le="')[1].rstrip('"}')), v) for k, v in counts.items() if k.startswith(f"{name}_bucket")
     )
 
     def quantile(q):
@@ -195,7 +198,7 @@ def histogram(samples: dict[str, float], name: str) -> dict:
 
     return {
         "count": count,
-        "mean_s": samples[f"{name}_sum"] / count,
+        "mean_s": counts[f"{name}_sum"] / count,
         "p50_le_s": quantile(0.5),
         "p99_le_s": quantile(0.99),
     }
@@ -289,42 +292,61 @@ def serve_options(opts, slots: int) -> ServeOptions:
     )
 
 
-def run_config(engine, config, opts, budget: Budget, engines: dict, slots: int, canvas: bool) -> dict:
-    """One configuration: its server under --repeats saturating loads, each followed (while
-    the slot count has fewer) by an Engine.generate of the same requests; medians of both."""
+def serve_slots(engine, config, opts, budget: Budget, engines: dict, slots: int, canvases: list[bool], curve: bool):
+    """One server of `slots` slots (compiled and warmed up if new) for every configuration of
+    that slot count, then the curve on it when asked: (rows, the curve's runs or None, skipped)."""
+    start = time.monotonic()
+    server = assemble(engine, IdTokenizer(config.eos_token_id), serve_options(opts, slots))
+    budget.compile_s = max(budget.compile_s, time.monotonic() - start)
+    print(f"[{slots} slots] server warm-up {server.warmup_seconds:.1f} s", flush=True)
+    uv, thread, url = start_server(server)
+    rows, skipped, curve_runs = [], [], None
+    try:
+        for canvas in canvases:
+            requests = opts.requests or max(4, 2 * slots)
+            needed = budget.load_s(slots, requests, opts.gen_length) * opts.repeats * 2
+            if not budget.fits(needed):
+                skipped.append(
+                    f"{slots}{':canvas' if canvas else ''} (about {needed:.0f} s, {budget.left():.0f} s left)"
+                )
+                continue
+            rows.append(measure(engine, config, opts, budget, engines, server, url, slots, canvas))
+            rows[-1]["warmup_s"] = server.warmup_seconds
+        if curve:
+            curve_runs = _curve_loads(url, opts, config, budget, slots, opts.curve_requests or 2 * slots)
+    finally:
+        uv.should_exit = True
+        thread.join(60)
+    return rows, curve_runs, skipped
+
+
+def measure(engine, config, opts, budget: Budget, engines: dict, server, url: str, slots: int, canvas: bool) -> dict:
+    """One configuration: --repeats saturating loads on the server, each followed (while the
+    slot count has fewer) by an Engine.generate of the same requests; medians of both."""
     options = serve_options(opts, slots)
     requests = opts.requests or max(4, 2 * slots)
     name = f"{slots}{'-canvas' if canvas else ''}"
     row: dict = {"slots": slots, "canvas": canvas, "requests": requests, "server_runs": []}
-    start = time.monotonic()
-    server = assemble(engine, IdTokenizer(config.eos_token_id), options)
-    budget.compile_s = max(budget.compile_s, time.monotonic() - start)
-    row["warmup_s"] = server.warmup_seconds
-    print(f"[{name}] server warm-up {server.warmup_seconds:.1f} s", flush=True)
     session = server.worker.sessions[METHOD]
     runs = engines.setdefault(slots, [])
-    uv, thread, url = start_server(server)
-    try:
-        for repeat in range(opts.repeats):
-            if repeat and not budget.fits(budget.load_s(slots, requests, opts.gen_length) * 2):
-                break
-            calls_before = session.call_seconds
-            got = load(url, opts, config, requests, [math.inf], opts.out / f"load_{name}.json", canvas, budget.left())
-            if got is None:
-                row["cut"] = "the budget ended during a load"
-                break
-            run = got[0]
-            # the loop calls' share of the load's wall (from its first request to its last answer)
-            run["calls_share_of_wall"] = (session.call_seconds - calls_before) / run["wall_s"]
-            row["server_runs"].append(run)
-            print(f"[{name}] load {repeat + 1}: {run['tokens_per_s']:.1f} tokens/s", flush=True)
-            if len(runs) < opts.repeats and budget.fits(budget.load_s(slots, requests, opts.gen_length)):
-                runs.append(engine_run(engine, config, opts, options, requests))
-                budget.step_ms[slots] = statistics.median(e["ms_per_iteration"] for e in runs)
-        samples = read_metrics(url)
-    finally:
-        uv.should_exit = True
-        thread.join(60)
+    before = read_metrics(url)
+    for repeat in range(opts.repeats):
+        if repeat and not budget.fits(budget.load_s(slots, requests, opts.gen_length) * 2):
+            break
+        calls_before = session.call_seconds
+        got = load(url, opts, config, requests, [math.inf], opts.out / f"load_{name}.json", canvas, budget.left())
+        if got is None:
+            row["cut"] = "the budget ended during a load"
+            break
+        run = got[0]
+        # the loop calls' share of the load's wall (from its first request to its last answer)
+        run["calls_share_of_wall"] = (session.call_seconds - calls_before) / run["wall_s"]
+        row["server_runs"].append(run)
+        print(f"[{name}] load {repeat + 1}: {run['tokens_per_s']:.1f} tokens/s", flush=True)
+        if len(runs) < opts.repeats and budget.fits(budget.load_s(slots, requests, opts.gen_length)):
+            runs.append(engine_run(engine, config, opts, options, requests))
+            budget.step_ms[slots] = statistics.median(e["ms_per_iteration"] for e in runs)
+    samples = read_metrics(url)
     if not row["server_runs"] or not runs:
         row.setdefault("cut", "no budget left for Engine.generate")
         return row
@@ -335,8 +357,8 @@ def run_config(engine, config, opts, budget: Budget, engines: dict, slots: int, 
         "tokens": served[-1]["tokens"],
         "errors": {k: v for r in served for k, v in r["errors"].items()},
         "compilations_after_warmup": samples.get("dllm_compilations_after_warmup"),
-        "step": histogram(samples, "dllm_step_seconds"),
-        "commit_to_chunk": histogram(samples, "dllm_commit_to_chunk_seconds"),
+        "step": histogram(samples, "dllm_step_seconds", before),
+        "commit_to_chunk": histogram(samples, "dllm_commit_to_chunk_seconds", before),
     }
     row["engine_runs"] = runs
     row["engine"] = {
@@ -347,20 +369,6 @@ def run_config(engine, config, opts, budget: Budget, engines: dict, slots: int, 
     row["server_over_engine"] = row["server"]["tokens_per_s"] / row["engine"]["tokens_per_s"]
     row["same_tokens"] = all(r["tokens"] == runs[0]["tokens"] for r in served + runs)
     return row
-
-
-def run_curve(engine, config, opts, budget: Budget, slots: int) -> list[dict]:
-    """Open-loop Poisson arrivals at each --curve-rates rate that fits the budget, on a server
-    of `slots` slots (its loop compiled already), plain streams."""
-    requests = opts.curve_requests or 2 * slots
-    server = assemble(engine, IdTokenizer(config.eos_token_id), serve_options(opts, slots))
-    uv, thread, url = start_server(server)
-    try:
-        runs = _curve_loads(url, opts, config, budget, slots, requests)
-    finally:
-        uv.should_exit = True
-        thread.join(60)
-    return runs
 
 
 def _curve_loads(url: str, opts, config, budget: Budget, slots: int, requests: int) -> list[dict]:
@@ -495,23 +503,27 @@ def main(argv=None) -> int:
         engine.compile = lambda *a, **k: blocking(compile_loop(*a, **k))
     opts.out.mkdir(parents=True, exist_ok=True)
     rows, skipped, engines = [], [], {}
-    compiled_slots: set[int] = set()
+    groups: dict[int, list[bool]] = {}  # slots -> canvas settings, in the order given
     for slots, canvas in opts.configs:
-        requests = opts.requests or max(4, 2 * slots)
-        needed = (0 if slots in compiled_slots else 1.5 * budget.compile_s) + budget.load_s(
-            slots, requests, opts.gen_length
-        ) * opts.repeats * (1 if len(engines.get(slots, ())) >= opts.repeats else 2)
-        if not budget.fits(needed):
-            skipped.append(f"{slots}{':canvas' if canvas else ''} (about {needed:.0f} s, {budget.left():.0f} s left)")
-            continue
-        rows.append(run_config(engine, config, opts, budget, engines, slots, canvas))
-        compiled_slots.add(slots)
-        write_report(opts, rows, skipped)  # after each configuration: a run cut short keeps what it measured
+        groups.setdefault(slots, []).append(canvas)
     curve = None
-    if opts.curve_rates and compiled_slots:
-        slots = max(compiled_slots)
-        requests = opts.curve_requests or 2 * slots
-        curve = {"slots": slots, "requests": requests, "runs": run_curve(engine, config, opts, budget, slots)}
+    for i, (slots, canvases) in enumerate(groups.items()):
+        last = i == len(groups) - 1
+        requests = opts.requests or max(4, 2 * slots)
+        needed = 1.5 * budget.compile_s + budget.load_s(slots, requests, opts.gen_length) * opts.repeats * 2
+        if not budget.fits(needed):
+            skipped += [
+                f"{slots}{':canvas' if c else ''} (about {needed:.0f} s, {budget.left():.0f} s left)" for c in canvases
+            ]
+            continue
+        served, curve_runs, missed = serve_slots(
+            engine, config, opts, budget, engines, slots, canvases, curve=last and bool(opts.curve_rates)
+        )
+        rows += served
+        skipped += missed
+        if curve_runs is not None:
+            curve = {"slots": slots, "requests": opts.curve_requests or 2 * slots, "runs": curve_runs}
+        write_report(opts, rows, skipped, curve)  # after each slot count: a run cut short keeps what it measured
     write_report(opts, rows, skipped, curve)
     ok = all(r.get("server") and not r["server"]["errors"] and r.get("same_tokens") for r in rows)
     return 0 if ok else 1
