@@ -89,7 +89,7 @@ class CanvasReport:
     records: dict[str, jax.Array]
 
 
-LOGPROB_RECORDS = ("logprob", "top_ids", "top_logprobs")
+_LOGPROB_RECORDS = ("logprob", "top_ids", "top_logprobs")
 
 
 def host_ring(ring: HostRing) -> Ring:
@@ -103,7 +103,7 @@ def results_report(state: DecodeState) -> ResultsReport:
 
 def canvas_report(state: DecodeState) -> CanvasReport:
     slots = state.slots
-    records = {name: getattr(slots, name) for name in LOGPROB_RECORDS if hasattr(slots, name)}
+    records = {name: getattr(slots, name) for name in _LOGPROB_RECORDS if hasattr(slots, name)}
     return CanvasReport(
         active=slots.active,
         request=slots.request,
