@@ -350,21 +350,17 @@ def steady_step_time(
     """Median seconds per loop iteration after the slots' first full pass (all slots decoding);
     sampling: the requests' values (None: one token per step)."""
     compiled = engine.compile(decode, len(prompts[0]))
-    no_more = jnp.bool_(False)
     sampling = schedule_sampling(decode.method, "one") if sampling is None else sampling
     state = initial_state(compiled, prompts, sampling)
     start = time.perf_counter()
-    state = jax.block_until_ready(compiled.run(engine.weights, state, jnp.int32(1), no_more))
+    state = jax.block_until_ready(compiled.run(engine.weights, state, 1))
     prefill = time.perf_counter() - start
-    stop = 1
-    state = jax.block_until_ready(compiled.run(engine.weights, state, jnp.int32(stop + 2), no_more))
-    stop += 2
+    state = jax.block_until_ready(compiled.run(engine.weights, state, 2))
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
-        state = jax.block_until_ready(compiled.run(engine.weights, state, jnp.int32(stop + iterations), no_more))
+        state = jax.block_until_ready(compiled.run(engine.weights, state, iterations))
         samples.append((time.perf_counter() - start) / iterations)
-        stop += iterations
     active = int(jnp.sum(state.slots.active))
     return {
         "prefill_s": prefill,

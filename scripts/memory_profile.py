@@ -120,7 +120,9 @@ def peak_buffers(dump_dir: Path, hlo_text: str, count: int) -> dict | None:
     """The buffers live at the program's memory peak, from the newest live-range report XLA
     dumped for the decode loop (None when there is none): the largest `count` with their
     shape and producing op, and XLA's breakdown of the peak by source location."""
-    reports = sorted(dump_dir.glob("*jit_run*after_optimizations-live-range.txt"), key=lambda f: f.stat().st_mtime)
+    reports = sorted(
+        dump_dir.glob("*jit_loop_call*after_optimizations-live-range.txt"), key=lambda f: f.stat().st_mtime
+    )
     if not reports:
         return None
     lines = reports[-1].read_text().splitlines()
@@ -164,8 +166,8 @@ def profile(
     start = time.perf_counter()
     compiled = engine.compile(decode, prompt_len)
     seconds = time.perf_counter() - start
-    analysis = compiled.run.memory_analysis()
-    text = compiled.run.as_text()
+    analysis = compiled.call.memory_analysis()
+    text = compiled.call.as_text()
     loop = compiled.loop
     cache = cache_bytes(engine.config, loop.num_slots, loop.max_len)
     fields = (
@@ -272,7 +274,7 @@ def main(argv=None) -> int:
         # read when the backend starts (the first compile below), not at import
         dump_dir = Path(tempfile.mkdtemp(prefix="memory_profile_"))
         os.environ["XLA_FLAGS"] = (
-            f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump_dir} --xla_dump_hlo_module_re=jit_run"
+            f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump_dir} --xla_dump_hlo_module_re=jit_loop_call"
         )
     config = model_shape(opts.model_shape)
     config = dataclasses.replace(config, dtype=opts.dtype or config.dtype)

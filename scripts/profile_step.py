@@ -26,7 +26,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 from bench import decode_config, initial_state, quantize_on_device, random_prompts, schedule_sampling, tiny_config  # noqa: E402
 
 from dllm_jax.common.atomic_write import write_text_atomically  # noqa: E402
@@ -54,13 +53,12 @@ def profile(engine: Engine, slots: int, gen_length: int, prompt_len: int, steps:
     decode = decode_config("flash_cache", "one", gen_length, slots)
     prompts = random_prompts(slots, prompt_len, engine.config.vocab_size, seed=slots)
     compiled = engine.compile(decode, prompt_len)
-    no_more = jnp.bool_(False)
     state = initial_state(compiled, prompts, schedule_sampling("flash_cache", "one"))
-    state = jax.block_until_ready(compiled.run(engine.weights, state, jnp.int32(3), no_more))
+    state = jax.block_until_ready(compiled.run(engine.weights, state, 3))
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
         with jax.profiler.trace(tmp, create_perfetto_trace=True):
-            state = jax.block_until_ready(compiled.run(engine.weights, state, jnp.int32(3 + steps), no_more))
+            state = jax.block_until_ready(compiled.run(engine.weights, state, steps))
         wall = (time.perf_counter() - start) / steps
         events = device_events(Path(tmp))
     per_kernel = collections.defaultdict(lambda: [0.0, 0])

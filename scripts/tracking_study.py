@@ -104,7 +104,6 @@ def probe_run(
     Returns one record per slot and sparse step: numpy arrays over the slot's decoded rows
     (error, the PREDICTORS, tracked: refreshed by this step, pinned)."""
     import jax
-    import jax.numpy as jnp
 
     from dllm_jax.models.logit_alignment import with_predictor_rows
     from dllm_jax.runtime.tracking_probe import probe_staleness
@@ -135,7 +134,7 @@ def probe_run(
             staleness = jax.device_get(probe(engine.weights, state))
             positions, valid = jax.device_get(query_rows(state.slots))
             records += _slot_records(slots, staleness, positions, valid)
-            state = compiled.run(engine.weights, state, state.iteration + 1, jnp.bool_(False))
+            state = compiled.run(engine.weights, state, 1)
     return records
 
 

@@ -3,7 +3,10 @@
 FakeSession implements dllm_jax.serve.worker.Session: requests wait for one of its slots, then
 commit their answer a few positions per step in a scrambled order (as a diffusion model fills
 an answer in), each step taking `step_seconds` of wall time, and finish with the
-GenerationResult the engine would return for that answer. The server's worker, HTTP layer,
+GenerationResult the engine would return for that answer. As the engine's session does, a
+step() call returns the news of the call before it (the engine reads one call while the device
+runs the next): a request is running until its result has been returned, and an aborted
+request's news never comes. The server's worker, HTTP layer,
 streaming, queueing, cancellation and deadlines run on it unchanged, with no JAX compile.
 
 The answer to a prompt is the prompt reversed, then EOS (see `answer_ids`); a request
@@ -105,6 +108,7 @@ class FakeSession:
         self.tokenizer = tokenizer or CharTokenizer()
         self._waiting: collections.deque[_Request] = collections.deque()
         self._running: dict[object, _Request] = {}
+        self._news: list[RequestUpdate] = []  # the last call's updates, returned by the next call
         self._next_order = 0
         self.aborted: list[object] = []
         self.calls: list[tuple[str, object]] = []
@@ -119,7 +123,7 @@ class FakeSession:
 
     @property
     def num_running(self) -> int:
-        return len(self._running)
+        return len(self._running) + sum(u.result is not None for u in self._news)
 
     @property
     def num_waiting(self) -> int:
@@ -154,8 +158,15 @@ class FakeSession:
         with self.lock:
             self.aborted.append(request_id)
             self.calls.append(("abort", request_id))
+        news = [u for u in self._news if u.request_id != request_id]
+        finished = len(news) < len(self._news) and any(
+            u.result is not None for u in self._news if u.request_id == request_id
+        )
+        self._news = news
         if request_id in self._running:
             del self._running[request_id]
+            return True
+        if finished:  # finished in the last call, its result not returned yet
             return True
         for request in self._waiting:
             if request.request_id == request_id:
@@ -168,6 +179,7 @@ class FakeSession:
             self.calls.append(("reset", None))
         self._waiting.clear()
         self._running.clear()
+        self._news = []
 
     def step(self, max_iterations: int) -> list[RequestUpdate]:
         while self._waiting and len(self._running) < self.compiled.loop.num_slots:
@@ -183,7 +195,8 @@ class FakeSession:
             time.sleep(self.step_seconds)
             for request in list(self._running.values()):
                 updates.append(self._step(request))
-        return [u for u in updates if u.commits or u.result is not None]
+        news, self._news = self._news, [u for u in updates if u.commits or u.result is not None]
+        return news
 
     def _step(self, request: _Request) -> RequestUpdate:
         per_step = 1 if (request.sampling.threshold or 0) > 1 else self.per_step

@@ -117,6 +117,6 @@ def test_recording_adds_no_conditional_to_the_step(engine):
     plain = dataclasses.replace(LLADA, max_logprobs=None)
 
     def conditionals(decode: DecodeConfig) -> int:
-        return len(re.findall(r"\sconditional\(", engine.compile(decode, 3, num_slots=2).run.as_text()))
+        return len(re.findall(r"\sconditional\(", engine.compile(decode, 3, num_slots=2).call.as_text()))
 
     assert conditionals(LLADA) == conditionals(plain)

@@ -149,7 +149,7 @@ def test_a_request_finishing_early_frees_its_slot_for_the_next(engine, prompts, 
         )
         ring.put(Request(g, g, prompt, sampling, values, ring_index=g))
     state = compiled.init(*ring.arrays(), jax.numpy.int32(3))
-    state = compiled.run(engine.weights, state, jax.numpy.int32(1000), jax.numpy.bool_(False))
+    state = compiled.run(engine.weights, state, 1000)
     results = jax.device_get(state.results)
     assert results.done[:3].all()
     # request 0: one prefill pass and one denoising step; request 2 takes its slot at once

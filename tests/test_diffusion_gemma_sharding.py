@@ -153,7 +153,7 @@ def test_only_hidden_rows_are_summed_across_devices(engines, requests, model):
     (GSPMD alone, with the experts split, sums every routing slot's [B L K, 2F] and [B L K, D]
     products instead)."""
     compiled = engines("data=2,tensor=2").compile(DECODE, max(map(len, requests[0])))
-    found = collectives(compiled.run.as_text(), per_array=True)
+    found = collectives(compiled.call.as_text(), per_array=True)
     assert {kind for kind, _ in found} == {"all-reduce", "all-gather"}
     rows = compiled.loop.shard_slots * CANVAS
     assert max(n for kind, n in found if kind == "all-reduce") == rows * model[0].d_model

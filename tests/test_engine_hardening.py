@@ -2,6 +2,7 @@
 in THEIR result while the other requests go on; sessions take requests online and abort them."""
 
 import dataclasses
+from types import SimpleNamespace
 
 import jax.numpy as jnp
 import numpy as np
@@ -247,11 +248,41 @@ def test_streamed_commits_rebuild_the_answer(engine):
 
 def test_results_ring_carries_commit_steps(engine):
     decode, sampling = DECODES["flash"]
-    session = engine.session(decode, max_prompt_len=16)
-    session.add(0, [1, 2, 3], dataclasses.replace(sampling, gen_length=12))  # a canvas of 12 in the bucket of 32
-    session.step(100)
-    state = session._state
+    compiled = engine.compile(decode, 16)
+    state = compiled.initial_state([[1, 2, 3]], dataclasses.replace(sampling, gen_length=12))  # 12 of the bucket's 32
+    state = compiled.run(engine.weights, state, 100)
     steps = np.asarray(state.results.commit_step[0])
     assert steps.shape == (32,)
     assert (steps[12:] == -1).all(), "padding positions are never committed"
     assert steps[:12].max() < int(state.results.steps[0])
+
+
+def test_a_long_sessions_timeline_is_trimmed_to_what_its_results_need(engine, monkeypatch):
+    """A server's session lives for millions of calls: its timeline keeps only the entries its
+    running requests' seconds interpolate over, and the seconds come out as untrimmed (the same
+    calls on a clock that counts its readings)."""
+
+    def run(trim: int) -> tuple[list[float], int]:
+        ticks = iter(range(1_000_000))
+        monkeypatch.setattr(session_module, "time", SimpleNamespace(perf_counter=lambda: float(next(ticks))))
+        monkeypatch.setattr(session_module, "_TIMELINE_TRIM", trim)
+        session = engine.session(FLASH, max_prompt_len=16, num_slots=2)
+        seconds, longest = {}, 0
+        for i in range(24):  # short requests arrive every other call, so the oldest one moves on
+            session.add(i, [1 + i, 2, 3], SamplingParams(threshold=2.0, max_new_tokens=2 + i % 3))
+            for _ in range(2):
+                for u in session.step(2):
+                    if u.result:
+                        seconds[u.request_id] = u.result.seconds
+                longest = max(longest, len(session.timeline))
+        while session.num_running or session.num_waiting:
+            for u in session.step(2):
+                if u.result:
+                    seconds[u.request_id] = u.result.seconds
+            longest = max(longest, len(session.timeline))
+        return [seconds[i] for i in range(24)], longest
+
+    untrimmed, grown = run(10_000)
+    trimmed, bounded = run(4)
+    assert trimmed == untrimmed and all(s > 0 for s in trimmed)
+    assert grown >= 48 and bounded <= 12, (bounded, grown)

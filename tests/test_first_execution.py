@@ -24,9 +24,7 @@ def test_a_zero_iteration_run_steps_nothing_and_changes_no_answer(lively_engine)
         jax.tree.map(jnp.asarray, dllm_jax.runtime.slots.zero_sampling((compiled.queue_capacity,))),
         jnp.int32(0),
     )
-    after = compiled.run(engine.weights, empty, jnp.int32(0), jnp.bool_(False))
+    after = compiled.run(engine.weights, empty, 0)
     assert int(after.iteration) == 0 and not bool(jnp.any(after.slots.active))
-    dllm_jax.engine.engine._first_execution(
-        engine.weights, compiled.init, compiled.run, compiled.queue_capacity, compiled.prompt_width
-    )
+    dllm_jax.engine.engine._first_execution(engine.weights, compiled)
     assert [r.token_ids for r in engine.generate(prompts, decode_config=decode).results] == expected

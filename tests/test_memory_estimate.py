@@ -101,7 +101,7 @@ def test_the_temporaries_bound_what_xla_assigns_to_the_compiled_loop():
     cfg = tiny_config(vocab_size=1024, mask_token_id=1022, eos_token_id=1023, pad_token_id=1023, bos_token_id=1021)
     engine = Engine(cfg, init_params(cfg, jax.random.key(0)), backend="xla", full_pass_lanes=(8,))
     compiled = engine.compile(DecodeConfig(method="flash_cache", gen_length=64, batch_size=8), 20)
-    xla_temp = compiled.run.memory_analysis().temp_size_in_bytes
+    xla_temp = compiled.call.memory_analysis().temp_size_in_bytes
     e = estimate_decode_loop(compiled.loop, queue_capacity=compiled.queue_capacity, prompt_width=compiled.prompt_width)
     assert xla_temp <= e.temporaries <= 1.5 * xla_temp, (xla_temp, e)
 

@@ -2,7 +2,6 @@
 decodes exactly the single-device tokens, and the weights, cache and slots really are split."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -115,7 +114,7 @@ def test_weights_cache_and_slots_are_split_as_intended(engines, prompts):
     compiled = engine.compile(decode, max(map(len, prompts)))
     B, L = decode.batch_size, compiled.loop.max_len
     state = compiled.initial_state([[0, 0, 0]] * B)
-    state = compiled.run(engine.weights, state, jnp.int32(2), jnp.bool_(False))
+    state = compiled.run(engine.weights, state, 2)
     for cache in (state.cache.k, state.cache.v):
         assert cache.sharding.spec == P(None, "data", "tensor")
         assert _shard_shape(cache) == (NL, B * L // 2, cfg.kv_dim // 2)
@@ -135,18 +134,20 @@ def test_per_layer_weights_are_split_like_stacked_ones(lively):
 
 def test_data_shards_exchange_only_bookkeeping(engines, prompts):
     """No K/V, hidden rows or logits cross the data axis: the largest exchange is the
-    finished answers [B, G] going to the (replicated) results ring."""
+    finished answers [B, G] going to the (replicated) results ring, or the slots' canvas going
+    to the call's (replicated) report."""
     decode = DECODES["flash_verify"][0]
     compiled = engines("data=2").compile(decode, max(map(len, prompts)))
-    found = collectives(compiled.run.as_text())
+    found = collectives(compiled.call.as_text())
     assert found, "the data shards agree on refills and the loop condition"
-    assert max(n for _, n in found) <= decode.batch_size * decode.gen_length
+    canvas = compiled.packings.canvas
+    assert max(n for _, n in found) <= max(decode.batch_size * decode.gen_length, canvas.num_ints, canvas.num_floats)
 
 
 def test_tensor_shards_never_gather_weights_or_cache(engines, prompts):
     """Tensor parallelism needs only all-reduces (of hidden rows and tracking scores)."""
     compiled = engines("tensor=2").compile(DECODES["flash"][0], max(map(len, prompts)))
-    kinds = {kind for kind, _ in collectives(compiled.run.as_text())}
+    kinds = {kind for kind, _ in collectives(compiled.call.as_text())}
     assert kinds == {"all-reduce"}
 
 

@@ -153,14 +153,14 @@ def test_the_loop_records_each_refreshed_rows_last_layer_change(engine, prompts)
     state = compiled.initial_state(prompts, SamplingParams(track_rule="drift"))
     layer = drift_layer(engine.config)
     checked = 0
-    for iteration in range(1, 6):
+    for _ in range(5):
         slots = jax.device_get(state.slots)
         sparse = slots.active & ~slots.needs_full
         positions, valid = jax.device_get(jax.vmap(loop.policy.sparse_rows)(state.slots))
         valid = valid & sparse[:, None]
         rows = np.asarray(flat_rows(jnp.arange(len(sparse)), positions, valid, loop.max_len))
         before = [np.asarray(c[layer], np.float64)[rows] for c in (state.cache.k, state.cache.v)]
-        state = compiled.run(engine.weights, state, jnp.int32(iteration), jnp.bool_(False))
+        state = compiled.run(engine.weights, state, 1)
         after = [np.asarray(c[layer], np.float64)[rows] for c in (state.cache.k, state.cache.v)]
         expected = np.array(slots.drift)
         change = np.maximum(*(np.max(np.abs(a - b), axis=-1) for a, b in zip(after, before)))
@@ -211,7 +211,7 @@ def test_the_staleness_probe_matches_one_row_replaced_at_a_time():
 def test_the_probe_reports_the_decoded_rows_of_sparse_steps(engine, prompts):
     compiled = engine.compile(DECODE, max(map(len, prompts)))
     state = compiled.initial_state(prompts)
-    state = compiled.run(engine.weights, state, jnp.int32(2), jnp.bool_(False))
+    state = compiled.run(engine.weights, state, 2)
     probe = jax.device_get(jax.jit(lambda w, s: probe_staleness(compiled.loop, w, s))(engine.weights, state))
     slots = jax.device_get(state.slots)
     pos = np.arange(compiled.loop.max_len)

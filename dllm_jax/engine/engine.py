@@ -11,6 +11,7 @@ in request order (dllm_jax.engine.results: how answers are cut and tokens counte
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -25,6 +26,7 @@ from dllm_jax.common.deprecation import renamed_argument, warn_renamed
 from dllm_jax.common.errors import GenerationError
 from dllm_jax.common.validate import check_bool, check_int
 from dllm_jax.engine.compiled_loop import CompiledLoop
+from dllm_jax.engine.loop_call import CallPackings, loop_call
 from dllm_jax.engine.request import slot_values
 from dllm_jax.engine.results import GenerationOutput, GenerationResult, GenerationStats
 from dllm_jax.engine.session import GenerationSession
@@ -62,14 +64,14 @@ def _next_power_of_two(n: int, minimum: int) -> int:
     return max(minimum, 1 << max(0, (n - 1).bit_length()))
 
 
-def _first_execution(weights: Weights, init: Any, run: Any, capacity: int, width: int) -> None:
+def _first_execution(weights: Weights, compiled: CompiledLoop) -> None:
     """Runs a new GPU executable once, for zero iterations over an empty queue, so that its
     first execution's one-time cost (loading its kernels, setting up its GEMMs) comes with the
     compile and not with the first request. On the H200 (LLaDA-8B, 1 slot) the first full pass
     of a fresh loop took 137 ms, and 20 ms after this run (which took 76 ms)."""
-    prompts = jnp.zeros((capacity, width), jnp.int32)
-    state = init(prompts, jnp.zeros((capacity,), jnp.int32), zero_sampling((capacity,)), jnp.int32(0))
-    jax.block_until_ready(run(weights, state, jnp.int32(0), jnp.bool_(False)))
+    Q, P = compiled.queue_capacity, compiled.prompt_width
+    state = compiled.init(jnp.zeros((Q, P), jnp.int32), jnp.zeros((Q,), jnp.int32), zero_sampling((Q,)), jnp.int32(0))
+    jax.block_until_ready(compiled.run(weights, state, 0))
 
 
 class Engine:
@@ -449,36 +451,42 @@ class Engine:
             sampling = jax.eval_shape(lambda: zero_sampling((capacity,)))
             count = jax.ShapeDtypeStruct((), jnp.int32)
             state = jax.eval_shape(loop.init_state, prompts, lengths, sampling, count)
-            scalar = jax.ShapeDtypeStruct((), jnp.int32)
-            flag = jax.ShapeDtypeStruct((), jnp.bool_)
-            init_layout, run_layout = self._layouts(state)
+            packings = CallPackings.of(state)
+            control = jax.ShapeDtypeStruct((packings.control.num_ints,), jnp.int32)
+            ring = (
+                jax.ShapeDtypeStruct((packings.ring.num_ints,), jnp.int32),
+                jax.ShapeDtypeStruct((packings.ring.num_floats,), jnp.float32),
+            )
+            init_layout, call_layout = self._layouts(state)
             options = self.compiler_options or None
             init = jax.jit(loop.init_state, **init_layout).lower(prompts, lengths, sampling, count).compile(options)
-            run = (
-                jax.jit(loop.run, donate_argnums=1, **run_layout)
-                .lower(self.weights, state, scalar, flag)
+            call = (
+                jax.jit(functools.partial(loop_call, loop, packings), donate_argnums=1, **call_layout)
+                .lower(self.weights, state, control, *ring)
                 .compile(options)
             )
-            if not abstract and jax.devices()[0].platform == "gpu":
-                _first_execution(self.weights, init, run, capacity, width)
-            self._executables[key] = CompiledLoop(
-                loop, decode_config, capacity, width, init, run, time.perf_counter() - start, memory
+            compiled = CompiledLoop(
+                loop, decode_config, capacity, width, init, call, packings, time.perf_counter() - start, memory
             )
+            if not abstract and jax.devices()[0].platform == "gpu":
+                _first_execution(self.weights, compiled)
+            self._executables[key] = compiled
         compiled = self._executables[key]
         # the configuration this call asked for (equal to the compiled one; its deprecated
         # request defaults may differ)
         return dataclasses.replace(compiled, decode_config=decode_config)
 
     def _layouts(self, state: DecodeState) -> tuple[dict[str, Any], dict[str, Any]]:
-        """jit's in/out shardings of init_state and run under the mesh (none without one)."""
+        """jit's in/out shardings of init_state and of the loop's call under the mesh (none
+        without one): the control, the ring and the report replicated."""
         if self.mesh is None:
             return {}, {}
         state_sharding = sharding.state_shardings(state, self.mesh)
         fixed = sharding.replicated(self.mesh)
         weights = sharding.param_shardings(self.weights, self.mesh)
         init = dict(in_shardings=fixed, out_shardings=state_sharding)
-        run = dict(in_shardings=(weights, state_sharding) + (fixed,) * 2, out_shardings=state_sharding)
-        return init, run
+        call = dict(in_shardings=(weights, state_sharding) + (fixed,) * 3, out_shardings=(state_sharding, fixed))
+        return init, call
 
     # ----- generation ------------------------------------------------------------------------
 
@@ -611,7 +619,7 @@ class Engine:
             steps=sum(r.steps for r in ordered),
             forward_passes=sum(r.forward_passes for r in ordered),
             iterations=session.timeline[-1][0],
-            wall_seconds=session.timeline[-1][1] - session.timeline[0][1],
+            wall_seconds=session.timeline[-1][1] - session.started_at,
             compile_seconds=compile_seconds,
             cache_bytes=(canvas_cache_bytes if isinstance(loop, CanvasLoop) else cache_bytes)(
                 self.config, loop.num_slots, loop.max_len

@@ -40,7 +40,8 @@ class Request:
     order: its add order in the session (the random stream of a request without a seed, and
     GenerationResult.index); slot_values: its per-slot values by SLOT_FIELDS name;
     ring_index: its global index g in the device ring (entry g % capacity), once RUNNING;
-    reported_step: the last step whose commits were reported.
+    reported_step: the last step whose commits were reported; pushed_iteration: the last loop
+    iteration the session had read when the request entered the ring (it starts no earlier).
     """
 
     request_id: Hashable
@@ -51,6 +52,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     ring_index: int = -1
     reported_step: int = -1
+    pushed_iteration: int = -1
 
     @property
     def max_new_tokens(self) -> int:

@@ -1,14 +1,17 @@
 """GenerationSession: the host side of one compiled decode loop, fed online.
 
-The session owns a DecodeState and the host's copy of the request ring. Each ``step`` pushes
-the requests added since the last call into the ring, ends aborted ones, dispatches the next
-device call, and only then reads the previous call's results (finished requests and, with
-``stream=True``, the running slots' canvases), so the host's work overlaps the device's: JAX
-dispatches asynchronously, and what the host reads is a copy taken right after each call.
-Results therefore arrive one call after the call that produced them; admissions and aborts
-take effect at the next call boundary, and an aborted request's slot is free within two calls.
-``Engine.generate`` is a loop over one session; a server keeps one session alive and calls
-``step`` from its engine thread.
+The session owns the host's copy of the request ring and drives the loop's calls. Each
+``step`` queues the next call with the host's changes (the requests added and aborted since,
+the results read), then reads the previous call's report (finished requests and, with
+``stream=True``, the running slots' canvases) while the next call runs, so the host's work
+overlaps the device's. The calls run in order on a thread that keeps the device state between
+them (dllm_jax.engine.device_calls): it starts a call the moment the one before returns, which
+matters on XLA:GPU, where a call's dispatch returns only when the device is done. One call is
+one dispatch with its report in a few packed buffers (dllm_jax.engine.loop_call): the device
+does nothing else between calls. Results therefore arrive one call after the call that
+produced them; admissions and aborts take effect at the next call boundary, and an aborted
+request's slot is free within two calls. ``Engine.generate`` is a loop over one session; a
+server keeps one session alive and calls ``step`` from its engine thread.
 
     session = engine.session(DecodeConfig(...), max_prompt_len=64)
     session.add("a", ids, SamplingParams(max_new_tokens=32))
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import jax
@@ -30,6 +33,8 @@ import numpy as np
 
 from dllm_jax.common.errors import GenerationError
 from dllm_jax.engine.compiled_loop import CompiledLoop
+from dllm_jax.engine.device_calls import DeviceCalls, Submitted
+from dllm_jax.engine.loop_call import host_ring
 from dllm_jax.engine.request import HostRing, Request, RequestStatus, slot_values
 from dllm_jax.engine.results import GenerationResult, TokenLogprob, finished_result, token_logprob
 from dllm_jax.models.config import ModelConfig
@@ -42,9 +47,8 @@ from dllm_jax.sampling.params import SamplingParams
 # it had not read the results that free the ring, legitimately does nothing).
 _MAX_IDLE_READS = 4
 
-# The per-position log-probability records of Slots and Results (copied to the host only while
-# a request in the ring asked for them).
-_LOGPROB_RECORDS = ("logprob", "top_ids", "top_logprobs")
+# Timeline entries past which a read trims the ones no running request needs.
+_TIMELINE_TRIM = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,25 +115,34 @@ class GenerationSession:
         self.max_prompt_len = max_prompt_len
         self.seed = seed
         self.defaults = GenerationDefaults() if defaults is None else defaults
+        self._calls = DeviceCalls(compiled.call)
         self.reset()
 
     def reset(self) -> None:
         """Drops every request and the device state: the session is as new (a server's way
-        out of a failed call; the compiled loop is kept)."""
+        out of a failed call; the compiled loop is kept). A call in flight is waited for."""
+        self._calls.drop_state()
         compiled = self.compiled
-        self._ring = HostRing(compiled.queue_capacity, compiled.prompt_width)
+        Q = compiled.queue_capacity
+        self._ring = HostRing(Q, compiled.prompt_width)
+        self._ring_on_device = None  # the packed ring the device last received
+        self._ring_changed = False  # pushed or aborted since the last upload
         self._waiting: list[Request] = []  # WAITING, in add order
         self._pushed: dict[int, Request] = {}  # ring index -> RUNNING or ABORTED request whose entry is not free yet
         self._ids: dict[Hashable, Request] = {}  # WAITING or RUNNING
         self._next_order = 0
-        self._state = None  # the state the next call starts from (the last call's output, in flight)
-        self._in_flight = None  # the last call's report (host copies under way), not read yet
-        self._aborting: list[int] = []  # ring indices of RUNNING requests aborted since the last call
-        self._collected: list[int] = []  # results entries read since the last call (their done flags to clear)
+        self._started = False  # a call was submitted since the last reset (the device holds a state)
+        self._in_flight = None  # (the last call submitted, whether it pushed or aborted), not read yet
+        self._end = np.zeros((Q,), bool)  # ring entries of RUNNING requests aborted since the last call
+        self._release = np.zeros((Q,), bool)  # results entries read since the last call (done flags to clear)
         self._idle_reads = 0  # consecutive reads that showed no progress
         self._count = 0  # requests pushed into the ring
         self._iteration = 0
+        # (loop iteration, time) at each read since the oldest running request entered the ring:
+        # its results' seconds are interpolated there (a server's session would otherwise keep
+        # every call it ever made, and interpolate over them all at every result)
         self.timeline: list[tuple[int, float]] = [(0, time.perf_counter())]
+        self.started_at = self.timeline[0][1]  # the time of the first call since the reset
 
     @property
     def decode_config(self) -> DecodeConfig:
@@ -140,6 +153,13 @@ class GenerationSession:
         return self.compiled.loop.model
 
     # ----- requests ----------------------------------------------------------------------------
+
+    @property
+    def call_seconds(self) -> float:
+        """Seconds the loop's calls took so far, from dispatch to return (on XLA:GPU, where a
+        call returns when the device is done, the device's busy time; over a wall time, how
+        busy the host kept the device)."""
+        return self._calls.seconds
 
     @property
     def num_waiting(self) -> int:
@@ -205,8 +225,11 @@ class GenerationSession:
             return False
         if request.status is RequestStatus.WAITING:
             self._waiting.remove(request)
-        else:
-            self._aborting.append(request.ring_index)
+        else:  # its ring entry and its slot end it (the entry stays taken until its result is read)
+            entry = request.ring_index % self._ring.capacity
+            self._end[entry] = True
+            self._ring.sampling["step_limit"][entry] = 0
+            self._ring_changed = True
         request.status = RequestStatus.ABORTED
         return True
 
@@ -218,106 +241,105 @@ class GenerationSession:
         while self._waiting and self._ring.free[self._count % self._ring.capacity]:
             request = self._waiting.pop(0)
             request.ring_index = self._count
+            request.pushed_iteration = self._iteration
             request.status = RequestStatus.RUNNING
             self._count += 1
             self._ring.put(request)
             self._pushed[request.ring_index] = request
             moved = True
+        self._ring_changed |= moved
         return moved
 
-    def _end_aborted(self, state):
-        """Ends the requests aborted since the last call: a step bound of 0 in their ring entry
-        and in any slot holding one, so each ends after its next step (with a result the host
-        drops) wherever it is. Device-side: nothing is read back."""
-        Q = self._ring.capacity
-        entries = np.zeros((Q,), bool)  # fixed shapes: these ops compile once, in the warm-up
-        for g in self._aborting:
-            entries[g % Q] = True
-            self._ring.sampling["step_limit"][g % Q] = 0
-        self._aborting = []
-        # a slot holds the request of its ring entry: the entry stays taken until its result is read
-        slots = state.slots
-        hit = slots.active & jnp.asarray(entries)[slots.request % Q]
-        limit = jnp.where(hit, 0, slots.sampling.step_limit)
-        return state.replace(slots=slots.replace(sampling=slots.sampling.replace(step_limit=limit)))
-
-    def _report(self, state):
-        """Copies of what the host reads of a call's output (it is donated to the next call),
-        on their way to the host; the logprob records only while a request in the ring asked
-        for them (a result this report holds is of a request pushed before the call)."""
-        slots = state.slots
-        asking = any(r.sampling.logprobs is not None for r in self._pushed.values())
-        results = state.results if asking else state.results.replace(**dict.fromkeys(_LOGPROB_RECORDS, ()))
-        view = (results, state.iteration)
-        if self.stream:
-            canvas = (slots.active, slots.request, slots.prompt_len, slots.tokens, slots.commit_step, slots.verified)
-            records = tuple(getattr(slots, name) for name in _LOGPROB_RECORDS) if asking else None
-            view += ((canvas, records),)
-        report = jax.device_put(view, may_alias=False)
-        for leaf in jax.tree.leaves(report):
-            leaf.copy_to_host_async()
-        return report
-
     def step(self, max_iterations: int | None = None) -> list[RequestUpdate]:
-        """Dispatches the loop for up to `max_iterations` iterations (None: chunk_iterations),
-        then returns what the previous call changed, one update per request with news."""
+        """Queues the loop's next call, for up to `max_iterations` iterations (None:
+        chunk_iterations), then returns what the previous call changed, one update per request
+        with news (read while the next call runs)."""
         if max_iterations is None:
             max_iterations = self.chunk_iterations
         if isinstance(max_iterations, bool) or not isinstance(max_iterations, int) or max_iterations < 1:
             raise GenerationError(f"max_iterations={max_iterations!r}: expected an int >= 1")
-        compiled = self.compiled
-        pushed = self._push()
-        aborting = bool(self._aborting)
         previous, self._in_flight = self._in_flight, None
+        pushed = self._push()
         if self._pushed:
-            if self._state is None:
-                tokens, lengths, sampling = self._ring.arrays()
-                self._state = compiled.init(tokens, lengths, sampling, jnp.int32(self._count))
-                self.timeline = [(0, time.perf_counter())]
-            elif pushed or aborting:
-                tokens, lengths, sampling = self._ring.arrays()
-                queue = self._state.queue.replace(
-                    tokens=tokens, lengths=lengths, sampling=sampling, count=jnp.int32(self._count)
-                )
-                self._state = self._state.replace(queue=queue)
-            state = self._end_aborted(self._state) if aborting else self._state
-            if self._collected:
-                keep = np.ones((self._ring.capacity,), bool)
-                keep[self._collected] = False
-                state = state.replace(results=state.results.replace(done=state.results.done & jnp.asarray(keep)))
-                self._collected = []
-            stop = state.iteration + jnp.int32(max_iterations)
-            self._state = compiled.run(self.weights, state, stop, jnp.bool_(bool(self._waiting)))
-            self._in_flight = (self._report(self._state), pushed or aborting)
-        return [] if previous is None else self._read(*previous)
+            self._in_flight = (self._submit(max_iterations), pushed or bool(self._end.any()))
+        if previous is None:
+            return []
+        if self._in_flight is not None:
+            # the next call starts when the previous returns; its dispatch holds the interpreter
+            # lock until it waits for the device, and reading now would keep the lock from it for
+            # up to sys.getswitchinterval() (5 ms) while the device idles
+            self._in_flight[0].started.wait()
+        report = previous[0].result()  # raises what the call raised
+        for part in self._wanted(report):
+            part.copy_to_host_async()
+        return self._read(report, previous[1])
 
-    def _read(self, report, had_news: bool) -> list[RequestUpdate]:
-        """The updates of one call from its report (waits for the call to finish)."""
-        report = jax.device_get(report)
-        results, iteration = report[0], int(report[1])
+    def _submit(self, max_iterations: int) -> Submitted:
+        """Queues the next call with the host's changes (from a new state if there is none)."""
+        compiled, packings = self.compiled, self.compiled.packings
+        state = None
+        if not self._started:
+            tokens, lengths, sampling = self._ring.arrays()
+            state = compiled.init(tokens, lengths, sampling, jnp.int32(self._count))
+            self._started = True
+            self.timeline = [(0, time.perf_counter())]
+            self.started_at = self.timeline[0][1]
+        if self._ring_changed or self._ring_on_device is None:
+            self._ring_on_device = compiled.put_ring(*packings.ring.pack(host_ring(self._ring), np))
+        control = packings.control_vector(
+            max_iterations,
+            bool(self._waiting),
+            count=self._count,
+            new_ring=self._ring_changed,
+            release=self._release,
+            end=self._end,
+        )
+        self._ring_changed = False
+        self._release = np.zeros_like(self._release)
+        self._end = np.zeros_like(self._end)
+        return self._calls.submit(self.weights, compiled.put_control(control), *self._ring_on_device, state=state)
+
+    def _wanted(self, report: Sequence[jax.Array]) -> list[jax.Array]:
+        """The report's parts the host reads: the results always, the canvas when streaming,
+        the log-probability records while a request in the ring asked for them."""
+        asking = any(r.sampling.logprobs is not None for r in self._pushed.values())
+        wanted = (True, asking, self.stream, self.stream and asking)
+        return [part for part, want in zip(report, wanted, strict=True) if want]
+
+    def _read(self, report: Sequence[jax.Array], had_news: bool) -> list[RequestUpdate]:
+        """The updates of one call from its report (waits for its copies to reach the host)."""
+        packings = self.compiled.packings
+        ints = np.asarray(report[0])
+        head = packings.results.unpack(ints, None)
+        iteration, results = int(head.iteration), head.results
+        done = np.nonzero(results.done)[0]
+        if any(self._asks(int(results.request[entry])) for entry in done):
+            results = packings.results.unpack(ints, np.asarray(report[1])).results
         stepped = iteration > self._iteration
         self._iteration = iteration
         self.timeline.append((iteration, time.perf_counter()))
         updates = []
         decode = None if self.tokenizer is None else self.tokenizer.decode
-        for entry in np.nonzero(results.done)[0]:
+        fields = [f.name for f in dataclasses.fields(results)]
+        for entry in done:
             request = self._pushed.pop(int(results.request[entry]), None)
             if request is None:  # read from an earlier call's report already
                 continue
             self._ring.free[entry] = True
-            self._collected.append(int(entry))
+            self._release[entry] = True
             if request.status is RequestStatus.ABORTED:
                 continue
             request.status = RequestStatus.FINISHED
             self._ids.pop(request.request_id, None)
-            row = {f.name: getattr(results, f.name) for f in dataclasses.fields(results)}
-            row = {name: value[entry] for name, value in row.items() if not isinstance(value, tuple)}
+            row = {name: getattr(results, name)[entry] for name in fields if getattr(results, name) is not None}
             commits = self._new_commits(request, row["tokens"], row["commit_step"], row["verified"], row)
             result = finished_result(request, row, self.timeline, eos_ids=self.model.eos_token_ids, decode=decode)
             updates.append(RequestUpdate(request.request_id, commits, result))
         if self.stream:
-            updates += self._running_updates(report[2])
-        progress = stepped or self._collected or had_news
+            updates += self._running_updates(report)
+        if len(self.timeline) > _TIMELINE_TRIM:
+            self._trim_timeline()
+        progress = stepped or done.size or had_news
         self._idle_reads = 0 if progress or not self._pushed else self._idle_reads + 1
         if self._idle_reads > _MAX_IDLE_READS:
             raise RuntimeError(
@@ -325,6 +347,18 @@ class GenerationSession:
                 f"(no step, no result, nothing new pushed in {self._idle_reads} calls, at iteration {iteration})"
             )
         return updates
+
+    def _trim_timeline(self) -> None:
+        """Drops the timeline's entries before the last one at or before the iteration at which
+        the oldest request in the ring entered it (its interpolation needs none before)."""
+        oldest = min((r.pushed_iteration for r in self._pushed.values()), default=self._iteration)
+        keep = max(i for i, (iteration, _) in enumerate(self.timeline) if iteration <= oldest)
+        self.timeline = self.timeline[keep:]
+
+    def _asks(self, ring_index: int) -> bool:
+        """The request at this ring index asked for log-probabilities."""
+        request = self._pushed.get(ring_index)
+        return request is not None and request.sampling.logprobs is not None
 
     def _new_commits(
         self, request: Request, tokens, commit_step, verified, records: dict[str, Any] | None = None
@@ -354,16 +388,20 @@ class GenerationSession:
             request.reported_step = out[-1].step
         return tuple(out)
 
-    def _running_updates(self, view) -> list[RequestUpdate]:
-        """The running slots' new commits from a report's (canvas, logprob records or None)."""
-        canvas, records = view
+    def _running_updates(self, report: Sequence[jax.Array]) -> list[RequestUpdate]:
+        """The running slots' new commits from a report's canvas part."""
+        asking = any(self._asks(g) for g in self._pushed)
+        canvas = self.compiled.packings.canvas.unpack(np.asarray(report[2]), np.asarray(report[3]) if asking else None)
         updates = []
-        for b, (active, g, p, tokens, steps, verified) in enumerate(zip(*canvas)):
+        for b, g in enumerate(canvas.request):
             request = self._pushed.get(int(g))
-            if not active or request is None or request.status is not RequestStatus.RUNNING:
+            if not canvas.active[b] or request is None or request.status is not RequestStatus.RUNNING:
                 continue
-            rows = None if records is None else {name: r[b][p:] for name, r in zip(_LOGPROB_RECORDS, records)}
-            commits = self._new_commits(request, tokens[p:], steps[p:], verified[p:], rows)
+            p = canvas.prompt_len[b]
+            records = {name: r[b][p:] for name, r in canvas.records.items()} if asking and canvas.records else None
+            commits = self._new_commits(
+                request, canvas.tokens[b][p:], canvas.commit_step[b][p:], canvas.verified[b][p:], records
+            )
             if commits:
                 updates.append(RequestUpdate(request.request_id, commits))
         return updates

@@ -79,6 +79,7 @@ class StableText:
         self._limit = gen_length if max_tokens is None else min(max_tokens, gen_length)
         self.tokens: list[int | None] = [None] * gen_length
         self._prefix = 0  # positions known decoded from the start
+        self._decoded = -1  # the prefix length whose text the last advance() decoded
         self.emitted = ""
         self.finish_reason: str | None = None
         self.stopped_by_string = False  # the answer ended at a stop string (the engine does not know)
@@ -106,6 +107,9 @@ class StableText:
         self._prefix = prefix
         ended = prefix < self._limit and self.tokens[prefix] is not None  # an end marker
         complete = ended or prefix >= self._limit
+        if prefix == self._decoded and not complete:
+            return TextDelta("")  # the same prefix decodes to the same text: nothing new
+        self._decoded = prefix
         kept, text, stopped = cut_at_stop_strings([int(t) for t in self.tokens[:prefix]], self._decode, self._stops)
         reason = None
         if stopped:

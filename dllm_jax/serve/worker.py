@@ -94,10 +94,7 @@ class RequestHandle:
 
     def deliver(self, event: Event) -> None:
         """Called from the engine thread (a closed event loop, at shutdown, drops it)."""
-        try:
-            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
-        except RuntimeError:
-            pass
+        deliver_all([(self, event)])
 
     async def next_event(self, timeout: float | None = None) -> Event | None:
         """The next event, or None after `timeout` seconds without one."""
@@ -111,6 +108,24 @@ class RequestHandle:
         if not self.closed:
             self.closed = True
             self.worker.release(self)
+
+
+def deliver_all(deliveries: list[tuple[RequestHandle, Event]]) -> None:
+    """Hands events to their requests from the engine thread: one wake-up of each event loop
+    for all of them (a loop step's events for every slot), in order."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestHandle, Event]]] = {}
+    for handle, event in deliveries:
+        by_loop.setdefault(handle._loop, []).append((handle, event))
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # a closed event loop, at shutdown
+            pass
+
+
+def _put_all(items: list[tuple[RequestHandle, Event]]) -> None:
+    for handle, event in items:
+        handle._events.put_nowait(event)
 
 
 class EngineWorker:
@@ -316,6 +331,7 @@ class EngineWorker:
             if steps:
                 self.metrics.step_seconds.observe((received - start) / steps)
                 self.metrics.loop_iterations.inc(steps)
+            deliveries = []
             for update in updates:
                 handle = self._in_engine.get(update.request_id)
                 if handle is None:
@@ -331,7 +347,8 @@ class EngineWorker:
                 if update.result is not None:
                     del self._in_engine[update.request_id]
                     self._throughput.finished(update.result)
-                handle.deliver(Event(commits=update.commits, received=received, result=update.result))
+                deliveries.append((handle, Event(commits=update.commits, received=received, result=update.result)))
+            deliver_all(deliveries)
             self._throughput.steps += steps
 
     def _session_failed(self, method: str, session: Session, error: Exception) -> None:

@@ -207,13 +207,13 @@ def step_time(engine, compiled, prompt_ids, slots: int, iterations: int, repeats
     # prefill: ceil(prompt / L) iterations, then the canvas's first (full) step, then every slot
     # runs a plain denoising step
     done = -(-len(prompt_ids) // engine.config.canvas_length) + 1
-    state = compiled.run(engine.weights, state, jnp.int32(done), jnp.bool_(False))
+    state = compiled.run(engine.weights, state, done)
     jax.block_until_ready(state)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         done += iterations
-        state = compiled.run(engine.weights, state, jnp.int32(done), jnp.bool_(False))
+        state = compiled.run(engine.weights, state, iterations)
         jax.block_until_ready(state)
         times.append((time.perf_counter() - start) / iterations)
     assert int(jax.device_get(state.iteration)) == done and bool(jax.device_get(state.slots.active).all())
@@ -223,7 +223,7 @@ def step_time(engine, compiled, prompt_ids, slots: int, iterations: int, repeats
 def lowering(compiled) -> dict:
     """How XLA lowered the experts' grouped GEMMs: ragged dots left and cuDNN fusions in the
     optimized program (a dense rewrite leaves neither)."""
-    text = compiled.run.as_text() or ""
+    text = compiled.call.as_text() or ""
     return {"ragged_dot": text.count("ragged-dot("), "cudnn_calls": text.count("__cudnn$")}
 
 

@@ -306,7 +306,6 @@ def step_variant(report: Report, label: str, engine, cost, ceilings: dict, profi
 
     decode = decode_config("flash_cache", "one", 256, 1)
     prompts = random_prompts(1, 256, engine.config.vocab_size, seed=1)
-    no_more = jnp.bool_(False)
     start = time.perf_counter()
     compiled = engine.compile(decode, 256)
     compile_s = time.perf_counter() - start
@@ -319,21 +318,19 @@ def step_variant(report: Report, label: str, engine, cost, ceilings: dict, profi
     }
     state = jax.block_until_ready(initial_state(compiled, prompts, schedule_sampling("flash_cache", "one")))
     start = time.perf_counter()
-    state = jax.block_until_ready(compiled.run(weights, state, jnp.int32(1), no_more))
+    state = jax.block_until_ready(compiled.run(weights, state, 1))
     row["first_request_pass_ms"] = 1e3 * (time.perf_counter() - start)  # the first request's
-    stop = 3
-    state = jax.block_until_ready(compiled.run(weights, state, jnp.int32(stop), no_more))
+    state = jax.block_until_ready(compiled.run(weights, state, 2))
     samples = []
     for _ in range(5):
         start = time.perf_counter()
-        state = jax.block_until_ready(compiled.run(weights, state, jnp.int32(stop + 8), no_more))
+        state = jax.block_until_ready(compiled.run(weights, state, 8))
         samples.append((time.perf_counter() - start) / 8)
-        stop += 8
     row["step_ms"] = 1e3 * statistics.median(samples)
     row["step_samples_ms"] = [round(1e3 * s, 3) for s in samples]
     fresh = jax.block_until_ready(initial_state(compiled, prompts, schedule_sampling("flash_cache", "one")))
     start = time.perf_counter()
-    fresh = jax.block_until_ready(compiled.run(weights, fresh, jnp.int32(1), no_more))
+    fresh = jax.block_until_ready(compiled.run(weights, fresh, 1))
     row["later_pass_ms"] = 1e3 * (time.perf_counter() - start)
     key_len = 640
     rows = 128
@@ -346,20 +343,16 @@ def step_variant(report: Report, label: str, engine, cost, ceilings: dict, profi
     row["first_request_pass_over_flop_floor"] = row["first_request_pass_ms"] / row["full_pass_flop_floor_ms"]
     row["later_pass_over_flop_floor"] = row["later_pass_ms"] / row["full_pass_flop_floor_ms"]
     if profile:
-        holder = {"state": state, "stop": stop}
+        holder = {"state": state}
 
         def steps():
-            holder["state"] = jax.block_until_ready(
-                compiled.run(weights, holder["state"], jnp.int32(holder["stop"] + 4), no_more)
-            )
+            holder["state"] = jax.block_until_ready(compiled.run(weights, holder["state"], 4))
 
         row["profile_step"] = traced(steps, 4)
         row["profile_step"]["gaps_ms"] = row["step_ms"] - row["profile_step"]["device_busy_ms"]
 
         fresh = jax.block_until_ready(initial_state(compiled, prompts, schedule_sampling("flash_cache", "one")))
-        row["profile_full_pass"] = traced(
-            lambda: jax.block_until_ready(compiled.run(weights, fresh, jnp.int32(1), no_more)), 1
-        )
+        row["profile_full_pass"] = traced(lambda: jax.block_until_ready(compiled.run(weights, fresh, 1)), 1)
         row["profile_full_pass"]["gaps_ms"] = row["later_pass_ms"] - row["profile_full_pass"]["device_busy_ms"]
     report.add("steps", row)
 

@@ -1,33 +1,55 @@
 """The server under saturating load against Engine.generate on the same requests, and its
-latency-throughput curve.
+latency-throughput curve, within a time budget.
 
-    PYTHONPATH=. python scripts/gpu/serve_vs_engine.py --configs 1 8 8:canvas 32 --curve-rates 2 8 32 inf
-    PYTHONPATH=. python scripts/gpu/serve_vs_engine.py --smoke          # CPU: a tiny random model, a few requests
+    PYTHONPATH=.:gpu_serve_deps python scripts/gpu/serve_vs_engine.py --budget-s 450   # H200: the issue's table and curve
+    PYTHONPATH=. python scripts/gpu/serve_vs_engine.py --smoke                         # CPU: a tiny random model
+    PYTHONPATH=. python scripts/gpu/serve_vs_engine.py --smoke --blocking-calls        # CPU, calls blocking as on XLA:GPU
 
-Each configuration is SLOTS or SLOTS:canvas (the requests ask for the canvas stream); the
-weights are made once, each configuration gets its own server (its loops compiled and warmed
-up) and 4 x SLOTS requests (--requests overrides). After the last configuration, --curve-rates
-runs open-loop Poisson arrivals at each offered rate on its server and draws latency against
-throughput (serve_curve.png).
+Each configuration is SLOTS or SLOTS:canvas (the requests ask for the canvas stream); default
+1, 1:canvas, 8, 8:canvas, 32, 32:canvas (smoke: 1, 1:canvas, 8, 8:canvas). The weights are made
+once; each slot count gets one server (its loop compiled and warmed up) for its configurations,
+each of max(4, 2 x SLOTS) requests (--requests overrides), all at once. On the last slot
+count's server, --curve-rates then runs open-loop Poisson arrivals at each offered rate
+(default 4 8 16 inf; smoke: 2 8 inf), plain streams, and draws latency against throughput
+(serve_curve.png, where matplotlib is installed).
 
-Random weights make confidences meaningless, so every request runs the equal-work schedule
-of bench.py ("one": threshold 2, one token per step, flash_cache). The server runs in this
-process (uvicorn on 127.0.0.1, its engine thread owning the device); the load comes from
-scripts/load_test.py in a subprocess (its own interpreter: the client does not compete for
-this one's GIL), all requests at once, streaming with usage. Then Engine.generate decodes
-the same token-id prompts with the same DecodeConfig (its compiled loop is the server's).
-Reported: completion tokens/s of both and their ratio (the issue's target: the server within
-10%), the server's step time, and the time from the loop call that returned a commit to the
-chunk carrying it (the server's dllm_commit_to_chunk_seconds histogram). Writes
-serve_bench.json and serve_bench.md to --out (default $OUT or ./out).
+Random weights make confidences meaningless, so every request runs the equal-work schedule of
+bench.py ("one": threshold 2, one token per step, flash_cache, one loop iteration per call).
+The server runs in this process (uvicorn on 127.0.0.1, its engine thread owning the device);
+the load comes from scripts/load_test.py in a subprocess (its own interpreter: the client does
+not compete for this one's interpreter lock), streaming with usage. Then Engine.generate
+decodes the same token-id prompts with the same DecodeConfig and compiled loop (64 iterations
+per call; once per slot count). Reported per configuration: completion tokens/s of both and
+their ratio (the issue's target: at least 0.95), the server's step time (dllm_step_seconds),
+the engine's time per iteration, the share of the load's wall time the server's loop calls took
+(dispatch to return: on XLA:GPU, where a call returns when the device is done, how busy the
+server kept the device), and the time from the loop call that returned a commit to the chunk
+carrying it (dllm_commit_to_chunk_seconds; target p99 <= 5 ms).
+
+--budget-s bounds the whole run (weights, compiles, loads): before each configuration and curve
+rate the script estimates its time from what it measured so far (compile and warm-up, the
+engine's time per iteration against slots) and skips it, saying so, when it would not fit; a
+load still running when the budget ends is cut (its server keeps what it counted). The report
+(serve_bench.json, serve_bench.md in --out, default $OUT or ./out) is rewritten after each
+slot count, so a run cut short keeps what it measured.
+
+--blocking-calls (CPU only) makes every loop call return only when its results are ready
+(jax.block_until_ready), as XLA:GPU's do (it reads every while-loop condition back to the host),
+for the server and Engine.generate alike: the CPU then shows the host overhead a GPU server
+would have. (XLA:CPU's own synchronous dispatch does not do it: it runs parallel computations,
+the decode loop's among them, asynchronously still.)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
+import math
 import os
+import random
+import statistics
 import subprocess
 import sys
 import threading
@@ -45,6 +67,8 @@ from dllm_jax.models.config import ModelConfig, llada_8b_config  # noqa: E402
 from dllm_jax.models.transformer import init_params, init_params_per_layer  # noqa: E402
 from dllm_jax.sampling.params import SamplingParams  # noqa: E402
 from dllm_jax.serve.assemble import ServeOptions, assemble, decode_config, request_defaults  # noqa: E402
+
+METHOD = "flash_cache"
 
 
 class IdTokenizer:
@@ -82,22 +106,28 @@ def tiny_config() -> ModelConfig:
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--smoke", action="store_true", help="CPU: tiny random model, few requests")
-    p.add_argument("--configs", nargs="+", help="SLOTS or SLOTS:canvas, one server each (default 32; smoke 4 4:canvas)")
-    p.add_argument("--requests", type=int, help="requests per configuration (default 4 x slots)")
-    p.add_argument("--gen-length", type=int, help="answer positions (default 128; smoke 16)")
+    p.add_argument("--smoke", action="store_true", help="CPU: tiny random model, short prompts and answers")
+    p.add_argument("--configs", nargs="+", help="SLOTS or SLOTS:canvas, one server each (see the module help)")
+    p.add_argument("--requests", type=int, help="requests per configuration (default max(4, 2 x slots))")
+    p.add_argument("--gen-length", type=int, help="answer positions (default 128; smoke 32)")
     p.add_argument("--prompt-length", type=int, help="prompt tokens (default 256; smoke 16)")
     p.add_argument("--iterations-per-call", type=int, default=1, help="server loop iterations per device call")
-    p.add_argument(
-        "--curve-rates", nargs="*", default=[], help="offered requests/s for the last server's curve (inf: all at once)"
-    )
+    p.add_argument("--curve-rates", nargs="*", help="offered requests/s for the last server's curve (inf: all at once)")
     p.add_argument("--curve-requests", type=int, help="requests per rate of the curve (default 2 x slots)")
+    p.add_argument("--repeats", type=int, default=1, help="loads (and engine runs) per configuration; medians")
+    p.add_argument("--budget-s", type=float, default=0.0, help="seconds the whole run may take (0: no bound)")
+    p.add_argument("--blocking-calls", action="store_true", help="CPU only: loop calls return when done, as on XLA:GPU")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
     opts = p.parse_args(argv)
     defaults = (
-        dict(configs=["4", "4:canvas"], gen_length=16, prompt_length=16)
+        dict(configs=["1", "1:canvas", "8", "8:canvas"], gen_length=32, prompt_length=16, curve_rates=["2", "8", "inf"])
         if opts.smoke
-        else dict(configs=["32"], gen_length=128, prompt_length=256)
+        else dict(
+            configs=["1", "1:canvas", "8", "8:canvas", "32", "32:canvas"],
+            gen_length=128,
+            prompt_length=256,
+            curve_rates=["4", "8", "16", "inf"],
+        )
     )
     for name, value in defaults.items():
         if getattr(opts, name) is None:
@@ -107,16 +137,60 @@ def parse_args(argv):
         opts.curve_rates = [float(r) for r in opts.curve_rates]
     except ValueError:
         p.error(f"--configs {opts.configs} / --curve-rates {opts.curve_rates}: expected SLOTS[:canvas] and numbers")
+    if any(s < 1 for s, _ in opts.configs) or any(not r > 0 for r in opts.curve_rates):
+        p.error("--configs: slots >= 1; --curve-rates: > 0 (inf: all at once)")
+    for name in ("requests", "gen_length", "prompt_length", "iterations_per_call", "curve_requests", "repeats"):
+        value = getattr(opts, name)
+        if value is not None and value < 1:
+            p.error(f"--{name.replace('_', '-')}={value}: expected >= 1")
+    if opts.budget_s < 0:
+        p.error(f"--budget-s={opts.budget_s}: expected >= 0 (0: no bound)")
     return opts
 
 
-def histogram(samples: dict[str, float], name: str) -> dict:
-    """Mean and bucket quantiles (upper bounds) of a Prometheus histogram from /metrics samples."""
-    count = samples.get(f"{name}_count", 0.0)
+class Budget:
+    """The run's deadline and what it learned about its costs, to skip what would not fit."""
+
+    def __init__(self, seconds: float):
+        self.end = time.monotonic() + seconds if seconds else math.inf
+        self.step_ms: dict[int, float] = {}  # slots -> the engine's ms per iteration
+        self.compile_s = 0.0  # the longest compile + warm-up seen
+
+    def left(self) -> float:
+        return self.end - time.monotonic()
+
+    def ms_per_iteration(self, slots: int) -> float | None:
+        """The engine's ms per iteration at `slots`, from the measured slot counts (a line
+        through them; one point: in proportion to the slots, an overestimate); None: none yet."""
+        known = sorted(self.step_ms.items())
+        if not known:
+            return None
+        if len(known) == 1:
+            ((s0, m0),) = known
+            return m0 * max(1.0, slots / s0)
+        (s0, m0), (s1, m1) = known[-2], known[-1]
+        slope = (m1 - m0) / (s1 - s0)
+        return max(m0 + slope * (slots - s0), min(m for _, m in known))
+
+    def load_s(self, slots: int, requests: int, gen_length: int) -> float:
+        """Seconds one saturating load (or one Engine.generate) of these requests should take."""
+        ms = self.ms_per_iteration(slots)
+        return 0.0 if ms is None else 1.3 * math.ceil(requests / slots) * (gen_length + 2) * ms / 1e3 + 5.0
+
+    def fits(self, seconds: float) -> bool:
+        return seconds <= self.left()
+
+
+def histogram(samples: dict[str, float], name: str, before: dict[str, float] | None = None) -> dict:
+    """Mean and bucket quantiles (upper bounds) of a Prometheus histogram from /metrics samples
+    (of what it counted since the `before` samples, when given)."""
+    before = before or {}
+    counts = {k: v - before.get(k, 0.0) for k, v in samples.items() if k.startswith(name)}
+    count = counts.get(f"{name}_count", 0.0)
     if not count:
         return {"count": 0}
     buckets = sorted(
-        (float(k.split('le="')[1].rstrip('"}')), v) for k, v in samples.items() if k.startswith(f"{name}_bucket")
+        (float(k.split('le="')[1].rstrip('"}')), v) for k, v in counts.items() if k.startswith(f"{name}_bucket")
     )
 
     def quantile(q):
@@ -124,7 +198,7 @@ def histogram(samples: dict[str, float], name: str) -> dict:
 
     return {
         "count": count,
-        "mean_s": samples[f"{name}_sum"] / count,
+        "mean_s": counts[f"{name}_sum"] / count,
         "p50_le_s": quantile(0.5),
         "p99_le_s": quantile(0.99),
     }
@@ -153,15 +227,16 @@ def start_server(server):
     return uv, thread, f"http://127.0.0.1:{uv.servers[0].sockets[0].getsockname()[1]}"
 
 
-def load(url: str, opts, config, requests: int, rates: list[str], out: Path, canvas: bool, plot: Path | None = None):
-    """scripts/load_test.py in its own interpreter (never this one's): its report's runs."""
+def load(url: str, opts, config, requests: int, rates: list[float], out: Path, canvas: bool, timeout: float, plot=None):
+    """scripts/load_test.py in its own interpreter (never this one's): its report's runs, or
+    None when the budget cut it."""
     cmd = [
         sys.executable,
         str(Path(__file__).resolve().parents[1] / "load_test.py"),
         "--url",
         url,
         "--rate",
-        *rates,
+        *[str(r) for r in rates],
         "--requests",
         str(requests),
         "--prompt-ids",
@@ -177,12 +252,35 @@ def load(url: str, opts, config, requests: int, rates: list[str], out: Path, can
     ]
     cmd += ["--dllm", '{"canvas": true}'] if canvas else []
     cmd += ["--plot", str(plot)] if plot is not None else []
-    subprocess.run(cmd, check=True, timeout=1200, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    try:
+        subprocess.run(cmd, check=True, timeout=max(timeout, 1.0), env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    except subprocess.TimeoutExpired:
+        return None
     return json.loads(out.read_text())["runs"]
 
 
-def run_config(engine, config, opts, slots: int, canvas: bool, curve: bool) -> dict:
-    options = ServeOptions(
+def same_prompts(config, opts, requests: int) -> list[list[int]]:
+    """The token-id prompts load_test.py --prompt-ids --seed 7 sends."""
+    rng = random.Random(7)
+    return [[rng.randrange(config.vocab_size - 2) for _ in range(opts.prompt_length)] for _ in range(requests)]
+
+
+def engine_run(engine, config, opts, options: ServeOptions, requests: int) -> dict:
+    decode = decode_config(METHOD, options)
+    prompts = same_prompts(config, opts, requests)
+    out = engine.generate(prompts, SamplingParams(**request_defaults(decode, options)), decode_config=decode)
+    rate = out.stats.completion_tokens / out.stats.wall_seconds
+    return {
+        "tokens": out.stats.completion_tokens,
+        "wall_s": out.stats.wall_seconds,
+        "tokens_per_s": rate,
+        "iterations": out.stats.iterations,
+        "ms_per_iteration": 1e3 * out.stats.wall_seconds / max(out.stats.iterations, 1),
+    }
+
+
+def serve_options(opts, slots: int) -> ServeOptions:
+    return ServeOptions(
         model_name="random",
         batch_size=slots,
         gen_length=opts.gen_length,
@@ -190,63 +288,123 @@ def run_config(engine, config, opts, slots: int, canvas: bool, curve: bool) -> d
         threshold=2.0,
         max_waiting=4096,
         iterations_per_call=opts.iterations_per_call,
+        log_interval=0,
     )
-    server = assemble(engine, IdTokenizer(config.eos_token_id), options)
-    requests = opts.requests or 4 * slots
-    name = f"{slots}{'-canvas' if canvas else ''}"
-    print(f"[{name}] server warm-up {server.warmup_seconds:.1f} s", flush=True)
+
+
+def serve_slots(engine, config, opts, budget: Budget, engines: dict, slots: int, canvases: list[bool], curve: bool):
+    """One server of `slots` slots (compiled and warmed up if new) for every configuration of
+    that slot count, then the curve on it when asked: (rows, the curve's runs or None, skipped)."""
+    start = time.monotonic()
+    server = assemble(engine, IdTokenizer(config.eos_token_id), serve_options(opts, slots))
+    budget.compile_s = max(budget.compile_s, time.monotonic() - start)
+    print(f"[{slots} slots] server warm-up {server.warmup_seconds:.1f} s", flush=True)
     uv, thread, url = start_server(server)
-    t = time.perf_counter()
-    run = load(url, opts, config, requests, ["inf"], opts.out / f"load_{name}.json", canvas)[0]
-    print(f"[{name}] load test {time.perf_counter() - t:.1f} s", flush=True)
+    rows, skipped, curve_runs = [], [], None
+    try:
+        for canvas in canvases:
+            requests = opts.requests or max(4, 2 * slots)
+            needed = budget.load_s(slots, requests, opts.gen_length) * opts.repeats * 2
+            if not budget.fits(needed):
+                skipped.append(
+                    f"{slots}{':canvas' if canvas else ''} (about {needed:.0f} s, {budget.left():.0f} s left)"
+                )
+                continue
+            rows.append(measure(engine, config, opts, budget, engines, server, url, slots, canvas))
+            rows[-1]["warmup_s"] = server.warmup_seconds
+        if curve:
+            curve_runs = _curve_loads(url, opts, config, budget, slots, opts.curve_requests or 2 * slots)
+    finally:
+        uv.should_exit = True
+        thread.join(60)
+    return rows, curve_runs, skipped
+
+
+def measure(engine, config, opts, budget: Budget, engines: dict, server, url: str, slots: int, canvas: bool) -> dict:
+    """One configuration: --repeats saturating loads on the server, each followed (while the
+    slot count has fewer) by an Engine.generate of the same requests; medians of both."""
+    options = serve_options(opts, slots)
+    requests = opts.requests or max(4, 2 * slots)
+    name = f"{slots}{'-canvas' if canvas else ''}"
+    row: dict = {"slots": slots, "canvas": canvas, "requests": requests, "server_runs": []}
+    session = server.worker.sessions[METHOD]
+    runs = engines.setdefault(slots, [])
+    before = read_metrics(url)
+    for repeat in range(opts.repeats):
+        if repeat and not budget.fits(budget.load_s(slots, requests, opts.gen_length) * 2):
+            break
+        calls_before = session.call_seconds
+        got = load(url, opts, config, requests, [math.inf], opts.out / f"load_{name}.json", canvas, budget.left())
+        if got is None:
+            row["cut"] = "the budget ended during a load"
+            break
+        run = got[0]
+        # the loop calls' share of the load's wall (from its first request to its last answer)
+        run["calls_share_of_wall"] = (session.call_seconds - calls_before) / run["wall_s"]
+        row["server_runs"].append(run)
+        print(f"[{name}] load {repeat + 1}: {run['tokens_per_s']:.1f} tokens/s", flush=True)
+        if len(runs) < opts.repeats and budget.fits(budget.load_s(slots, requests, opts.gen_length)):
+            runs.append(engine_run(engine, config, opts, options, requests))
+            budget.step_ms[slots] = statistics.median(e["ms_per_iteration"] for e in runs)
     samples = read_metrics(url)
-    curve_runs = []
-    if curve and opts.curve_rates:
-        curve_runs = load(
-            url,
-            opts,
-            config,
-            opts.curve_requests or 2 * slots,
-            [str(r) for r in opts.curve_rates],
-            opts.out / "serve_curve.json",
-            canvas,
-            # the GPU machine's image has no matplotlib: draw it later with load_test.py --replot
-            plot=opts.out / "serve_curve.png" if importlib.util.find_spec("matplotlib") else None,
-        )
-    uv.should_exit = True
-    thread.join(60)
-    import random
-
-    rng = random.Random(7)  # the same prompts (load_test's --prompt-ids draw), decoded by Engine.generate
-    prompts = [[rng.randrange(config.vocab_size - 2) for _ in range(opts.prompt_length)] for _ in range(requests)]
-    decode = decode_config("flash_cache", options)
-    out = engine.generate(prompts, SamplingParams(**request_defaults(decode, options)), decode_config=decode)
-    engine_rate = out.stats.completion_tokens / out.stats.wall_seconds
-    return {
-        "slots": slots,
-        "canvas": canvas,
-        "requests": requests,
-        "warmup_s": server.warmup_seconds,
-        "server": {
-            **run,
-            "compilations_after_warmup": samples.get("dllm_compilations_after_warmup"),
-            "step": histogram(samples, "dllm_step_seconds"),
-            "commit_to_chunk": histogram(samples, "dllm_commit_to_chunk_seconds"),
-        },
-        "engine": {
-            "tokens": out.stats.completion_tokens,
-            "wall_s": out.stats.wall_seconds,
-            "tokens_per_s": engine_rate,
-            "iterations": out.stats.iterations,
-            "ms_per_iteration": 1e3 * out.stats.wall_seconds / max(out.stats.iterations, 1),
-        },
-        "server_over_engine": run["tokens_per_s"] / engine_rate if engine_rate else None,
-        "same_tokens": run["tokens"] == out.stats.completion_tokens,
-        "curve": curve_runs,
+    if not row["server_runs"] or not runs:
+        row.setdefault("cut", "no budget left for Engine.generate")
+        return row
+    served = row["server_runs"]
+    row["server"] = {
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in served),
+        "calls_share_of_wall": statistics.median(r["calls_share_of_wall"] for r in served),
+        "tokens": served[-1]["tokens"],
+        "errors": {k: v for r in served for k, v in r["errors"].items()},
+        "compilations_after_warmup": samples.get("dllm_compilations_after_warmup"),
+        "step": histogram(samples, "dllm_step_seconds", before),
+        "commit_to_chunk": histogram(samples, "dllm_commit_to_chunk_seconds", before),
     }
+    row["engine_runs"] = runs
+    row["engine"] = {
+        "tokens_per_s": statistics.median(e["tokens_per_s"] for e in runs),
+        "ms_per_iteration": statistics.median(e["ms_per_iteration"] for e in runs),
+        "tokens": runs[-1]["tokens"],
+    }
+    row["server_over_engine"] = row["server"]["tokens_per_s"] / row["engine"]["tokens_per_s"]
+    row["same_tokens"] = all(r["tokens"] == runs[0]["tokens"] for r in served + runs)
+    return row
 
 
-def write_report(opts, rows: list[dict]) -> None:
+def _curve_loads(url: str, opts, config, budget: Budget, slots: int, requests: int) -> list[dict]:
+    runs = []
+    for rate in opts.curve_rates:
+        saturated = budget.load_s(slots, requests, opts.gen_length)
+        needed = (
+            max(saturated, requests / rate + saturated / math.ceil(requests / slots)) if rate < math.inf else saturated
+        )
+        if not budget.fits(needed):
+            print(f"[curve] rate {rate:g}/s skipped: about {needed:.0f} s, {budget.left():.0f} s left", flush=True)
+            continue
+        out = opts.out / f"serve_curve_{rate:g}.json"
+        got = load(url, opts, config, requests, [rate], out, False, budget.left())
+        if got is None:
+            break
+        runs += got
+    if runs:
+        write_text_atomically(opts.out / "serve_curve.json", json.dumps({"model": "random", "runs": runs}, indent=1))
+        if importlib.util.find_spec("matplotlib"):  # the GPU image has none: load_test.py --replot draws it later
+            subprocess.run(
+                [
+                    sys.executable,
+                    str(Path(__file__).resolve().parents[1] / "load_test.py"),
+                    "--replot",
+                    str(opts.out / "serve_curve.json"),
+                    "--plot",
+                    str(opts.out / "serve_curve.png"),
+                ],
+                check=False,
+                timeout=120,
+            )
+    return runs
+
+
+def write_report(opts, rows: list[dict], skipped: list[str], curve: dict | None = None) -> None:
     """serve_bench.json and serve_bench.md of the configurations measured so far (and printed)."""
     report = {
         "device": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
@@ -257,36 +415,45 @@ def write_report(opts, rows: list[dict]) -> None:
         "gen_length": opts.gen_length,
         "prompt_length": opts.prompt_length,
         "iterations_per_call": opts.iterations_per_call,
+        "blocking_calls": opts.blocking_calls,
+        "repeats": opts.repeats,
         "configs": rows,
+        "skipped": skipped,
+        "curve": curve,
     }
     lines = [
         f"# serve bench: {report['model']} on {report['device']}, {report['date']}",
         "",
         f"Prompts of {opts.prompt_length} tokens, {opts.gen_length} generated, one token per step, "
-        f"{opts.iterations_per_call} iteration(s) per call, all requests at once.",
+        f"{opts.iterations_per_call} iteration(s) per call, all requests at once, "
+        f"{opts.repeats} load(s) and Engine.generate run(s) per configuration (medians)"
+        f"{'; every loop call blocking until its results are ready' if opts.blocking_calls else ''}.",
         "",
-        "| slots | requests | canvas | server tokens/s | engine tokens/s | server / engine | server step ms | engine ms/iteration | commit-to-chunk mean / p99 ms | same tokens | errors |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| slots | requests | canvas | server tokens/s | engine tokens/s | server / engine | server step ms | "
+        "engine ms/iteration | calls' share of wall | commit-to-chunk mean / p99 ms | same tokens | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        if "server" not in r or "engine" not in r:
+            lines.append(f"| {r['slots']} | {r['requests']} | {'on' if r['canvas'] else 'off'} | {r.get('cut')} |")
+            continue
         s, e, c = r["server"], r["engine"], r["server"]["commit_to_chunk"]
-        p99 = c.get("p99_le_s")
         lines.append(
             f"| {r['slots']} | {r['requests']} | {'on' if r['canvas'] else 'off'} | {s['tokens_per_s']:.1f} | "
-            f"{e['tokens_per_s']:.1f} | {r['server_over_engine']:.3f} | {ms(s['step'].get('mean_s'))} | "
-            f"{e['ms_per_iteration']:.2f} | {ms(c.get('mean_s'))} / <= {ms(p99)} | {r['same_tokens']} | "
-            f"{s['errors'] or 'none'} |"
+            f"{e['tokens_per_s']:.1f} | **{r['server_over_engine']:.3f}** | {ms(s['step'].get('mean_s'))} | "
+            f"{e['ms_per_iteration']:.2f} | {s['calls_share_of_wall']:.2f} | {ms(c.get('mean_s'))} / <= "
+            f"{ms(c.get('p99_le_s'))} | {r['same_tokens']} | {s['errors'] or 'none'} |"
         )
-    curve = rows[-1]["curve"]
-    if curve:
+    lines += [f"\nSkipped: {'; '.join(skipped)}."] if skipped else []
+    if curve and curve["runs"]:
         lines += [
             "",
-            f"Latency-throughput curve, {rows[-1]['slots']} slots (serve_curve.png):",
+            f"Latency-throughput curve, {curve['slots']} slots, {curve['requests']} requests per rate (serve_curve.png):",
             "",
             "| offered req/s | ok | req/s | tokens/s | first text p50 / p99 s | latency p50 / p90 / p99 s |",
             "|---|---|---|---|---|---|",
         ]
-        for c in curve:
+        for c in curve["runs"]:
             lines.append(
                 f"| {c['rate']:g} | {c['ok']}/{c['requests']} | {c['requests_per_s']:.2f} | {c['tokens_per_s']:.1f} | "
                 f"{c['first_text_p50_s']:.3f} / {c['first_text_p99_s']:.3f} | {c['latency_p50_s']:.3f} / "
@@ -295,7 +462,22 @@ def write_report(opts, rows: list[dict]) -> None:
     md = "\n".join(lines)
     write_text_atomically(opts.out / "serve_bench.json", json.dumps(report, indent=1))
     write_text_atomically(opts.out / "serve_bench.md", md + "\n")
-    print(md)
+    print(md, flush=True)
+
+
+class BlockingCall:
+    """A compiled loop's call that returns when its outputs are ready (--blocking-calls)."""
+
+    def __init__(self, call):
+        self.call = call
+        self.input_shardings = call.input_shardings
+
+    def __call__(self, *args):
+        return jax.block_until_ready(self.call(*args))
+
+
+def blocking(compiled):
+    return dataclasses.replace(compiled, call=BlockingCall(compiled.call))
 
 
 def ms(value) -> str:
@@ -304,6 +486,10 @@ def ms(value) -> str:
 
 def main(argv=None) -> int:
     opts = parse_args(argv)
+    budget = Budget(opts.budget_s)
+    if opts.blocking_calls and jax.devices()[0].platform != "cpu":
+        print("serve_vs_engine: --blocking-calls is for the CPU (XLA:GPU's calls block already)", file=sys.stderr)
+        return 2
     config = tiny_config() if opts.smoke else llada_8b_config()
     t = time.perf_counter()
     if opts.smoke:
@@ -312,12 +498,34 @@ def main(argv=None) -> int:
         weights = jax.block_until_ready(init_params_per_layer(config, jax.random.key(0)))
     print(f"random weights on {jax.devices()[0]} in {time.perf_counter() - t:.1f} s", flush=True)
     engine = Engine(config, weights, backend="auto")
+    if opts.blocking_calls:
+        compile_loop = engine.compile
+        engine.compile = lambda *a, **k: blocking(compile_loop(*a, **k))
     opts.out.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for i, (slots, canvas) in enumerate(opts.configs):
-        rows.append(run_config(engine, config, opts, slots, canvas, curve=i == len(opts.configs) - 1))
-        write_report(opts, rows)  # after each configuration: a run cut short keeps what it measured
-    ok = all(not r["server"]["errors"] and r["same_tokens"] for r in rows)
+    rows, skipped, engines = [], [], {}
+    groups: dict[int, list[bool]] = {}  # slots -> canvas settings, in the order given
+    for slots, canvas in opts.configs:
+        groups.setdefault(slots, []).append(canvas)
+    curve = None
+    for i, (slots, canvases) in enumerate(groups.items()):
+        last = i == len(groups) - 1
+        requests = opts.requests or max(4, 2 * slots)
+        needed = 1.5 * budget.compile_s + budget.load_s(slots, requests, opts.gen_length) * opts.repeats * 2
+        if not budget.fits(needed):
+            skipped += [
+                f"{slots}{':canvas' if c else ''} (about {needed:.0f} s, {budget.left():.0f} s left)" for c in canvases
+            ]
+            continue
+        served, curve_runs, missed = serve_slots(
+            engine, config, opts, budget, engines, slots, canvases, curve=last and bool(opts.curve_rates)
+        )
+        rows += served
+        skipped += missed
+        if curve_runs is not None:
+            curve = {"slots": slots, "requests": opts.curve_requests or 2 * slots, "runs": curve_runs}
+        write_report(opts, rows, skipped, curve)  # after each slot count: a run cut short keeps what it measured
+    write_report(opts, rows, skipped, curve)
+    ok = all(r.get("server") and not r["server"]["errors"] and r.get("same_tokens") for r in rows)
     return 0 if ok else 1
 
 
