@@ -104,10 +104,22 @@ def main(argv=None) -> int:
     if args.flag_set:
         child(args)
         return 0
-    lines = ["| flags | slots | rows | layout | product | ms | TB/s | ragged dots | cuDNN calls | temp GiB |", "|" + "---|" * 10]
+    lines = [
+        "| flags | slots | rows | layout | product | ms | TB/s | ragged dots | cuDNN calls | temp GiB |",
+        "|" + "---|" * 10,
+    ]
     for flag_set in args.flag_sets:
         env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {FLAG_SETS[flag_set]}".strip()}
-        command = [sys.executable, __file__, "--flag-set", flag_set, "--out", str(args.out), "--repeats", str(args.repeats)]
+        command = [
+            sys.executable,
+            __file__,
+            "--flag-set",
+            flag_set,
+            "--out",
+            str(args.out),
+            "--repeats",
+            str(args.repeats),
+        ]
         command += ["--slots", *map(str, args.slots)] + (["--tiny"] if args.tiny else [])
         try:
             subprocess.run(command, env=env, timeout=args.timeout_s, check=False)
@@ -118,7 +130,9 @@ def main(argv=None) -> int:
         print(f"{flag_set}: cudnn {report.get('cudnn')}", flush=True)
         for r in report["rows"]:
             if "error" in r:
-                lines.append(f"| {flag_set} | {r['slots']} | {r['rows']} | {r['layout']} | {r['product']} | {r['error'][:80]} |")
+                lines.append(
+                    f"| {flag_set} | {r['slots']} | {r['rows']} | {r['layout']} | {r['product']} | {r['error'][:80]} |"
+                )
                 continue
             lines.append(
                 f"| {flag_set} | {r['slots']} | {r['rows']} | {r['layout']} | {r['product']} | {r['ms']:.3f} | "
