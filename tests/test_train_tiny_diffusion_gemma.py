@@ -100,16 +100,18 @@ def test_the_objective_scores_what_generation_computes(tok, config, params):
         if tokens[0, tr.PREFIX_LEN :].tolist() == second.tolist():
             break
     canvas = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (1, tr.CANVAS_LENGTH)))
+    # jitted: one compile per shape (op by op, the model's passes took about 100 s on the CPU)
+    encode, decode = (jax.jit(f, static_argnums=0) for f in (dg.encode, dg.decode))
     cache = dg.init_cache(config, 1, tr.PREFIX_LEN)
-    cache, _ = dg.encode(config, params, jnp.asarray(tokens[:, : tr.PREFIX_LEN]), cache, jnp.asarray(valid))
-    trained = dg.decode(config, params, canvas, cache)
+    cache, _ = encode(config, params, jnp.asarray(tokens[:, : tr.PREFIX_LEN]), cache, jnp.asarray(valid))
+    trained = decode(config, params, canvas, cache)
 
     prompt = np.asarray(tr.prompt_ids(tok, LONG.prompt))[None]
     first = tr.response_canvases(tok, LONG.answer)[:1]
     stepwise = dg.init_cache(config, 1, prompt.shape[1] + tr.CANVAS_LENGTH)
-    stepwise, _ = dg.encode(config, params, jnp.asarray(prompt), stepwise)
-    stepwise, _ = dg.encode(config, params, jnp.asarray(first), stepwise)
-    generated = dg.decode(config, params, canvas, stepwise)
+    stepwise, _ = encode(config, params, jnp.asarray(prompt), stepwise)
+    stepwise, _ = encode(config, params, jnp.asarray(first), stepwise)
+    generated = decode(config, params, canvas, stepwise)
     assert relative_error(np.asarray(trained), np.asarray(generated)) < 1e-5
 
 
