@@ -34,7 +34,8 @@ two weight stacks, which are already [E, out, in] per layer, in place:
 
 Their grouped GEMMs (quantized_ragged_dot) keep jax.lax.ragged_dot_general: fp8 quantizes the
 gathered rows per row and runs it on float8 operands, int8-weights converts the weights to the
-rows' dtype inside it; the product is scaled by each row's expert's channel scales. Its
+rows' dtype inside it; the product is scaled by each row's expert's channel scales. On NVIDIA
+GPUs the same products run as the Pallas grouped GEMM (dllm_jax.models.experts, grouped_gemm). Its
 router, self-conditioning MLP and embedding (tied to its LM head) stay in the model dtype.
 
 The embedding (``wte``) stores, instead of ``embedding`` [V, D]:
