@@ -289,3 +289,25 @@ def test_the_canvas_loop_lowers_for_cuda_with_the_kernel_and_no_ragged_dot(quant
     )
     dots = [line for line in text.splitlines() if "chlo.ragged_dot" in line]
     assert len(dots) == 2 * config.n_layers and "grouped_matmul" not in text
+
+
+def test_the_26b_a4b_canvas_loop_lowers_for_cuda_with_the_kernel_at_its_shapes():
+    """The published shape (30 layers, 128 experts of 2816 -> 2 x 704), 8 slots: each layer's
+    two grouped GEMMs over the 8 x 256 x 8 assignment rows, no ragged dot (about 10 s)."""
+    from dllm_jax.engine.engine import Engine
+    from dllm_jax.models.diffusion_gemma_config import diffusion_gemma_26b_a4b_config
+
+    config = diffusion_gemma_26b_a4b_config("bfloat16")
+    engine = Engine(config, jax.eval_shape(dg.unstack_layers, dg.abstract_params(config)), backend=GPU_AUTO)
+    loop = engine.decode_loop(DecodeConfig(method="diffusion_gemma", gen_length=256, batch_size=8), 256)
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    sampling = jax.eval_shape(lambda: zero_sampling((16,)))
+    state = jax.eval_shape(loop.init_state, i32(16, 256), i32(16), sampling, i32())
+    run = jax.jit(loop.run, donate_argnums=1)
+    text = lower_for_cuda(run, engine.weights, state, i32(), jax.ShapeDtypeStruct((), jnp.bool_))
+    assert "ragged_dot" not in text and text.count("func.call @grouped_matmul") == 2 * config.n_layers
+    for operands in (
+        "tensor<16384x2816xbf16>, tensor<128x1408x2816xbf16>",
+        "tensor<16384x704xbf16>, tensor<128x2816x704xbf16>",
+    ):
+        assert operands in text
