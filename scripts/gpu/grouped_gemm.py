@@ -26,9 +26,11 @@ For each row count (a random uniform routing) and each product (gate/up: [M, 281
              ("tokamax-kn", its native layout). xprof, which tokamax imports for profiling
              only, is stubbed when missing.
 
-Each row's "rel err" is the relative L2 error against an exact float32 product of 256 sampled
+Each row's "rel err" is the relative L2 error against an exact float32 product of 64 sampled
 rows (the row's expert's weights gathered), so every path is checked on the GPU on fresh random
-data; "vs xla" is the relative L2 difference to the xla row of the same product where it ran.
+data; "vs xla" is the relative L2 difference to the xla row of the same product where it ran. The
+xla rows write float32 products, the kernel's and tokamax's bf16 ones (as the engine uses them),
+so theirs include bf16's rounding (~2e-3).
 Each child writes OUT/grouped_gemm_<flag set>.json; the table is printed at the end.
 
 What to expect (H200: ~3.2 TB/s through JAX, ~800 TFLOP/s bf16; per layer, bf16 weights):
@@ -65,7 +67,7 @@ FLAG_SETS = {
     "default": "",
     "cudnn_ragged_dot": "--xla_gpu_experimental_use_ragged_dot_fusion=true",
 }
-SAMPLED_ROWS = 256
+SAMPLED_ROWS = 64
 
 
 def _import_tokamax():
@@ -150,8 +152,10 @@ def child(args) -> None:
         row_group = jnp.asarray(np.repeat(np.arange(E), groups), jnp.int32)
         sample = jnp.asarray(np.sort(rng.choice(M, min(M, SAMPLED_ROWS), replace=False)))
         for name, n_out, n_in in (("gate_up", 2 * F, D), ("down", D, F)):
-            x = jnp.asarray(rng.standard_normal((M, n_in)), dtype)
-            w = jnp.asarray(rng.standard_normal((E, n_out, n_in)) / np.sqrt(n_in), dtype)
+            # made on the device (a host-made [128, 1408, 2816] float64 array takes seconds)
+            key_x, key_w = jax.random.split(jax.random.key(int(rng.integers(1 << 30))))
+            x = jax.random.normal(key_x, (M, n_in), jnp.float32).astype(dtype)
+            w = (jax.random.normal(key_w, (E, n_out, n_in), jnp.float32) / np.sqrt(n_in)).astype(dtype)
             quantized = {mode: quantize_experts(w, mode) for mode in ("int8-weights", "fp8")} if kernels else {}
 
             def exact(xs, ws, _x=x):
