@@ -21,7 +21,7 @@ from dllm_jax.runtime.kernel_routing import Kernels
 from dllm_jax.runtime.slots import zero_sampling
 
 # what backend="auto" picks on an NVIDIA GPU
-GPU_AUTO = Kernels(attention=True, scatter=True, top_p_top_k=True)
+GPU_AUTO = Kernels(attention=True, scatter=True, top_p_top_k=True, experts=True)
 
 
 def _abstract_h200():

@@ -12,6 +12,13 @@ ragged_dot with the weights' input axis last) over the rows sorted by expert;
 ``routed_sum`` is the grouped GEMMs' float32 sum over a contiguous block of the experts only
 (a device's share of them under a mesh, dllm_jax.runtime.expert_sharding).
 
+Which grouped GEMM (``grouped_gemm``, GROUPED_GEMMS): "xla", jax.lax.ragged_dot_general, which
+CPUs and TPUs run well and XLA:GPU (jax 0.11.2) rewrites into a dense product of every row with
+every expert; "pallas", pallas_kernels.matmul.grouped_matmul (a Triton grouped GEMM that reads
+only the rows' own experts: the kernel routing's choice on NVIDIA GPUs,
+dllm_jax.runtime.kernel_routing); "interpret", the same kernel in Pallas interpret mode (CPU
+tests). Shapes the kernel does not tile (widths not multiples of 16) stay with "xla".
+
 Parameter layout (one layer), Hugging Face's ([out, in] per expert, as torch's Linear):
   experts/gate_up_proj  [E, 2F, D]   (rows [0, F) the gate, [F, 2F) the up projection)
   experts/down_proj     [E, D, F]
@@ -22,6 +29,7 @@ quantization.quantized_ragged_dot.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -31,10 +39,11 @@ import jax.numpy as jnp
 
 from dllm_jax.models.gemma_layers import gelu_tanh, rms_normalize
 from dllm_jax.models.layers import INIT, Linear
-from dllm_jax.models.quantization import GROUPED_ROWS, quantized_ragged_dot, weight_dtype
+from dllm_jax.models.quantization import GROUPED_ROWS, fp8_rows, quantized_ragged_dot, weight_dtype
 
 # An expert weight stack: [E, out, in] in the model dtype, or its 8-bit {"qkernel", "scale"}
 ExpertWeights = Any
+GROUPED_GEMMS: tuple[str, ...] = ("xla", "pallas", "interpret")
 
 
 class Router(nn.Module):
@@ -93,7 +102,12 @@ class Experts(nn.Module):
 
 
 def grouped_expert_mlp(
-    x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up: ExpertWeights, down: ExpertWeights
+    x: jax.Array,
+    weights: jax.Array,
+    experts: jax.Array,
+    gate_up: ExpertWeights,
+    down: ExpertWeights,
+    grouped_gemm: str = "xla",
 ) -> jax.Array:
     """The routed experts' output per row, as two grouped GEMMs.
 
@@ -101,10 +115,18 @@ def grouped_expert_mlp(
       x: [T, D] rows (already normed), in the model dtype.
       weights: float32 [T, K] routing weights; experts: int32 [T, K] expert ids.
       gate_up: [E, 2F, D]; down: [E, D, F] (or each 8-bit: see the module docstring).
+      grouped_gemm: which grouped GEMM runs them (GROUPED_GEMMS).
     Returns:
       [T, D] in x's dtype: sum_k weights[t, k] * expert_{experts[t, k]}(x[t]), summed in float32.
     """
-    return routed_sum(x, weights, experts, gate_up, down).astype(x.dtype)
+    return routed_sum(x, weights, experts, gate_up, down, grouped_gemm=grouped_gemm).astype(x.dtype)
+
+
+def expert_mlp_with(grouped_gemm: str) -> ExpertMLP | None:
+    """grouped_expert_mlp running its GEMMs with `grouped_gemm` (None for "xla": the default)."""
+    if grouped_gemm not in GROUPED_GEMMS:
+        raise ValueError(f"grouped_gemm={grouped_gemm!r}: expected one of {GROUPED_GEMMS}")
+    return None if grouped_gemm == "xla" else functools.partial(grouped_expert_mlp, grouped_gemm=grouped_gemm)
 
 
 def routed_sum(
@@ -114,6 +136,7 @@ def routed_sum(
     gate_up: ExpertWeights,
     down: ExpertWeights,
     first_expert: int | jax.Array = 0,
+    grouped_gemm: str = "xla",
 ) -> jax.Array:
     """grouped_expert_mlp's sum before its rounding, over the experts gate_up and down hold:
     the E experts from ``first_expert`` on (all of them by default).
@@ -122,7 +145,8 @@ def routed_sum(
     weight times the expert's output (rounded to x's dtype, as transformers rounds it); the
     other assignments add nothing. Summed over disjoint blocks of experts, the blocks' sums
     are all experts' (exactly so for top-2 routing: each block adds a row's two terms, or one,
-    or none, to zeros).
+    or none, to zeros). The other assignments are sorted last, in no group: the Pallas grouped
+    GEMM skips them (no MMA, no store) and the result masks them.
     """
     T, K = experts.shape
     E, F = _shape(gate_up)[0], _shape(down)[2]
@@ -136,11 +160,12 @@ def routed_sum(
     group_sizes = jnp.bincount(key, length=E).astype(jnp.int32)
     # each sorted row's local expert (E, clamped by the scales' gather, for rows in no group)
     sorted_experts = key[order]
+    gemm = _gemm_for(grouped_gemm, rows, gate_up, down)
     # [T * K, 2F]
-    gate_up_out = _by_expert(rows, gate_up, group_sizes, sorted_experts)
+    gate_up_out = gemm(rows, gate_up, group_sizes, sorted_experts)
     hidden = gelu_tanh(gate_up_out[:, :F].astype(x.dtype)) * gate_up_out[:, F:].astype(x.dtype)
     # [T * K, D]
-    out = _by_expert(hidden, down, group_sizes, sorted_experts).astype(x.dtype)
+    out = gemm(hidden, down, group_sizes, sorted_experts).astype(x.dtype)
     weighted = out.astype(jnp.float32) * weights.reshape(T * K)[order][:, None]
     weighted = jnp.where(here[order][:, None], weighted, 0.0)
     # back to the assignments' original order, then the k slots of each row summed
@@ -160,10 +185,46 @@ def num_experts(w: ExpertWeights) -> int:
 
 def _by_expert(rows: jax.Array, w: ExpertWeights, group_sizes: jax.Array, row_experts: jax.Array) -> jax.Array:
     """rows [M, in] sorted by expert (group_sizes int32 [E]; row_experts int32 [M]) times their
-    expert's weights -> float32 [M, out]."""
+    expert's weights -> float32 [M, out] (jax.lax.ragged_dot_general)."""
     if isinstance(w, Mapping):  # flax hands a dict param over as a FrozenDict
         return quantized_ragged_dot(rows, w["qkernel"], w["scale"], group_sizes, row_experts, jnp.float32)
     return jax.lax.ragged_dot_general(rows, w, group_sizes, GROUPED_ROWS, preferred_element_type=jnp.float32)
+
+
+def _gemm_for(grouped_gemm: str, rows: jax.Array, gate_up: ExpertWeights, down: ExpertWeights) -> Callable:
+    """The grouped GEMM (rows, w, group_sizes, row_experts) -> [M, out] both products run with:
+    _by_expert, or the Pallas kernel where it takes both shapes (_by_expert_kernel)."""
+    if grouped_gemm not in GROUPED_GEMMS:
+        raise ValueError(f"grouped_gemm={grouped_gemm!r}: expected one of {GROUPED_GEMMS}")
+    if grouped_gemm == "xla":
+        return _by_expert
+    from pallas_kernels.matmul.grouped_matmul import supports
+
+    (_, two_f, d), f = _shape(gate_up), _shape(down)[2]
+    if not (supports(rows.shape[0], two_f, d) and supports(rows.shape[0], d, f)):
+        return _by_expert
+    return functools.partial(_by_expert_kernel, interpret=grouped_gemm == "interpret")
+
+
+def _by_expert_kernel(
+    rows: jax.Array, w: ExpertWeights, group_sizes: jax.Array, row_experts: jax.Array, *, interpret: bool
+) -> jax.Array:
+    """_by_expert through the Pallas grouped GEMM, with the same numbers: float32 accumulation,
+    the product rounded once to rows' dtype (the callers' next step; float32 rows stay float32)
+    instead of written in float32; 8-bit weights as quantized_ragged_dot runs them (fp8: the rows
+    quantized per row, a float8 x float8 product times both scales; int8-weights: the weights
+    converted to the rows' dtype, times their scales). Rows in no group are left unwritten."""
+    from pallas_kernels.matmul.grouped_matmul import grouped_matmul
+
+    del row_experts  # each tile knows its expert
+    run = functools.partial(grouped_matmul, out_dtype=rows.dtype, fill_tail=False, interpret=interpret)
+    if not isinstance(w, Mapping):
+        return run(rows, w, group_sizes)
+    qkernel, scale = w["qkernel"], w["scale"]
+    if qkernel.dtype == jnp.float8_e4m3fn:
+        xq, x_scale = fp8_rows(rows)
+        return run(xq, qkernel, group_sizes, scale, x_scale[:, 0])
+    return run(rows, qkernel, group_sizes, scale)
 
 
 def dense_expert_mlp(

@@ -34,7 +34,8 @@ two weight stacks, which are already [E, out, in] per layer, in place:
 
 Their grouped GEMMs (quantized_ragged_dot) keep jax.lax.ragged_dot_general: fp8 quantizes the
 gathered rows per row and runs it on float8 operands, int8-weights converts the weights to the
-rows' dtype inside it; the product is scaled by each row's expert's channel scales. Its
+rows' dtype inside it; the product is scaled by each row's expert's channel scales. On NVIDIA
+GPUs the same products run as the Pallas grouped GEMM (dllm_jax.models.experts, grouped_gemm). Its
 router, self-conditioning MLP and embedding (tied to its LM head) stay in the model dtype.
 
 The embedding (``wte``) stores, instead of ``embedding`` [V, D]:
@@ -250,7 +251,7 @@ def quantize_params(params: Any, mode: str) -> Any:
     return quantized
 
 
-def _fp8_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+def fp8_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """x [..., K] -> (e4m3 rows [..., K], float32 scales [..., 1]): each row scaled so that its
     largest |value| is e4m3's 448 (an all-zero row: scale 1)."""
     x32 = x.astype(jnp.float32)
@@ -276,7 +277,7 @@ def quantized_matmul(
     """
     contract = (((x.ndim - 1,), (1,)), ((), ()))
     if qkernel.dtype == _FP8:
-        xq, x_scale = _fp8_rows(x)
+        xq, x_scale = fp8_rows(x)
         y = jax.lax.dot_general(xq, qkernel, contract, preferred_element_type=_fp8_product_dtype(out_dtype))
         return (y.astype(jnp.float32) * (x_scale * scale)).astype(out_dtype)
     gemm = _int8_gemm(int8_gemm, x, qkernel, out_dtype)
@@ -314,7 +315,7 @@ def quantized_ragged_dot(
     to x's dtype for int8-weights; the product times the row's and its group's scales.
     """
     if qweights.dtype == _FP8:
-        xq, x_scale = _fp8_rows(x)
+        xq, x_scale = fp8_rows(x)
         y = jax.lax.ragged_dot_general(
             xq, qweights, group_sizes, GROUPED_ROWS, preferred_element_type=_fp8_product_dtype(out_dtype)
         )

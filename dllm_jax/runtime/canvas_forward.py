@@ -97,6 +97,7 @@ def canvas_forward(
     with_scores: bool = False,
     group_slot: jax.Array | None = None,
     mesh: Mesh | None = None,
+    grouped_gemm: str = "xla",
 ) -> tuple[jax.Array, CanvasCache] | tuple[jax.Array, CanvasCache, jax.Array]:
     """Runs the model on the rows over the cache.
 
@@ -111,6 +112,8 @@ def canvas_forward(
         invalid rows may name any slot.
       mesh: the device mesh, if any (the slots are one data shard's): the routed experts run
         on their devices (dllm_jax.runtime.expert_sharding); GSPMD splits the rest.
+      grouped_gemm: what runs the experts' grouped GEMMs (dllm_jax.models.experts.GROUPED_GEMMS;
+        the kernel routing's choice, kernel_routing.grouped_gemm).
     Returns:
       the last layer's output rows [S, R, D] (before the final norm), the cache with the
       written rows (the encoder groups' valid rows; with canvas_length, the decoder groups'
@@ -132,7 +135,7 @@ def canvas_forward(
     # [S, R] cache row of each written row; the cache's length (out of range) drops the others
     targets = jnp.where(written, slots[:, None] * max_len + rows.positions, cache_rows)
     encoder = ~rows.decoder[:, None, None]
-    expert_mlp = sharded_expert_mlp(mesh)
+    expert_mlp = sharded_expert_mlp(mesh, grouped_gemm)
     keys, values = dict(cache.keys), dict(cache.values)
     for layer in range(config.n_layers):
         kind = config.layer_types[layer]

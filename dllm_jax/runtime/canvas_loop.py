@@ -57,7 +57,7 @@ from dllm_jax.runtime.decode_loop import (
     record_results,
     run_while_work,
 )
-from dllm_jax.runtime.kernel_routing import Kernels
+from dllm_jax.runtime.kernel_routing import Kernels, grouped_gemm
 from dllm_jax.runtime.sharding import CACHE_ROWS, DATA, REPLICATED, SLOTS, axis_size, per_data_shard
 from dllm_jax.runtime.slots import ERROR_NON_FINITE, ERROR_STEP_LIMIT, SlotSampling
 
@@ -121,6 +121,11 @@ class CanvasLoop:
     def sampler_slots(self) -> int:
         """Slots per group of a data shard's denoising stage."""
         return sampler_group(self.shard_slots, self.policy.canvas_length, self.model.vocab_size)
+
+    @property
+    def _experts(self) -> dict:
+        """canvas_forward's grouped-GEMM choice for the routed experts (the kernel routing's)."""
+        return {"grouped_gemm": grouped_gemm(self.kernels)}
 
     # ----- state -------------------------------------------------------------------------
 
@@ -190,7 +195,7 @@ class CanvasLoop:
         the cache. B: the slots of one data shard."""
         B, L, D = self.shard_slots, self.policy.canvas_length, self.model.d_model
         dtype = self.model.jnp_dtype
-        run = dict(max_len=self.max_len, canvas_length=L, with_scores=True, mesh=self.mesh)
+        run = dict(max_len=self.max_len, canvas_length=L, with_scores=True, mesh=self.mesh, **self._experts)
         full = slots.active & jax.vmap(self.policy.needs_full)(slots)
         sparse = slots.active & ~full
         nothing = (jnp.zeros((B, L, D), dtype), jnp.zeros((B, self.max_len), jnp.float32))
@@ -268,7 +273,9 @@ class CanvasLoop:
         ran = slots.active
         if self.policy.cached_rows is None:
             rows = jax.vmap(self.policy.rows)(slots)
-            hidden, cache = canvas_forward(self.model, weights, cache, rows, max_len=self.max_len, mesh=self.mesh)
+            hidden, cache = canvas_forward(
+                self.model, weights, cache, rows, max_len=self.max_len, mesh=self.mesh, **self._experts
+            )
         else:
             slots, hidden, cache = self._cached_passes(weights, slots, cache, branch, any_sparse)
         decoding = ran & (slots.phase == DENOISE)

@@ -18,20 +18,23 @@ from __future__ import annotations
 import jax
 from jax.sharding import Mesh
 
-from dllm_jax.models.experts import ExpertMLP, num_experts, routed_sum
+from dllm_jax.models.experts import ExpertMLP, expert_mlp_with, num_experts, routed_sum
 from dllm_jax.runtime.sharding import EXPERT, EXPERT_ROWS, EXPERTS, REPLICATED, TENSOR, axis_size, per_expert_shard
 
 
-def sharded_expert_mlp(mesh: Mesh | None) -> ExpertMLP | None:
+def sharded_expert_mlp(mesh: Mesh | None, grouped_gemm: str = "xla") -> ExpertMLP | None:
     """experts.grouped_expert_mlp under `mesh` (same signature and result: x [T, D], weights
     float32 [T, K], experts int32 [T, K], gate_up [E, 2F, D], down [E, D, F] split along E ->
-    [T, D] in x's dtype, replicated; 8-bit expert weights likewise), or None when the mesh splits no expert (the model's own)."""
+    [T, D] in x's dtype, replicated; 8-bit expert weights likewise), its grouped GEMMs run
+    with `grouped_gemm` (experts.GROUPED_GEMMS); None when neither the mesh splits an expert
+    nor a kernel is asked for (the model's own)."""
     if axis_size(mesh, EXPERT) * axis_size(mesh, TENSOR) == 1:
-        return None
+        return expert_mlp_with(grouped_gemm)
 
     def own_experts(x, weights, experts, gate_up, down):
         first = jax.lax.axis_index(EXPERTS) * num_experts(gate_up)
-        return jax.lax.psum(routed_sum(x, weights, experts, gate_up, down, first), EXPERTS).astype(x.dtype)
+        routed = routed_sum(x, weights, experts, gate_up, down, first, grouped_gemm=grouped_gemm)
+        return jax.lax.psum(routed, EXPERTS).astype(x.dtype)
 
     in_specs = (REPLICATED, REPLICATED, REPLICATED, EXPERT_ROWS, EXPERT_ROWS)
     return per_expert_shard(own_experts, mesh, in_specs=in_specs, out_specs=REPLICATED)

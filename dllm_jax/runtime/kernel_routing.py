@@ -12,7 +12,9 @@ the attention kernel (1.4x-12x faster than XLA's and cuDNN's paths) and the K/V 
 (XLA's scatter ran at 0.23 TB/s), but XLA's cuBLAS projections (the fused projection kernel
 was 0.5x-0.9x their speed; its Mosaic GPU version, pallas_kernels.projection.qkv_rope_cache_mosaic, bf16 0.99x /
 0.97x / 0.83x and FP8 1.51x / 0.89x / 0.85x at 1 / 8 / 32 slots, 2026-12-02: not routed, as
-the fp8 path does not yet feed it quantized rows); on a TPU the Mosaic version of the
+the fp8 path does not yet feed it quantized rows), and the routed experts' grouped GEMMs
+(pallas_kernels.matmul.grouped_matmul: XLA:GPU rewrites jax.lax.ragged_dot into a dense
+product with every expert); on a TPU the Mosaic version of the
 attention kernel (never run on a real TPU: tested in interpret mode and lowered for TPU on
 the CPU); pure XLA elsewhere
 (CPUs, other GPUs), whose attention is chunked over keys (dllm_jax.runtime.chunked_attention).
@@ -50,6 +52,9 @@ class Kernels:
     # reference)
     invariant: bool = False
     matmul: bool = False
+    # the routed experts' grouped GEMMs (DiffusionGemma) by the Pallas grouped GEMM instead of
+    # jax.lax.ragged_dot; not part of the name
+    experts: bool = False
 
     @property
     def name(self) -> str:
@@ -95,10 +100,17 @@ def _backend_kernels(backend: str | Kernels, interpret: bool) -> Kernels:
         # the only kernel with a TPU version
         return Kernels(attention=True, mosaic=True, interpret=interpret)
     if backend == "pallas":
-        return Kernels(qkv=True, attention=True, top_p_top_k=True, interpret=interpret)
+        return Kernels(qkv=True, attention=True, top_p_top_k=True, experts=True, interpret=interpret)
     if backend == "auto" and platform.on_nvidia_gpu():
-        return Kernels(attention=True, scatter=True, top_p_top_k=True)
+        return Kernels(attention=True, scatter=True, top_p_top_k=True, experts=True)
     return Kernels()
+
+
+def grouped_gemm(kernels: Kernels) -> str:
+    """What runs the routed experts' grouped GEMMs (dllm_jax.models.experts.GROUPED_GEMMS)."""
+    if not kernels.experts:
+        return "xla"
+    return "interpret" if kernels.interpret else "pallas"
 
 
 def pallas_qkv_to_cache(config: ModelConfig, spec, stacked, x, positions, rows, k_cache, v_cache, layer):

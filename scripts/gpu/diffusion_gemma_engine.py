@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python scripts/gpu/diffusion_gemma_engine.py --out OUT   # H200: under 200 s
     PYTHONPATH=. python scripts/gpu/diffusion_gemma_engine.py --tiny --budget-s 900 --hard-limit-s 1000  # CPU smoke
+    (add --backend pallas to run the Pallas kernels, the grouped GEMM included, in interpret mode on the CPU)
     PYTHONPATH=. python scripts/gpu/diffusion_gemma_engine.py --quantization fp8 --transformers-s 0 --out OUT
 
 --quantization fp8 / int8-weights: the random bf16 weights quantized on the device, layer by layer
@@ -37,9 +38,11 @@ ends whatever runs:
             the canvas (DecodeConfig canvas_rows=N: after a canvas's first step, N of its rows
             recomputed, the others kept), its sparse step (every slot past its canvas's first
             step), compiled with full-pass lanes of all slots only.
-Each row also says how XLA lowered the experts' grouped GEMMs (ragged dots left in the optimized
-program and cuDNN custom calls: cuDNN's grouped GEMM, or a dense rewrite when both are 0); a part
-that fails (compile, memory) is reported with its error and the next one runs.
+Each row also says how the experts' grouped GEMMs ran (ragged dots left in the optimized program
+and cuDNN custom calls: cuDNN's grouped GEMM, or a dense rewrite when both are 0; and the calls of
+the Pallas grouped GEMM kernel, which backend "auto" runs them with on an NVIDIA GPU:
+--backend xla shows the old path); a part that fails (compile, memory) is reported with its
+error and the next one runs.
 
 Random weights: normal with 1/sqrt(fan-in) per matrix, norms and scalars 1, made on the device
 per layer (the layer stacks as tuples of per-layer trees, as Engine(unroll_layers=True) keeps
@@ -221,10 +224,19 @@ def step_time(engine, compiled, prompt_ids, slots: int, iterations: int, repeats
 
 
 def lowering(compiled) -> dict:
-    """How XLA lowered the experts' grouped GEMMs: ragged dots left and cuDNN fusions in the
-    optimized program (a dense rewrite leaves neither)."""
+    """How the experts' grouped GEMMs run: ragged dots left and cuDNN fusions in the optimized
+    program (a dense rewrite leaves neither), and the Pallas grouped GEMM's kernel calls
+    (backend "auto" on an NVIDIA GPU: Kernels.experts, pallas_kernels.matmul.grouped_matmul)."""
     text = compiled.call.as_text() or ""
-    return {"ragged_dot": text.count("ragged-dot("), "cudnn_calls": text.count("__cudnn$")}
+    kernels = sum(
+        1 for line in text.splitlines() if "custom-call(" in line and "triton" in line and "grouped_matmul" in line
+    )
+    return {
+        "ragged_dot": text.count("ragged-dot("),
+        "cudnn_calls": text.count("__cudnn$"),
+        "grouped_matmul": kernels,
+        "backend": compiled.loop.kernels.name + (" +experts" if compiled.loop.kernels.experts else ""),
+    }
 
 
 def loop_config(config: DiffusionGemmaConfig, slots: int, canvas_rows: int | None = None):
@@ -379,7 +391,7 @@ def write(out: Path, report: dict, show: bool = False) -> None:
     nan = float("nan")
     lines = [
         "| slots | step ms | weight floor ms (x) | FLOP floor ms (x) | compile s | e2e tokens/s | "
-        "transformers step ms | transformers tokens/s | ragged dots / cuDNN |",
+        "transformers step ms | transformers tokens/s | ragged dots / cuDNN / grouped GEMM kernels |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in report["rows"]:
@@ -393,7 +405,8 @@ def write(out: Path, report: dict, show: bool = False) -> None:
             f"({row['step_ms'] / row['weight_floor_ms']:.2f}) | {row['flop_floor_ms']:.2f} "
             f"({row['step_ms'] / row['flop_floor_ms']:.2f}) | {row['compile_s']:.1f} | "
             f"{e2e.get('tokens_per_s', nan):.1f} | {theirs.get('step_ms', nan):.2f} | "
-            f"{theirs.get('tokens_per_s', nan):.1f} | {row['ragged_dot']} / {row['cudnn_calls']} |"
+            f"{theirs.get('tokens_per_s', nan):.1f} | {row['ragged_dot']} / {row['cudnn_calls']} / "
+            f"{row.get('grouped_matmul', 0)} |"
         )
         for rows, cached in row.get("canvas_rows", {}).items():
             if "step_ms" not in cached:
@@ -404,6 +417,8 @@ def write(out: Path, report: dict, show: bool = False) -> None:
                 f"({cached['step_ms'] / row['weight_floor_ms']:.2f}) | "
                 f"({cached['step_ms'] / row['flop_floor_ms']:.2f}) | {cached['compile_s']:.1f} | | | | |"
             )
+    if report.get("backend"):
+        lines.append(f"\nbackend: {report['backend']}")
     if report.get("stopped"):
         lines.append(f"\nstopped {report['stopped']}")
     status = report.get("transformers", {}).get("status")
@@ -451,6 +466,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=Path("diffusion_gemma_engine_out"))
     p.add_argument("--compile-threads", type=int, default=3, help="step loops compiled side by side (1: in turn)")
     p.add_argument("--quantization", choices=QUANTIZATIONS, default="none", help="8-bit weights (made from bf16 ones)")
+    p.add_argument("--backend", default="auto", help="the engine's backend (auto: the Pallas grouped GEMM on a GPU)")
     p.add_argument("--transformers-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     began = time.perf_counter()
@@ -487,7 +503,12 @@ def main(argv=None) -> int:
     report["weight_bytes"] = int(sum(w.size * w.dtype.itemsize for w in jax.tree.leaves(weights)))
     print(f"weights: {report['weight_bytes'] / 1e9:.2f} GB in {report['weights_s']:.1f} s", flush=True)
     # one full-pass variant (all slots) for the cached-canvas loops: the exact loop has no other
-    engine = Engine(config, weights, None, unroll_layers=True, full_pass_lanes=())
+    # off a GPU the kernels run in interpret mode (the CPU smoke: --tiny --backend pallas)
+    interpret = jax.devices()[0].platform != "gpu"
+    engine = Engine(
+        config, weights, None, backend=args.backend, interpret=interpret, unroll_layers=True, full_pass_lanes=()
+    )
+    report["backend"] = engine.backend + (" +experts" if engine.kernels.experts else "")
     rows = {
         slots: {"slots": slots, **floors(config, slots, args.prompt, report["ceilings"])} for slots in args.slots_counts
     }

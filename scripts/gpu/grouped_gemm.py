@@ -1,17 +1,53 @@
-"""The routed experts' grouped GEMM on the GPU: how XLA lowers jax.lax.ragged_dot and how fast it runs.
+"""The routed experts' grouped GEMM on the GPU: jax.lax.ragged_dot as XLA lowers it against the Pallas kernel.
 
-    python scripts/gpu/grouped_gemm.py --out OUT            # runs itself once per XLA flag set
-    python scripts/gpu/grouped_gemm.py --tiny --out OUT     # CPU smoke
+    PYTHONPATH=. python scripts/gpu/grouped_gemm.py --out OUT          # H200: about 3 minutes
+    PYTHONPATH=. python scripts/gpu/grouped_gemm.py --tiny --out OUT   # CPU smoke (the kernel in interpret mode)
 
-DiffusionGemma's experts run as two ragged dots over the rows sorted by expert
+DiffusionGemma's experts run as two grouped GEMMs over the rows sorted by expert
 (dllm_jax.models.experts). At the 26B-A4B shape (128 experts of 2816 -> 2 x 704 -> 2816, top 8)
-a decoder step of S slots has S x 256 x 8 assignment rows. For each row count and each layout
-of the weights (ours: [E, out, in], contracting their last axis; jax.lax.ragged_dot's: [E, in,
-out]) this times the gate/up and the down product (median of --repeats calls, random rows, a
-random routing) and reads the optimized program: ragged dots left, cuDNN custom calls, and the
-largest temporary (a dense rewrite computes every row against every expert: E times the bytes).
-Each XLA flag set of --flag-sets runs in a child process (XLA reads XLA_FLAGS once), one JSON
-line each; the table is printed at the end.
+a decoder step of S slots has S x 256 x 8 assignment rows (2048 / 16384 / 65536 at 1 / 8 / 32).
+For each row count (a random uniform routing) and each product (gate/up: [M, 2816] x [128, 1408,
+2816]; down: [M, 704] x [128, 2816, 704]) this times (median of --repeats calls):
+
+  xla        jax.lax.ragged_dot_general on our layout ([E, out, in], the weights' last axis
+             contracted), and ragged_dot's own ([E, in, out]) as "xla-ragged_dot", in every
+             XLA flag set of --flag-sets (one child process each: XLA reads XLA_FLAGS once);
+             the optimized program's ragged dots, cuDNN calls and largest temporary are read
+             (a dense rewrite keeps neither and needs E times the bytes);
+  pallas     pallas_kernels.matmul.grouped_matmul (bf16; its default tiling, then the others of
+             a small sweep, "pallas <tiling>"), default flag set only;
+  xla-int8 / pallas-int8, xla-fp8 / pallas-fp8
+             the 8-bit experts (quantize_experts of the same weights): quantized_ragged_dot
+             against the kernel (int8: weights converted in registers; fp8: rows quantized per
+             row, float8 x float8);
+  tokamax    tokamax.ragged_dot_general(implementation="mosaic") (Mosaic GPU, sm90) when
+             tokamax imports (0.0.17 wheels: see BENCHMARKS.md): on our layout (tokamax
+             transposes the weights at every call) and on weights stored [E, in, out]
+             ("tokamax-kn", its native layout). xprof, which tokamax imports for profiling
+             only, is stubbed when missing.
+
+Each row's "rel err" is the relative L2 error against an exact float32 product of 64 sampled
+rows (the row's expert's weights gathered), so every path is checked on the GPU on fresh random
+data; "vs xla" is the relative L2 difference to the xla row of the same product where it ran. The
+xla rows write float32 products, the kernel's and tokamax's bf16 ones (as the engine uses them),
+so theirs include bf16's rounding (~2e-3).
+Each child writes OUT/grouped_gemm_<flag set>.json; the table is printed at the end.
+
+What to expect (H200: ~3.2 TB/s through JAX, ~800 TFLOP/s bf16; per layer, bf16 weights):
+  weights   gate/up 128 x 1408 x 2816 x 2 B = 1.015 GB, down 0.507 GB: streaming them takes
+            0.32 + 0.16 ms per layer at any row count (every expert gets rows from 1 slot up:
+            256 rows x 8 picks of 128), 14.3 ms per step over 30 layers (8-bit: 7.1 ms);
+  FLOPs     2 x M x (2816 x 1408 + 704 x 2816) = 11.9 MFLOP per row: 24 / 195 / 780 GFLOP
+            per layer at 1 / 8 / 32 slots, i.e. 0.03 / 0.24 / 0.98 ms per layer (0.9 / 7.3 /
+            29.3 ms per step);
+  rows      x, products and hidden rows: ~31 KB per assignment row per layer (x 5.6 KB,
+            gate/up out 2.8 KB bf16, hidden 1.4 KB, down out 5.6 KB, each written and read):
+            0.06 / 0.5 / 2.0 GB per layer (0.02 / 0.16 / 0.64 ms);
+  so the experts' floor per step is ~15 ms at 1 slot (weights), ~20 ms at 8 (weights + rows),
+  ~45 ms at 32 (FLOPs + rows); the dense rewrite does E / K = 16 times the FLOPs. The kernel is
+  a plain Triton GEMM (no TMA, no warp specialization): 50-70% of the bandwidth at 1 slot and
+  40-60% of the MMA rate at 32 slots would be a good result, i.e. per layer about 0.7 ms at 1
+  slot, 0.8 ms at 8, 2-2.5 ms at 32 for both products.
 """
 
 from __future__ import annotations
@@ -22,12 +58,50 @@ import os
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 FLAG_SETS = {
     "default": "",
     "cudnn_ragged_dot": "--xla_gpu_experimental_use_ragged_dot_fusion=true",
 }
+SAMPLED_ROWS = 64
+
+
+def _import_tokamax():
+    """tokamax, or the reason it does not import (xprof stubbed: tokamax imports it for its
+    profiler-based timing only)."""
+    try:
+        import xprof  # noqa: F401
+    except ImportError:
+        tools = types.ModuleType("xprof.cli.tools")
+        tools.get_kernel_stats_tool = None
+        sys.modules.setdefault("xprof", types.ModuleType("xprof"))
+        sys.modules.setdefault("xprof.cli", types.ModuleType("xprof.cli"))
+        sys.modules.setdefault("xprof.cli.tools", tools)
+    try:
+        import tokamax
+
+        return tokamax, None
+    except Exception as e:  # noqa: BLE001 (only a report)
+        return None, f"{type(e).__name__}: {str(e)[:200]}"
+
+
+def sweep(rows: int, n: int, k: int, groups: int):
+    """The kernel's default tiling, then a few others around it."""
+    from pallas_kernels.matmul.grouped_matmul import GroupedMatmulBlockSizes, default_grouped_block_sizes
+
+    base = default_grouped_block_sizes(rows, n, k, groups)
+    others = []
+    for bm in (16, 32, 64, 128):
+        if bm != base.block_m and bm <= rows and abs(bm.bit_length() - base.block_m.bit_length()) == 1:
+            warps = 8 if bm * base.block_n >= 128 * 128 else 4
+            others.append(GroupedMatmulBlockSizes(bm, base.block_n, base.block_k, warps, 4 if bm <= 64 else 3))
+    if k % 128 == 0 and base.block_k != 128:
+        others.append(GroupedMatmulBlockSizes(base.block_m, base.block_n, 128, base.num_warps, 3))
+    return [base, *others]
 
 
 def child(args) -> None:
@@ -35,59 +109,167 @@ def child(args) -> None:
     import jax.numpy as jnp
     import numpy as np
 
+    from dllm_jax.models.quantization import GROUPED_ROWS, fp8_rows, quantize_experts, quantized_ragged_dot
+    from pallas_kernels.matmul.grouped_matmul import grouped_matmul
+
     E, K = (8, 2) if args.tiny else (128, 8)
     D, F = (32, 16) if args.tiny else (2816, 704)
-    ours = jax.lax.RaggedDotDimensionNumbers(
-        dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]
-    )
+    on_gpu = jax.devices()[0].platform == "gpu"
+    interpret = not on_gpu
+    dtype = jnp.bfloat16
     rng = np.random.default_rng(0)
     out = {"flags": os.environ.get("XLA_FLAGS", ""), "device": str(jax.devices()[0].device_kind), "rows": []}
+    out["jax"] = jax.__version__
     try:
         from jax._src.lib import cuda_versions
 
         out["cudnn"] = cuda_versions.cudnn_get_version() if cuda_versions else None
     except Exception as e:  # noqa: BLE001 (only a report)
         out["cudnn"] = f"unknown ({type(e).__name__})"
-    dtype = jnp.bfloat16 if jax.devices()[0].platform == "gpu" else jnp.float32
+    kernels = args.flag_set == "default"
+    tokamax, why = _import_tokamax() if kernels and on_gpu else (None, "not on a GPU" if kernels else None)
+    out["tokamax"] = getattr(tokamax, "__version__", None) or why
+
+    def timed(fn, *operands):
+        """(ms, result, compiled) of a jitted fn: compile, one call, then the median of --repeats."""
+        compiled = jax.jit(fn).lower(*operands).compile()
+        result = jax.block_until_ready(compiled(*operands))
+        times = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(compiled(*operands))
+            times.append(time.perf_counter() - start)
+        return 1e3 * float(np.median(times)), result, compiled
+
+    def rel(a, b) -> float:
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
     for slots in args.slots:
         M = slots * (8 if args.tiny else 256) * K
         groups = np.bincount(rng.integers(0, E, M), minlength=E).astype(np.int32)
-        x = jnp.asarray(rng.standard_normal((M, D)), dtype)
-        h = jnp.asarray(rng.standard_normal((M, F)), dtype)
         sizes = jnp.asarray(groups)
-        for layout in ("ours", "ragged_dot"):
-            for name, rows, shape_out_in in (("gate_up", x, (2 * F, D)), ("down", h, (D, F))):
-                n_out, n_in = shape_out_in
-                if layout == "ours":
-                    w = jnp.asarray(rng.standard_normal((E, n_out, n_in)) / np.sqrt(n_in), dtype)
-                    fn = jax.jit(
-                        lambda r, w, s: jax.lax.ragged_dot_general(r, w, s, ours, preferred_element_type=jnp.float32)
-                    )
-                else:
-                    w = jnp.asarray(rng.standard_normal((E, n_in, n_out)) / np.sqrt(n_in), dtype)
-                    fn = jax.jit(lambda r, w, s: jax.lax.ragged_dot(r, w, s, preferred_element_type=jnp.float32))
-                row = {"slots": slots, "rows": M, "layout": layout, "product": name}
+        row_group = jnp.asarray(np.repeat(np.arange(E), groups), jnp.int32)
+        sample = jnp.asarray(np.sort(rng.choice(M, min(M, SAMPLED_ROWS), replace=False)))
+        for name, n_out, n_in in (("gate_up", 2 * F, D), ("down", D, F)):
+            # made on the device (a host-made [128, 1408, 2816] float64 array takes seconds)
+            key_x, key_w = jax.random.split(jax.random.key(int(rng.integers(1 << 30))))
+            x = jax.random.normal(key_x, (M, n_in), jnp.float32).astype(dtype)
+            w = (jax.random.normal(key_w, (E, n_out, n_in), jnp.float32) / np.sqrt(n_in)).astype(dtype)
+            quantized = {mode: quantize_experts(w, mode) for mode in ("int8-weights", "fp8")} if kernels else {}
+
+            def exact(xs, ws, _x=x):
+                """float32 products of the sampled rows with their experts' (dequantized) weights."""
+                rows = _x[sample].astype(jnp.float32) if xs is None else xs
+                return jnp.einsum("rk,rnk->rn", rows, ws[row_group[sample]].astype(jnp.float32))
+
+            def dequantized(q):
+                return q["qkernel"].astype(jnp.float32) * q["scale"][..., None]
+
+            want = {"none": exact(None, w)}
+            if kernels:
+                want["int8-weights"] = exact(None, dequantized(quantized["int8-weights"]))
+                xq, xs = fp8_rows(x[sample])  # the rows as the fp8 paths see them
+                want["fp8"] = exact(xq.astype(jnp.float32) * xs, dequantized(quantized["fp8"]))
+            variants = [("xla", "none", None), ("xla-ragged_dot", "none", None)]
+            if kernels:
+                variants += [("pallas", "none", blocks) for blocks in sweep(M, n_out, n_in, E)]
+                variants += [(f"{impl}-{q}", mode, None) for mode, q in (("int8-weights", "int8"), ("fp8", "fp8"))
+                             for impl in ("xla", "pallas")]  # fmt: skip
+                if tokamax is not None:
+                    variants += [("tokamax", "none", None), ("tokamax-kn", "none", None)]
+            xla_result = {}
+            for impl, mode, blocks in variants:
+                label = impl if blocks is None else f"{impl} {blocks.name}"
+                row = {"slots": slots, "rows": M, "impl": label, "product": name}
+                q = quantized.get(mode)
                 try:
-                    compiled = fn.lower(rows, w, sizes).compile()
-                    text = compiled.as_text()
+                    if impl == "xla":
+                        fn = lambda r, w, s: jax.lax.ragged_dot_general(  # noqa: E731
+                            r, w, s, GROUPED_ROWS, preferred_element_type=jnp.float32
+                        )
+                        operands = (x, w, sizes)
+                    elif impl == "xla-ragged_dot":
+                        fn = lambda r, w, s: jax.lax.ragged_dot(r, w, s, preferred_element_type=jnp.float32)  # noqa: E731
+                        operands = (x, jnp.swapaxes(w, 1, 2), sizes)
+                    elif impl.startswith("xla-"):
+                        fn = lambda r, qk, sc, s, g: quantized_ragged_dot(r, qk, sc, s, g, jnp.float32)  # noqa: E731
+                        operands = (x, q["qkernel"], q["scale"], sizes, row_group)
+                    elif impl == "pallas":
+                        fn = lambda r, w, s, b=blocks: grouped_matmul(  # noqa: E731
+                            r, w, s, out_dtype=dtype, interpret=interpret, block_sizes=b
+                        )
+                        operands = (x, w, sizes)
+                    elif impl == "pallas-fp8":
+
+                        def fn(r, qk, sc, s):
+                            xq, xs = fp8_rows(r)
+                            return grouped_matmul(xq, qk, s, sc, xs[:, 0], out_dtype=dtype, interpret=interpret)
+
+                        operands = (x, q["qkernel"], q["scale"], sizes)
+                    elif impl == "pallas-int8":
+                        fn = lambda r, qk, sc, s: grouped_matmul(  # noqa: E731
+                            r, qk, s, sc, out_dtype=dtype, interpret=interpret
+                        )
+                        operands = (x, q["qkernel"], q["scale"], sizes)
+                    else:  # tokamax: Mosaic GPU, on our layout or on [E, in, out]
+                        from tokamax._src.ops.ragged_dot.base import TRANS_RHS_RAGGED_DOT_DIM_NUMS
+
+                        if impl == "tokamax":
+                            fn = lambda r, w, s: tokamax.ragged_dot_general(  # noqa: E731
+                                r, w, s, TRANS_RHS_RAGGED_DOT_DIM_NUMS, preferred_element_type=dtype,
+                                implementation="mosaic",
+                            )  # fmt: skip
+                            operands = (x, w, sizes)
+                        else:
+                            fn = lambda r, w, s: tokamax.ragged_dot(  # noqa: E731
+                                r, w, s, preferred_element_type=dtype, implementation="mosaic"
+                            )
+                            operands = (x, jnp.swapaxes(w, 1, 2), sizes)
+                    ms, result, compiled = timed(fn, *operands)
+                    text = compiled.as_text() or ""
                     row["ragged_dots"] = text.count("ragged-dot(")
                     row["cudnn_calls"] = text.count("__cudnn")
-                    row["temp_gib"] = compiled.memory_analysis().temp_size_in_bytes / 2**30
-                    compiled(rows, w, sizes).block_until_ready()
-                    times = []
-                    for _ in range(args.repeats):
-                        start = time.perf_counter()
-                        compiled(rows, w, sizes).block_until_ready()
-                        times.append(time.perf_counter() - start)
-                    row["ms"] = 1e3 * float(np.median(times))
+                    memory = compiled.memory_analysis()
+                    row["temp_gib"] = (memory.temp_size_in_bytes / 2**30) if memory is not None else float("nan")
+                    row["ms"] = ms
+                    weight = sum(a.size * a.dtype.itemsize for a in operands[1:2] + ((q["scale"],) if q else ()))
                     # every expert's weights read once, the rows read and the products written once
-                    moved = w.size * w.dtype.itemsize + rows.size * rows.dtype.itemsize + M * n_out * 4
-                    row["tb_per_s"] = moved / (row["ms"] * 1e-3) / 1e12
+                    moved = weight + x.size * x.dtype.itemsize + M * n_out * result.dtype.itemsize
+                    row["tb_per_s"] = moved / (ms * 1e-3) / 1e12
+                    row["tflop_per_s"] = 2 * M * n_out * n_in / (ms * 1e-3) / 1e12
+                    row["rel_err"] = rel(result[sample], want[mode])
+                    if impl.startswith("xla") and impl != "xla-ragged_dot":
+                        xla_result[mode] = result
+                    elif mode in xla_result:
+                        row["vs_xla"] = rel(result, xla_result[mode])
+                    del compiled, result
                 except Exception as e:  # noqa: BLE001 (a failed variant is reported)
                     row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 out["rows"].append(row)
                 print(json.dumps(row), flush=True)
+                (args.out / f"grouped_gemm_{args.flag_set}.json").write_text(json.dumps(out, indent=2))
+            del x, w, quantized, xla_result
     (args.out / f"grouped_gemm_{args.flag_set}.json").write_text(json.dumps(out, indent=2))
+
+
+def table(reports: dict) -> str:
+    nan = float("nan")
+    lines = [
+        "| flags | slots | rows | impl | product | ms | TB/s | TFLOP/s | rel err | vs xla | ragged dots | cuDNN | temp GiB |",
+        "|" + "---|" * 13,
+    ]
+    for flag_set, report in reports.items():
+        for r in report["rows"]:
+            head = f"| {flag_set} | {r['slots']} | {r['rows']} | {r['impl']} | {r['product']} |"
+            if "error" in r:
+                lines.append(f"{head} {r['error'][:120]} |")
+                continue
+            lines.append(
+                f"{head} {r['ms']:.3f} | {r['tb_per_s']:.2f} | {r['tflop_per_s']:.1f} | {r['rel_err']:.1e} | "
+                f"{r.get('vs_xla', nan):.1e} | {r['ragged_dots']} | {r['cudnn_calls']} | {r['temp_gib']:.2f} |"
+            )
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -97,48 +279,31 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--flag-sets", nargs="+", default=list(FLAG_SETS), choices=list(FLAG_SETS))
     p.add_argument("--flag-set", help=argparse.SUPPRESS)
-    p.add_argument("--timeout-s", type=float, default=150.0, help="per flag set")
+    p.add_argument("--timeout-s", type=float, default=None, help="per flag set (default 150, the cuDNN set 60)")
     p.add_argument("--out", type=Path, default=Path("grouped_gemm_out"))
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.flag_set:
         child(args)
         return 0
-    lines = [
-        "| flags | slots | rows | layout | product | ms | TB/s | ragged dots | cuDNN calls | temp GiB |",
-        "|" + "---|" * 10,
-    ]
+    reports = {}
     for flag_set in args.flag_sets:
         env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {FLAG_SETS[flag_set]}".strip()}
-        command = [
-            sys.executable,
-            __file__,
-            "--flag-set",
-            flag_set,
-            "--out",
-            str(args.out),
-            "--repeats",
-            str(args.repeats),
-        ]
-        command += ["--slots", *map(str, args.slots)] + (["--tiny"] if args.tiny else [])
+        command = [sys.executable, __file__, "--flag-set", flag_set, "--out", str(args.out)]
+        command += ["--repeats", str(args.repeats), "--slots", *map(str, args.slots)] + (
+            ["--tiny"] if args.tiny else []
+        )
+        timeout = args.timeout_s or (150.0 if flag_set == "default" else 60.0)
         try:
-            subprocess.run(command, env=env, timeout=args.timeout_s, check=False)
+            subprocess.run(command, env=env, timeout=timeout, check=False)
         except subprocess.TimeoutExpired:
-            print(f"{flag_set}: stopped after {args.timeout_s} s", flush=True)
+            print(f"{flag_set}: stopped after {timeout} s", flush=True)
         path = args.out / f"grouped_gemm_{flag_set}.json"
-        report = json.loads(path.read_text()) if path.exists() else {"rows": []}
-        print(f"{flag_set}: cudnn {report.get('cudnn')}", flush=True)
-        for r in report["rows"]:
-            if "error" in r:
-                lines.append(
-                    f"| {flag_set} | {r['slots']} | {r['rows']} | {r['layout']} | {r['product']} | {r['error'][:80]} |"
-                )
-                continue
-            lines.append(
-                f"| {flag_set} | {r['slots']} | {r['rows']} | {r['layout']} | {r['product']} | {r['ms']:.3f} | "
-                f"{r['tb_per_s']:.2f} | {r['ragged_dots']} | {r['cudnn_calls']} | {r['temp_gib']:.2f} |"
-            )
-    print("\n".join(lines))
+        reports[flag_set] = json.loads(path.read_text()) if path.exists() else {"rows": []}
+        print(f"{flag_set}: cudnn {reports[flag_set].get('cudnn')}, tokamax {reports[flag_set].get('tokamax')}")
+    text = table(reports)
+    (args.out / "grouped_gemm.md").write_text(text + "\n")
+    print(text)
     return 0
 
 

@@ -1,0 +1,275 @@
+"""Grouped GEMM for routed experts: rows sorted by group times their group's weights, [G, N, K].
+
+    y[r] = (x[r] . w[g(r)].T) * x_scale[r] * w_scale[g(r)]        (float32 accumulation)
+
+x [M, K] holds the rows sorted by group (group_sizes int32 [G] rows each, in order; rows past
+their sum belong to no group and come out as zeros, as jax.lax.ragged_dot leaves them); w
+[G, N, K] is one [out, in] matrix per group (torch's Linear layout, the layout of the
+experts' weights, so the weights are read as stored: no transpose). This is
+jax.lax.ragged_dot_general with the weights' last axis contracted, which XLA:GPU (jax 0.11.2)
+rewrites into a dense product of every row with every group (E times the FLOPs and a
+[M, G, N] float32 temporary).
+
+Scheme (vLLM fused_moe's "align block size", without moving any row): each group's rows are
+cut into row tiles of BM rows starting at the group's first row, so a tile holds the rows of
+one group only; a small XLA computation makes the tile -> (group, first row, end row) map
+(at most cdiv(M, BM) + G tiles), and the grid runs (N / BN output tiles, tiles) with the
+output tiles fastest, so the programs that read one tile of x run side by side (x from L2)
+and the tiles of one group follow each other (its weights from L2). Tiles past the used ones
+exit at once. A program reads its rows through a window of BM rows that stays inside x
+(min(first row, M - BM)), and stores only its own rows (masked), so no load or store leaves
+the arrays and no row is written twice.
+
+Weights: the model dtype (x's), or 8-bit with per-(group, output channel) float32 scales
+w_scale [G, N] (dllm_jax.models.quantization.quantize_experts): int8 weights are converted to
+x's dtype in registers (weight-only), float8_e4m3fn weights go into an fp8 x fp8 MMA with x
+already quantized per row (x_scale [M], W8A8). Each weight byte crosses HBM once per row tile
+of its group.
+
+Tail rows (past sum(group_sizes)): written as zeros with fill_tail=True (ragged_dot's result);
+with fill_tail=False left unwritten, for callers that mask them anyway (an expert-parallel
+device's rows for other devices' experts: they then cost nothing).
+
+Shapes: N a multiple of 16, K of 16 (block_n and block_k divide them; `supports`); M >= 1
+(fewer rows than BM are padded). Pallas Triton: lowers on a CPU for CUDA and runs in interpret
+mode; grouped_matmul_reference is the same function through jax.lax.ragged_dot_general.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.common import cdiv, check_launch, check_power_of_two, compiler_params, dot_t, next_power_of_two
+
+FP8 = jnp.float8_e4m3fn
+WEIGHT_DTYPES = (jnp.int8, FP8)
+# rows [M, K] (ragged along M) times weights [G, N, K]: contract K with K
+_RAGGED = lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedMatmulBlockSizes:
+    """Tiling (powers of two >= 16) and Triton launch parameters.
+
+    block_m: rows per tile (a tile holds one group's rows); block_n: output channels per
+    program (divides N); block_k: reduction step (divides K); num_warps, num_stages: Triton's.
+    """
+
+    block_m: int = 64
+    block_n: int = 128
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self):
+        check_power_of_two("block_m", self.block_m, 16)
+        check_power_of_two("block_n", self.block_n, 16)
+        check_power_of_two("block_k", self.block_k, 16)
+        check_launch(self.num_warps, self.num_stages)
+
+    @property
+    def name(self) -> str:
+        return f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages}"
+
+
+def _dividing(size: int, most: int) -> int:
+    """The largest power of two <= most that divides size (16 at least: callers check size % 16)."""
+    block = most
+    while block > 16 and size % block:
+        block //= 2
+    return block
+
+
+def default_grouped_block_sizes(m: int, n: int, k: int, groups: int) -> GroupedMatmulBlockSizes:
+    """A heuristic until measured better on the H200 (scripts/gpu/grouped_gemm.py sweeps it).
+
+    block_m: the power of two above 1.25 x the mean rows per group (16..128): one tile for
+    most groups at one slot (16 rows per expert: 32), whole 128-row tiles when groups are
+    large; never more than M. block_n 128, block_k 64 (2816 and 704 are multiples of 64; 8-bit
+    weights: 128, the fp8 MMA's and the int8 loads' natural width, where it divides K).
+    """
+    mean = m / max(groups, 1)
+    block_m = min(128, max(16, next_power_of_two(max(1, int(1.25 * mean)))))
+    block_m = max(16, min(block_m, 1 << (max(m, 16).bit_length() - 1)))
+    block_n = _dividing(n, 128)
+    block_k = _dividing(k, 64)
+    num_warps = 8 if block_m * block_n >= 128 * 128 else 4
+    return GroupedMatmulBlockSizes(block_m, block_n, block_k, num_warps=num_warps, num_stages=4 if block_m <= 64 else 3)
+
+
+def supports(m: int, n: int, k: int) -> bool:
+    """Whether the kernel takes these shapes (its tiles must divide N and K)."""
+    return m >= 1 and n % 16 == 0 and k % 16 == 0
+
+
+def _check(x, w, group_sizes, w_scale, x_scale):
+    if x.ndim != 2 or w.ndim != 3 or w.shape[2] != x.shape[1]:
+        raise ValueError(f"x {x.shape} and w {w.shape}: expected [M, K] and [G, N, K]")
+    if group_sizes.shape != (w.shape[0],) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise ValueError(f"group_sizes {group_sizes.shape} {group_sizes.dtype}: expected int32 [{w.shape[0]}]")
+    quantized = w.dtype in WEIGHT_DTYPES
+    if quantized != (w_scale is not None):
+        raise ValueError(f"w {w.dtype}: w_scale is needed with 8-bit weights and only with them")
+    if w_scale is not None and (w_scale.shape != w.shape[:2] or w_scale.dtype != jnp.float32):
+        raise ValueError(f"w_scale {w_scale.shape} {w_scale.dtype}: expected float32 {w.shape[:2]}")
+    if (x.dtype == FP8) != (w.dtype == FP8):
+        raise ValueError(f"x {x.dtype}, w {w.dtype}: float8 weights take float8 rows (W8A8) and only they")
+    if w.dtype == FP8 and x_scale is None:
+        raise ValueError("float8 rows need their scales (x_scale [M])")
+    if x_scale is not None and (x_scale.shape != (x.shape[0],) or x_scale.dtype != jnp.float32):
+        raise ValueError(f"x_scale {x_scale.shape} {x_scale.dtype}: expected float32 [{x.shape[0]}]")
+    if not quantized and w.dtype != x.dtype:
+        raise ValueError(f"x {x.dtype}, w {w.dtype}: unquantized weights must have x's dtype")
+
+
+def tile_map(group_sizes: jax.Array, m: int, block_m: int, fill_tail: bool) -> jax.Array:
+    """int32 [3, cdiv(m, block_m) + G]: per row tile its group (G: the tail, rows in no group;
+    G + 1: unused tile, or the tail when not filled), its first row and its group's end row.
+
+    Group g's rows [start_g, end_g) are cut into tiles of block_m rows from start_g, in group
+    order, then the tail [sum, m). Example (block_m 4, sizes [5, 0, 2], m 9): tiles
+    (0, 0, 5), (0, 4, 5), (2, 5, 7), (3, 7, 9), then unused ones.
+    """
+    G = group_sizes.shape[0]
+    sizes = group_sizes.astype(jnp.int32)
+    tail = jnp.maximum(m - jnp.sum(sizes), 0)
+    sizes = jnp.concatenate([sizes, tail[None]])  # [G + 1]
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    counts = (sizes + block_m - 1) // block_m
+    tile_end = jnp.cumsum(counts)
+    tile_begin = tile_end - counts
+    t = jnp.arange(cdiv(m, block_m) + G, dtype=jnp.int32)
+    group = jnp.sum(t[:, None] >= tile_end[None, :], axis=1).astype(jnp.int32)  # [T] in [0, G + 1]
+    known = jnp.minimum(group, G)
+    start = starts[known] + (t - tile_begin[known]) * block_m
+    used = group <= G if fill_tail else group < G
+    group = jnp.where(used, group, G + 1)
+    return jnp.stack([group, jnp.where(used, start, 0), jnp.where(used, ends[known], 0)])
+
+
+def _kernel(tiles_ref, x_ref, w_ref, *refs, n_groups: int, blocks: GroupedMatmulBlockSizes, scaled: tuple[bool, bool]):
+    *scale_refs, o_ref = refs
+    xs_ref = scale_refs.pop(0) if scaled[0] else None
+    ws_ref = scale_refs.pop(0) if scaled[1] else None
+    bm, bn, bk = blocks.block_m, blocks.block_n, blocks.block_k
+    m, k = x_ref.shape
+    col0 = pl.multiple_of(pl.program_id(0) * bn, bn)
+    t = pl.program_id(1)
+    group, start, end = tiles_ref[0, t], tiles_ref[1, t], tiles_ref[2, t]
+    # BM rows inside x that hold the tile's rows [start, min(start + BM, end))
+    window = jnp.minimum(start, m - bm)
+    rows = window + jnp.arange(bm, dtype=jnp.int32)
+    mask = jnp.broadcast_to(((rows >= start) & (rows < end))[:, None], (bm, bn))
+    target = o_ref.at[pl.ds(window, bm), pl.ds(col0, bn)]
+
+    @pl.when(group < n_groups)
+    def _():
+        def step(i, acc):
+            k0 = pl.multiple_of(i * bk, bk)
+            x = x_ref[pl.ds(window, bm), pl.ds(k0, bk)]
+            w = w_ref[group, pl.ds(col0, bn), pl.ds(k0, bk)]
+            if w.dtype != x.dtype:  # int8 weights: exact in bf16 / f16 / f32 for |q| <= 127
+                w = w.astype(x.dtype)
+            return acc + dot_t(x, w)
+
+        acc = lax.fori_loop(0, k // bk, step, jnp.zeros((bm, bn), jnp.float32))
+        if xs_ref is not None:
+            acc = acc * xs_ref[pl.ds(window, bm)][:, None]
+        if ws_ref is not None:
+            acc = acc * ws_ref[group, pl.ds(col0, bn)][None, :]
+        plgpu.store(target, acc.astype(o_ref.dtype), mask=mask)
+
+    @pl.when(group == n_groups)
+    def _():
+        plgpu.store(target, jnp.zeros((bm, bn), o_ref.dtype), mask=mask)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "fill_tail", "interpret", "block_sizes"))
+def grouped_matmul(
+    x: jax.Array,
+    w: jax.Array,
+    group_sizes: jax.Array,
+    w_scale: jax.Array | None = None,
+    x_scale: jax.Array | None = None,
+    *,
+    out_dtype: Any = jnp.float32,
+    fill_tail: bool = True,
+    interpret: bool = False,
+    block_sizes: GroupedMatmulBlockSizes | None = None,
+) -> jax.Array:
+    """x [M, K] (sorted by group) times w [G, N, K] per group -> [M, N] in out_dtype.
+
+    Args:
+      x: rows, bf16 / f16 / f32, or float8_e4m3fn with x_scale (W8A8).
+      w: [G, N, K] in x's dtype, or int8 / float8_e4m3fn with w_scale float32 [G, N].
+      group_sizes: int32 [G], rows of each group in order (sum <= M).
+      x_scale: float32 [M], each row's scale (float8 rows; allowed with any rows).
+      fill_tail: write the rows past sum(group_sizes) as zeros (else leave them unwritten).
+    ValueError for dtypes or shapes the kernel does not take (`supports`).
+    """
+    _check(x, w, group_sizes, w_scale, x_scale)
+    (m, k), (G, n, _) = x.shape, w.shape
+    if not supports(m, n, k):
+        raise ValueError(f"x {x.shape} @ w {w.shape}: N and K must be multiples of 16")
+    blocks = block_sizes or default_grouped_block_sizes(m, n, k, G)
+    if n % blocks.block_n or k % blocks.block_k:
+        raise ValueError(
+            f"w {w.shape}: N must be a multiple of block_n={blocks.block_n} and K of block_k={blocks.block_k}"
+        )
+    rows = max(m, blocks.block_m)  # fewer rows than a tile: padded (rows in no group)
+    if rows > m:
+        x = jnp.pad(x, ((0, rows - m), (0, 0)))
+        x_scale = None if x_scale is None else jnp.pad(x_scale, (0, rows - m), constant_values=1.0)
+    tiles = tile_map(group_sizes, rows, blocks.block_m, fill_tail)
+    scales = [s for s in (x_scale, w_scale) if s is not None]
+    kernel = functools.partial(_kernel, n_groups=G, blocks=blocks, scaled=(x_scale is not None, w_scale is not None))
+    out = pl.pallas_call(
+        kernel,
+        grid=(n // blocks.block_n, tiles.shape[1]),
+        out_shape=jax.ShapeDtypeStruct((rows, n), jnp.dtype(out_dtype)),
+        compiler_params=compiler_params(blocks.num_warps, blocks.num_stages),
+        interpret=interpret,
+        name="grouped_matmul",
+    )(tiles, x, w, *scales)
+    return out[:m] if rows > m else out
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "fill_tail", "interpret", "block_sizes"))
+def grouped_matmul_reference(
+    x,
+    w,
+    group_sizes,
+    w_scale=None,
+    x_scale=None,
+    *,
+    out_dtype=jnp.float32,
+    fill_tail=True,
+    interpret=False,
+    block_sizes=None,
+):
+    """Pure jnp, the same signature: jax.lax.ragged_dot_general (float32 accumulation; int8
+    weights converted to x's dtype), times the rows' and their groups' scales. Rows past
+    sum(group_sizes) are zeros whatever fill_tail says."""
+    del fill_tail, interpret, block_sizes
+    _check(x, w, group_sizes, w_scale, x_scale)
+    if w.dtype == jnp.int8:
+        w = w.astype(x.dtype)
+    y = lax.ragged_dot_general(x, w, group_sizes.astype(jnp.int32), _RAGGED, preferred_element_type=jnp.float32)
+    if x_scale is not None:
+        y = y * x_scale[:, None]
+    if w_scale is not None:
+        # each row's group (G for rows in no group: their scale row is clamped, their y is 0)
+        row_group = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(x.shape[0]), side="right")
+        y = y * w_scale[jnp.minimum(row_group, w.shape[0] - 1)]
+    return y.astype(out_dtype)

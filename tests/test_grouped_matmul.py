@@ -1,0 +1,313 @@
+"""The grouped GEMM of the routed experts (pallas_kernels.matmul.grouped_matmul): in interpret
+mode against its jax.lax.ragged_dot reference on fresh random inputs (interpret mode starts
+every output as NaN, so an unwritten row shows), plain, int8 and fp8; the routed experts through
+it equal the jax.lax path (empty experts, every row to one expert, a device's block of experts
+under a mesh); the kernel routing; and the CUDA (Triton) lowering at the 26B-A4B shapes and of
+the DiffusionGemma canvas loop, whose program then holds no ragged dot (the op XLA:GPU rewrites
+into a dense product with every expert)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from cuda_lowering import GPU_AUTO, lower_for_cuda
+from tolerances import assert_close
+
+import dllm_jax.common.platform
+from dllm_jax.models import diffusion_gemma as dg
+from dllm_jax.models.diffusion_gemma_config import AttentionKind, DiffusionGemmaConfig, RopeSettings
+from dllm_jax.models.experts import expert_mlp_with, grouped_expert_mlp, routed_sum
+from dllm_jax.models.quantization import quantize_experts
+from dllm_jax.runtime.decode_config import DecodeConfig
+from dllm_jax.runtime.expert_sharding import sharded_expert_mlp
+from dllm_jax.runtime.kernel_routing import Kernels, grouped_gemm, resolve_kernels
+from dllm_jax.runtime.sharding import EXPERT_ROWS, parse_mesh
+from dllm_jax.runtime.slots import zero_sampling
+from pallas_kernels.matmul.grouped_matmul import (
+    GroupedMatmulBlockSizes,
+    default_grouped_block_sizes,
+    grouped_matmul,
+    grouped_matmul_reference,
+    tile_map,
+)
+
+pytestmark = [
+    pytest.mark.kernels,
+    pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning"),
+]
+
+TRITON = "__gpu$xla.gpu.triton"
+FP8 = jnp.float8_e4m3fn
+
+
+def group_sizes(rng, m: int, groups: int, routing: str) -> np.ndarray:
+    """Rows per group: "spread" (random, two groups emptied, a few rows in no group), "one"
+    (every row to one random group), "tail" (half the rows in no group)."""
+    sizes = np.zeros(groups, np.int64)
+    if routing == "one":
+        sizes[rng.integers(groups)] = m
+    else:
+        used = m - (m // 2 if routing == "tail" else int(rng.integers(0, 4)))
+        sizes = rng.multinomial(used, np.ones(groups) / groups)
+        empty = rng.choice(groups, 2, replace=False)
+        sizes[empty[1]] += sizes[empty[0]]
+        sizes[empty[0]] = 0
+    return sizes.astype(np.int32)
+
+
+def random_case(rng, m, n, k, groups, kind, routing):
+    """(x, w, group_sizes, w_scale, x_scale) of a weight kind: bf16 / f32 plain, int8 (bf16 rows), fp8."""
+    x = rng.standard_normal((m, k)) * rng.uniform(0.1, 10.0, (m, 1))
+    sizes = jnp.asarray(group_sizes(rng, m, groups, routing))
+    w_scale = jnp.asarray(rng.uniform(1e-3, 1e-1, (groups, n)), jnp.float32)
+    if kind in ("bf16", "f32"):
+        dtype = jnp.bfloat16 if kind == "bf16" else jnp.float32
+        return (
+            jnp.asarray(x, dtype),
+            jnp.asarray(rng.standard_normal((groups, n, k)) / k**0.5, dtype),
+            sizes,
+            None,
+            None,
+        )
+    if kind == "int8":
+        w = jnp.asarray(rng.integers(-127, 128, (groups, n, k)), jnp.int8)
+        return jnp.asarray(x, jnp.bfloat16), w, sizes, w_scale, None
+    x_scale = jnp.asarray(np.abs(x).max(-1) / 448.0, jnp.float32)
+    xq = jnp.asarray(x / np.asarray(x_scale)[:, None], jnp.float32).astype(FP8)
+    w = jnp.asarray(rng.uniform(-448, 448, (groups, n, k)), jnp.float32).astype(FP8)
+    return xq, w, sizes, w_scale, x_scale
+
+
+@pytest.mark.parametrize(
+    "m, n, k, groups, kind, routing, blocks",
+    [
+        (40, 32, 48, 4, "f32", "spread", GroupedMatmulBlockSizes(16, 16, 16)),  # tiles across group edges
+        (100, 64, 64, 8, "bf16", "tail", None),  # default tiling, half the rows in no group
+        (37, 32, 32, 4, "bf16", "one", GroupedMatmulBlockSizes(32, 32, 16)),  # all rows to one group
+        (70, 32, 64, 5, "int8", "spread", GroupedMatmulBlockSizes(16, 32, 32)),
+        (50, 48, 64, 4, "fp8", "spread", GroupedMatmulBlockSizes(16, 16, 32)),
+        (9, 16, 16, 3, "f32", "spread", None),  # fewer rows than a tile (padded)
+    ],
+)
+def test_kernel_equals_its_reference(m, n, k, groups, kind, routing, blocks):
+    rng = np.random.default_rng()
+    x, w, sizes, w_scale, x_scale = random_case(rng, m, n, k, groups, kind, routing)
+    out_dtype = jnp.bfloat16 if kind == "bf16" else jnp.float32
+    run = dict(out_dtype=out_dtype)
+    got = grouped_matmul(x, w, sizes, w_scale, x_scale, interpret=True, block_sizes=blocks, **run)
+    want = grouped_matmul_reference(x, w, sizes, w_scale, x_scale, **run)
+    assert got.shape == (m, n) and got.dtype == out_dtype
+    assert np.isfinite(np.asarray(got, np.float32)).all(), "a row was not written"
+    assert_close(got, want, jnp.bfloat16 if kind in ("bf16", "int8") else jnp.float32, f"grouped GEMM {kind}")
+    tail = int(jnp.sum(sizes))
+    assert not np.asarray(got[tail:], np.float32).any(), "rows in no group are zeros"
+    # and the reference against float64 per row
+    groups_of = np.repeat(np.arange(groups), np.asarray(sizes))
+    w64 = np.asarray(w, np.float64) * (1.0 if w_scale is None else np.asarray(w_scale)[:, :, None])
+    x64 = np.asarray(x, np.float64) * (1.0 if x_scale is None else np.asarray(x_scale)[:, None])
+    exact = np.stack([w64[g] @ x64[r] for r, g in enumerate(groups_of)]) if tail else np.zeros((0, n))
+    assert_close(want[:tail], exact, out_dtype, "reference")
+
+
+def test_the_tail_is_left_unwritten_without_fill_tail():
+    rng = np.random.default_rng()
+    x, w, sizes, _, _ = random_case(rng, 48, 32, 32, 4, "f32", "tail")
+    got = np.asarray(grouped_matmul(x, w, sizes, fill_tail=False, interpret=True))
+    tail = int(jnp.sum(sizes))
+    assert np.isnan(got[tail:]).all(), "interpret mode's NaN: no tile stored the tail"
+    assert_close(got[:tail], grouped_matmul_reference(x, w, sizes)[:tail], jnp.float32, "grouped GEMM")
+
+
+@pytest.mark.unit
+def test_the_tile_map_cuts_each_group_from_its_first_row():
+    tiles = np.asarray(tile_map(jnp.array([5, 0, 2]), 9, 4, fill_tail=True))
+    # (group, first row, end row): group 0 in two tiles, group 1 none, group 2, the tail (3), unused (4)
+    assert tiles.T.tolist() == [[0, 0, 5], [0, 4, 5], [2, 5, 7], [3, 7, 9], [4, 0, 0], [4, 0, 0]]
+    assert np.asarray(tile_map(jnp.array([5, 0, 2]), 9, 4, fill_tail=False))[0].tolist() == [0, 0, 2, 4, 4, 4]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("slots, block_m", [(1, 32), (8, 128), (32, 128)])
+@pytest.mark.parametrize("n, k", [(1408, 2816), (2816, 704)])
+def test_default_tiling_divides_the_26b_a4b_experts(slots, block_m, n, k):
+    blocks = default_grouped_block_sizes(slots * 256 * 8, n, k, 128)
+    assert blocks.block_m == block_m and n % blocks.block_n == 0 and k % blocks.block_k == 0
+    assert default_grouped_block_sizes(5, 32, 16, 4).block_m == 16
+
+
+@pytest.mark.unit
+def test_bad_arguments_are_named():
+    x, w, sizes = jnp.zeros((8, 32)), jnp.zeros((2, 16, 32)), jnp.array([4, 4])
+    with pytest.raises(ValueError, match="w_scale is needed"):
+        grouped_matmul(x, w.astype(jnp.int8), sizes)
+    with pytest.raises(ValueError, match="float8 rows"):
+        grouped_matmul(x.astype(FP8), w.astype(FP8), sizes, jnp.ones((2, 16)))
+    with pytest.raises(ValueError, match="multiples of 16"):
+        grouped_matmul(jnp.zeros((8, 24)), jnp.zeros((2, 16, 24)), sizes)
+    with pytest.raises(ValueError, match="group_sizes"):
+        grouped_matmul(x, w, jnp.array([8]))
+
+
+@pytest.mark.parametrize("kind, rows", [("bf16", 2048), ("int8", 65536), ("fp8", 16384)])
+def test_lowers_for_cuda_at_26b_a4b_shapes(kind, rows):
+    """gate/up (2816 -> 1408) and down (704 -> 2816) of 128 experts, at 1 / 32 / 8 slots' rows."""
+    S = jax.ShapeDtypeStruct
+    x_dtype = FP8 if kind == "fp8" else jnp.bfloat16
+    w_dtype = {"bf16": jnp.bfloat16, "int8": jnp.int8, "fp8": FP8}[kind]
+    for n, k in ((1408, 2816), (2816, 704)):
+        args = [S((rows, k), x_dtype), S((128, n, k), w_dtype), S((128,), jnp.int32)]
+        args += [S((128, n), jnp.float32)] * (kind != "bf16") + [S((rows,), jnp.float32)] * (kind == "fp8")
+        text = lower_for_cuda(jax.jit(lambda *a: grouped_matmul(*a, out_dtype=jnp.bfloat16)), *args)
+        assert text.count(TRITON) == 1 and "ragged_dot" not in text
+
+
+# ----- the routed experts through the kernel ----------------------------------------------------
+
+
+def routed_case(seed, routing: str, T=24, K=2, E=4, D=32, F=16, dtype=jnp.float32):
+    """Rows, top-K routing ("spread": random, expert 3 empty; "one": every row's first choice
+    expert 1) and expert weights [E, 2F, D], [E, D, F]."""
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(T, D)) * rng.uniform(0.1, 10, (T, 1)), dtype)
+    if routing == "one":
+        experts = np.stack([np.ones(T, int), rng.choice([0, 2, 3], T)], axis=1)
+    else:
+        experts = np.stack([rng.permutation(3)[:K] for _ in range(T)])
+    weights = jnp.asarray(rng.uniform(size=(T, K)), jnp.float32)
+    gate_up = jnp.asarray(rng.normal(size=(E, 2 * F, D)) / D**0.5, dtype)
+    down = jnp.asarray(rng.normal(size=(E, D, F)) / F**0.5, dtype)
+    return x, weights, jnp.asarray(experts, jnp.int32), gate_up, down
+
+
+@pytest.mark.parametrize(
+    "mode, routing, dtype",
+    [
+        ("none", "spread", jnp.float32),
+        ("none", "one", jnp.bfloat16),
+        ("int8-weights", "spread", jnp.bfloat16),
+        ("fp8", "one", jnp.bfloat16),
+    ],
+)
+def test_the_routed_experts_through_the_kernel_equal_the_ragged_dot_path(mode, routing, dtype):
+    x, weights, experts, gate_up, down = routed_case(np.random.default_rng().integers(1 << 30), routing, dtype=dtype)
+    if mode != "none":
+        gate_up, down = (quantize_experts(w, mode) for w in (gate_up, down))
+    want = jax.jit(grouped_expert_mlp)(x, weights, experts, gate_up, down)
+    got = jax.jit(expert_mlp_with("interpret"))(x, weights, experts, gate_up, down)
+    assert got.dtype == dtype
+    assert_close(got, want, dtype, f"routed experts {mode}")
+
+
+def test_a_block_of_the_experts_adds_only_its_own_rows():
+    """routed_sum over experts [2, 4) (a device's share): the kernel skips the other rows, and the
+    two blocks add up to all experts, as through jax.lax."""
+    x, weights, experts, gate_up, down = routed_case(np.random.default_rng().integers(1 << 30), "spread")
+    blocks = []
+    for first in (0, 2):
+        own = (gate_up[first : first + 2], down[first : first + 2])
+        got = jax.jit(routed_sum, static_argnames="grouped_gemm")(
+            x, weights, experts, *own, first, grouped_gemm="interpret"
+        )
+        assert_close(got, routed_sum(x, weights, experts, *own, first), jnp.float32, f"experts from {first}")
+        blocks.append(got)
+    assert_close(blocks[0] + blocks[1], grouped_expert_mlp(x, weights, experts, gate_up, down), jnp.float32, "sum")
+
+
+def test_the_routed_experts_over_an_expert_mesh_run_the_kernel_per_device():
+    mesh = parse_mesh("expert=4", jax.devices()[:4])
+    x, weights, experts, gate_up, down = routed_case(np.random.default_rng().integers(1 << 30), "spread")
+    placed = [jax.device_put(w, jax.sharding.NamedSharding(mesh, EXPERT_ROWS)) for w in (gate_up, down)]
+    got = jax.jit(sharded_expert_mlp(mesh, "interpret"))(x, weights, experts, *placed)
+    assert_close(got, grouped_expert_mlp(x, weights, experts, gate_up, down), jnp.float32, "sharded experts")
+
+
+@pytest.mark.unit
+def test_auto_routes_the_experts_to_the_kernel_on_nvidia_gpus_only(monkeypatch):
+    assert grouped_gemm(resolve_kernels("auto")) == "xla"  # this CPU
+    assert grouped_gemm(resolve_kernels("xla")) == "xla"
+    assert grouped_gemm(Kernels(experts=True, interpret=True)) == "interpret"
+    monkeypatch.setattr(dllm_jax.common.platform, "on_nvidia_gpu", lambda: True)
+    assert (
+        resolve_kernels("auto") == dataclasses.replace(GPU_AUTO) and grouped_gemm(resolve_kernels("auto")) == "pallas"
+    )
+    with pytest.raises(ValueError, match="grouped_gemm"):
+        expert_mlp_with("cuda")
+
+
+def _canvas_config() -> DiffusionGemmaConfig:
+    """Two layers, 4 experts of 2 per token, widths the kernel tiles (multiples of 16)."""
+    return DiffusionGemmaConfig(
+        d_model=32,
+        n_heads=2,
+        layer_types=(AttentionKind.SLIDING, AttentionKind.FULL),
+        sliding_head_dim=16,
+        sliding_kv_heads=1,
+        full_head_dim=16,
+        full_kv_heads=1,
+        mlp_hidden_size=32,
+        n_experts=4,
+        top_k_experts=2,
+        expert_hidden_size=16,
+        vocab_size=64,
+        sliding_window=4,
+        sliding_rope=RopeSettings(10_000.0),
+        full_rope=RopeSettings(1_000_000.0, rotated_fraction=0.25),
+        canvas_length=16,
+        max_sequence_length=128,
+        pad_token_id=0,
+        bos_token_id=2,
+        eos_token_ids=(1,),
+        dtype="bfloat16",
+    )
+
+
+@pytest.mark.parametrize("quantization", ["none", "fp8"])
+def test_the_canvas_loop_lowers_for_cuda_with_the_kernel_and_no_ragged_dot(quantization):
+    """backend="auto" on a GPU: every pass's experts (the prompt's encoding, the canvas) are two
+    grouped GEMM kernels per layer, and no jax.lax.ragged_dot is left for XLA:GPU to densify."""
+    from dllm_jax.engine.engine import Engine
+
+    config = dataclasses.replace(_canvas_config(), quantization=quantization)
+    params = jax.eval_shape(dg.unstack_layers, dg.abstract_params(config))
+    engine = Engine(config, params, backend=GPU_AUTO, full_pass_lanes=())
+    loop = engine.decode_loop(DecodeConfig(method="diffusion_gemma", gen_length=32, batch_size=2), 16)
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    sampling = jax.eval_shape(lambda: zero_sampling((4,)))
+    state = jax.eval_shape(loop.init_state, i32(4, 16), i32(4), sampling, i32())
+    run = jax.jit(loop.run, donate_argnums=1)
+    text = lower_for_cuda(run, engine.weights, state, i32(), jax.ShapeDtypeStruct((), jnp.bool_))
+    assert "ragged_dot" not in text
+    # (the jitted kernel function is lowered once per shape and called per layer)
+    assert text.count("func.call @grouped_matmul") == 2 * config.n_layers and TRITON in text
+    # the XLA path keeps its ragged dots (the CPU's and TPU's program)
+    xla = Engine(config, params, backend="xla", full_pass_lanes=())
+    loop = xla.decode_loop(DecodeConfig(method="diffusion_gemma", gen_length=32, batch_size=2), 16)
+    text = lower_for_cuda(
+        jax.jit(loop.run, donate_argnums=1), xla.weights, state, i32(), jax.ShapeDtypeStruct((), jnp.bool_)
+    )
+    dots = [line for line in text.splitlines() if "chlo.ragged_dot" in line]
+    assert len(dots) == 2 * config.n_layers and "grouped_matmul" not in text
+
+
+def test_the_26b_a4b_canvas_loop_lowers_for_cuda_with_the_kernel_at_its_shapes():
+    """The published shape (30 layers, 128 experts of 2816 -> 2 x 704), 8 slots: each layer's
+    two grouped GEMMs over the 8 x 256 x 8 assignment rows, no ragged dot (about 10 s)."""
+    from dllm_jax.engine.engine import Engine
+    from dllm_jax.models.diffusion_gemma_config import diffusion_gemma_26b_a4b_config
+
+    config = diffusion_gemma_26b_a4b_config("bfloat16")
+    engine = Engine(config, jax.eval_shape(dg.unstack_layers, dg.abstract_params(config)), backend=GPU_AUTO)
+    loop = engine.decode_loop(DecodeConfig(method="diffusion_gemma", gen_length=256, batch_size=8), 256)
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    sampling = jax.eval_shape(lambda: zero_sampling((16,)))
+    state = jax.eval_shape(loop.init_state, i32(16, 256), i32(16), sampling, i32())
+    run = jax.jit(loop.run, donate_argnums=1)
+    text = lower_for_cuda(run, engine.weights, state, i32(), jax.ShapeDtypeStruct((), jnp.bool_))
+    assert "ragged_dot" not in text and text.count("func.call @grouped_matmul") == 2 * config.n_layers
+    for operands in (
+        "tensor<16384x2816xbf16>, tensor<128x1408x2816xbf16>",
+        "tensor<16384x704xbf16>, tensor<128x2816x704xbf16>",
+    ):
+        assert operands in text
