@@ -13,8 +13,9 @@ stores, instead of ``kernel`` [in, out]:
 no transpose of the weights at run time. The matmuls:
 
   fp8            activations quantized per row at run time (x ~= xq * xs, xs = max|x| / 448),
-                 one float8 x float8 dot_general (float32 accumulation, the product rounded to
-                 the output dtype), then * xs * scale.
+                 here or, handed over as QuantizedRows, by the kernel that produced them
+                 (layers.Fp8Producers); one float8 x float8 dot_general (float32 accumulation,
+                 the product rounded to the output dtype), then * xs * scale.
   int8-weights   activations stay in the model dtype; the int8 weights are converted to it
                  inside the GEMM, float32 accumulation, then * scale: XLA's dot on the
                  converted weights (on the H200 slower than bf16: BENCHMARKS.md). Two
@@ -39,6 +40,7 @@ On a CPU, XLA emulates the 8-bit dots by converting to float32 (same numbers, no
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -175,26 +177,44 @@ def quantize_params(params: Any, mode: str) -> Any:
     return quantized
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedRows:
+    """Activation rows quantized per row for the FP8 GEMMs: x ~= rows * scale[..., None].
+
+    rows: float8_e4m3fn [..., W]; scale: float32 [...]. What an fp8 block's producers hand
+    the projections that read their output (layers.Fp8Producers), so the rows are quantized
+    once, by the producer, instead of by quantized_matmul before every GEMM.
+    """
+
+    rows: jax.Array
+    scale: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.rows.shape
+
+
 def quantized_matmul(
-    x: jax.Array, qkernel: jax.Array, scale: jax.Array, out_dtype: Any, *, int8_gemm: str = "auto"
+    x: jax.Array | QuantizedRows, qkernel: jax.Array, scale: jax.Array, out_dtype: Any, *, int8_gemm: str = "auto"
 ) -> jax.Array:
     """x [..., in] @ the quantized kernel -> [..., out] in out_dtype (accumulated in float32).
 
     The mode follows from qkernel's dtype: float8_e4m3fn = W8A8, int8 = weight-only (int8_gemm
-    picks its GEMM: INT8_GEMMS).
+    picks its GEMM: INT8_GEMMS). With fp8 weights x is quantized per row here, unless it comes
+    quantized already (QuantizedRows: then the FP8 GEMM reads its rows as they are).
     """
-    contract = (((x.ndim - 1,), (1,)), ((), ()))
+    contract = (((len(x.shape) - 1,), (1,)), ((), ()))
     if qkernel.dtype == _FP8:
-        x32 = x.astype(jnp.float32)
-        amax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
-        x_scale = jnp.where(amax > 0, amax / _FP8_MAX, 1.0)
-        xq = (x32 / x_scale).astype(_FP8)
+        xq, x_scale = (x.rows, x.scale[..., None]) if isinstance(x, QuantizedRows) else _quantize_rows(x)
         # the GEMM writes out_dtype when that is narrower than float32 (its float32 accumulator
         # rounded once; XLA can fuse the scaling into the consumer): half the product's bytes,
         # which at 32 slots are 200 MB per [4096, 12288] float32 product
         product = jnp.float32 if jnp.dtype(out_dtype).itemsize >= 4 else out_dtype
         y = jax.lax.dot_general(xq, qkernel, contract, preferred_element_type=product)
         return (y.astype(jnp.float32) * (x_scale * scale)).astype(out_dtype)
+    if isinstance(x, QuantizedRows):
+        raise ValueError(f"quantized rows go with float8_e4m3fn weights, not {qkernel.dtype}")
     gemm = _int8_gemm(int8_gemm, x, qkernel, out_dtype)
     lead, (n, k) = x.shape[:-1], qkernel.shape
     if gemm == "mosaic":
@@ -210,6 +230,15 @@ def quantized_matmul(
         return y.reshape(*lead, n)
     y = jax.lax.dot_general(x, qkernel.astype(x.dtype), contract, preferred_element_type=jnp.float32)
     return (y * scale).astype(out_dtype)
+
+
+def _quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [..., W] -> (float8_e4m3fn [..., W], float32 scales [..., 1]): max |row| maps to 448,
+    an all-zero row gets scale 1."""
+    x32 = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
+    x_scale = jnp.where(amax > 0, amax / _FP8_MAX, 1.0)
+    return (x32 / x_scale).astype(_FP8), x_scale
 
 
 def _int8_gemm(int8_gemm: str, x: jax.Array, qkernel: jax.Array, out_dtype: Any) -> str:
