@@ -248,6 +248,10 @@ def test_the_fp8_loop_lowers_for_cuda_with_the_producers_and_without_xla_quantiz
     assert re.search(convert, today) and not re.search(convert, text)
     for kernel in ("rms_norm_quantize", "swiglu_quantize"):
         assert f'name = "{kernel}"' in text and f'name = "{kernel}"' not in today
+    # SwiGLU reads the gate and up GEMMs' products and their scales: no scaled copy between
+    call = r"call @swiglu_quantize(?:_\d+)?\([^)]*\) : "
+    scaled_inputs = call + rf"\((?:tensor<\d+x{F}xbf16>, ){{2}}tensor<\d+xf32>, tensor<{F}xf32>, tensor<{F}xf32>\)"
+    assert len(re.findall(scaled_inputs, text)) == len(re.findall(call, text)) == layers * passes
     # the sparse step's q/k/v of each layer in the fused kernel (its 128 rows), not the others
     assert len(re.findall(r"call @qkv_rope_cache_mosaic_fp8\(", text)) == layers
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 1

@@ -15,7 +15,14 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from dllm_jax.models.quantization import QuantizedRows, embedding_rows, quantized_matmul, weight_dtype
+from dllm_jax.models.quantization import (
+    QuantizedRows,
+    UnscaledProduct,
+    embedding_rows,
+    quantized_matmul,
+    unscaled_product,
+    weight_dtype,
+)
 from pallas_kernels.norm.rms_norm import rms_norm
 
 INIT = nn.initializers.normal(stddev=0.02)
@@ -63,7 +70,8 @@ class Linear(nn.Module):
     out_dtype is float32 (before rounding), else in the output dtype. With quantization
     (dllm_jax.models.quantization) the params are ``qkernel`` [out, in] (8-bit) and ``scale`` [out]
     instead of ``kernel``; the bias stays in the model dtype. An fp8 Linear also takes x as
-    QuantizedRows (quantized by its producer: Fp8Producers).
+    QuantizedRows (quantized by its producer: Fp8Producers) and, with unscaled=True (no bias),
+    returns the GEMM's UnscaledProduct for a consumer that applies the scales itself.
     """
 
     features: int
@@ -72,12 +80,18 @@ class Linear(nn.Module):
     use_bias: bool = False
 
     @nn.compact
-    def __call__(self, x: jax.Array | QuantizedRows, out_dtype: Any = None) -> jax.Array:
+    def __call__(
+        self, x: jax.Array | QuantizedRows, out_dtype: Any = None, unscaled: bool = False
+    ) -> jax.Array | UnscaledProduct:
         out_dtype = self.dtype if out_dtype is None else out_dtype
         if self.quantization != "none":
             shape = (self.features, x.shape[-1])
             qkernel = self.param("qkernel", nn.initializers.zeros, shape, weight_dtype(self.quantization))
             scale = self.param("scale", nn.initializers.ones, (self.features,), jnp.float32)
+            if unscaled:
+                if self.use_bias or not isinstance(x, QuantizedRows):
+                    raise ValueError(f"{self.name}: an unscaled product takes QuantizedRows, without a bias")
+                return unscaled_product(x, qkernel, scale, out_dtype)
             x = x if isinstance(x, QuantizedRows) else x.astype(self.dtype)
             y = quantized_matmul(x, qkernel, scale, out_dtype)
         else:
@@ -138,12 +152,19 @@ class Fp8Producers:
         )
         return QuantizedRows(rows.reshape(x.shape), scale.reshape(x.shape[:-1]))
 
-    def swiglu(self, gate: jax.Array, up: jax.Array) -> QuantizedRows:
-        """swiglu(gate, up) of gate, up [..., F] -> QuantizedRows [..., F]."""
+    def swiglu(self, gate: UnscaledProduct, up: UnscaledProduct) -> QuantizedRows:
+        """swiglu(gate, up) of the gate and up projections' products [..., F] (of the same
+        QuantizedRows: one row scale) -> QuantizedRows [..., F]. The kernel scales the products
+        as quantized_matmul would, so the scaled gate and up are never written out."""
         from pallas_kernels.projection.quantize_rows import swiglu_quantize
 
-        width = gate.shape[-1]
+        shape = gate.product.shape
+        scales = (gate.row_scale.reshape(-1), gate.col_scale, up.col_scale)
         rows, scale = swiglu_quantize(
-            gate.reshape(-1, width), up.reshape(-1, width), interpret=self.interpret, block_sizes=self._blocks()
+            gate.product.reshape(-1, shape[-1]),
+            up.product.reshape(-1, shape[-1]),
+            scales,
+            interpret=self.interpret,
+            block_sizes=self._blocks(),
         )
-        return QuantizedRows(rows.reshape(gate.shape), scale.reshape(gate.shape[:-1]))
+        return QuantizedRows(rows.reshape(shape), scale.reshape(shape[:-1]))

@@ -195,6 +195,40 @@ class QuantizedRows:
         return self.rows.shape
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class UnscaledProduct:
+    """An FP8 GEMM's product before its scales: x @ w ~= product * row_scale[..., None] * col_scale.
+
+    product: [..., out] (the float32 accumulator rounded to its dtype); row_scale: float32 [...]
+    (the activation rows'); col_scale: float32 [out] (the weights'). For a consumer that
+    applies the scales itself (layers.Fp8Producers.swiglu), so the scaled product is never
+    written out.
+    """
+
+    product: jax.Array
+    row_scale: jax.Array
+    col_scale: jax.Array
+
+
+def unscaled_product(x: QuantizedRows, qkernel: jax.Array, scale: jax.Array, out_dtype: Any) -> UnscaledProduct:
+    """x [..., in] @ the float8 kernel [out, in], without the scales: quantized_matmul's FP8
+    GEMM, its product in out_dtype (float32 accumulation)."""
+    if qkernel.dtype != _FP8:
+        raise ValueError(f"an unscaled product needs float8_e4m3fn weights, not {qkernel.dtype}")
+    return UnscaledProduct(_fp8_dot(x.rows, qkernel, out_dtype), x.scale, scale)
+
+
+def _fp8_dot(xq: jax.Array, qkernel: jax.Array, out_dtype: Any) -> jax.Array:
+    """float8 rows [..., in] . float8 kernel [out, in] -> [..., out], float32 accumulation,
+    written in out_dtype when that is narrower than float32 (the accumulator rounded once;
+    XLA can fuse the scaling into the consumer): half the product's bytes, which at 32 slots
+    are 200 MB per [4096, 12288] float32 product."""
+    contract = (((xq.ndim - 1,), (1,)), ((), ()))
+    product = jnp.float32 if jnp.dtype(out_dtype).itemsize >= 4 else out_dtype
+    return jax.lax.dot_general(xq, qkernel, contract, preferred_element_type=product)
+
+
 def quantized_matmul(
     x: jax.Array | QuantizedRows, qkernel: jax.Array, scale: jax.Array, out_dtype: Any, *, int8_gemm: str = "auto"
 ) -> jax.Array:
@@ -204,17 +238,13 @@ def quantized_matmul(
     picks its GEMM: INT8_GEMMS). With fp8 weights x is quantized per row here, unless it comes
     quantized already (QuantizedRows: then the FP8 GEMM reads its rows as they are).
     """
-    contract = (((len(x.shape) - 1,), (1,)), ((), ()))
     if qkernel.dtype == _FP8:
         xq, x_scale = (x.rows, x.scale[..., None]) if isinstance(x, QuantizedRows) else _quantize_rows(x)
-        # the GEMM writes out_dtype when that is narrower than float32 (its float32 accumulator
-        # rounded once; XLA can fuse the scaling into the consumer): half the product's bytes,
-        # which at 32 slots are 200 MB per [4096, 12288] float32 product
-        product = jnp.float32 if jnp.dtype(out_dtype).itemsize >= 4 else out_dtype
-        y = jax.lax.dot_general(xq, qkernel, contract, preferred_element_type=product)
+        y = _fp8_dot(xq, qkernel, out_dtype)
         return (y.astype(jnp.float32) * (x_scale * scale)).astype(out_dtype)
     if isinstance(x, QuantizedRows):
         raise ValueError(f"quantized rows go with float8_e4m3fn weights, not {qkernel.dtype}")
+    contract = (((x.ndim - 1,), (1,)), ((), ()))
     gemm = _int8_gemm(int8_gemm, x, qkernel, out_dtype)
     lead, (n, k) = x.shape[:-1], qkernel.shape
     if gemm == "mosaic":

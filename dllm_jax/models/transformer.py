@@ -54,7 +54,8 @@ class Block(nn.Module):
 
     producers (fp8 models only): the norms and SwiGLU hand their projections rows quantized in
     their own epilogue (layers.Fp8Producers), so attention_input returns QuantizedRows and
-    each activation is quantized once; None: every fp8 projection quantizes its input itself.
+    each activation is quantized once (SwiGLU reads the gate and up GEMMs' products before
+    their scales, and scales them itself); None: every fp8 projection quantizes its input.
     """
 
     config: ModelConfig
@@ -100,9 +101,10 @@ class Block(nn.Module):
         dt = self.config.jnp_dtype
         h = h + self.attn_out(attn).astype(dt)
         x = self.ff_norm(h, self.producers)
-        gate = self.ff_proj(x).astype(dt)
-        up = self.up_proj(x).astype(dt)
-        hidden = swiglu(gate, up) if self.producers is None else self.producers.swiglu(gate, up)
+        if self.producers is None:
+            hidden = swiglu(self.ff_proj(x).astype(dt), self.up_proj(x).astype(dt))
+        else:  # the producer applies the GEMMs' scales itself
+            hidden = self.producers.swiglu(self.ff_proj(x, unscaled=True), self.up_proj(x, unscaled=True))
         return h + self.ff_out(hidden).astype(dt)
 
     def __call__(self, h: jax.Array, positions: jax.Array, mask: jax.Array) -> tuple[jax.Array, None]:

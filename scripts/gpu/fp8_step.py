@@ -76,12 +76,12 @@ from dllm_jax.models.transformer import init_params_per_layer  # noqa: E402
 from dllm_jax.runtime.cached_forward import PassSpec, cached_forward  # noqa: E402
 from dllm_jax.runtime.flat_cache import allocate_cache  # noqa: E402
 from dllm_jax.runtime.kernel_routing import FP8_FUSED_QKV_ROWS, Kernels, resolve_kernels  # noqa: E402
-from pallas_kernels.norm.rms_norm import rms_norm  # noqa: E402
 from pallas_kernels.projection.quantize_rows import (  # noqa: E402
     QuantizeBlockSizes,
-    quantize_rows_reference,
     rms_norm_quantize,
+    rms_norm_quantize_reference,
     swiglu_quantize,
+    swiglu_quantize_reference,
 )
 
 ROWS_PER_SLOT = 128
@@ -344,51 +344,37 @@ def kind_of(name: str, quantizing: dict[str, str]) -> str:
 
 
 def producers_part(report: Report, config, rows: int, interpret: bool) -> None:
-    """The producers against XLA's op + quantization, as chains whose next input is the
-    dequantized output (the same elementwise pass in every variant)."""
-    keys = jax.random.split(jax.random.key(7), 4)
+    """The producers against XLA's path (their jnp references: the op, then the quantization,
+    which XLA fuses as it did in the engine), as chains whose next input is the dequantized
+    output (the same elementwise pass in every variant). SwiGLU as the engine runs it: on the
+    gate and up GEMMs' products, scaled by row x column inside."""
+    keys = jax.random.split(jax.random.key(7), 7)
     d, f = config.d_model, config.mlp_hidden_size
     x = jax.random.normal(keys[0], (rows, d), jnp.bfloat16)
     weight = (1 + 0.1 * jax.random.normal(keys[1], (d,), jnp.float32)).astype(jnp.bfloat16)
     gate = jax.random.normal(keys[2], (rows, f), jnp.bfloat16)
     up = jax.random.normal(keys[3], (rows, f), jnp.bfloat16)
+    scales = tuple(jax.random.uniform(k, (n,), jnp.float32, 0.5, 2.0) for k, n in zip(keys[4:], (rows, f, f)))
     eps = config.rms_norm_eps
 
     def dequantized(q, scale, dtype):
         return (q.astype(jnp.float32) * scale[:, None]).astype(dtype)
 
+    def norm(fn, **kw):
+        return lambda i, c, w: dequantized(*fn(c, w, eps, **kw), c.dtype)
+
+    def swiglu(fn, **kw):
+        return lambda i, c, consts: dequantized(*fn(c, *consts, **kw), c.dtype)
+
     cases = [
-        (
-            "rms_norm + quantize",
-            "xla",
-            lambda i, c, w: dequantized(*quantize_rows_reference(rms_norm(c, w, eps)), c.dtype),
-            x,
-            weight,
-        )
+        ("rms_norm + quantize", "xla", norm(rms_norm_quantize_reference), x, weight),
+        ("swiglu + quantize", "xla", swiglu(swiglu_quantize_reference), gate, (up, scales)),
     ]
-    cases.append(
-        (
-            "swiglu + quantize",
-            "xla",
-            lambda i, c, u: dequantized(*quantize_rows_reference(jax.nn.silu(c) * u), c.dtype),
-            gate,
-            up,
-        )
-    )
     for blocks in PRODUCER_TILINGS[: 2 if interpret else None]:
         label = f"kernel {blocks.block_rows}x{blocks.block_cols} w{blocks.num_warps}"
-        cases.append(
-            (
-                "rms_norm + quantize",
-                label,
-                lambda i, c, w, b=blocks: dequantized(
-                    *rms_norm_quantize(c, w, eps, interpret=interpret, block_sizes=b), c.dtype
-                ),
-                x,
-                weight,
-            )
-        )
-        cases.append(("swiglu + quantize", label, lambda i, c, u, b=blocks: dequantized(*swiglu_quantize(c, u, interpret=interpret, block_sizes=b), c.dtype), gate, up))  # fmt: skip
+        kw = dict(interpret=interpret, block_sizes=blocks)
+        cases.append(("rms_norm + quantize", label, norm(rms_norm_quantize, **kw), x, weight))
+        cases.append(("swiglu + quantize", label, swiglu(swiglu_quantize, **kw), gate, (up, scales)))
     for op, label, step, carry, consts in cases:
         if report.over_budget():
             report.add("producers", {"op": op, "variant": label, "skipped": "budget"})
