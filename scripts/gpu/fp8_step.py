@@ -72,6 +72,7 @@ from profile_step import device_events  # noqa: E402
 
 from dllm_jax.common.atomic_write import write_text_atomically  # noqa: E402
 from dllm_jax.engine.engine import Engine  # noqa: E402
+from dllm_jax.models.quantization import compiler_options  # noqa: E402
 from dllm_jax.models.transformer import init_params_per_layer  # noqa: E402
 from dllm_jax.runtime.cached_forward import PassSpec, cached_forward  # noqa: E402
 from dllm_jax.runtime.flat_cache import allocate_cache  # noqa: E402
@@ -161,7 +162,6 @@ def checks_part(report: Report, config, weights: dict, kinds: dict, slot_counts:
             w = {**weights[mode], "layers": weights[mode]["layers"][:n_layers]}
             spec = PassSpec(max_len=ROWS_PER_SLOT + 1, kernels=kernels)
 
-            @jax.jit
             def one_pass(w, cache):
                 valid = jnp.ones(tokens.shape, bool)
                 logits, _, cache = cached_forward(
@@ -169,7 +169,9 @@ def checks_part(report: Report, config, weights: dict, kinds: dict, slot_counts:
                 )
                 return logits, cache
 
-            logits, cache = one_pass(w, allocate_cache(cfg, slots, ROWS_PER_SLOT + 1))
+            cache = allocate_cache(cfg, slots, ROWS_PER_SLOT + 1)
+            # the engine's compile options (fp8 on a GPU: no Triton GEMM autotuning)
+            logits, cache = jax.jit(one_pass).lower(w, cache).compile(compiler_options(mode) or None)(w, cache)
             # the rows the pass wrote (each slot's last row is its trash row)
             rows = cache.k.shape[1]
             written = jnp.arange(rows) % (ROWS_PER_SLOT + 1) < ROWS_PER_SLOT
