@@ -17,11 +17,18 @@ from dllm_jax.engine.engine import Engine
 from dllm_jax.models.config import ModelConfig
 from dllm_jax.models.transformer import abstract_params, unstack_layers
 from dllm_jax.runtime.decode_config import DecodeConfig
-from dllm_jax.runtime.kernel_routing import Kernels
+from dllm_jax.runtime.kernel_routing import FP8_FUSED_QKV_ROWS, Kernels
 from dllm_jax.runtime.slots import zero_sampling
 
-# what backend="auto" picks on an NVIDIA GPU
-GPU_AUTO = Kernels(attention=True, scatter=True, top_p_top_k=True, experts=True)
+# what backend="auto" picks on a Hopper GPU (the fp8 fields change only fp8 models' programs)
+GPU_AUTO = Kernels(
+    attention=True,
+    scatter=True,
+    top_p_top_k=True,
+    experts=True,
+    fp8_producers=True,
+    fp8_fused_qkv_rows=FP8_FUSED_QKV_ROWS,
+)
 
 
 def _abstract_h200():

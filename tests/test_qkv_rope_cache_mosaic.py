@@ -137,6 +137,29 @@ def test_fp8_kernel_matches_its_reference(blocks):
     check_outputs(case, layer, got, want)
 
 
+def one_layer(fp8, layer: int):
+    """The FP8 arguments with the weights, scales and biases of `layer` alone ([1, ...]: the
+    engine's per-layer weights), the caches still of every layer."""
+    xq, x_scale, weights, scales, *tail, biases = fp8
+    pick = lambda arrays: tuple(a[layer : layer + 1] for a in arrays)  # noqa: E731
+    return (xq, x_scale, pick(weights), pick(scales), *tail, None if biases is None else pick(biases))
+
+
+@pytest.mark.parametrize(
+    "fn", [qkv_rope_cache_mosaic_fp8_reference, pytest.param(qkv_rope_cache_mosaic_fp8, marks=needs_jax_0_11)]
+)
+def test_fp8_one_layers_weights_write_the_layer_the_index_names(fn):
+    """Per-layer weights ([1, ...]) read whatever the layer index, which still picks the cache
+    layer written: the same result as the stacked weights at that index."""
+    case = bf16_case(8, n_rows=40, d_model=256, n_heads=2, n_kv_heads=1, head_dim=64)
+    layer = 1
+    biases = random_biases(case, 9)
+    extra = dict(interpret=True, block_sizes=FP8_SINGLE) if fn is qkv_rope_cache_mosaic_fp8 else {}
+    got = fn(*one_layer(fp8_args(case, layer, biases), layer), **case.kwargs, **extra)
+    want = qkv_rope_cache_mosaic_fp8_reference(*fp8_args(case, layer, biases), **case.kwargs)
+    check_outputs(case, layer, got, want)
+
+
 def test_fp8_reference_is_the_bf16_projection_up_to_fp8_rounding():
     """The FP8 reference computes the same function as the bf16 one (scales applied right)."""
     case = bf16_case(5, n_rows=32, d_model=256, n_heads=2, n_kv_heads=2, head_dim=64)

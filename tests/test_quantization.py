@@ -45,6 +45,7 @@ from dllm_jax.models.transformer import (
     init_params_per_layer,
     unstack_layers,
 )
+from dllm_jax.runtime.kernel_routing import Kernels
 from dllm_jax.runtime.memory_estimate import estimate_memory
 from dllm_jax.runtime.sharding import parse_mesh
 
@@ -274,21 +275,53 @@ def test_the_tiny_dream_decodes_on_int8_weights_like_the_original(tiny_dream):
     assert sum(a == b for a, b in zip(got, expected)) >= 3, (got, expected)
 
 
-@pytest.mark.engine
-def test_fp8_engine_solves_held_out_problems_about_as_often(tiny_model, embedded_engine):
+HELD_OUT_DECODE = DecodeConfig(gen_length=64, batch_size=4, verify=True)
+
+
+@pytest.fixture(scope="module")
+def fp8_held_out(tiny_model):
+    """12 held-out problems and the fp8 engine's (today's XLA path) results on them."""
     problems = tiny_tasks.held_out_problems(12)
     config = dataclasses.replace(tiny_model.config, quantization="fp8")
-    engines = {
-        "plain": embedded_engine,
-        "fp8": Engine(config, quantize_params(tiny_model.weights, "fp8"), tiny_model.tokenizer),
+    engine = Engine(config, quantize_params(tiny_model.weights, "fp8"), tiny_model.tokenizer)
+    return problems, engine.generate([p.prompt for p in problems], HELD_OUT_DECODE, chat=True).results
+
+
+@pytest.mark.engine
+def test_fp8_engine_solves_held_out_problems_about_as_often(embedded_engine, fp8_held_out):
+    problems, fp8_results = fp8_held_out
+    plain = embedded_engine.generate([p.prompt for p in problems], HELD_OUT_DECODE, chat=True).results
+    solved = {
+        name: sum(tiny_tasks.is_correct(p, r.text) for p, r in zip(problems, results))
+        for name, results in (("plain", plain), ("fp8", fp8_results))
     }
-    solved = {}
-    for name, engine in engines.items():
-        out = engine.generate(
-            [p.prompt for p in problems], DecodeConfig(gen_length=64, batch_size=4, verify=True), chat=True
-        )
-        solved[name] = sum(tiny_tasks.is_correct(p, r.text) for p, r in zip(problems, out.results))
     assert solved["plain"] >= 9 and solved["fp8"] >= solved["plain"] - 2, solved
+
+
+@pytest.mark.engine
+def test_fp8_engine_with_the_producers_decodes_todays_tokens(tiny_model, fp8_held_out, monkeypatch):
+    """Flash-Verify's every pass (full, sparse, verify) with each projection's input quantized
+    by its producer (the kernels interpreted): today's tokens and steps on the first 4 problems
+    (one round of the 4 slots; in float32 a request's tokens do not depend on its batch)."""
+    import pallas_kernels.projection.quantize_rows as producers
+
+    problems, fp8_results = fp8_held_out
+    traced = []
+    kernel = producers.swiglu_quantize
+    monkeypatch.setattr(producers, "swiglu_quantize", lambda *a, **k: traced.append(1) or kernel(*a, **k))
+    config = dataclasses.replace(tiny_model.config, quantization="fp8")
+    engine = Engine(
+        config,
+        quantize_params(tiny_model.weights, "fp8"),
+        tiny_model.tokenizer,
+        backend=Kernels(fp8_producers=True),
+        interpret=True,
+        full_pass_lanes=(),  # one full-pass variant to compile (in float32 a token does not depend on it)
+    )
+    got = engine.generate([p.prompt for p in problems[:4]], HELD_OUT_DECODE, chat=True).results
+    assert traced, "the producers were not used"
+    assert [r.token_ids for r in got] == [r.token_ids for r in fp8_results[:4]]
+    assert [r.steps for r in got] == [r.steps for r in fp8_results[:4]]
 
 
 @pytest.mark.engine

@@ -66,6 +66,23 @@ def test_swiglu_quantize_matches_reference():
     assert float(got[1][21 // 2]) == 1.0
 
 
+def test_swiglu_quantize_of_unscaled_products_matches_reference_and_the_scaled_inputs():
+    """With scales, gate and up are FP8 GEMM products: scaled by row x column first, as
+    quantized_matmul scales them (the same float32 product, rounded once to bf16)."""
+    gate, up = rows(4, 21, 384, scale=40.0), rows(5, 21, 384, scale=40.0)
+    rng = np.random.default_rng(6)
+    scales = tuple(jnp.asarray(rng.uniform(1e-3, 3e-2, n), jnp.float32) for n in (21, 384, 384))
+    got = swiglu_quantize(gate, up, scales, interpret=True, block_sizes=BLOCKS)
+    want = swiglu_quantize_reference(gate, up, scales)
+    assert_same_quantization(got, want, "swiglu_quantize with scales")
+    row, gate_cols, up_cols = scales
+    scaled = [
+        (a.astype(jnp.float32) * (row[:, None] * c)).astype(a.dtype) for a, c in ((gate, gate_cols), (up, up_cols))
+    ]
+    for a, b in zip(want, swiglu_quantize_reference(*scaled)):
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+
+
 def test_reference_rule_is_the_engines_fp8_matmul_rule():
     """quantize_rows_reference's rows and scales fed to an FP8 dot give quantized_matmul's result."""
     x = rows(4, 16, 128)
@@ -86,6 +103,9 @@ def test_invalid_arguments_raise_value_error_naming_them():
         QuantizeBlockSizes(block_rows=3)
     with pytest.raises(ValueError, match="F=24"):
         swiglu_quantize(x[:, :24], x[:, :24], interpret=True)
+    ones = jnp.ones((64,), jnp.float32)
+    with pytest.raises(ValueError, match=r"row scale \(64,\) float32: expected float32 \(8,\)"):
+        swiglu_quantize(x, x, (ones, ones, ones), interpret=True)
 
 
 @pytest.mark.parametrize("n_rows", [128, 4096])
@@ -95,4 +115,8 @@ def test_triton_lowering_at_llada_8b_shapes(n_rows):
     text = lower_for_cuda(rms_norm_quantize, spec((n_rows, 4096), bf16), spec((4096,), bf16), 1e-5)
     assert text.count("__gpu$xla.gpu.triton") == 1 and 'name = "rms_norm_quantize"' in text
     text = lower_for_cuda(swiglu_quantize, spec((n_rows, 12288), bf16), spec((n_rows, 12288), bf16))
+    assert text.count("__gpu$xla.gpu.triton") == 1 and 'name = "swiglu_quantize"' in text
+    f32 = jnp.float32
+    scales = (spec((n_rows,), f32), spec((12288,), f32), spec((12288,), f32))
+    text = lower_for_cuda(swiglu_quantize, spec((n_rows, 12288), bf16), spec((n_rows, 12288), bf16), scales)
     assert text.count("__gpu$xla.gpu.triton") == 1 and 'name = "swiglu_quantize"' in text

@@ -13,8 +13,9 @@ stores, instead of ``kernel`` [in, out]:
 no transpose of the weights at run time. The matmuls:
 
   fp8            activations quantized per row at run time (x ~= xq * xs, xs = max|x| / 448),
-                 one float8 x float8 dot_general (float32 accumulation, the product rounded to
-                 the output dtype), then * xs * scale.
+                 here or, handed over as QuantizedRows, by the kernel that produced them
+                 (layers.Fp8Producers); one float8 x float8 dot_general (float32 accumulation,
+                 the product rounded to the output dtype), then * xs * scale.
   int8-weights   activations stay in the model dtype; the int8 weights are converted to it
                  inside the GEMM, float32 accumulation, then * scale: XLA's dot on the
                  converted weights (on the H200 slower than bf16: BENCHMARKS.md). Two
@@ -52,6 +53,7 @@ On a CPU, XLA emulates the 8-bit dots by converting to float32 (same numbers, no
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -267,19 +269,71 @@ def _fp8_product_dtype(out_dtype: Any) -> Any:
     return jnp.float32 if jnp.dtype(out_dtype).itemsize >= 4 else out_dtype
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedRows:
+    """Activation rows quantized per row for the FP8 GEMMs: x ~= rows * scale[..., None].
+
+    rows: float8_e4m3fn [..., W]; scale: float32 [...]. What an fp8 block's producers hand
+    the projections that read their output (layers.Fp8Producers), so the rows are quantized
+    once, by the producer, instead of by quantized_matmul before every GEMM.
+    """
+
+    rows: jax.Array
+    scale: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.rows.shape
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class UnscaledProduct:
+    """An FP8 GEMM's product before its scales: x @ w ~= product * row_scale[..., None] * col_scale.
+
+    product: [..., out] (the float32 accumulator rounded to its dtype); row_scale: float32 [...]
+    (the activation rows'); col_scale: float32 [out] (the weights'). For a consumer that
+    applies the scales itself (layers.Fp8Producers.swiglu), so the scaled product is never
+    written out.
+    """
+
+    product: jax.Array
+    row_scale: jax.Array
+    col_scale: jax.Array
+
+
+def unscaled_product(x: QuantizedRows, qkernel: jax.Array, scale: jax.Array, out_dtype: Any) -> UnscaledProduct:
+    """x [..., in] @ the float8 kernel [out, in], without the scales: quantized_matmul's FP8
+    GEMM, its product in out_dtype (float32 accumulation)."""
+    if qkernel.dtype != _FP8:
+        raise ValueError(f"an unscaled product needs float8_e4m3fn weights, not {qkernel.dtype}")
+    return UnscaledProduct(_fp8_dot(x.rows, qkernel, out_dtype), x.scale, scale)
+
+
+def _fp8_dot(xq: jax.Array, qkernel: jax.Array, out_dtype: Any) -> jax.Array:
+    """float8 rows [..., in] . float8 kernel [out, in] -> [..., out], float32 accumulation
+    (written in _fp8_product_dtype(out_dtype))."""
+    contract = (((xq.ndim - 1,), (1,)), ((), ()))
+    return jax.lax.dot_general(xq, qkernel, contract, preferred_element_type=_fp8_product_dtype(out_dtype))
+
+
 def quantized_matmul(
-    x: jax.Array, qkernel: jax.Array, scale: jax.Array, out_dtype: Any, *, int8_gemm: str = "auto"
+    x: jax.Array | QuantizedRows, qkernel: jax.Array, scale: jax.Array, out_dtype: Any, *, int8_gemm: str = "auto"
 ) -> jax.Array:
     """x [..., in] @ the quantized kernel -> [..., out] in out_dtype (accumulated in float32).
 
     The mode follows from qkernel's dtype: float8_e4m3fn = W8A8, int8 = weight-only (int8_gemm
-    picks its GEMM: INT8_GEMMS).
+    picks its GEMM: INT8_GEMMS). With fp8 weights x is quantized per row here, unless it comes
+    quantized already (QuantizedRows: then the FP8 GEMM reads its rows as they are).
     """
-    contract = (((x.ndim - 1,), (1,)), ((), ()))
     if qkernel.dtype == _FP8:
-        xq, x_scale = fp8_rows(x)
-        y = jax.lax.dot_general(xq, qkernel, contract, preferred_element_type=_fp8_product_dtype(out_dtype))
+        xq, x_scale = (x.rows, x.scale[..., None]) if isinstance(x, QuantizedRows) else fp8_rows(x)
+        y = _fp8_dot(xq, qkernel, out_dtype)
         return (y.astype(jnp.float32) * (x_scale * scale)).astype(out_dtype)
+    if isinstance(x, QuantizedRows):
+        raise ValueError(f"quantized rows go with float8_e4m3fn weights, not {qkernel.dtype}")
+    contract = (((x.ndim - 1,), (1,)), ((), ()))
     gemm = _int8_gemm(int8_gemm, x, qkernel, out_dtype)
     lead, (n, k) = x.shape[:-1], qkernel.shape
     if gemm == "mosaic":

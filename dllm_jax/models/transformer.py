@@ -41,8 +41,8 @@ import jax
 import jax.numpy as jnp
 
 from dllm_jax.models.config import ModelConfig
-from dllm_jax.models.layers import Embedding, Linear, RMSNorm, swiglu
-from dllm_jax.models.quantization import quantize_params, quantizes_embedding
+from dllm_jax.models.layers import Embedding, Fp8Producers, Linear, RMSNorm, swiglu
+from dllm_jax.models.quantization import QuantizedRows, quantize_params, quantizes_embedding
 from pallas_kernels.attention.reference import dense_attention
 from pallas_kernels.projection.rope import apply_rope, rope_cos_sin
 
@@ -50,9 +50,16 @@ Weights = Any  # the model's weights: a nested dict of arrays (Flax's "params" c
 
 
 class Block(nn.Module):
-    """One transformer block. Inputs are [..., T, D] residual rows in config.dtype."""
+    """One transformer block. Inputs are [..., T, D] residual rows in config.dtype.
+
+    producers (fp8 models only): the norms and SwiGLU hand their projections rows quantized in
+    their own epilogue (layers.Fp8Producers), so attention_input returns QuantizedRows and
+    each activation is quantized once (SwiGLU reads the gate and up GEMMs' products before
+    their scales, and scales them itself); None: every fp8 projection quantizes its input.
+    """
 
     config: ModelConfig
+    producers: Fp8Producers | None = None
 
     def setup(self):
         c = self.config
@@ -68,11 +75,11 @@ class Block(nn.Module):
         self.up_proj = Linear(c.mlp_hidden_size, dt, q)
         self.ff_out = Linear(c.d_model, dt, q)
 
-    def attention_input(self, h: jax.Array) -> jax.Array:
-        """The pre-attention RMSNorm: [..., T, D] -> [..., T, D]."""
-        return self.attn_norm(h)
+    def attention_input(self, h: jax.Array) -> jax.Array | QuantizedRows:
+        """The pre-attention RMSNorm: [..., T, D] -> [..., T, D] (quantized with producers)."""
+        return self.attn_norm(h, self.producers)
 
-    def project_qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def project_qkv(self, x: jax.Array | QuantizedRows, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Normed rows -> RoPE'd q [..., T, H, Dh], k and v [..., T, KVH, Dh], in config.dtype.
 
         RoPE is applied to the float32 accumulators (biases added before it) and the result
@@ -93,10 +100,12 @@ class Block(nn.Module):
         """Residual rows h [..., T, D] and attention output [..., T, H*Dh] -> next residual rows."""
         dt = self.config.jnp_dtype
         h = h + self.attn_out(attn).astype(dt)
-        x = self.ff_norm(h)
-        gate = self.ff_proj(x).astype(dt)
-        up = self.up_proj(x).astype(dt)
-        return h + self.ff_out(swiglu(gate, up)).astype(dt)
+        x = self.ff_norm(h, self.producers)
+        if self.producers is None:
+            hidden = swiglu(self.ff_proj(x).astype(dt), self.up_proj(x).astype(dt))
+        else:  # the producer applies the GEMMs' scales itself
+            hidden = self.producers.swiglu(self.ff_proj(x, unscaled=True), self.up_proj(x, unscaled=True))
+        return h + self.ff_out(hidden).astype(dt)
 
     def __call__(self, h: jax.Array, positions: jax.Array, mask: jax.Array) -> tuple[jax.Array, None]:
         """Full bidirectional block over [B, T, D]; mask broadcastable to [B, T, T]."""

@@ -24,7 +24,7 @@ from dllm_jax.models.transformer import Block, Transformer, Weights
 from dllm_jax.runtime.batch_invariance import INVARIANT_BLOCK_K, LAYER_TAP_ORDER, LayerTaps, invariant_ops, map_groups
 from dllm_jax.runtime.chunked_attention import chunked_cache_attention
 from dllm_jax.runtime.flat_cache import FlatCache, flat_rows
-from dllm_jax.runtime.kernel_routing import Kernels
+from dllm_jax.runtime.kernel_routing import Kernels, fp8_qkv_to_cache, fused_fp8_qkv, pass_producers
 
 # The published code accumulates tracking scores from the third layer up (block_idx > 1).
 SCORE_START_LAYER = 2
@@ -174,7 +174,7 @@ def cached_forward(
     S, R = tokens.shape
     slots = jnp.arange(S, dtype=jnp.int32) if group_slot is None else group_slot
     rows = flat_rows(slots, positions, row_valid, spec.max_len)
-    block = Block(config)
+    block = Block(config, pass_producers(config, spec))
     model = Transformer(config)
     h = h_embed = model.apply({"params": params}, tokens, method=Transformer.embed)
     layers = params["layers"]
@@ -188,6 +188,9 @@ def cached_forward(
             f"the fused projection kernel reads {config.dtype} kernels, not quantization={config.quantization!r}: "
             "use backend 'auto' or 'xla'"
         )
+    # q/k/v computed and written to the cache inside one kernel (no k, v of their own)
+    fused_qkv = spec.kernels.qkv and verify is None
+    fused_fp8 = verify is None and fused_fp8_qkv(config, spec, S * R)
 
     def ops(layer_taps: LayerTaps | None = None):
         """The contexts every model call runs in: tap recording (outermost), invariant matmuls and norms."""
@@ -207,8 +210,11 @@ def cached_forward(
         with ops(layer_taps):
             x = block.apply(lp, h, method=Block.attention_input)
         extra_kv = None
-        if spec.kernels.qkv and verify is None:
+        if fused_qkv:
             q, k_cache, v_cache = pallas_qkv_to_cache(config, spec, layers, x, positions, rows, k_cache, v_cache, layer)
+        elif fused_fp8:
+            weights = lp["params"] if per_layer else layers
+            q, k_cache, v_cache = fp8_qkv_to_cache(config, spec, weights, x, positions, rows, k_cache, v_cache, layer)
         else:
             with ops(layer_taps):
                 q, k, v = block.apply(lp, x, positions, method=Block.project_qkv)
@@ -238,8 +244,8 @@ def cached_forward(
             return (h, k_cache, v_cache, scores), {}
         for name, value in (
             ("q", q),
-            ("k", None if spec.kernels.qkv else k),
-            ("v", None if spec.kernels.qkv else v),
+            ("k", None if fused_qkv or fused_fp8 else k),
+            ("v", None if fused_qkv or fused_fp8 else v),
             ("attention", out),
             ("attention_scores", layer_scores),
             ("residual", h),

@@ -11,8 +11,10 @@ measured fastest on the device (BENCHMARKS.md, H200, LLaDA-8B layer shapes, 1/8/
 the attention kernel (1.4x-12x faster than XLA's and cuDNN's paths) and the K/V row scatter
 (XLA's scatter ran at 0.23 TB/s), but XLA's cuBLAS projections (the fused projection kernel
 was 0.5x-0.9x their speed; its Mosaic GPU version, pallas_kernels.projection.qkv_rope_cache_mosaic, bf16 0.99x /
-0.97x / 0.83x and FP8 1.51x / 0.89x / 0.85x at 1 / 8 / 32 slots, 2026-12-02: not routed, as
-the fp8 path does not yet feed it quantized rows), and the routed experts' grouped GEMMs
+0.97x / 0.83x and FP8 1.51x / 0.89x / 0.85x at 1 / 8 / 32 slots, 2026-12-02), except for fp8
+models at one slot's sparse step, where the FP8 Mosaic version runs (FP8_FUSED_QKV_ROWS); for
+fp8 models the producers of the projections' inputs with the per-row quantization in their
+epilogue (pass_producers); the routed experts' grouped GEMMs
 (pallas_kernels.matmul.grouped_matmul: XLA:GPU rewrites jax.lax.ragged_dot into a dense
 product with every expert); on a TPU the Mosaic version of the
 attention kernel (never run on a real TPU: tested in interpret mode and lowered for TPU on
@@ -29,9 +31,24 @@ import jax.numpy as jnp
 
 from dllm_jax.common import platform
 from dllm_jax.models.config import ModelConfig
+from dllm_jax.models.layers import Fp8Producers
+from dllm_jax.models.quantization import QuantizedRows
 from dllm_jax.runtime.sharding import FLAT_HEADS, HEADS, REPLICATED, TENSOR, axis_size, per_tensor_shard
 
 BACKENDS: tuple[str, ...] = ("auto", "xla", "pallas")
+
+# fp8 models: passes of at most this many query rows run q/k/v + RoPE + the cache write as the
+# Mosaic GPU FP8 kernel (pallas_kernels.projection.qkv_rope_cache_mosaic) on the producer's
+# quantized rows ("auto" on a Hopper GPU). One H200, LLaDA-8B layer, us per call
+# (scripts/gpu/bench_fused_projection.py, 2026-12-02, BENCHMARKS.md); "xla" = cuBLASLt FP8
+# GEMMs on pre-quantized rows + XLA's RoPE + the Pallas row scatter, what the fp8 path runs
+# with the producers:
+#   query rows (slots)   xla     kernel
+#   128 (1)              41.5    31.0    the kernel, 1.34x
+#   1024 (8)             111.2   142.3   xla
+#   4096 (32)            402.6   508.9   xla
+# Row counts in between (a 1-slot full pass: 640) were not measured and stay with XLA.
+FP8_FUSED_QKV_ROWS = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +72,21 @@ class Kernels:
     # the routed experts' grouped GEMMs (DiffusionGemma) by the Pallas grouped GEMM instead of
     # jax.lax.ragged_dot; not part of the name
     experts: bool = False
+    # fp8 models: each projection's input quantized once, in the epilogue of its producer (the
+    # RMSNorms before q/k/v and gate/up, SwiGLU before down: layers.Fp8Producers) instead of
+    # by XLA before every GEMM (pass_producers()); changes nothing for other models, so not part
+    # of the name
+    fp8_producers: bool = False
+    # fp8 models with fp8_producers: passes of at most this many query rows run q/k/v + RoPE +
+    # the cache write as the Mosaic GPU FP8 kernel where it takes the model (fused_fp8_qkv());
+    # 0 = never
+    fp8_fused_qkv_rows: int = 0
+
+    def __post_init__(self):
+        if not isinstance(self.fp8_fused_qkv_rows, int) or self.fp8_fused_qkv_rows < 0:
+            raise ValueError(f"fp8_fused_qkv_rows={self.fp8_fused_qkv_rows!r}: expected an int >= 0")
+        if self.fp8_fused_qkv_rows and not self.fp8_producers:
+            raise ValueError("fp8_fused_qkv_rows needs fp8_producers (the kernel reads the producer's quantized rows)")
 
     @property
     def name(self) -> str:
@@ -102,8 +134,71 @@ def _backend_kernels(backend: str | Kernels, interpret: bool) -> Kernels:
     if backend == "pallas":
         return Kernels(qkv=True, attention=True, top_p_top_k=True, experts=True, interpret=interpret)
     if backend == "auto" and platform.on_nvidia_gpu():
-        return Kernels(attention=True, scatter=True, top_p_top_k=True, experts=True)
+        from pallas_kernels.matmul.weight_only_matmul import on_hopper_gpu
+
+        fused_rows = FP8_FUSED_QKV_ROWS if on_hopper_gpu() else 0
+        return Kernels(
+            attention=True,
+            scatter=True,
+            top_p_top_k=True,
+            experts=True,
+            fp8_producers=True,
+            fp8_fused_qkv_rows=fused_rows,
+        )
     return Kernels()
+
+
+def pass_producers(config: ModelConfig, spec) -> Fp8Producers | None:
+    """The producers a pass of an fp8 model quantizes its projections' inputs with
+    (kernels.fp8_producers), or None (each projection quantizes its input in XLA). Not under a
+    tensor axis: there a row's SwiGLU output is split across the devices, and its abs-max with it."""
+    if not spec.kernels.fp8_producers or config.quantization != "fp8" or axis_size(spec.mesh, TENSOR) > 1:
+        return None
+    return Fp8Producers(interpret=spec.kernels.interpret)
+
+
+def fused_fp8_qkv(config: ModelConfig, spec, n_rows: int) -> bool:
+    """Whether a pass of n_rows query rows that writes the cache runs q/k/v + RoPE + the cache
+    write as the Mosaic GPU FP8 kernel (fp8_qkv_to_cache): with the producers, at most
+    kernels.fp8_fused_qkv_rows rows, a model the kernel takes (bfloat16, head_dim a multiple of 64)."""
+    if pass_producers(config, spec) is None or n_rows > spec.kernels.fp8_fused_qkv_rows:
+        return False
+    from pallas_kernels.projection.qkv_rope_cache_mosaic import supports_fp8
+
+    return supports_fp8(config.d_model, config.head_dim, config.jnp_dtype)
+
+
+def fp8_qkv_to_cache(config: ModelConfig, spec, weights, x: QuantizedRows, positions, rows, k_cache, v_cache, layer):
+    """The fused FP8 projection + RoPE + cache write of the quantized rows x [S, R, D] -> q
+    [S, R, H, Dh] and the caches. weights: one layer's params (qkernel [out, in]) or the
+    layer-stacked ones ([NL, out, in]: the kernel indexes the layer in place)."""
+    from pallas_kernels.projection.qkv_rope_cache_mosaic import qkv_rope_cache_mosaic_fp8
+
+    S, R, D = x.shape
+    names = ("q_proj", "k_proj", "v_proj")
+    one_layer = weights["q_proj"]["qkernel"].ndim == 2
+
+    def leaves(name):
+        leaf = tuple(weights[n][name] for n in names)
+        return tuple(w[None] for w in leaf) if one_layer else leaf
+
+    q, k_cache, v_cache = qkv_rope_cache_mosaic_fp8(
+        x.rows.reshape(S * R, D),
+        x.scale.reshape(S * R),
+        leaves("qkernel"),
+        leaves("scale"),
+        positions.reshape(S * R),
+        rows.reshape(S * R),
+        k_cache,
+        v_cache,
+        jnp.int32(layer),
+        leaves("bias") if config.qkv_bias else None,
+        n_heads=config.n_heads,
+        n_kv_heads=config.n_kv_heads,
+        rope_theta=config.rope_theta,
+        interpret=spec.kernels.interpret,
+    )
+    return q.reshape(S, R, config.n_heads, config.head_dim), k_cache, v_cache
 
 
 def grouped_gemm(kernels: Kernels) -> str:

@@ -50,6 +50,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -161,6 +162,7 @@ def _swizzled(block_cols: int, dtype) -> tuple:
 def _kernel(
     *refs,
     fp8: bool,
+    per_layer_weights: bool,
     interpreted: bool,
     n_heads: int,
     n_kv_heads: int,
@@ -168,7 +170,8 @@ def _kernel(
     d_model: int,
     blocks: MosaicQKVBlockSizes,
 ):
-    """One (row tile, head) program; heads are [q heads | k heads | v heads]."""
+    """One (row tile, head) program; heads are [q heads | k heads | v heads]. per_layer_weights:
+    the weights, scales and biases are one layer's ([1, ...]), the layer index is the cache's."""
     refs = iter(refs)
     layer_ref, rows_ref, cos_ref, sin_ref, x_ref = (next(refs) for _ in range(5))
     x_scale_ref = next(refs) if fp8 else None
@@ -183,13 +186,14 @@ def _kernel(
     row_tile = lax.axis_index("rows")
     head = lax.axis_index("heads")
     layer = layer_ref[0]
+    w_layer = 0 if per_layer_weights else layer
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     col_layout = plgpu.Layout.WGMMA.reduce(0)
 
     in_flight = blocks.wgmma_in_flight
 
     def specs(which: int, local_head):
-        w = w_refs[which].at[layer]
+        w = w_refs[which].at[w_layer]
         if fp8:  # w: [out, in], K-major tiles
             w_spec = plgpu.BlockSpec(
                 (head_dim, bk), lambda k: (local_head, k), transforms=_swizzled(bk, w.dtype), delay_release=in_flight
@@ -226,8 +230,8 @@ def _kernel(
         out = (q_ref, k_cache_ref, v_cache_ref)[which]
         tile = tile_smem.at[wg]
         if fp8:
-            w_scale = _load_gmem(w_scale_refs[which], (layer, cols), col_layout, interpreted)
-        bias = _load_gmem(b_refs[which], (layer, cols), col_layout, interpreted).astype(jnp.float32)
+            w_scale = _load_gmem(w_scale_refs[which], (w_layer, cols), col_layout, interpreted)
+        bias = _load_gmem(b_refs[which], (w_layer, cols), col_layout, interpreted).astype(jnp.float32)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the tile's previous copies have read it
         for chunk in range(bm // 64):
             part = acc[chunk * 64 : (chunk + 1) * 64]
@@ -305,6 +309,14 @@ def _kernel(
     plgpu.wait_smem_to_gmem(0)
 
 
+def supports_fp8(d_model: int, head_dim: int, cache_dtype: Any) -> bool:
+    """Whether qkv_rope_cache_mosaic_fp8 takes a model of these widths and cache dtype with its
+    default tilings (head_dim a multiple of 64 up to 256, d_model of the 128-column reduction
+    tile, bfloat16 caches)."""
+    block_d = default_mosaic_block_sizes(FP8, 1).block_d
+    return head_dim % 64 == 0 and head_dim <= 256 and d_model % block_d == 0 and jnp.dtype(cache_dtype) == jnp.bfloat16
+
+
 def _check_mosaic_args(x, head_dim, d_model, blocks):
     if head_dim % 64 or head_dim > 256:
         raise ValueError(f"head_dim={head_dim}: the Mosaic GPU kernel needs a multiple of 64, at most 256")
@@ -362,6 +374,7 @@ def _run(
                 *refs,
                 *scratch,
                 fp8=fp8,
+                per_layer_weights=weights[0].shape[0] == 1,
                 interpreted=interpret,
                 n_heads=n_heads,
                 n_kv_heads=n_kv_heads,
@@ -466,8 +479,9 @@ def _check_fp8_args(x, x_scale, weights, w_scales, k_cache, v_cache, n_heads, n_
         if w.dtype != FP8 or s.dtype != jnp.float32:
             raise ValueError(f"{name} {w.dtype} / scale {s.dtype}: expected float8_e4m3fn / float32")
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if cache.ndim != 3 or cache.shape[0] != n_layers or cache.shape[2] != kv_width:
-            raise ValueError(f"{name}.shape={cache.shape}: expected [{n_layers}, M, {kv_width}]")
+        if cache.ndim != 3 or n_layers not in (1, cache.shape[0]) or cache.shape[2] != kv_width:
+            layers = "NL" if n_layers == 1 else n_layers
+            raise ValueError(f"{name}.shape={cache.shape}: expected [{layers}, M, {kv_width}]")
     if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype or k_cache.dtype != jnp.bfloat16:
         raise ValueError(
             f"k_cache {k_cache.shape} {k_cache.dtype} / v_cache {v_cache.shape} {v_cache.dtype}: "
@@ -517,11 +531,14 @@ def qkv_rope_cache_mosaic_fp8(
         producer kernel (rms_norm_quantize) writes them.
       x_scale: float32 [N].
       weights: (wq [NL, H*Dh, D], wk, wv [NL, KVH*Dh, D]) float8_e4m3fn qkernels ([out, in],
-        dllm_jax.models.quantization's layout).
-      w_scales: (sq [NL, H*Dh], sk, sv [NL, KVH*Dh]) float32 per-output-channel scales.
+        dllm_jax.models.quantization's layout), or one layer's ([1, ...]: per-layer weights,
+        read whatever the layer index).
+      w_scales: (sq [NL, H*Dh], sk, sv [NL, KVH*Dh]) float32 per-output-channel scales (NL as
+        the weights').
       positions, cache_rows, layer: as qkv_rope_cache.
       k_cache, v_cache: bfloat16 [NL, M, KVH*Dh] (donated, updated in place).
-      biases: (bq, bk, bv) [NL, width] or None; added in float32 after the scales.
+      biases: (bq, bk, bv) [NL, width] (NL as the weights') or None; added in float32 after the
+        scales.
     Returns:
       (q [N, H*Dh] bfloat16, k_cache, v_cache).
     """
@@ -578,12 +595,13 @@ def qkv_rope_cache_mosaic_fp8_reference(
     positions = as_int32("positions", positions, (n_rows,))
     cache_rows = _safe_rows(as_int32("cache_rows", cache_rows, (n_rows,)), k_cache.shape[1])
     layer = as_int32("layer", layer, ())
+    w_layer = 0 if weights[0].shape[0] == 1 else layer
     cos, sin = rope_cos_sin(positions, head_dim, rope_theta)
     cos, sin = cos[:, None, :], sin[:, None, :]
 
     def project(w, s, b):
-        y = lax.dot_general(x, w[layer], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        return (y * x_scale[:, None] * s[layer][None, :] + b[layer][None, :]).reshape(n_rows, -1, head_dim)
+        y = lax.dot_general(x, w[w_layer], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        return (y * x_scale[:, None] * s[w_layer][None, :] + b[w_layer][None, :]).reshape(n_rows, -1, head_dim)
 
     (wq, wk, wv), (sq, sk, sv), (bq, bk, bv) = weights, w_scales, biases
     q = apply_rope(project(wq, sq, bq), cos, sin).reshape(n_rows, -1)

@@ -12,8 +12,12 @@ and writes only the float8 rows and their float32 scales:
   rms_norm_quantize(x, weight, eps)  the model's RMSNorm (float32 statistics, the normalized
                                      rows rounded to x.dtype, times the weight in x.dtype)
                                      of the q/k/v and gate/up inputs;
-  swiglu_quantize(gate, up)          silu(gate) * up in the inputs' dtype, the down
-                                     projection's input.
+  swiglu_quantize(gate, up, scales)  silu(gate) * up in the inputs' dtype, the down
+                                     projection's input; with scales, gate and up are the
+                                     FP8 GEMMs' products before their per-row and
+                                     per-column scales, applied here (as
+                                     quantized_matmul's epilogue would), so the scaled
+                                     gate and up never go through HBM.
 
 Passes over a row block: the norm reads it three times (sum of squares, abs-max of the
 normed rows, quantize), SwiGLU twice (abs-max, quantize); the re-reads of a block of a few
@@ -77,7 +81,9 @@ def quantize_rows_reference(y: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def _scale_of(amax):
-    return jnp.where(amax > 0, amax / jnp.float32(FP8_MAX), jnp.float32(1.0))
+    # amax times the float32 reciprocal of 448: the form XLA rewrites the reference's (and
+    # quantized_matmul's) division by a constant into; a division here need not round alike
+    return jnp.where(amax > 0, amax * jnp.float32(1.0 / FP8_MAX), jnp.float32(1.0))
 
 
 def _rms_norm_quantize_kernel(x_ref, w_ref, q_ref, s_ref, *, bm, bc, n_c, d, eps):
@@ -109,16 +115,25 @@ def _rms_norm_quantize_kernel(x_ref, w_ref, q_ref, s_ref, *, bm, bc, n_c, d, eps
     s_ref[rows] = scale
 
 
-def _swiglu_quantize_kernel(g_ref, u_ref, q_ref, s_ref, *, bm, bc, n_c):
+def _swiglu_quantize_kernel(g_ref, u_ref, *refs, bm, bc, n_c, scaled):
+    row_scale_ref, g_scale_ref, u_scale_ref, q_ref, s_ref = refs if scaled else (None, None, None, *refs)
     rows = pl.ds(pl.program_id(0) * bm, bm)
+    row_scale = row_scale_ref[rows] if scaled else None
+
+    def operand(ref, scale_ref, cols):
+        """gate or up of columns cols in the inputs' dtype (scaled first when scaled)."""
+        value = ref[rows, cols]
+        if not scaled:
+            return value
+        return (value.astype(jnp.float32) * (row_scale[:, None] * scale_ref[cols][None, :])).astype(value.dtype)
 
     def swiglu(t):
         """silu(gate) * up of columns [t*bc, (t+1)*bc), in the inputs' dtype, as float32."""
         cols = pl.ds(t * bc, bc)
-        g = g_ref[rows, cols]
+        g = operand(g_ref, g_scale_ref, cols)
         g32 = g.astype(jnp.float32)
         silu = (g32 * jax.nn.sigmoid(g32)).astype(g.dtype)
-        return (silu * u_ref[rows, cols]).astype(jnp.float32)
+        return (silu * operand(u_ref, u_scale_ref, cols)).astype(jnp.float32)
 
     amax = lax.fori_loop(
         0, n_c, lambda t, m: jnp.maximum(m, jnp.max(jnp.abs(swiglu(t)), axis=1)), jnp.zeros((bm,), jnp.float32)
@@ -183,32 +198,62 @@ def rms_norm_quantize_reference(x, weight, eps, *, interpret=False, block_sizes=
     return quantize_rows_reference(rms_norm(x, weight, eps))
 
 
+Scales = tuple[jax.Array, jax.Array, jax.Array]
+
+
+def _check_swiglu_args(gate, up, scales) -> None:
+    _check_rows("gate", gate)
+    if up.shape != gate.shape or up.dtype != gate.dtype:
+        raise ValueError(f"up {up.shape} {up.dtype}: expected gate's {gate.shape} {gate.dtype}")
+    if scales is None:
+        return
+    n, f = gate.shape
+    for name, scale, size in zip(("row scale", "gate scale", "up scale"), scales, (n, f, f), strict=True):
+        if scale.shape != (size,) or scale.dtype != jnp.float32:
+            raise ValueError(f"scales: {name} {scale.shape} {scale.dtype}: expected float32 ({size},)")
+
+
 @functools.partial(jax.jit, static_argnames=("interpret", "block_sizes"))
 def swiglu_quantize(
     gate: jax.Array,
     up: jax.Array,
+    scales: Scales | None = None,
     *,
     interpret: bool = False,
     block_sizes: QuantizeBlockSizes | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """silu(gate) * up of gate, up [N, F] (one dtype; silu rounded to it, then the product),
     quantized per row -> (hq float8_e4m3fn [N, F], h_scale float32 [N]). F must be a
-    multiple of 16."""
-    _check_rows("gate", gate)
-    if up.shape != gate.shape or up.dtype != gate.dtype:
-        raise ValueError(f"up {up.shape} {up.dtype}: expected gate's {gate.shape} {gate.dtype}")
+    multiple of 16.
+
+    scales: (row [N], gate columns [F], up columns [F]) float32, or None. Given, gate and up
+    are FP8 GEMM products before their scales: each element is first multiplied by row x
+    column scale in float32 and rounded to the inputs' dtype, as
+    dllm_jax.models.quantization.quantized_matmul does.
+    """
+    _check_swiglu_args(gate, up, scales)
     blocks = block_sizes or QuantizeBlockSizes()
     n, f = gate.shape
     bc = dividing_block("F", f, blocks.block_cols, "swiglu_quantize")
-    kernel = functools.partial(_swiglu_quantize_kernel, bm=blocks.block_rows, bc=bc, n_c=f // bc)
+    kernel = functools.partial(
+        _swiglu_quantize_kernel, bm=blocks.block_rows, bc=bc, n_c=f // bc, scaled=scales is not None
+    )
     inputs = (pad_rows(gate, blocks.block_rows), pad_rows(up, blocks.block_rows))
+    if scales is not None:
+        row, gate_cols, up_cols = scales
+        inputs += (pad_rows(row[:, None], blocks.block_rows)[:, 0], gate_cols, up_cols)
     return _launch(kernel, inputs, n, f, blocks, interpret, "swiglu_quantize")
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_sizes"))
-def swiglu_quantize_reference(gate, up, *, interpret=False, block_sizes=None):
-    """Pure jnp ``swiglu_quantize``: silu (in float32, rounded to the inputs' dtype) times up,
-    then quantize_rows_reference."""
+def swiglu_quantize_reference(gate, up, scales=None, *, interpret=False, block_sizes=None):
+    """Pure jnp ``swiglu_quantize``: gate and up scaled (with scales), silu (in float32,
+    rounded to the inputs' dtype) times up, then quantize_rows_reference."""
     del interpret, block_sizes
+    _check_swiglu_args(gate, up, scales)
+    if scales is not None:
+        row, gate_cols, up_cols = scales
+        gate = (gate.astype(jnp.float32) * (row[:, None] * gate_cols)).astype(gate.dtype)
+        up = (up.astype(jnp.float32) * (row[:, None] * up_cols)).astype(up.dtype)
     silu = (gate.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(gate.dtype)
     return quantize_rows_reference(silu * up)
