@@ -286,15 +286,14 @@ def profile_part(report: Report, engines, names, config, slots, gen_length, prom
         try:
             engine = engines(name)
             compiled = engine.compile(decode, prompt_len)
-            hlo = compiled.run.as_text()
+            hlo = compiled.call.as_text()
             quantizing = quantization_fusions(hlo, {config.d_model, config.mlp_hidden_size})
-            no_more = jnp.bool_(False)
             state = initial_state(compiled, prompts, schedule_sampling("flash_cache", "one"))
-            state = jax.block_until_ready(compiled.run(engine.weights, state, jnp.int32(3), no_more))
+            state = jax.block_until_ready(compiled.run(engine.weights, state, 3))
             with tempfile.TemporaryDirectory() as tmp:
                 start = time.perf_counter()
                 with jax.profiler.trace(tmp, create_perfetto_trace=True):
-                    state = jax.block_until_ready(compiled.run(engine.weights, state, jnp.int32(3 + steps), no_more))
+                    state = jax.block_until_ready(compiled.run(engine.weights, state, steps))
                 wall = (time.perf_counter() - start) / steps
                 events = device_events(Path(tmp))
         except Exception as e:
