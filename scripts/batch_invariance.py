@@ -123,7 +123,16 @@ class Run:
         self.weights = engine.weights
         # the engine's own request ring and initial state, without compiling the whole loop
         width = max(16, 1 << (longest - 1).bit_length())
-        ring = CompiledLoop(loop, decode, max(16, 4 * len(prompts)), width, jax.jit(loop.init_state), None, 0.0)
+        ring = CompiledLoop(
+            loop,
+            decode,
+            max(16, 4 * len(prompts)),
+            width,
+            init=jax.jit(loop.init_state),
+            call=None,
+            packings=None,
+            compile_seconds=0.0,
+        )
         self.state = ring.initial_state(prompts)
         self.step = _jitted(("step", loop), lambda: jax.jit(loop._step))
 
