@@ -9,6 +9,7 @@ engine's whole decode loop at a real model's shapes, over abstract params.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -20,15 +21,11 @@ from dllm_jax.runtime.decode_config import DecodeConfig
 from dllm_jax.runtime.kernel_routing import FP8_FUSED_QKV_ROWS, Kernels
 from dllm_jax.runtime.slots import zero_sampling
 
-# what backend="auto" picks on a Hopper GPU (the fp8 fields change only fp8 models' programs)
-GPU_AUTO = Kernels(
-    attention=True,
-    scatter=True,
-    top_p_top_k=True,
-    experts=True,
-    fp8_producers=True,
-    fp8_fused_qkv_rows=FP8_FUSED_QKV_ROWS,
-)
+# what backend="auto" picks on an NVIDIA GPU
+GPU_AUTO = Kernels(attention=True, scatter=True, top_p_top_k=True, experts=True)
+# auto with the fp8 producers and, on Hopper, the fused FP8 q/k/v kernel (opt-in: they change
+# only fp8 models' programs)
+GPU_FP8_FUSED = dataclasses.replace(GPU_AUTO, fp8_producers=True, fp8_fused_qkv_rows=FP8_FUSED_QKV_ROWS)
 
 
 def _abstract_h200():

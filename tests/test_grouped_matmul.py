@@ -16,7 +16,6 @@ from cuda_lowering import GPU_AUTO, lower_for_cuda
 from tolerances import assert_close
 
 import dllm_jax.common.platform
-import pallas_kernels.matmul.weight_only_matmul
 from dllm_jax.models import diffusion_gemma as dg
 from dllm_jax.models.diffusion_gemma_config import AttentionKind, DiffusionGemmaConfig, RopeSettings
 from dllm_jax.models.experts import expert_mlp_with, grouped_expert_mlp, routed_sum
@@ -230,7 +229,6 @@ def test_auto_routes_the_experts_to_the_kernel_on_nvidia_gpus_only(monkeypatch):
     assert grouped_gemm(resolve_kernels("xla")) == "xla"
     assert grouped_gemm(Kernels(experts=True, interpret=True)) == "interpret"
     monkeypatch.setattr(dllm_jax.common.platform, "on_nvidia_gpu", lambda: True)
-    monkeypatch.setattr(pallas_kernels.matmul.weight_only_matmul, "on_hopper_gpu", lambda: True)
     assert resolve_kernels("auto") == GPU_AUTO and grouped_gemm(resolve_kernels("auto")) == "pallas"
     with pytest.raises(ValueError, match="grouped_gemm"):
         expert_mlp_with("cuda")

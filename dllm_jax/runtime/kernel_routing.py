@@ -11,10 +11,11 @@ measured fastest on the device (BENCHMARKS.md, H200, LLaDA-8B layer shapes, 1/8/
 the attention kernel (1.4x-12x faster than XLA's and cuDNN's paths) and the K/V row scatter
 (XLA's scatter ran at 0.23 TB/s), but XLA's cuBLAS projections (the fused projection kernel
 was 0.5x-0.9x their speed; its Mosaic GPU version, pallas_kernels.projection.qkv_rope_cache_mosaic, bf16 0.99x /
-0.97x / 0.83x and FP8 1.51x / 0.89x / 0.85x at 1 / 8 / 32 slots, 2026-12-02), except for fp8
-models at one slot's sparse step, where the FP8 Mosaic version runs (FP8_FUSED_QKV_ROWS); for
-fp8 models the producers of the projections' inputs with the per-row quantization in their
-epilogue (pass_producers); the routed experts' grouped GEMMs
+0.97x / 0.83x and FP8 1.51x / 0.89x / 0.85x at 1 / 8 / 32 slots, 2026-12-02), and XLA's
+per-row quantization of fp8 models' activations (the producers with the quantization in their
+epilogue, Kernels.fp8_producers, and with them the FP8 Mosaic kernel at one slot's sparse step,
+measured in the step: 0.998x at 32 slots and 1.037x at 8 of the XLA path's time, H200
+2026-12-03, scripts/gpu/fp8_step.py; opt-in); the routed experts' grouped GEMMs
 (pallas_kernels.matmul.grouped_matmul: XLA:GPU rewrites jax.lax.ragged_dot into a dense
 product with every expert); on a TPU the Mosaic version of the
 attention kernel (never run on a real TPU: tested in interpret mode and lowered for TPU on
@@ -39,7 +40,7 @@ BACKENDS: tuple[str, ...] = ("auto", "xla", "pallas")
 
 # fp8 models: passes of at most this many query rows run q/k/v + RoPE + the cache write as the
 # Mosaic GPU FP8 kernel (pallas_kernels.projection.qkv_rope_cache_mosaic) on the producer's
-# quantized rows ("auto" on a Hopper GPU). One H200, LLaDA-8B layer, us per call
+# quantized rows (with Kernels.fp8_producers, on a Hopper GPU). One H200, LLaDA-8B layer, us per call
 # (scripts/gpu/bench_fused_projection.py, 2026-12-02, BENCHMARKS.md); "xla" = cuBLASLt FP8
 # GEMMs on pre-quantized rows + XLA's RoPE + the Pallas row scatter, what the fp8 path runs
 # with the producers:
@@ -134,17 +135,7 @@ def _backend_kernels(backend: str | Kernels, interpret: bool) -> Kernels:
     if backend == "pallas":
         return Kernels(qkv=True, attention=True, top_p_top_k=True, experts=True, interpret=interpret)
     if backend == "auto" and platform.on_nvidia_gpu():
-        from pallas_kernels.matmul.weight_only_matmul import on_hopper_gpu
-
-        fused_rows = FP8_FUSED_QKV_ROWS if on_hopper_gpu() else 0
-        return Kernels(
-            attention=True,
-            scatter=True,
-            top_p_top_k=True,
-            experts=True,
-            fp8_producers=True,
-            fp8_fused_qkv_rows=fused_rows,
-        )
+        return Kernels(attention=True, scatter=True, top_p_top_k=True, experts=True)
     return Kernels()
 
 

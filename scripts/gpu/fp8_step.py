@@ -1,7 +1,7 @@
 """fp8 without standalone quantization passes (issue 29, item 2), measured in one GPU call: the
-Flash-Cache step in bf16, in fp8 as it ran before (each projection quantizes its input in XLA)
-and in fp8 as backend "auto" runs it now (the producers quantize; at one slot's sparse step q/k/v
-run the fused Mosaic GPU kernel), side by side.
+Flash-Cache step in bf16, in fp8 as backend "auto" runs it (each projection quantizes its input
+in XLA) and in fp8 with the producers (they quantize; at one slot's sparse step q/k/v run the
+fused Mosaic GPU kernel), side by side.
 
     PYTHONPATH=. python scripts/gpu/fp8_step.py --out $OUT/fp8_step          # H200: about 5 min
     PYTHONPATH=. python scripts/gpu/fp8_step.py --tiny --out /tmp/fp8_step   # CPU smoke test
@@ -10,11 +10,12 @@ LLaDA-8B shape, random weights (bf16, and fp8 made from them on the device), per
 as on a GPU, flash_cache with one token per step (128 recomputed rows per slot, prompt 256,
 generation 256, full_pass_lanes=()). The variants (one Engine each, sharing the weights):
   bf16             backend auto;
-  fp8 xla-quant    auto without the producers: every projection quantizes its input in XLA
-                   (per-row abs-max, then scale and convert), the fp8 path before;
-  fp8 auto         what auto runs: the producers (RMSNorm + quantize, SwiGLU + quantize) and, for
-                   passes of at most FP8_FUSED_QKV_ROWS rows, the fused q/k/v kernel;
-  fp8 producers    auto without the fused kernel (timed where the two differ: 1 slot).
+  fp8 xla-quant    what auto runs: every projection quantizes its input in XLA (per-row abs-max,
+                   then scale and convert);
+  fp8 fused        auto with Kernels.fp8_producers: the producers (RMSNorm + quantize, SwiGLU +
+                   quantize) and, for passes of at most FP8_FUSED_QKV_ROWS rows on Hopper, the
+                   fused q/k/v kernel (named "fp8 auto" in the 2026-12-03 report, when auto ran it);
+  fp8 producers    fp8 fused without the fused kernel (timed where the two differ: 1 slot).
 Parts, in this order, each saving fp8_step.json and fp8_step.md under --out as it goes; no new
 measurement starts after --budget-s (one started runs to its end, up to ~30 s at 32 slots):
   checks     one cached pass over random tokens through the first 4 layers, 1 slot x 128 rows
@@ -25,7 +26,7 @@ measurement starts after --budget-s (one started runs to its end, up to ~30 s at
              of an activation (XLA keeps excess precision inside a fusion, a kernel rounds where
              it writes) moves some float8 elements a whole e4m3 step (6-12%);
   steps      the step at each --slots (largest first) for each variant: ms, ratio to bf16;
-  profile    the fp8 step at the largest slot count (auto, then xla-quant) under jax.profiler:
+  profile    the fp8 step at the largest slot count (fused, then xla-quant) under jax.profiler:
              every kernel by name with calls and ms per step, by kind: XLA's quantization
              fusions (those that convert to float8 or reduce |x| to a per-row max over the
              quantized widths, read from the compiled HLO), the producers, the fused kernel,
@@ -125,18 +126,24 @@ def variants(tiny: bool) -> dict[str, tuple[str, Kernels]]:
     auto = resolve_kernels("auto")
     if tiny:  # auto on a CPU is plain XLA: the producers interpreted, the fused kernel where it runs
         runs = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 11)
-        auto = Kernels(fp8_producers=True, fp8_fused_qkv_rows=FP8_FUSED_QKV_ROWS if runs else 0, interpret=True)
+        fused = dataclasses.replace(auto, interpret=True, fp8_producers=True)
+        fused = dataclasses.replace(fused, fp8_fused_qkv_rows=FP8_FUSED_QKV_ROWS if runs else 0)
+    else:
+        from pallas_kernels.matmul.weight_only_matmul import on_hopper_gpu
+
+        fused_rows = FP8_FUSED_QKV_ROWS if on_hopper_gpu() else 0
+        fused = dataclasses.replace(auto, fp8_producers=True, fp8_fused_qkv_rows=fused_rows)
     return {
         "bf16": ("none", auto),
-        "fp8 xla-quant": ("fp8", dataclasses.replace(auto, fp8_producers=False, fp8_fused_qkv_rows=0)),
-        "fp8 auto": ("fp8", auto),
-        "fp8 producers": ("fp8", dataclasses.replace(auto, fp8_fused_qkv_rows=0)),
+        "fp8 xla-quant": ("fp8", auto),
+        "fp8 fused": ("fp8", fused),
+        "fp8 producers": ("fp8", dataclasses.replace(fused, fp8_fused_qkv_rows=0)),
     }
 
 
 def timed_variants(kinds: dict, slots: int) -> list[str]:
     """The variants worth timing at this slot count (fp8 producers only where auto fuses)."""
-    fused = kinds["fp8 auto"][1].fp8_fused_qkv_rows >= slots * ROWS_PER_SLOT
+    fused = kinds["fp8 fused"][1].fp8_fused_qkv_rows >= slots * ROWS_PER_SLOT
     return [name for name in kinds if name != "fp8 producers" or fused]
 
 
@@ -489,7 +496,7 @@ def main(argv=None) -> int:
     if "steps" in parts:
         steps_part(report, engines, kinds, slot_counts, gen_length, prompt_len, opts.iterations, opts.repeats)
     if "profile" in parts:
-        profile_part(report, engines, ["fp8 auto", "fp8 xla-quant"], config, slot_counts[0], gen_length, prompt_len)
+        profile_part(report, engines, ["fp8 fused", "fp8 xla-quant"], config, slot_counts[0], gen_length, prompt_len)
     if "producers" in parts:
         producers_part(report, config, ROWS_PER_SLOT * slot_counts[0], interpret=opts.tiny)
     print("\n" + markdown(report.data))
