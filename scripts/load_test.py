@@ -258,11 +258,8 @@ def main(argv=None) -> int:
         except (OSError, ValueError, KeyError, TypeError) as e:
             print(f"load_test: --replot {opts.replot}: {e}", file=sys.stderr)
             return 2
-        plot_curve(
-            runs,
-            opts.plot,
-            f"{report.get('model')} at {report.get('url')}, {runs[0].get('requests')} requests per rate",
-        )
+        where = f" at {report['url']}" if report.get("url") else ""
+        plot_curve(runs, opts.plot, f"{report.get('model')}{where}, {runs[0].get('requests')} requests per rate")
         return 0
     try:
         prompts = load_prompts(opts)

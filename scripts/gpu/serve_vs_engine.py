@@ -10,8 +10,9 @@ Each configuration is SLOTS or SLOTS:canvas (the requests ask for the canvas str
 once; each slot count gets one server (its loop compiled and warmed up) for its configurations,
 each of max(4, 2 x SLOTS) requests (--requests overrides), all at once. On the last slot
 count's server, --curve-rates then runs open-loop Poisson arrivals at each offered rate
-(default 4 8 16 inf; smoke: 2 8 inf), plain streams, and draws latency against throughput
-(serve_curve.png, where matplotlib is installed).
+(default 1 1.5 2 3 inf, around LLaDA-8B's 2.4 requests/s at 32 slots on an H200; smoke: 2 8
+inf), plain streams, and draws latency against throughput (serve_curve.png, where matplotlib
+is installed).
 
 Random weights make confidences meaningless, so every request runs the equal-work schedule of
 bench.py ("one": threshold 2, one token per step, flash_cache, one loop iteration per call).
@@ -126,7 +127,7 @@ def parse_args(argv):
             configs=["1", "1:canvas", "8", "8:canvas", "32", "32:canvas"],
             gen_length=128,
             prompt_length=256,
-            curve_rates=["4", "8", "16", "inf"],
+            curve_rates=["1", "1.5", "2", "3", "inf"],
         )
     )
     for name, value in defaults.items():
@@ -387,7 +388,8 @@ def _curve_loads(url: str, opts, config, budget: Budget, slots: int, requests: i
             break
         runs += got
     if runs:
-        write_text_atomically(opts.out / "serve_curve.json", json.dumps({"model": "random", "runs": runs}, indent=1))
+        model = f"{'tiny' if opts.smoke else 'LLaDA-8B'} shape (random weights), {slots} slots, {jax.devices()[0].device_kind}"
+        write_text_atomically(opts.out / "serve_curve.json", json.dumps({"model": model, "runs": runs}, indent=1))
         if importlib.util.find_spec("matplotlib"):  # the GPU image has none: load_test.py --replot draws it later
             subprocess.run(
                 [
