@@ -276,6 +276,9 @@ def main(argv=None) -> int:
         os.environ["XLA_FLAGS"] = (
             f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump_dir} --xla_dump_hlo_module_re=jit_loop_call"
         )
+        # a loop read back from a persistent compilation cache is not compiled, so nothing is
+        # dumped (jax leaves the dump flags out of its cache key)
+        jax.config.update("jax_enable_compilation_cache", False)
     config = model_shape(opts.model_shape)
     config = dataclasses.replace(config, dtype=opts.dtype or config.dtype)
     tiny = opts.model_shape == "tiny"

@@ -171,7 +171,7 @@ def test_the_second_run_reads_its_loops_from_the_cache(tmp_path):
     first = _generate(tmp_path)
     cache = tmp_path / "xdg" / "dllm_jax" / "compiled"
     programs = sorted(p.name for p in cache.glob("*-cache"))  # JAX's entries: NAME-KEY-cache (and -atime)
-    assert _hits(first) == 0 and any(name.startswith("jit_run-") for name in programs), programs
+    assert _hits(first) == 0 and any(name.startswith("jit_loop_call-") for name in programs), programs
     second = _generate(tmp_path)
     assert _hits(second) == len(programs)  # every program compiled by the first run, read back
     assert sorted(p.name for p in cache.glob("*-cache")) == programs
