@@ -47,7 +47,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import cdiv, check_launch, check_power_of_two, compiler_params, dot_t, next_power_of_two
+from pallas_kernels.common import cdiv, compiler_params, dot_t, next_power_of_two
+from pallas_kernels.matmul.invariant_matmul import MatmulBlockSizes
 
 FP8 = jnp.float8_e4m3fn
 WEIGHT_DTYPES = (jnp.int8, FP8)
@@ -58,24 +59,12 @@ _RAGGED = lax.RaggedDotDimensionNumbers(
 
 
 @dataclasses.dataclass(frozen=True)
-class GroupedMatmulBlockSizes:
-    """Tiling (powers of two >= 16) and Triton launch parameters.
+class GroupedMatmulBlockSizes(MatmulBlockSizes):
+    """Tiling (powers of two >= 16) and Triton launch parameters, checked as MatmulBlockSizes.
 
     block_m: rows per tile (a tile holds one group's rows); block_n: output channels per
     program (divides N); block_k: reduction step (divides K); num_warps, num_stages: Triton's.
     """
-
-    block_m: int = 64
-    block_n: int = 128
-    block_k: int = 64
-    num_warps: int = 4
-    num_stages: int = 3
-
-    def __post_init__(self):
-        check_power_of_two("block_m", self.block_m, 16)
-        check_power_of_two("block_n", self.block_n, 16)
-        check_power_of_two("block_k", self.block_k, 16)
-        check_launch(self.num_warps, self.num_stages)
 
     @property
     def name(self) -> str:
