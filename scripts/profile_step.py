@@ -49,7 +49,10 @@ def device_events(trace_dir: Path) -> list[dict]:
     return [e for e in events if e.get("ph") == "X" and e.get("pid") in device_pids and "dur" in e]
 
 
-def profile(engine: Engine, slots: int, gen_length: int, prompt_len: int, steps: int, out: Path) -> dict:
+def traced_steps(engine: Engine, slots: int, gen_length: int, prompt_len: int, steps: int):
+    """The flash_cache one-token-per-step loop compiled for `slots` random prompts, run 3
+    iterations, then `steps` more under jax.profiler -> (compiled loop, wall seconds per step,
+    the device's kernel events)."""
     decode = decode_config("flash_cache", "one", gen_length, slots)
     prompts = random_prompts(slots, prompt_len, engine.config.vocab_size, seed=slots)
     compiled = engine.compile(decode, prompt_len)
@@ -58,9 +61,13 @@ def profile(engine: Engine, slots: int, gen_length: int, prompt_len: int, steps:
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
         with jax.profiler.trace(tmp, create_perfetto_trace=True):
-            state = jax.block_until_ready(compiled.run(engine.weights, state, steps))
+            jax.block_until_ready(compiled.run(engine.weights, state, steps))
         wall = (time.perf_counter() - start) / steps
-        events = device_events(Path(tmp))
+        return compiled, wall, device_events(Path(tmp))
+
+
+def profile(engine: Engine, slots: int, gen_length: int, prompt_len: int, steps: int, out: Path) -> dict:
+    _, wall, events = traced_steps(engine, slots, gen_length, prompt_len, steps)
     per_kernel = collections.defaultdict(lambda: [0.0, 0])
     for e in events:
         per_kernel[e["name"]][0] += e["dur"] * 1e-6 / steps

@@ -49,7 +49,6 @@ import json
 import os
 import re
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -61,15 +60,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from bench import (  # noqa: E402
     decode_config,
-    initial_state,
     model_config,
     quantize_on_device,
     random_prompts,
-    schedule_sampling,
     steady_step_time,
 )
 from bench_kernels import rel_l2, time_chain  # noqa: E402
-from profile_step import device_events  # noqa: E402
+from profile_step import traced_steps  # noqa: E402
 
 from dllm_jax.common.atomic_write import write_text_atomically  # noqa: E402
 from dllm_jax.engine.engine import Engine  # noqa: E402
@@ -284,25 +281,14 @@ def is_gemm(name: str) -> bool:
 
 
 def profile_part(report: Report, engines, names, config, slots, gen_length, prompt_len, steps: int = 4) -> None:
-    decode = decode_config("flash_cache", "one", gen_length, slots)
-    prompts = random_prompts(slots, prompt_len, config.vocab_size, seed=slots)
     for name in names:
         if report.over_budget():
             report.add("profile", {"slots": slots, "variant": name, "skipped": "budget"})
             continue
         try:
-            engine = engines(name)
-            compiled = engine.compile(decode, prompt_len)
+            compiled, wall, events = traced_steps(engines(name), slots, gen_length, prompt_len, steps)
             hlo = compiled.call.as_text()
             quantizing = quantization_fusions(hlo, {config.d_model, config.mlp_hidden_size})
-            state = initial_state(compiled, prompts, schedule_sampling("flash_cache", "one"))
-            state = jax.block_until_ready(compiled.run(engine.weights, state, 3))
-            with tempfile.TemporaryDirectory() as tmp:
-                start = time.perf_counter()
-                with jax.profiler.trace(tmp, create_perfetto_trace=True):
-                    state = jax.block_until_ready(compiled.run(engine.weights, state, steps))
-                wall = (time.perf_counter() - start) / steps
-                events = device_events(Path(tmp))
         except Exception as e:
             report.add("profile", {"slots": slots, "variant": name, "error": f"{type(e).__name__}: {str(e)[:800]}"})
             continue
