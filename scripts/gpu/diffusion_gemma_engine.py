@@ -30,6 +30,9 @@ ends whatever runs:
             floor (the weights' bytes, each expert counted when some row of the step is expected
             to reach it, over the copy bandwidth) and the FLOP floor (2 x the active parameters
             of a token + the soft embeddings' 2 V D + attention, per row, over the matmul rate);
+  profile   with --profile-slots, for each of those slot counts a device trace (jax.profiler)
+            of --profile-iterations loop iterations: device-busy ms per iteration, the kernels
+            summed per name, and by kind (the grouped GEMM's kernels, other GEMMs, the rest);
   e2e       for each slot count, the equal-work schedule on its compiled loop: --requests
             requests of one canvas (256 tokens) after the prompt, --steps denoising steps each
             (no early stop), through Engine.generate (the session's host loop included): canvas
@@ -52,11 +55,14 @@ them), 25.25e9 parameters, 50.5 GB.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -64,10 +70,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from profile_step import device_events  # noqa: E402
 
 from dllm_jax.models import diffusion_gemma as dg  # noqa: E402
 from dllm_jax.models.checkpoint.dtypes import QUANTIZATIONS  # noqa: E402
@@ -203,15 +211,19 @@ def no_stop(max_steps: int = MAX_DENOISING_STEPS) -> SamplingParams:
     return SamplingParams(**dataclasses.asdict(settings), seed=0)
 
 
-def step_time(engine, compiled, prompt_ids, slots: int, iterations: int, repeats: int) -> float:
-    """ms per loop iteration with every slot denoising, past its canvas's first step."""
+def denoising_state(engine, compiled, prompt_ids, slots: int):
+    """A loop state with every slot past its canvas's first step -> (state, iterations run)."""
     sampling = dataclasses.replace(no_stop(), max_new_tokens=engine.config.canvas_length)
     state = compiled.initial_state([prompt_ids] * slots, sampling)
     # prefill: ceil(prompt / L) iterations, then the canvas's first (full) step, then every slot
     # runs a plain denoising step
     done = -(-len(prompt_ids) // engine.config.canvas_length) + 1
-    state = compiled.run(engine.weights, state, done)
-    jax.block_until_ready(state)
+    return jax.block_until_ready(compiled.run(engine.weights, state, done)), done
+
+
+def step_time(engine, compiled, prompt_ids, slots: int, iterations: int, repeats: int) -> float:
+    """ms per loop iteration with every slot denoising, past its canvas's first step."""
+    state, done = denoising_state(engine, compiled, prompt_ids, slots)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -221,6 +233,46 @@ def step_time(engine, compiled, prompt_ids, slots: int, iterations: int, repeats
         times.append((time.perf_counter() - start) / iterations)
     assert int(jax.device_get(state.iteration)) == done and bool(jax.device_get(state.slots.active).all())
     return 1e3 * min(times)
+
+
+def kernel_kind(name: str) -> str:
+    """What a traced kernel is: the Pallas grouped GEMM, another GEMM (cuBLAS, cuDNN, XLA's
+    Triton GEMM fusions), or the rest (attention, norms, routing, the sampler, copies)."""
+    if "grouped_matmul" in name:
+        return "grouped GEMM (experts)"
+    if re.search(r"gemm|cublas|xmma|cutlass|cudnn|sm90_", name, re.IGNORECASE):
+        return "other GEMMs"
+    return "rest"
+
+
+def profile_steps(engine, compiled, prompt_ids, slots: int, iterations: int) -> dict:
+    """A device trace of `iterations` denoising iterations: busy ms per iteration, by kind and
+    per kernel name (the 30 longest)."""
+    state, _ = denoising_state(engine, compiled, prompt_ids, slots)
+    state = jax.block_until_ready(compiled.run(engine.weights, state, 1))  # the traced program warm
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
+        with jax.profiler.trace(tmp, create_perfetto_trace=True):
+            jax.block_until_ready(compiled.run(engine.weights, state, iterations))
+        wall = (time.perf_counter() - start) / iterations
+        events = device_events(Path(tmp))
+    per_kernel = collections.defaultdict(lambda: [0.0, 0.0])
+    for e in events:
+        per_kernel[e["name"]][0] += e["dur"] * 1e-3 / iterations
+        per_kernel[e["name"]][1] += 1 / iterations
+    by_kind = collections.defaultdict(lambda: [0.0, 0.0])
+    for name, (ms, calls) in per_kernel.items():
+        by_kind[kernel_kind(name)][0] += ms
+        by_kind[kernel_kind(name)][1] += calls
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:30]
+    return {
+        "iterations": iterations,
+        "wall_ms_profiled": 1e3 * wall,
+        "device_busy_ms": sum(ms for ms, _ in per_kernel.values()),
+        "kernels_per_iteration": sum(n for _, n in per_kernel.values()),
+        "by_kind": {kind: {"ms": ms, "calls": n} for kind, (ms, n) in sorted(by_kind.items())},
+        "top": [{"name": name[:160], "ms": ms, "calls": n} for name, (ms, n) in top],
+    }
 
 
 def lowering(compiled) -> dict:
@@ -417,6 +469,20 @@ def write(out: Path, report: dict, show: bool = False) -> None:
                 f"({cached['step_ms'] / row['weight_floor_ms']:.2f}) | "
                 f"({cached['step_ms'] / row['flop_floor_ms']:.2f}) | {cached['compile_s']:.1f} | | | | |"
             )
+    for row in report["rows"]:
+        profile = row.get("profile")
+        if not profile:
+            continue
+        if "error" in profile:
+            lines.append(f"\nprofile, {row['slots']} slots: {profile['error'][:300]}")
+            continue
+        lines.append(
+            f"\nprofile, {row['slots']} slots: {profile['device_busy_ms']:.2f} ms busy of "
+            f"{profile['wall_ms_profiled']:.2f} ms per iteration, {profile['kernels_per_iteration']:.0f} kernels"
+        )
+        lines += ["", "| kind or kernel | ms per iteration | calls |", "|---|---|---|"]
+        lines += [f"| **{k}** | {v['ms']:.2f} | {v['calls']:.0f} |" for k, v in profile["by_kind"].items()]
+        lines += [f"| {k['name'][:100]} | {k['ms']:.3f} | {k['calls']:.0f} |" for k in profile["top"][:20]]
     if report.get("backend"):
         lines.append(f"\nbackend: {report['backend']}")
     if report.get("stopped"):
@@ -460,6 +526,8 @@ def main(argv=None) -> int:
     p.add_argument(
         "--canvas-rows", type=int, nargs="*", default=[], help="also time Flash-Cache on the canvas with these rows"
     )
+    p.add_argument("--profile-slots", type=int, nargs="*", default=[], help="trace the step at these slot counts")
+    p.add_argument("--profile-iterations", type=int, default=2, help="iterations in each trace")
     p.add_argument("--transformers-s", type=float, default=40.0, help="transformers' part's limit (0: skip it)")
     p.add_argument("--budget-s", type=float, default=140.0, help="no new part starts after this many seconds")
     p.add_argument("--hard-limit-s", type=float, default=190.0, help="write the report and exit at this time")
@@ -526,6 +594,7 @@ def main(argv=None) -> int:
         print(f"compiled {args.slots_counts} slots in {report['parallel_compile_s']:.1f} s", flush=True)
     # the parts in order of need: every slot count's step, then the e2e schedules, then Flash-Cache
     parts = [("step", slots, None) for slots in args.slots_counts]
+    parts += [("profile", slots, None) for slots in args.profile_slots if slots in args.slots_counts]
     parts += [("e2e", slots, None) for slots in sorted(args.slots_counts, reverse=True)]  # the quickest first
     parts += [("cached", slots, n) for n in args.canvas_rows for slots in args.slots_counts]
     for kind, slots, canvas_rows in parts:
@@ -541,6 +610,9 @@ def main(argv=None) -> int:
                 loops[slots] = compile_and_time(engine, config, slots, prompt_ids, iterations, row, args)
             elif kind == "e2e":
                 row["e2e"] = end_to_end(engine, config, loops[slots], prompt_ids, args)
+            elif kind == "profile":
+                compiled = engine.compile(loops[slots], args.prompt, num_slots=slots)  # cached
+                row["profile"] = profile_steps(engine, compiled, prompt_ids, slots, args.profile_iterations)
             else:
                 cached = row.setdefault("canvas_rows", {}).setdefault(canvas_rows, {})
                 compile_and_time(engine, config, slots, prompt_ids, iterations, cached, args, canvas_rows)
@@ -548,8 +620,8 @@ def main(argv=None) -> int:
             error = f"{type(e).__name__}: {str(e)[:2000]}"
             if kind == "step":
                 row["error"] = error
-            elif kind == "e2e":
-                row["e2e"] = {"error": error}
+            elif kind in ("e2e", "profile"):
+                row[kind] = {"error": error}
             else:
                 row["canvas_rows"][canvas_rows]["error"] = error
             print(f"{name} failed: {error}", flush=True)

@@ -89,12 +89,25 @@ def _import_tokamax():
         return None, f"{type(e).__name__}: {str(e)[:200]}"
 
 
-def sweep(rows: int, n: int, k: int, groups: int):
-    """The kernel's default tiling, then a few others around it."""
+def tiling(text: str):
+    """A tiling written as its name, e.g. "128x256x64 w8 s3" (block_m x block_n x block_k,
+    Triton's warps and stages)."""
+    from pallas_kernels.matmul.grouped_matmul import GroupedMatmulBlockSizes
+
+    try:
+        blocks, warps, stages = text.split()
+        bm, bn, bk = (int(b) for b in blocks.split("x"))
+        return GroupedMatmulBlockSizes(bm, bn, bk, num_warps=int(warps.lstrip("w")), num_stages=int(stages.lstrip("s")))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"tiling {text!r}: expected e.g. '128x256x64 w8 s3' ({e})") from None
+
+
+def sweep(rows: int, n: int, k: int, groups: int, extra=()):
+    """The kernel's default tiling, then a few others around it, then `extra` where they divide N and K."""
     from pallas_kernels.matmul.grouped_matmul import GroupedMatmulBlockSizes, default_grouped_block_sizes
 
     base = default_grouped_block_sizes(rows, n, k, groups)
-    others = []
+    others = [b for b in extra if n % b.block_n == 0 and k % b.block_k == 0 and b != base]
     for bm in (16, 32, 64, 128):
         if bm != base.block_m and bm <= rows and abs(bm.bit_length() - base.block_m.bit_length()) == 1:
             warps = 8 if bm * base.block_n >= 128 * 128 else 4
@@ -156,7 +169,8 @@ def child(args) -> None:
             key_x, key_w = jax.random.split(jax.random.key(int(rng.integers(1 << 30))))
             x = jax.random.normal(key_x, (M, n_in), jnp.float32).astype(dtype)
             w = (jax.random.normal(key_w, (E, n_out, n_in), jnp.float32) / np.sqrt(n_in)).astype(dtype)
-            quantized = {mode: quantize_experts(w, mode) for mode in ("int8-weights", "fp8")} if kernels else {}
+            eight_bit = kernels and (not args.impls or any(i.endswith(("-int8", "-fp8")) for i in args.impls))
+            quantized = {mode: quantize_experts(w, mode) for mode in ("int8-weights", "fp8")} if eight_bit else {}
 
             def exact(xs, ws, _x=x):
                 """float32 products of the sampled rows with their experts' (dequantized) weights."""
@@ -167,17 +181,19 @@ def child(args) -> None:
                 return q["qkernel"].astype(jnp.float32) * q["scale"][..., None]
 
             want = {"none": exact(None, w)}
-            if kernels:
+            if eight_bit:
                 want["int8-weights"] = exact(None, dequantized(quantized["int8-weights"]))
                 xq, xs = fp8_rows(x[sample])  # the rows as the fp8 paths see them
                 want["fp8"] = exact(xq.astype(jnp.float32) * xs, dequantized(quantized["fp8"]))
             variants = [("xla", "none", None), ("xla-ragged_dot", "none", None)]
             if kernels:
-                variants += [("pallas", "none", blocks) for blocks in sweep(M, n_out, n_in, E)]
+                variants += [("pallas", "none", blocks) for blocks in sweep(M, n_out, n_in, E, args.tilings)]
                 variants += [(f"{impl}-{q}", mode, None) for mode, q in (("int8-weights", "int8"), ("fp8", "fp8"))
                              for impl in ("xla", "pallas")]  # fmt: skip
                 if tokamax is not None:
                     variants += [("tokamax", "none", None), ("tokamax-kn", "none", None)]
+            if args.impls:
+                variants = [v for v in variants if v[0] in args.impls]
             xla_result = {}
             for impl, mode, blocks in variants:
                 label = impl if blocks is None else f"{impl} {blocks.name}"
@@ -280,6 +296,8 @@ def main(argv=None) -> int:
     p.add_argument("--flag-sets", nargs="+", default=list(FLAG_SETS), choices=list(FLAG_SETS))
     p.add_argument("--flag-set", help=argparse.SUPPRESS)
     p.add_argument("--timeout-s", type=float, default=None, help="per flag set (default 150, the cuDNN set 60)")
+    p.add_argument("--impls", nargs="+", help="only these rows (e.g. pallas pallas-fp8; default all)")
+    p.add_argument("--tilings", nargs="+", type=tiling, default=[], help="more kernel tilings, e.g. '128x256x64 w8 s3'")
     p.add_argument("--out", type=Path, default=Path("grouped_gemm_out"))
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -293,6 +311,8 @@ def main(argv=None) -> int:
         command += ["--repeats", str(args.repeats), "--slots", *map(str, args.slots)] + (
             ["--tiny"] if args.tiny else []
         )
+        command += ["--impls", *args.impls] if args.impls else []
+        command += ["--tilings", *(b.name for b in args.tilings)] if args.tilings else []
         timeout = args.timeout_s or (150.0 if flag_set == "default" else 60.0)
         try:
             subprocess.run(command, env=env, timeout=timeout, check=False)
