@@ -166,11 +166,13 @@ def routed_sum(
     hidden = gelu_tanh(gate_up_out[:, :F].astype(x.dtype)) * gate_up_out[:, F:].astype(x.dtype)
     # [T * K, D]
     out = gemm(hidden, down, group_sizes, sorted_experts).astype(x.dtype)
-    weighted = out.astype(jnp.float32) * weights.reshape(T * K)[order][:, None]
-    weighted = jnp.where(here[order][:, None], weighted, 0.0)
-    # back to the assignments' original order, then the k slots of each row summed
-    unsorted = jnp.zeros_like(weighted).at[order].set(weighted)
-    return jnp.sum(unsorted.reshape(T, K, -1), axis=1)
+    # each assignment's row in the sorted order; gathering the products back (rather than
+    # scattering a float32 copy of them) lets XLA read them once, inside the weighted sum
+    position = jnp.zeros((T * K,), jnp.int32).at[order].set(jnp.arange(T * K, dtype=jnp.int32))
+    mine = here.reshape(T, K, 1)
+    # rows in no group were never written: masked, not multiplied by a zero weight (NaN * 0)
+    products = jnp.where(mine, out[position].reshape(T, K, -1).astype(jnp.float32), 0.0)
+    return jnp.sum(products * weights[:, :, None], axis=1)
 
 
 def _shape(w: ExpertWeights) -> tuple[int, ...]:

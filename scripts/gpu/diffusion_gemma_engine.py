@@ -32,7 +32,8 @@ ends whatever runs:
             of a token + the soft embeddings' 2 V D + attention, per row, over the matmul rate);
   profile   with --profile-slots, for each of those slot counts a device trace (jax.profiler)
             of --profile-iterations loop iterations: device-busy ms per iteration, the kernels
-            summed per name, and by kind (the grouped GEMM's kernels, other GEMMs, the rest);
+            summed per name (with the HLO ops the trace names), and by kind (the grouped GEMM's
+            kernels, other GEMMs, the rest); the loop's optimized HLO as OUT/loop_<slots>.hlo.txt.gz;
   e2e       for each slot count, the equal-work schedule on its compiled loop: --requests
             requests of one canvas (256 tokens) after the prompt, --steps denoising steps each
             (no early stop), through Engine.generate (the session's host loop included): canvas
@@ -57,6 +58,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import gzip
 import json
 import os
 import re
@@ -257,9 +259,12 @@ def profile_steps(engine, compiled, prompt_ids, slots: int, iterations: int) -> 
         wall = (time.perf_counter() - start) / iterations
         events = device_events(Path(tmp))
     per_kernel = collections.defaultdict(lambda: [0.0, 0.0])
+    ops = collections.defaultdict(collections.Counter)  # kernel -> the HLO ops the trace names for it
     for e in events:
         per_kernel[e["name"]][0] += e["dur"] * 1e-3 / iterations
         per_kernel[e["name"]][1] += 1 / iterations
+        args = e.get("args", {})
+        ops[e["name"]][str(args.get("hlo_op") or args.get("long_name") or args.get("name", ""))[:120]] += 1
     by_kind = collections.defaultdict(lambda: [0.0, 0.0])
     for name, (ms, calls) in per_kernel.items():
         by_kind[kernel_kind(name)][0] += ms
@@ -271,7 +276,10 @@ def profile_steps(engine, compiled, prompt_ids, slots: int, iterations: int) -> 
         "device_busy_ms": sum(ms for ms, _ in per_kernel.values()),
         "kernels_per_iteration": sum(n for _, n in per_kernel.values()),
         "by_kind": {kind: {"ms": ms, "calls": n} for kind, (ms, n) in sorted(by_kind.items())},
-        "top": [{"name": name[:160], "ms": ms, "calls": n} for name, (ms, n) in top],
+        "top": [
+            {"name": name[:160], "ms": ms, "calls": n, "ops": dict(ops[name].most_common(4))} for name, (ms, n) in top
+        ],
+        "event_args": sorted({k for e in events[:2000] for k in e.get("args", {})}),
     }
 
 
@@ -613,6 +621,8 @@ def main(argv=None) -> int:
             elif kind == "profile":
                 compiled = engine.compile(loops[slots], args.prompt, num_slots=slots)  # cached
                 row["profile"] = profile_steps(engine, compiled, prompt_ids, slots, args.profile_iterations)
+                with gzip.open(args.out / f"loop_{slots}.hlo.txt.gz", "wt") as f:  # the kernels' HLO
+                    f.write(compiled.call.as_text() or "")
             else:
                 cached = row.setdefault("canvas_rows", {}).setdefault(canvas_rows, {})
                 compile_and_time(engine, config, slots, prompt_ids, iterations, cached, args, canvas_rows)
