@@ -37,9 +37,9 @@ rows (the row's expert's weights gathered), so every path is checked on the GPU 
 data; "vs xla" is the relative L2 difference to the xla row of the same product where it ran. The
 xla rows write float32 products, the kernel's and tokamax's bf16 ones (as the engine uses them),
 so theirs include bf16's rounding (~2e-3). "vs pallas" is the relative L2 difference of the whole
-output to the Pallas (Triton) kernel's default tiling where it ran: an unwritten row shows there.
---impls picks the families timed (default all; the xla rows at 32 slots take minutes and
-GBs of temporaries).
+output to the first Pallas (Triton) row of the same product: an unwritten row shows there.
+--impls picks the families timed (default all; "pallas" is the Triton kernel's default tiling,
+"pallas-sweep" its other tilings; the xla rows at 32 slots take minutes and GBs of temporaries).
 Each child writes OUT/grouped_gemm_<flag set>.json; the table is printed at the end.
 
 What to expect (H200: ~3.2 TB/s through JAX, ~800 TFLOP/s bf16; per layer, bf16 weights):
@@ -73,7 +73,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 # the families of variants --impls picks from
-IMPLS = ("xla", "pallas", "8bit", "tokamax", "mosaic")
+IMPLS = ("xla", "pallas", "pallas-sweep", "8bit", "tokamax", "mosaic")
 FLAG_SETS = {
     "default": "",
     "cudnn_ragged_dot": "--xla_gpu_experimental_use_ragged_dot_fusion=true",
@@ -216,8 +216,10 @@ def child(args) -> None:
                 xq, xs = fp8_rows(x[sample])  # the rows as the fp8 paths see them
                 want["fp8"] = exact(xq.astype(jnp.float32) * xs, dequantized(quantized["fp8"]))
             variants = [("xla", "none", None), ("xla-ragged_dot", "none", None)] if "xla" in impls else []
-            if kernels and "pallas" in impls:
-                variants += [("pallas", "none", blocks) for blocks in sweep(M, n_out, n_in, E)]
+            if kernels and {"pallas", "pallas-sweep"} & impls:
+                default, *others = sweep(M, n_out, n_in, E)
+                chosen = ([default] if "pallas" in impls else []) + (others if "pallas-sweep" in impls else [])
+                variants += [("pallas", "none", blocks) for blocks in chosen]
             if kernels and "mosaic" in impls:
                 variants += [("mosaic", "none", blocks) for blocks in mosaic_sweep(M, n_out, n_in, E)]
             if eight_bit:
