@@ -62,7 +62,8 @@ class MosaicGroupedBlockSizes:
     Attributes:
       block_m: rows per compute warpgroup, 64 or 128 (wgmma's M); a row tile holds
         compute_wgs * block_m rows (`tile_rows`), all of one group.
-      block_n: output columns per program, a multiple of 64 up to 256 (wgmma's N).
+      block_n: output columns per program, a multiple of 64 up to 256 (wgmma's N; a row of
+        the output tile then spans whole 128-byte lines, so a bulk store may start at any row).
       block_k: reduction step per pipeline stage, a multiple of 64 (128-byte swizzled rows).
       max_concurrent_steps: shared-memory stages of the x and w tiles.
       compute_wgs: 1 = one warpgroup copies and multiplies (plgpu.emit_pipeline); 2 = two

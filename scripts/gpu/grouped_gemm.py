@@ -19,7 +19,7 @@ For each row count (a random uniform routing) and each product (gate/up: [M, 281
   pallas     pallas_kernels.matmul.grouped_matmul (bf16; its default tiling, then the others of
              a small sweep, "pallas <tiling>"), default flag set only;
   mosaic     pallas_kernels.matmul.grouped_matmul_mosaic (bf16, Mosaic GPU: wgmma, TMA; its
-             default tiling, then up to three others, "mosaic <wgs>x<rows>x<cols>x<k> s<stages>
+             default tiling, then up to four others, "mosaic <wgs>x<rows>x<cols>x<k> s<stages>
              f<wgmma in flight>"), default flag set only; on a CPU in Mosaic GPU's interpreter
              (jax >= 0.11; skipped with the reason on jax 0.10);
   xla-int8 / pallas-int8, xla-fp8 / pallas-fp8
@@ -116,9 +116,10 @@ def sweep(rows: int, n: int, k: int, groups: int):
 
 
 def mosaic_sweep(rows: int, n: int, k: int, groups: int):
-    """The Mosaic kernel's default tiling, then up to three others: two warpgroups of 64 or of
-    128 rows, one of 128, two of 64 with 256 columns; none with row tiles over twice the mean
-    group (but 128 rows always allowed) or that does not fit."""
+    """The Mosaic kernel's default tiling, then the others of: two warpgroups of 64 or of 128
+    rows, one of 128, two of 64 with 256 columns, one of 64 with three stages (88 KiB: two
+    programs per SM, one's loads under the other's epilogue); none with row tiles over twice
+    the mean group (but 128 rows always allowed) or that does not fit."""
     from pallas_kernels.matmul.grouped_matmul_mosaic import (
         MosaicGroupedBlockSizes,
         default_mosaic_grouped_block_sizes,
@@ -131,10 +132,11 @@ def mosaic_sweep(rows: int, n: int, k: int, groups: int):
         MosaicGroupedBlockSizes(block_m=128, block_n=128, max_concurrent_steps=3, compute_wgs=2),
         MosaicGroupedBlockSizes(block_m=128, block_n=128, max_concurrent_steps=4, compute_wgs=1),
         MosaicGroupedBlockSizes(block_m=64, block_n=256, max_concurrent_steps=3, compute_wgs=2),
+        MosaicGroupedBlockSizes(block_m=64, block_n=128, max_concurrent_steps=3, compute_wgs=1),
     ]
     most_rows = max(128, 2 * rows // max(groups, 1))
     fit = [b for b in others if b != base and b.tile_rows <= most_rows and supports(rows, n, k, b)]
-    return [base, *fit[:3]]
+    return [base, *fit]
 
 
 def child(args) -> None:
