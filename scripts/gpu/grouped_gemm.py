@@ -1,7 +1,9 @@
 """The routed experts' grouped GEMM on the GPU: jax.lax.ragged_dot as XLA lowers it against the Pallas kernel.
 
     PYTHONPATH=. python scripts/gpu/grouped_gemm.py --out OUT          # H200: about 3 minutes
-    PYTHONPATH=. python scripts/gpu/grouped_gemm.py --tiny --out OUT   # CPU smoke (the kernel in interpret mode)
+    PYTHONPATH=. python scripts/gpu/grouped_gemm.py --tiny --out OUT   # CPU smoke (the kernels in interpret mode)
+    PYTHONPATH=. python scripts/gpu/grouped_gemm.py --impls pallas mosaic --flag-sets default \
+        --slots 32 8 1 --repeats 5 --timeout-s 140 --out OUT           # H200: the two kernels alone
 
 DiffusionGemma's experts run as two grouped GEMMs over the rows sorted by expert
 (dllm_jax.models.experts). At the 26B-A4B shape (128 experts of 2816 -> 2 x 704 -> 2816, top 8)
@@ -16,6 +18,10 @@ For each row count (a random uniform routing) and each product (gate/up: [M, 281
              (a dense rewrite keeps neither and needs E times the bytes);
   pallas     pallas_kernels.matmul.grouped_matmul (bf16; its default tiling, then the others of
              a small sweep, "pallas <tiling>"), default flag set only;
+  mosaic     pallas_kernels.matmul.grouped_matmul_mosaic (bf16, Mosaic GPU: wgmma, TMA; its
+             default tiling, then up to four others, "mosaic <wgs>x<rows>x<cols>x<k> s<stages>
+             f<wgmma in flight>"), default flag set only; on a CPU in Mosaic GPU's interpreter
+             (jax >= 0.11; skipped with the reason on jax 0.10);
   xla-int8 / pallas-int8, xla-fp8 / pallas-fp8
              the 8-bit experts (quantize_experts of the same weights): quantized_ragged_dot
              against the kernel (int8: weights converted in registers; fp8: rows quantized per
@@ -30,7 +36,10 @@ Each row's "rel err" is the relative L2 error against an exact float32 product o
 rows (the row's expert's weights gathered), so every path is checked on the GPU on fresh random
 data; "vs xla" is the relative L2 difference to the xla row of the same product where it ran. The
 xla rows write float32 products, the kernel's and tokamax's bf16 ones (as the engine uses them),
-so theirs include bf16's rounding (~2e-3).
+so theirs include bf16's rounding (~2e-3). "vs pallas" is the relative L2 difference of the whole
+output to the first Pallas (Triton) row of the same product: an unwritten row shows there.
+--impls picks the families timed (default all; "pallas" is the Triton kernel's default tiling,
+"pallas-sweep" its other tilings; the xla rows at 32 slots take minutes and GBs of temporaries).
 Each child writes OUT/grouped_gemm_<flag set>.json; the table is printed at the end.
 
 What to expect (H200: ~3.2 TB/s through JAX, ~800 TFLOP/s bf16; per layer, bf16 weights):
@@ -63,6 +72,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+# the families of variants --impls picks from
+IMPLS = ("xla", "pallas", "pallas-sweep", "8bit", "tokamax", "mosaic")
 FLAG_SETS = {
     "default": "",
     "cudnn_ragged_dot": "--xla_gpu_experimental_use_ragged_dot_fusion=true",
@@ -117,6 +128,30 @@ def sweep(rows: int, n: int, k: int, groups: int, extra=()):
     return [base, *others]
 
 
+def mosaic_sweep(rows: int, n: int, k: int, groups: int):
+    """The Mosaic kernel's default tiling, then the others of: two warpgroups of 64 or of 128
+    rows, one of 128, two of 64 with 256 columns, one of 64 with three stages (88 KiB: two
+    programs per SM, one's loads under the other's epilogue); none with row tiles over twice
+    the mean group (but 128 rows always allowed) or that does not fit."""
+    from pallas_kernels.matmul.grouped_matmul_mosaic import (
+        MosaicGroupedBlockSizes,
+        default_mosaic_grouped_block_sizes,
+        supports,
+    )
+
+    base = default_mosaic_grouped_block_sizes(rows, n, k, groups)
+    others = [
+        MosaicGroupedBlockSizes(block_m=64, block_n=128, max_concurrent_steps=4, compute_wgs=2),
+        MosaicGroupedBlockSizes(block_m=128, block_n=128, max_concurrent_steps=3, compute_wgs=2),
+        MosaicGroupedBlockSizes(block_m=128, block_n=128, max_concurrent_steps=4, compute_wgs=1),
+        MosaicGroupedBlockSizes(block_m=64, block_n=256, max_concurrent_steps=3, compute_wgs=2),
+        MosaicGroupedBlockSizes(block_m=64, block_n=128, max_concurrent_steps=3, compute_wgs=1),
+    ]
+    most_rows = max(128, 2 * rows // max(groups, 1))
+    fit = [b for b in others if b != base and b.tile_rows <= most_rows and supports(rows, n, k, b)]
+    return [base, *fit]
+
+
 def child(args) -> None:
     import jax
     import jax.numpy as jnp
@@ -124,9 +159,11 @@ def child(args) -> None:
 
     from dllm_jax.models.quantization import GROUPED_ROWS, fp8_rows, quantize_experts, quantized_ragged_dot
     from pallas_kernels.matmul.grouped_matmul import grouped_matmul
+    from pallas_kernels.matmul.grouped_matmul_mosaic import grouped_matmul_mosaic
 
     E, K = (8, 2) if args.tiny else (128, 8)
-    D, F = (32, 16) if args.tiny else (2816, 704)
+    # tiny: the smallest widths the Mosaic kernel takes (N and K multiples of 64)
+    D, F = (128, 64) if args.tiny else (2816, 704)
     on_gpu = jax.devices()[0].platform == "gpu"
     interpret = not on_gpu
     dtype = jnp.bfloat16
@@ -140,7 +177,15 @@ def child(args) -> None:
     except Exception as e:  # noqa: BLE001 (only a report)
         out["cudnn"] = f"unknown ({type(e).__name__})"
     kernels = args.flag_set == "default"
-    tokamax, why = _import_tokamax() if kernels and on_gpu else (None, "not on a GPU" if kernels else None)
+    impls = set(args.impls)
+    tokamax_wanted = kernels and "tokamax" in impls
+    tokamax, why = (
+        _import_tokamax() if tokamax_wanted and on_gpu else (None, "not on a GPU" if tokamax_wanted else None)
+    )
+    # Mosaic GPU's interpreter (CPU) needs jax >= 0.11: jax 0.10's has no transposed-tile rule
+    mosaic_skip = None
+    if not on_gpu and tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 11):
+        mosaic_skip = f"skipped: jax {jax.__version__}'s Mosaic GPU interpreter cannot run it (jax >= 0.11)"
     out["tokamax"] = getattr(tokamax, "__version__", None) or why
 
     def timed(fn, *operands):
@@ -169,7 +214,7 @@ def child(args) -> None:
             key_x, key_w = jax.random.split(jax.random.key(int(rng.integers(1 << 30))))
             x = jax.random.normal(key_x, (M, n_in), jnp.float32).astype(dtype)
             w = (jax.random.normal(key_w, (E, n_out, n_in), jnp.float32) / np.sqrt(n_in)).astype(dtype)
-            eight_bit = kernels and (not args.impls or any(i.endswith(("-int8", "-fp8")) for i in args.impls))
+            eight_bit = kernels and "8bit" in impls
             quantized = {mode: quantize_experts(w, mode) for mode in ("int8-weights", "fp8")} if eight_bit else {}
 
             def exact(xs, ws, _x=x):
@@ -185,21 +230,26 @@ def child(args) -> None:
                 want["int8-weights"] = exact(None, dequantized(quantized["int8-weights"]))
                 xq, xs = fp8_rows(x[sample])  # the rows as the fp8 paths see them
                 want["fp8"] = exact(xq.astype(jnp.float32) * xs, dequantized(quantized["fp8"]))
-            variants = [("xla", "none", None), ("xla-ragged_dot", "none", None)]
-            if kernels:
-                variants += [("pallas", "none", blocks) for blocks in sweep(M, n_out, n_in, E, args.tilings)]
+            variants = [("xla", "none", None), ("xla-ragged_dot", "none", None)] if "xla" in impls else []
+            if kernels and {"pallas", "pallas-sweep"} & impls:
+                default, *others = sweep(M, n_out, n_in, E, args.tilings)
+                chosen = ([default] if "pallas" in impls else []) + (others if "pallas-sweep" in impls else [])
+                variants += [("pallas", "none", blocks) for blocks in chosen]
+            if kernels and "mosaic" in impls:
+                variants += [("mosaic", "none", blocks) for blocks in mosaic_sweep(M, n_out, n_in, E)]
+            if eight_bit:
                 variants += [(f"{impl}-{q}", mode, None) for mode, q in (("int8-weights", "int8"), ("fp8", "fp8"))
                              for impl in ("xla", "pallas")]  # fmt: skip
-                if tokamax is not None:
-                    variants += [("tokamax", "none", None), ("tokamax-kn", "none", None)]
-            if args.impls:
-                variants = [v for v in variants if v[0] in args.impls]
-            xla_result = {}
+            if tokamax is not None:
+                variants += [("tokamax", "none", None), ("tokamax-kn", "none", None)]
+            xla_result, pallas_result = {}, None
             for impl, mode, blocks in variants:
                 label = impl if blocks is None else f"{impl} {blocks.name}"
                 row = {"slots": slots, "rows": M, "impl": label, "product": name}
                 q = quantized.get(mode)
                 try:
+                    if impl == "mosaic" and mosaic_skip:
+                        raise NotImplementedError(mosaic_skip)
                     if impl == "xla":
                         fn = lambda r, w, s: jax.lax.ragged_dot_general(  # noqa: E731
                             r, w, s, GROUPED_ROWS, preferred_element_type=jnp.float32
@@ -213,6 +263,11 @@ def child(args) -> None:
                         operands = (x, q["qkernel"], q["scale"], sizes, row_group)
                     elif impl == "pallas":
                         fn = lambda r, w, s, b=blocks: grouped_matmul(  # noqa: E731
+                            r, w, s, out_dtype=dtype, interpret=interpret, block_sizes=b
+                        )
+                        operands = (x, w, sizes)
+                    elif impl == "mosaic":
+                        fn = lambda r, w, s, b=blocks: grouped_matmul_mosaic(  # noqa: E731
                             r, w, s, out_dtype=dtype, interpret=interpret, block_sizes=b
                         )
                         operands = (x, w, sizes)
@@ -259,21 +314,26 @@ def child(args) -> None:
                         xla_result[mode] = result
                     elif mode in xla_result:
                         row["vs_xla"] = rel(result, xla_result[mode])
+                    if impl == "pallas" and pallas_result is None:
+                        pallas_result = result
+                    elif impl in ("pallas", "mosaic", "tokamax", "tokamax-kn") and pallas_result is not None:
+                        row["vs_pallas"] = rel(result, pallas_result)
                     del compiled, result
                 except Exception as e:  # noqa: BLE001 (a failed variant is reported)
                     row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 out["rows"].append(row)
                 print(json.dumps(row), flush=True)
                 (args.out / f"grouped_gemm_{args.flag_set}.json").write_text(json.dumps(out, indent=2))
-            del x, w, quantized, xla_result
+            del x, w, quantized, xla_result, pallas_result
     (args.out / f"grouped_gemm_{args.flag_set}.json").write_text(json.dumps(out, indent=2))
 
 
 def table(reports: dict) -> str:
     nan = float("nan")
     lines = [
-        "| flags | slots | rows | impl | product | ms | TB/s | TFLOP/s | rel err | vs xla | ragged dots | cuDNN | temp GiB |",
-        "|" + "---|" * 13,
+        "| flags | slots | rows | impl | product | ms | TB/s | TFLOP/s | rel err | vs xla | vs pallas | ragged dots "
+        "| cuDNN | temp GiB |",
+        "|" + "---|" * 14,
     ]
     for flag_set, report in reports.items():
         for r in report["rows"]:
@@ -283,7 +343,8 @@ def table(reports: dict) -> str:
                 continue
             lines.append(
                 f"{head} {r['ms']:.3f} | {r['tb_per_s']:.2f} | {r['tflop_per_s']:.1f} | {r['rel_err']:.1e} | "
-                f"{r.get('vs_xla', nan):.1e} | {r['ragged_dots']} | {r['cudnn_calls']} | {r['temp_gib']:.2f} |"
+                f"{r.get('vs_xla', nan):.1e} | {r.get('vs_pallas', nan):.1e} | {r['ragged_dots']} | {r['cudnn_calls']} | "
+                f"{r['temp_gib']:.2f} |"
             )
     return "\n".join(lines)
 
@@ -295,9 +356,15 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--flag-sets", nargs="+", default=list(FLAG_SETS), choices=list(FLAG_SETS))
     p.add_argument("--flag-set", help=argparse.SUPPRESS)
+    p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS, help="the families of variants timed")
     p.add_argument("--timeout-s", type=float, default=None, help="per flag set (default 150, the cuDNN set 60)")
-    p.add_argument("--impls", nargs="+", help="only these rows (e.g. pallas pallas-fp8; default all)")
-    p.add_argument("--tilings", nargs="+", type=tiling, default=[], help="more kernel tilings, e.g. '128x256x64 w8 s3'")
+    p.add_argument(
+        "--tilings",
+        nargs="+",
+        type=tiling,
+        default=[],
+        help="more Triton tilings for pallas-sweep, e.g. '128x256x64 w8 s3'",
+    )
     p.add_argument("--out", type=Path, default=Path("grouped_gemm_out"))
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -308,10 +375,9 @@ def main(argv=None) -> int:
     for flag_set in args.flag_sets:
         env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {FLAG_SETS[flag_set]}".strip()}
         command = [sys.executable, __file__, "--flag-set", flag_set, "--out", str(args.out)]
-        command += ["--repeats", str(args.repeats), "--slots", *map(str, args.slots)] + (
+        command += ["--repeats", str(args.repeats), "--slots", *map(str, args.slots), "--impls", *args.impls] + (
             ["--tiny"] if args.tiny else []
         )
-        command += ["--impls", *args.impls] if args.impls else []
         command += ["--tilings", *(b.name for b in args.tilings)] if args.tilings else []
         timeout = args.timeout_s or (150.0 if flag_set == "default" else 60.0)
         try:
