@@ -84,14 +84,23 @@ def default_grouped_block_sizes(m: int, n: int, k: int, groups: int) -> GroupedM
 
     block_m: the power of two above 1.25 x the mean rows per group (16..128): one tile for
     most groups at one slot (16 rows per expert: 32), whole 128-row tiles when groups are
-    large; never more than M. block_n 128, block_k 64 (2816 and 704 are multiples of 64; 8-bit
-    weights: 128, the fp8 MMA's and the int8 loads' natural width, where it divides K).
+    large; never more than M. block_n 128, block_k 64 (2816 and 704 are multiples of 64).
+    Where N >= 2K, as measured: 256 columns with 128-row tiles, half the rows with small ones.
     """
     mean = m / max(groups, 1)
     block_m = min(128, max(16, next_power_of_two(max(1, int(1.25 * mean)))))
     block_m = max(16, min(block_m, 1 << (max(m, 16).bit_length() - 1)))
     block_n = _dividing(n, 128)
     block_k = _dividing(k, 64)
+    if n >= 2 * k:
+        # an output twice as wide as the reduction (the experts' down projection, 2816 x 704),
+        # measured on the H200 (BENCHMARKS.md, 2026-12-03): with 128-row tiles 256 columns
+        # per program (0.344 / 0.751 ms against 0.461 / 0.826 at 8 / 32 slots' rows), with
+        # small tiles half the rows (16: 0.258 ms against 0.370 at one slot's)
+        if block_m == 128 and n % 256 == 0:
+            block_n = 256
+        elif block_m <= 32:
+            block_m = max(16, block_m // 2)
     num_warps = 8 if block_m * block_n >= 128 * 128 else 4
     return GroupedMatmulBlockSizes(block_m, block_n, block_k, num_warps=num_warps, num_stages=4 if block_m <= 64 else 3)
 
