@@ -441,15 +441,30 @@ def phase(host: list[dict], name: str) -> tuple[float, float]:
     return e["ts"], e["ts"] + e["dur"]
 
 
+_TIMELINE_FIELDS = (
+    "device_busy_ms_per_call",
+    "device_span_ms_per_call",
+    "device_idle_ms_per_call",
+    "kernels_per_call",
+    "launch_ms_median",
+    "tail_ms_median",
+    "between_calls_ms_median",
+    "device_after_return_share",
+    "gaps_over_20us_per_call",
+)
+
+
 def calls_timeline(device: list[dict], calls: list[tuple[float, float, int]], top_gaps: int = 12) -> dict:
     """Device time around the calls of phase A: busy and idle per call, each call's launch (host
     start to its first kernel) and tail (last kernel to host return), the idle between calls,
     the share of device time after its call returned (a call that returns early: its events
     are then assigned to the call dispatched last before them), and the longest idle gaps."""
     n = len(calls)
+    if not n or not device:  # no device tracks (the CPU)
+        return {"calls": n, "longest_gaps": [], **dict.fromkeys(_TIMELINE_FIELDS)}
     intervals = busy_intervals(device)
     busy = sum(t - s for s, t, _, _ in intervals)
-    span = intervals[-1][1] - intervals[0][0] if intervals else 0.0
+    span = intervals[-1][1] - intervals[0][0]
     owner = [[] for _ in calls]
     starts = [c[0] for c in calls]
     for e in device:
@@ -475,19 +490,18 @@ def calls_timeline(device: list[dict], calls: list[tuple[float, float, int]], to
     def median(values):
         return statistics.median(values) / 1e3 if values else None
 
-    return {
-        "calls": n,
-        "device_busy_ms_per_call": busy / 1e3 / n if n else None,
-        "device_span_ms_per_call": span / 1e3 / n if n else None,
-        "device_idle_ms_per_call": (span - busy) / 1e3 / n if n else None,
-        "kernels_per_call": len(device) / n if n else None,
+    timeline = {
+        "device_busy_ms_per_call": busy / 1e3 / n,
+        "device_span_ms_per_call": span / 1e3 / n,
+        "device_idle_ms_per_call": (span - busy) / 1e3 / n,
+        "kernels_per_call": len(device) / n,
         "launch_ms_median": median(launch),
         "tail_ms_median": median(tail),
         "between_calls_ms_median": median(between),
-        "device_after_return_share": after_return / sum(e["dur"] for e in device) if device else None,
-        "gaps_over_20us_per_call": sum(g["us"] > 20 for g in gaps) / n if n else None,
-        "longest_gaps": gaps[:top_gaps],
+        "device_after_return_share": after_return / max(sum(e["dur"] for e in device), 1e-9),
+        "gaps_over_20us_per_call": sum(g["us"] > 20 for g in gaps) / n,
     }
+    return {"calls": n, "longest_gaps": gaps[:top_gaps], **timeline}
 
 
 def host_events_per_call(host: list[dict], calls: list[tuple[float, float, int]], top: int = 15) -> list[dict]:
@@ -567,6 +581,7 @@ def measure_config(engine, weights, config, slots: int, shape: Shape, parts, bud
     start = time.perf_counter()
     compiled = engine.compile(server_decode_config(shape.gen_length, slots), shape.prompt_len)
     report["compile_s"] = budget.compile_s = time.perf_counter() - start
+    print(f"  compiled in {report['compile_s']:.1f} s", flush=True)
     prompts = random_prompts(slots, shape.prompt_len, config.vocab_size, seed=slots)
     memory = compiled.call.memory_analysis() if hasattr(compiled.call, "memory_analysis") else None
     if memory is not None:
@@ -599,6 +614,8 @@ def measure_config(engine, weights, config, slots: int, shape: Shape, parts, bud
             result = trace_calls(engine, compiled, weights, prompts, shape)
         result["seconds"] = time.perf_counter() - start
         report[part] = result
+        timing = ", ".join(f"{k} {result[k]:.3f}" for k in ("ms_per_call", "ms_per_iteration") if k in result)
+        print(f"  {part}: {timing or 'done'} ({result['seconds']:.1f} s)", flush=True)
         if step_s is None and part in ("session", "back_to_back", "iterations"):
             step_s = result.get("ms_per_call", result.get("ms_per_iteration")) / 1e3
         save()
