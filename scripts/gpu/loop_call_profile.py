@@ -100,8 +100,9 @@ class Shape:
     warm: int = 3
 
     def __post_init__(self):
-        # a state serves warm + 2 long calls; a session warm + calls (every request must still run)
-        longest = self.warm + max(2 * self.iterations, self.calls + 2, 2 * self.trace_calls + 2)
+        # a state serves warm + 2 long calls, a session warm + its calls (+ 2: the lag of its
+        # reads), the trace a session's calls and a long call: every request must still be running
+        longest = self.warm + max(2 * self.iterations, self.calls + 2, self.trace_calls + 2)
         if longest >= self.gen_length:
             raise ValueError(f"{self} needs {longest} iterations of a request of {self.gen_length} positions")
 
