@@ -45,6 +45,7 @@ from dllm_jax.models.transformer import (
     init_params_per_layer,
     unstack_layers,
 )
+from dllm_jax.runtime.compiler_options import COMMAND_BUFFERS
 from dllm_jax.runtime.kernel_routing import Kernels
 from dllm_jax.runtime.memory_estimate import estimate_memory
 from dllm_jax.runtime.sharding import parse_mesh
@@ -444,7 +445,9 @@ def test_fp8_models_compile_without_xla_triton_gemms_on_nvidia_gpus(monkeypatch)
         jax.jit(lambda x: x @ x + 1).lower(jnp.ones((8, 8))).compile({"xla_gpu_no_such_option": False})
     config = tiny_config(quantization="fp8")
     engine = Engine(config, quantize_params(init_params(tiny_config(), jax.random.key(0)), "fp8"))
-    assert engine.compiler_options == options
+    # the engine's defaults add whole-loop command buffers (dllm_jax.runtime.compiler_options)
+    assert engine.compiler_options == {**options, "xla_gpu_enable_command_buffer": COMMAND_BUFFERS}
+    jax.jit(lambda x: x @ x).lower(jnp.ones((8, 8))).compile(engine.compiler_options)
     monkeypatch.setattr(dllm_jax.common.platform, "on_nvidia_gpu", lambda: False)  # compile for this CPU
     engine = Engine(config, engine.weights, compiler_options={"xla_gpu_enable_triton_gemm": False})
     out = engine.generate([[3, 4, 5]], DecodeConfig(gen_length=16, batch_size=1))

@@ -32,7 +32,6 @@ from dllm_jax.engine.results import GenerationOutput, GenerationResult, Generati
 from dllm_jax.engine.session import GenerationSession
 from dllm_jax.models import diffusion_gemma
 from dllm_jax.models.config import ModelConfig
-from dllm_jax.models.quantization import compiler_options as quantization_compiler_options
 from dllm_jax.models.transformer import Weights, unstack_layers
 from dllm_jax.policies.factory import make_canvas_policy, make_policy
 from dllm_jax.runtime import sharding
@@ -40,6 +39,7 @@ from dllm_jax.runtime.batch_invariance import check_model as check_invariant_mod
 from dllm_jax.runtime.canvas_cache import canvas_cache_bytes
 from dllm_jax.runtime.canvas_loop import CanvasLoop
 from dllm_jax.runtime.canvas_memory import check_canvas_loop, estimate_canvas_loop
+from dllm_jax.runtime.compiler_options import default_compiler_options
 from dllm_jax.runtime.decode_config import DecodeConfig, DecodeConfigError
 from dllm_jax.runtime.decode_loop import DecodeLoop, DecodeState
 from dllm_jax.runtime.flat_cache import cache_bytes
@@ -104,6 +104,8 @@ class Engine:
         the other slots (dllm_jax.runtime.batch_invariance): a request's answer does not depend on
         the batch it runs in. Run-to-run determinism on GPUs also needs
         batch_invariance.deterministic_xla_flags() in XLA_FLAGS before JAX starts.
+      compiler_options: XLA options every loop is compiled with (None: the defaults of
+        dllm_jax.runtime.compiler_options, e.g. whole-loop CUDA graphs on NVIDIA GPUs; {}: XLA's).
       generation_defaults: the model's values of the SamplingParams a request leaves unset
         (dllm_jax.sampling.generation_defaults; from_pretrained reads the folder's
         generation_config.json); None: SamplingParams' own defaults.
@@ -135,7 +137,7 @@ class Engine:
         if compiler_options is not None and not isinstance(compiler_options, dict):
             raise GenerationError(f"compiler_options={compiler_options!r}: expected a dict of XLA options or None")
         self.compiler_options = (
-            quantization_compiler_options(config.quantization) if compiler_options is None else compiler_options
+            default_compiler_options(config.quantization) if compiler_options is None else compiler_options
         )
         check_bool("unroll_layers", unroll_layers, GenerationError)
         check_int("chunk_iterations", chunk_iterations, GenerationError, low=1)
