@@ -2,8 +2,8 @@
 
     PYTHONPATH=. python scripts/gpu/grouped_gemm.py --out OUT          # H200: about 3 minutes
     PYTHONPATH=. python scripts/gpu/grouped_gemm.py --tiny --out OUT   # CPU smoke (the kernels in interpret mode)
-    PYTHONPATH=. python scripts/gpu/grouped_gemm.py --impls pallas mosaic --flag-sets default \
-        --slots 32 8 1 --repeats 5 --timeout-s 140 --out OUT           # H200: the two kernels alone
+    PYTHONPATH=. python scripts/gpu/grouped_gemm.py --impls pallas pallas-sweep --flag-sets default \
+        --slots 32 8 1 --repeats 5 --timeout-s 140 --out OUT           # H200: the kernel's tilings alone
 
 DiffusionGemma's experts run as two grouped GEMMs over the rows sorted by expert
 (dllm_jax.models.experts). At the 26B-A4B shape (128 experts of 2816 -> 2 x 704 -> 2816, top 8)
@@ -18,10 +18,6 @@ For each row count (a random uniform routing) and each product (gate/up: [M, 281
              (a dense rewrite keeps neither and needs E times the bytes);
   pallas     pallas_kernels.matmul.grouped_matmul (bf16; its default tiling, then the others of
              a small sweep, "pallas <tiling>"), default flag set only;
-  mosaic     pallas_kernels.matmul.grouped_matmul_mosaic (bf16, Mosaic GPU: wgmma, TMA; its
-             default tiling, then up to four others, "mosaic <wgs>x<rows>x<cols>x<k> s<stages>
-             f<wgmma in flight>"), default flag set only; on a CPU in Mosaic GPU's interpreter
-             (jax >= 0.11; skipped with the reason on jax 0.10);
   xla-int8 / pallas-int8, xla-fp8 / pallas-fp8
              the 8-bit experts (quantize_experts of the same weights): quantized_ragged_dot
              against the kernel (int8: weights converted in registers; fp8: rows quantized per
@@ -73,7 +69,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 # the families of variants --impls picks from
-IMPLS = ("xla", "pallas", "pallas-sweep", "8bit", "tokamax", "mosaic")
+IMPLS = ("xla", "pallas", "pallas-sweep", "8bit", "tokamax")
 FLAG_SETS = {
     "default": "",
     "cudnn_ragged_dot": "--xla_gpu_experimental_use_ragged_dot_fusion=true",
@@ -128,30 +124,6 @@ def sweep(rows: int, n: int, k: int, groups: int, extra=()):
     return [base, *others]
 
 
-def mosaic_sweep(rows: int, n: int, k: int, groups: int):
-    """The Mosaic kernel's default tiling, then the others of: two warpgroups of 64 or of 128
-    rows, one of 128, two of 64 with 256 columns, one of 64 with three stages (88 KiB: two
-    programs per SM, one's loads under the other's epilogue); none with row tiles over twice
-    the mean group (but 128 rows always allowed) or that does not fit."""
-    from pallas_kernels.matmul.grouped_matmul_mosaic import (
-        MosaicGroupedBlockSizes,
-        default_mosaic_grouped_block_sizes,
-        supports,
-    )
-
-    base = default_mosaic_grouped_block_sizes(rows, n, k, groups)
-    others = [
-        MosaicGroupedBlockSizes(block_m=64, block_n=128, max_concurrent_steps=4, compute_wgs=2),
-        MosaicGroupedBlockSizes(block_m=128, block_n=128, max_concurrent_steps=3, compute_wgs=2),
-        MosaicGroupedBlockSizes(block_m=128, block_n=128, max_concurrent_steps=4, compute_wgs=1),
-        MosaicGroupedBlockSizes(block_m=64, block_n=256, max_concurrent_steps=3, compute_wgs=2),
-        MosaicGroupedBlockSizes(block_m=64, block_n=128, max_concurrent_steps=3, compute_wgs=1),
-    ]
-    most_rows = max(128, 2 * rows // max(groups, 1))
-    fit = [b for b in others if b != base and b.tile_rows <= most_rows and supports(rows, n, k, b)]
-    return [base, *fit]
-
-
 def child(args) -> None:
     import jax
     import jax.numpy as jnp
@@ -159,10 +131,8 @@ def child(args) -> None:
 
     from dllm_jax.models.quantization import GROUPED_ROWS, fp8_rows, quantize_experts, quantized_ragged_dot
     from pallas_kernels.matmul.grouped_matmul import grouped_matmul
-    from pallas_kernels.matmul.grouped_matmul_mosaic import grouped_matmul_mosaic
 
     E, K = (8, 2) if args.tiny else (128, 8)
-    # tiny: the smallest widths the Mosaic kernel takes (N and K multiples of 64)
     D, F = (128, 64) if args.tiny else (2816, 704)
     on_gpu = jax.devices()[0].platform == "gpu"
     interpret = not on_gpu
@@ -182,10 +152,6 @@ def child(args) -> None:
     tokamax, why = (
         _import_tokamax() if tokamax_wanted and on_gpu else (None, "not on a GPU" if tokamax_wanted else None)
     )
-    # Mosaic GPU's interpreter (CPU) needs jax >= 0.11: jax 0.10's has no transposed-tile rule
-    mosaic_skip = None
-    if not on_gpu and tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 11):
-        mosaic_skip = f"skipped: jax {jax.__version__}'s Mosaic GPU interpreter cannot run it (jax >= 0.11)"
     out["tokamax"] = getattr(tokamax, "__version__", None) or why
 
     def timed(fn, *operands):
@@ -235,8 +201,6 @@ def child(args) -> None:
                 default, *others = sweep(M, n_out, n_in, E, args.tilings)
                 chosen = ([default] if "pallas" in impls else []) + (others if "pallas-sweep" in impls else [])
                 variants += [("pallas", "none", blocks) for blocks in chosen]
-            if kernels and "mosaic" in impls:
-                variants += [("mosaic", "none", blocks) for blocks in mosaic_sweep(M, n_out, n_in, E)]
             if eight_bit:
                 variants += [(f"{impl}-{q}", mode, None) for mode, q in (("int8-weights", "int8"), ("fp8", "fp8"))
                              for impl in ("xla", "pallas")]  # fmt: skip
@@ -248,8 +212,6 @@ def child(args) -> None:
                 row = {"slots": slots, "rows": M, "impl": label, "product": name}
                 q = quantized.get(mode)
                 try:
-                    if impl == "mosaic" and mosaic_skip:
-                        raise NotImplementedError(mosaic_skip)
                     if impl == "xla":
                         fn = lambda r, w, s: jax.lax.ragged_dot_general(  # noqa: E731
                             r, w, s, GROUPED_ROWS, preferred_element_type=jnp.float32
@@ -263,11 +225,6 @@ def child(args) -> None:
                         operands = (x, q["qkernel"], q["scale"], sizes, row_group)
                     elif impl == "pallas":
                         fn = lambda r, w, s, b=blocks: grouped_matmul(  # noqa: E731
-                            r, w, s, out_dtype=dtype, interpret=interpret, block_sizes=b
-                        )
-                        operands = (x, w, sizes)
-                    elif impl == "mosaic":
-                        fn = lambda r, w, s, b=blocks: grouped_matmul_mosaic(  # noqa: E731
                             r, w, s, out_dtype=dtype, interpret=interpret, block_sizes=b
                         )
                         operands = (x, w, sizes)
@@ -316,7 +273,7 @@ def child(args) -> None:
                         row["vs_xla"] = rel(result, xla_result[mode])
                     if impl == "pallas" and pallas_result is None:
                         pallas_result = result
-                    elif impl in ("pallas", "mosaic", "tokamax", "tokamax-kn") and pallas_result is not None:
+                    elif impl in ("pallas", "tokamax", "tokamax-kn") and pallas_result is not None:
                         row["vs_pallas"] = rel(result, pallas_result)
                     del compiled, result
                 except Exception as e:  # noqa: BLE001 (a failed variant is reported)
