@@ -111,6 +111,32 @@ def test_kernel_equals_its_reference(m, n, k, groups, kind, routing, blocks):
     assert_close(want[:tail], exact, out_dtype, "reference")
 
 
+@pytest.mark.parametrize(
+    "m, tokens, kind, blocks",
+    [
+        (60, 24, "bf16", GroupedMatmulBlockSizes(16, 32, 32)),  # each token row picked ~2.5 times
+        (50, 80, "fp8", GroupedMatmulBlockSizes(16, 16, 32)),  # row scales per sorted row
+        (9, 5, "f32", None),  # fewer sorted rows than a tile: the index is padded, not x
+    ],
+)
+def test_gathered_rows_equal_the_kernel_on_their_copy(m, tokens, kind, blocks):
+    rng = np.random.default_rng()
+    x, w, sizes, w_scale, _ = random_case(rng, tokens, 32, 64, 4, kind, "spread")
+    index = jnp.asarray(rng.integers(0, tokens, m), jnp.int32)
+    sizes = jnp.asarray(group_sizes(rng, m, 4, "spread"))
+    x_scale = jnp.asarray(rng.uniform(0.5, 2.0, m), jnp.float32) if kind == "fp8" else None
+    run = dict(out_dtype=jnp.float32, interpret=True, block_sizes=blocks)
+    got = grouped_matmul(x, w, sizes, w_scale, x_scale, row_index=index, **run)
+    copied = grouped_matmul(x[index], w, sizes, w_scale, x_scale, **run)
+    assert got.shape == (m, 32)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(copied))  # the same tiles, the same sums
+    want = grouped_matmul_reference(x, w, sizes, w_scale, x_scale, row_index=index)
+    np.testing.assert_array_equal(
+        np.asarray(want), np.asarray(grouped_matmul_reference(x[index], w, sizes, w_scale, x_scale))
+    )
+    assert_close(got, want, jnp.float32, f"gathered grouped GEMM {kind}")
+
+
 def test_the_tail_is_left_unwritten_without_fill_tail():
     rng = np.random.default_rng()
     x, w, sizes, _, _ = random_case(rng, 48, 32, 32, 4, "f32", "tail")
@@ -158,6 +184,10 @@ def test_bad_arguments_are_named():
         grouped_matmul(jnp.zeros((8, 24)), jnp.zeros((2, 16, 24)), sizes)
     with pytest.raises(ValueError, match="group_sizes"):
         grouped_matmul(x, w, jnp.array([8]))
+    with pytest.raises(ValueError, match="row_index"):
+        grouped_matmul(x, w, sizes, row_index=jnp.zeros((8,), jnp.float32))
+    with pytest.raises(ValueError, match="x_scale"):  # one scale per sorted row, not per row of x
+        grouped_matmul(x, w, sizes, x_scale=jnp.ones((8,)), row_index=jnp.zeros((6,), jnp.int32))
 
 
 @pytest.mark.parametrize("kind, rows", [("bf16", 2048), ("int8", 65536), ("fp8", 16384)])
@@ -171,6 +201,14 @@ def test_lowers_for_cuda_at_26b_a4b_shapes(kind, rows):
         args += [S((128, n), jnp.float32)] * (kind != "bf16") + [S((rows,), jnp.float32)] * (kind == "fp8")
         text = lower_for_cuda(jax.jit(lambda *a: grouped_matmul(*a, out_dtype=jnp.bfloat16)), *args)
         assert text.count(TRITON) == 1 and "ragged_dot" not in text
+    # gate/up as the experts run it: the token rows [rows / 8, K] gathered by the kernel
+    tokens = S((rows // 8, 2816), x_dtype)
+    args = [tokens, S((128, 1408, 2816), w_dtype), S((128,), jnp.int32)]
+    args += [S((128, 1408), jnp.float32)] * (kind != "bf16") + [S((rows,), jnp.float32)] * (kind == "fp8")
+    gathered = jax.jit(lambda *a: grouped_matmul(*a[:-1], out_dtype=jnp.bfloat16, row_index=a[-1]))
+    text = lower_for_cuda(gathered, *args, S((rows,), jnp.int32))
+    # no [rows, 2816] copy of the gathered rows outside the kernel
+    assert text.count(TRITON) == 1 and f"tensor<{rows}x2816x" not in text
 
 
 # ----- the routed experts through the kernel ----------------------------------------------------
@@ -301,7 +339,8 @@ def test_the_canvas_loop_lowers_for_cuda_with_the_kernel_and_no_ragged_dot(quant
 
 def test_the_26b_a4b_canvas_loop_lowers_for_cuda_with_the_kernel_at_its_shapes():
     """The published shape (30 layers, 128 experts of 2816 -> 2 x 704), 8 slots: each layer's
-    two grouped GEMMs over the 8 x 256 x 8 assignment rows, no ragged dot (about 10 s)."""
+    two grouped GEMMs over the 8 x 256 x 8 assignment rows, no ragged dot, and no copy of the
+    token rows in expert order (gate/up gathers the 8 x 256 token rows itself; about 10 s)."""
     from dllm_jax.engine.engine import Engine
     from dllm_jax.models.diffusion_gemma_config import diffusion_gemma_26b_a4b_config
 
@@ -315,7 +354,9 @@ def test_the_26b_a4b_canvas_loop_lowers_for_cuda_with_the_kernel_at_its_shapes()
     text = lower_for_cuda(run, engine.weights, state, i32(), jax.ShapeDtypeStruct((), jnp.bool_))
     assert "ragged_dot" not in text and text.count("func.call @grouped_matmul") == 2 * config.n_layers
     for operands in (
-        "tensor<16384x2816xbf16>, tensor<128x1408x2816xbf16>",
+        "tensor<2048x2816xbf16>, tensor<128x1408x2816xbf16>",
         "tensor<16384x704xbf16>, tensor<128x2816x704xbf16>",
     ):
         assert operands in text
+    lines = text.splitlines()
+    assert not any("stablehlo.gather" in line and "(tensor<2048x2816xbf16>" in line for line in lines)

@@ -156,13 +156,12 @@ def routed_sum(
     # in no group (stable: a row's k slots keep their order)
     key = jnp.where(here, local, E)
     order = jnp.argsort(key, stable=True)
-    rows = x[order // K]
     group_sizes = jnp.bincount(key, length=E).astype(jnp.int32)
     # each sorted row's local expert (E, clamped by the scales' gather, for rows in no group)
     sorted_experts = key[order]
-    gemm = _gemm_for(grouped_gemm, rows, gate_up, down)
-    # [T * K, 2F]
-    gate_up_out = gemm(rows, gate_up, group_sizes, sorted_experts)
+    gemm = _gemm_for(grouped_gemm, T * K, gate_up, down)
+    # [T * K, 2F]: the token rows in expert order (gathered by the GEMM: order // K)
+    gate_up_out = gemm(x, gate_up, group_sizes, sorted_experts, (order // K).astype(jnp.int32))
     hidden = gelu_tanh(gate_up_out[:, :F].astype(x.dtype)) * gate_up_out[:, F:].astype(x.dtype)
     # [T * K, D]
     out = gemm(hidden, down, group_sizes, sorted_experts).astype(x.dtype)
@@ -185,17 +184,27 @@ def num_experts(w: ExpertWeights) -> int:
     return _shape(w)[0]
 
 
-def _by_expert(rows: jax.Array, w: ExpertWeights, group_sizes: jax.Array, row_experts: jax.Array) -> jax.Array:
-    """rows [M, in] sorted by expert (group_sizes int32 [E]; row_experts int32 [M]) times their
-    expert's weights -> float32 [M, out] (jax.lax.ragged_dot_general)."""
+def _by_expert(
+    rows: jax.Array,
+    w: ExpertWeights,
+    group_sizes: jax.Array,
+    row_experts: jax.Array,
+    row_index: jax.Array | None = None,
+) -> jax.Array:
+    """rows [M, in] sorted by expert (group_sizes int32 [E]; row_experts int32 [M]), or
+    rows[row_index] (row_index int32 [M]), times their expert's weights -> float32 [M, out]
+    (jax.lax.ragged_dot_general)."""
+    if row_index is not None:
+        rows = rows[row_index]
     if isinstance(w, Mapping):  # flax hands a dict param over as a FrozenDict
         return quantized_ragged_dot(rows, w["qkernel"], w["scale"], group_sizes, row_experts, jnp.float32)
     return jax.lax.ragged_dot_general(rows, w, group_sizes, GROUPED_ROWS, preferred_element_type=jnp.float32)
 
 
-def _gemm_for(grouped_gemm: str, rows: jax.Array, gate_up: ExpertWeights, down: ExpertWeights) -> Callable:
-    """The grouped GEMM (rows, w, group_sizes, row_experts) -> [M, out] both products run with:
-    _by_expert, or the Pallas kernel where it takes both shapes (_by_expert_kernel)."""
+def _gemm_for(grouped_gemm: str, m: int, gate_up: ExpertWeights, down: ExpertWeights) -> Callable:
+    """The grouped GEMM (rows, w, group_sizes, row_experts, row_index=None) -> [M, out] both
+    products of M sorted rows run with: _by_expert, or the Pallas kernel where it takes both
+    shapes (_by_expert_kernel)."""
     if grouped_gemm not in GROUPED_GEMMS:
         raise ValueError(f"grouped_gemm={grouped_gemm!r}: expected one of {GROUPED_GEMMS}")
     if grouped_gemm == "xla":
@@ -203,13 +212,19 @@ def _gemm_for(grouped_gemm: str, rows: jax.Array, gate_up: ExpertWeights, down: 
     from pallas_kernels.matmul.grouped_matmul import supports
 
     (_, two_f, d), f = _shape(gate_up), _shape(down)[2]
-    if not (supports(rows.shape[0], two_f, d) and supports(rows.shape[0], d, f)):
+    if not (supports(m, two_f, d) and supports(m, d, f)):
         return _by_expert
     return functools.partial(_by_expert_kernel, interpret=grouped_gemm == "interpret")
 
 
 def _by_expert_kernel(
-    rows: jax.Array, w: ExpertWeights, group_sizes: jax.Array, row_experts: jax.Array, *, interpret: bool
+    rows: jax.Array,
+    w: ExpertWeights,
+    group_sizes: jax.Array,
+    row_experts: jax.Array,
+    row_index: jax.Array | None = None,
+    *,
+    interpret: bool,
 ) -> jax.Array:
     """_by_expert through the Pallas grouped GEMM, with the same numbers: float32 accumulation,
     the product rounded once to rows' dtype (the callers' next step; float32 rows stay float32)
@@ -219,13 +234,17 @@ def _by_expert_kernel(
     from pallas_kernels.matmul.grouped_matmul import grouped_matmul
 
     del row_experts  # each tile knows its expert
-    run = functools.partial(grouped_matmul, out_dtype=rows.dtype, fill_tail=False, interpret=interpret)
+    run = functools.partial(
+        grouped_matmul, out_dtype=rows.dtype, fill_tail=False, interpret=interpret, row_index=row_index
+    )
     if not isinstance(w, Mapping):
         return run(rows, w, group_sizes)
     qkernel, scale = w["qkernel"], w["scale"]
     if qkernel.dtype == jnp.float8_e4m3fn:
+        # per-row quantization: quantizing the rows before the gather is quantizing their copies
         xq, x_scale = fp8_rows(rows)
-        return run(xq, qkernel, group_sizes, scale, x_scale[:, 0])
+        x_scale = x_scale[:, 0] if row_index is None else x_scale[row_index, 0]
+        return run(xq, qkernel, group_sizes, scale, x_scale)
     return run(rows, qkernel, group_sizes, scale)
 
 

@@ -26,6 +26,11 @@ x's dtype in registers (weight-only), float8_e4m3fn weights go into an fp8 x fp8
 already quantized per row (x_scale [M], W8A8). Each weight byte crosses HBM once per row tile
 of its group.
 
+Gathered rows: with row_index [M], sorted row r is x[row_index[r]] (x any [T, K]): each program
+loads its window's rows through the index (a Triton gather load), so the caller's [M, K] copy
+of the rows in group order is never written (DiffusionGemma's token rows, each routed to k
+experts: k copies of 5.6 KB per token per layer at 26B-A4B).
+
 Tail rows (past sum(group_sizes)): written as zeros with fill_tail=True (ragged_dot's result);
 with fill_tail=False left unwritten, for callers that mask them anyway (an expert-parallel
 device's rows for other devices' experts: they then cost nothing).
@@ -110,9 +115,12 @@ def supports(m: int, n: int, k: int) -> bool:
     return m >= 1 and n % 16 == 0 and k % 16 == 0
 
 
-def _check(x, w, group_sizes, w_scale, x_scale):
+def _check(x, w, group_sizes, w_scale, x_scale, row_index=None):
     if x.ndim != 2 or w.ndim != 3 or w.shape[2] != x.shape[1]:
         raise ValueError(f"x {x.shape} and w {w.shape}: expected [M, K] and [G, N, K]")
+    if row_index is not None and (row_index.ndim != 1 or row_index.dtype != jnp.int32):
+        raise ValueError(f"row_index {row_index.shape} {row_index.dtype}: expected int32 [M]")
+    m = x.shape[0] if row_index is None else row_index.shape[0]
     if group_sizes.shape != (w.shape[0],) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise ValueError(f"group_sizes {group_sizes.shape} {group_sizes.dtype}: expected int32 [{w.shape[0]}]")
     quantized = w.dtype in WEIGHT_DTYPES
@@ -124,8 +132,8 @@ def _check(x, w, group_sizes, w_scale, x_scale):
         raise ValueError(f"x {x.dtype}, w {w.dtype}: float8 weights take float8 rows (W8A8) and only they")
     if w.dtype == FP8 and x_scale is None:
         raise ValueError("float8 rows need their scales (x_scale [M])")
-    if x_scale is not None and (x_scale.shape != (x.shape[0],) or x_scale.dtype != jnp.float32):
-        raise ValueError(f"x_scale {x_scale.shape} {x_scale.dtype}: expected float32 [{x.shape[0]}]")
+    if x_scale is not None and (x_scale.shape != (m,) or x_scale.dtype != jnp.float32):
+        raise ValueError(f"x_scale {x_scale.shape} {x_scale.dtype}: expected float32 [{m}]")
     if not quantized and w.dtype != x.dtype:
         raise ValueError(f"x {x.dtype}, w {w.dtype}: unquantized weights must have x's dtype")
 
@@ -156,12 +164,22 @@ def tile_map(group_sizes: jax.Array, m: int, block_m: int, fill_tail: bool) -> j
     return jnp.stack([group, jnp.where(used, start, 0), jnp.where(used, ends[known], 0)])
 
 
-def _kernel(tiles_ref, x_ref, w_ref, *refs, n_groups: int, blocks: GroupedMatmulBlockSizes, scaled: tuple[bool, bool]):
-    *scale_refs, o_ref = refs
-    xs_ref = scale_refs.pop(0) if scaled[0] else None
-    ws_ref = scale_refs.pop(0) if scaled[1] else None
+def _kernel(
+    tiles_ref,
+    x_ref,
+    w_ref,
+    *refs,
+    n_groups: int,
+    blocks: GroupedMatmulBlockSizes,
+    scaled: tuple[bool, bool],
+    gathered: bool,
+):
+    *in_refs, o_ref = refs
+    index_ref = in_refs.pop(0) if gathered else None
+    xs_ref = in_refs.pop(0) if scaled[0] else None
+    ws_ref = in_refs.pop(0) if scaled[1] else None
     bm, bn, bk = blocks.block_m, blocks.block_n, blocks.block_k
-    m, k = x_ref.shape
+    m, k = o_ref.shape[0], x_ref.shape[1]
     col0 = pl.multiple_of(pl.program_id(0) * bn, bn)
     t = pl.program_id(1)
     group, start, end = tiles_ref[0, t], tiles_ref[1, t], tiles_ref[2, t]
@@ -173,9 +191,12 @@ def _kernel(tiles_ref, x_ref, w_ref, *refs, n_groups: int, blocks: GroupedMatmul
 
     @pl.when(group < n_groups)
     def _():
+        # the window's rows of x: themselves, or (gathered) the rows row_index names
+        source = pl.ds(window, bm) if index_ref is None else index_ref[pl.ds(window, bm)]
+
         def step(i, acc):
             k0 = pl.multiple_of(i * bk, bk)
-            x = x_ref[pl.ds(window, bm), pl.ds(k0, bk)]
+            x = x_ref[source, pl.ds(k0, bk)]
             w = w_ref[group, pl.ds(col0, bn), pl.ds(k0, bk)]
             if w.dtype != x.dtype:  # int8 weights: exact in bf16 / f16 / f32 for |q| <= 127
                 w = w.astype(x.dtype)
@@ -205,19 +226,23 @@ def grouped_matmul(
     fill_tail: bool = True,
     interpret: bool = False,
     block_sizes: GroupedMatmulBlockSizes | None = None,
+    row_index: jax.Array | None = None,
 ) -> jax.Array:
     """x [M, K] (sorted by group) times w [G, N, K] per group -> [M, N] in out_dtype.
 
     Args:
-      x: rows, bf16 / f16 / f32, or float8_e4m3fn with x_scale (W8A8).
+      x: rows, bf16 / f16 / f32, or float8_e4m3fn with x_scale (W8A8); with row_index, any
+        [T, K] rows that row_index picks from.
       w: [G, N, K] in x's dtype, or int8 / float8_e4m3fn with w_scale float32 [G, N].
       group_sizes: int32 [G], rows of each group in order (sum <= M).
-      x_scale: float32 [M], each row's scale (float8 rows; allowed with any rows).
+      x_scale: float32 [M], each (sorted) row's scale (float8 rows; allowed with any rows).
       fill_tail: write the rows past sum(group_sizes) as zeros (else leave them unwritten).
+      row_index: int32 [M] in [0, T): sorted row r is x[row_index[r]], loaded by the kernel
+        itself (no [M, K] copy of the gathered rows is written).
     ValueError for dtypes or shapes the kernel does not take (`supports`).
     """
-    _check(x, w, group_sizes, w_scale, x_scale)
-    (m, k), (G, n, _) = x.shape, w.shape
+    _check(x, w, group_sizes, w_scale, x_scale, row_index)
+    (k, (G, n, _)), m = (x.shape[1], w.shape), (x.shape[0] if row_index is None else row_index.shape[0])
     if not supports(m, n, k):
         raise ValueError(f"x {x.shape} @ w {w.shape}: N and K must be multiples of 16")
     blocks = block_sizes or default_grouped_block_sizes(m, n, k, G)
@@ -227,11 +252,20 @@ def grouped_matmul(
         )
     rows = max(m, blocks.block_m)  # fewer rows than a tile: padded (rows in no group)
     if rows > m:
-        x = jnp.pad(x, ((0, rows - m), (0, 0)))
+        if row_index is None:
+            x = jnp.pad(x, ((0, rows - m), (0, 0)))
+        else:
+            row_index = jnp.pad(row_index, (0, rows - m))
         x_scale = None if x_scale is None else jnp.pad(x_scale, (0, rows - m), constant_values=1.0)
     tiles = tile_map(group_sizes, rows, blocks.block_m, fill_tail)
-    scales = [s for s in (x_scale, w_scale) if s is not None]
-    kernel = functools.partial(_kernel, n_groups=G, blocks=blocks, scaled=(x_scale is not None, w_scale is not None))
+    extra = [a for a in (row_index, x_scale, w_scale) if a is not None]
+    kernel = functools.partial(
+        _kernel,
+        n_groups=G,
+        blocks=blocks,
+        scaled=(x_scale is not None, w_scale is not None),
+        gathered=row_index is not None,
+    )
     out = pl.pallas_call(
         kernel,
         grid=(n // blocks.block_n, tiles.shape[1]),
@@ -239,7 +273,7 @@ def grouped_matmul(
         compiler_params=compiler_params(blocks.num_warps, blocks.num_stages),
         interpret=interpret,
         name="grouped_matmul",
-    )(tiles, x, w, *scales)
+    )(tiles, x, w, *extra)
     return out[:m] if rows > m else out
 
 
@@ -255,12 +289,15 @@ def grouped_matmul_reference(
     fill_tail=True,
     interpret=False,
     block_sizes=None,
+    row_index=None,
 ):
     """Pure jnp, the same signature: jax.lax.ragged_dot_general (float32 accumulation; int8
-    weights converted to x's dtype), times the rows' and their groups' scales. Rows past
-    sum(group_sizes) are zeros whatever fill_tail says."""
+    weights converted to x's dtype) of x's rows (or x[row_index]), times the rows' and their
+    groups' scales. Rows past sum(group_sizes) are zeros whatever fill_tail says."""
     del fill_tail, interpret, block_sizes
-    _check(x, w, group_sizes, w_scale, x_scale)
+    _check(x, w, group_sizes, w_scale, x_scale, row_index)
+    if row_index is not None:
+        x = x[row_index]
     if w.dtype == jnp.int8:
         w = w.astype(x.dtype)
     y = lax.ragged_dot_general(x, w, group_sizes.astype(jnp.int32), _RAGGED, preferred_element_type=jnp.float32)

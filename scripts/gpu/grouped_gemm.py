@@ -17,7 +17,9 @@ For each row count (a random uniform routing) and each product (gate/up: [M, 281
              the optimized program's ragged dots, cuDNN calls and largest temporary are read
              (a dense rewrite keeps neither and needs E times the bytes);
   pallas     pallas_kernels.matmul.grouped_matmul (bf16; its default tiling, then the others of
-             a small sweep, "pallas <tiling>"), default flag set only;
+             a small sweep, "pallas <tiling>"), default flag set only; gate/up's rows are 8 (tiny:
+             2) picks of random token rows, as the experts make them, and "pallas-gathered" runs
+             the kernel on the token rows with row_index (its result must equal the first row's);
   xla-int8 / pallas-int8, xla-fp8 / pallas-fp8
              the 8-bit experts (quantize_experts of the same weights): quantized_ragged_dot
              against the kernel (int8: weights converted in registers; fp8: rows quantized per
@@ -179,6 +181,10 @@ def child(args) -> None:
             # made on the device (a host-made [128, 1408, 2816] float64 array takes seconds)
             key_x, key_w = jax.random.split(jax.random.key(int(rng.integers(1 << 30))))
             x = jax.random.normal(key_x, (M, n_in), jnp.float32).astype(dtype)
+            tokens = index = None
+            if name == "gate_up":  # the rows as the engine makes them: k picks of each token row
+                tokens, index = x[: M // K], jnp.asarray(rng.integers(0, M // K, M), jnp.int32)
+                x = tokens[index]
             w = (jax.random.normal(key_w, (E, n_out, n_in), jnp.float32) / np.sqrt(n_in)).astype(dtype)
             eight_bit = kernels and "8bit" in impls
             quantized = {mode: quantize_experts(w, mode) for mode in ("int8-weights", "fp8")} if eight_bit else {}
@@ -201,6 +207,8 @@ def child(args) -> None:
                 default, *others = sweep(M, n_out, n_in, E, args.tilings)
                 chosen = ([default] if "pallas" in impls else []) + (others if "pallas-sweep" in impls else [])
                 variants += [("pallas", "none", blocks) for blocks in chosen]
+                if "pallas" in impls and tokens is not None:
+                    variants.append(("pallas-gathered", "none", None))
             if eight_bit:
                 variants += [(f"{impl}-{q}", mode, None) for mode, q in (("int8-weights", "int8"), ("fp8", "fp8"))
                              for impl in ("xla", "pallas")]  # fmt: skip
@@ -228,6 +236,11 @@ def child(args) -> None:
                             r, w, s, out_dtype=dtype, interpret=interpret, block_sizes=b
                         )
                         operands = (x, w, sizes)
+                    elif impl == "pallas-gathered":  # the token rows, gathered by the kernel
+                        fn = lambda t, w, s, i: grouped_matmul(  # noqa: E731
+                            t, w, s, out_dtype=dtype, interpret=interpret, row_index=i
+                        )
+                        operands = (tokens, w, sizes, index)
                     elif impl == "pallas-fp8":
 
                         def fn(r, qk, sc, s):
@@ -273,7 +286,7 @@ def child(args) -> None:
                         row["vs_xla"] = rel(result, xla_result[mode])
                     if impl == "pallas" and pallas_result is None:
                         pallas_result = result
-                    elif impl in ("pallas", "tokamax", "tokamax-kn") and pallas_result is not None:
+                    elif impl in ("pallas", "pallas-gathered", "tokamax", "tokamax-kn") and pallas_result is not None:
                         row["vs_pallas"] = rel(result, pallas_result)
                     del compiled, result
                 except Exception as e:  # noqa: BLE001 (a failed variant is reported)
@@ -281,7 +294,7 @@ def child(args) -> None:
                 out["rows"].append(row)
                 print(json.dumps(row), flush=True)
                 (args.out / f"grouped_gemm_{args.flag_set}.json").write_text(json.dumps(out, indent=2))
-            del x, w, quantized, xla_result, pallas_result
+            del x, w, tokens, index, quantized, xla_result, pallas_result
     (args.out / f"grouped_gemm_{args.flag_set}.json").write_text(json.dumps(out, indent=2))
 
 
