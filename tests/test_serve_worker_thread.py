@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 
 import pytest
@@ -15,7 +16,7 @@ import pytest
 from dllm_jax.sampling.params import SamplingParams
 from dllm_jax.serve.errors import APIError
 from dllm_jax.serve.metrics import ServerMetrics
-from dllm_jax.serve.worker import EngineWorker, Work
+from dllm_jax.serve.worker import EngineWorker, Event, RequestHandle, Work, deliver_all
 from tests.fake_session import FakeSession
 
 
@@ -131,3 +132,21 @@ def test_the_thread_logs_its_throughput(caplog):
         _run({"a": session}, scenario, log_interval=0.05)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("throughput:")]
     assert lines and "requests/s" in lines[0] and "tokens/s" in lines[0] and "slots busy" in lines[0]
+
+
+def test_a_handle_gives_its_events_in_order_and_none_after_its_timeout():
+    """Events wait in the handle until read (a wait cancelled or timed out loses none)."""
+
+    async def scenario():
+        handle = RequestHandle(None, _work("r1"), asyncio.get_running_loop())
+        assert await handle.next_event(0.01) is None
+        waiting = asyncio.ensure_future(handle.next_event(10))
+        await asyncio.sleep(0)
+        waiting.cancel()
+        sent = [Event(received=float(i)) for i in range(3)]
+        threading.Thread(target=deliver_all, args=([(handle, e) for e in sent],)).start()
+        got = [await handle.next_event(10) for _ in sent]
+        assert [e.received for e in got] == [0.0, 1.0, 2.0]
+        assert await handle.next_event(0) is None
+
+    asyncio.run(scenario())
