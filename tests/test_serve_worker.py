@@ -267,3 +267,38 @@ def test_metrics_count_the_work_of_each_request(server):
     assert added("dllm_prompt_tokens_total") == sum(a["usage"]["prompt_tokens"] for a in answers) > 0
     assert added("dllm_steps_total") == sum(a["dllm"]["steps"] for a in answers) > 0
     assert after["dllm_slots_total"] == SLOTS
+
+
+def test_streams_of_one_step_each_get_all_their_chunks_in_order():
+    """Every slot busy, so each step's events reach all streams at once: each stream still has
+    its steps in order, its whole answer, its finish reason on its last piece, then usage and
+    [DONE]."""
+    slots, gen = 8, 16
+    session = FakeSession(num_slots=slots, gen_length=gen, max_prompt_len=gen, step_seconds=0.02)
+    running = ThreadedServer({"flash_cache": session}, max_waiting=4 * slots, api_key=None, model=MODEL)
+    prompts = [f"{i} abcdefghijk"[: gen - 1] for i in range(2 * slots)]
+
+    async def stream(http: httpx.AsyncClient, prompt: str) -> list[str]:
+        body = {"model": MODEL, "prompt": prompt, "stream": True, "stream_options": {"include_usage": True}}
+        body["dllm"] = {"canvas": True}
+        async with http.stream("POST", "/v1/completions", json=body, timeout=60) as r:
+            return [line[6:] async for line in r.aiter_lines() if line.startswith("data: ")]
+
+    async def load() -> list[list[str]]:
+        async with httpx.AsyncClient(base_url=running.url, limits=httpx.Limits(max_connections=len(prompts))) as http:
+            return await asyncio.gather(*(stream(http, p) for p in prompts))
+
+    try:
+        streams = asyncio.run(load())
+    finally:
+        running.stop()
+    for prompt, lines in zip(prompts, streams, strict=True):
+        assert lines[-1] == "[DONE]"
+        chunks = [json.loads(line) for line in lines[:-1]]
+        *pieces, last = chunks
+        assert last["choices"] == [] and last["usage"]["completion_tokens"] == len(prompt)
+        steps = [c["dllm"]["step"] for c in pieces if "dllm" in c]
+        assert steps == list(range(1, gen // 2 + 1))
+        assert "".join(c["choices"][0]["text"] for c in pieces) == expected_text(CharTokenizer().encode(prompt))
+        reasons = [c["choices"][0]["finish_reason"] for c in pieces]
+        assert reasons[-1] == "stop" and set(reasons[:-1]) == {None}

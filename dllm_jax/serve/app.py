@@ -448,6 +448,9 @@ class _Serving:
                     chunk["dllm"] = piece.canvas
                 self.metrics.commit_to_chunk_seconds.observe(time.perf_counter() - received)
                 yield _sse(chunk)
+            # a step's events wake every stream at once: the other streams' chunks of the step go
+            # before this one's end (its usage, [DONE], log line and the HTTP response's close)
+            await asyncio.sleep(0)
             if include_usage:
                 stats = [r.stats for r in runs]
                 yield _sse(
