@@ -269,6 +269,20 @@ def test_metrics_count_the_work_of_each_request(server):
     assert after["dllm_slots_total"] == SLOTS
 
 
+@pytest.mark.parametrize("canvas", [None, {"step": 3, "gen_length": 8, "commits": [], "eos_position": None}])
+def test_a_pieces_event_is_the_sse_of_its_whole_chunk(canvas):
+    """The chunk's head is encoded once per response; each event is the same bytes as the
+    whole chunk encoded at once (non-ASCII text escaped alike, "dllm" last)."""
+    from dllm_jax.serve.app import _chunk_prefix, _piece_sse, _sse
+
+    head = {"id": "cmpl-0", "created": 1, "model": 'a "model"'}
+    choice = {"index": 2, "text": 'é\n\u2028"', "finish_reason": None, "logprobs": None}
+    whole = {**head, "object": "text_completion", "choices": [choice]}
+    if canvas is not None:
+        whole["dllm"] = canvas
+    assert _piece_sse(_chunk_prefix(head, "text_completion"), choice, canvas) == _sse(whole)
+
+
 def test_streams_of_one_step_each_get_all_their_chunks_in_order():
     """Every slot busy, so each step's events reach all streams at once: each stream still has
     its steps in order, its whole answer, its finish reason on its last piece, then usage and

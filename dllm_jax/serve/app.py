@@ -441,13 +441,12 @@ class _Serving:
                     piece = Piece(run.index, shape.echo(run.index), None, None)
                     yield _sse({**head, "object": kind, "choices": [shape.chunk_choice(piece, 0)]})
             offsets = {r.index: len(shape.echo(r.index)) for r in runs}
+            prefix = _chunk_prefix(head, kind)
             async for piece, received in _merged(runs):
-                chunk = {**head, "object": kind, "choices": [shape.chunk_choice(piece, offsets[piece.index])]}
+                event = _piece_sse(prefix, shape.chunk_choice(piece, offsets[piece.index]), piece.canvas)
                 offsets[piece.index] += len(piece.text)
-                if piece.canvas is not None:
-                    chunk["dllm"] = piece.canvas
                 self.metrics.commit_to_chunk_seconds.observe(time.perf_counter() - received)
-                yield _sse(chunk)
+                yield event
             # a step's events wake every stream at once: the other streams' chunks of the step go
             # before this one's end (its usage, [DONE], log line and the HTTP response's close)
             await asyncio.sleep(0)
@@ -544,8 +543,25 @@ def _log_request(response_id: str, method: str, runs: list[ChoiceRun], status: i
     )
 
 
+# one encoder for every chunk (json.dumps builds a new one per call when given separators)
+_JSON = json.JSONEncoder(separators=(",", ":"))
+
+
 def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+    return f"data: {_JSON.encode(payload)}\n\n"
+
+
+def _chunk_prefix(head: dict, kind: str) -> str:
+    """The start of every piece's event of one response, encoded once: `data: {"id":...,"object":
+    kind,"choices":`."""
+    return f'data: {_JSON.encode({**head, "object": kind})[:-1]},"choices":'
+
+
+def _piece_sse(prefix: str, choice: dict, canvas: dict | None) -> str:
+    """One piece's event, the bytes of _sse({**head, "object": kind, "choices": [choice]}), with
+    "dllm": canvas last when the canvas is streamed."""
+    dllm = "" if canvas is None else f',"dllm":{_JSON.encode(canvas)}'
+    return f"{prefix}{_JSON.encode([choice])}{dllm}}}\n\n"
 
 
 async def _merged(runs: list[ChoiceRun]) -> AsyncIterator[tuple[Piece, float]]:
