@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import tiny_config
 
+import convert.conversion
 import convert.hf_to_jax
 from dllm_jax.models.checkpoint.converted import METADATA_FILE
 from dllm_jax.models.checkpoint.errors import ConversionError
@@ -199,10 +200,31 @@ CLI_CASES = [
 ]
 
 
-@pytest.mark.parametrize("key,value", CLI_CASES)
-def test_the_converter_exits_2_with_one_line(tmp_path, capsys, key, value):
+def bad_hf_folder(tmp_path, key, value):
     changes = {key: value, "embedding_size": None} if key == "vocab_size" else {key: value}
-    hf = write_hf_folder(tmp_path / "hf", hf_config(**changes))
+    return write_hf_folder(tmp_path / "hf", hf_config(**changes))
+
+
+@pytest.mark.parametrize("key,value", CLI_CASES)
+def test_the_conversion_process_exits_2_with_one_line(tmp_path, capsys, key, value):
+    """The converter's child process (convert.conversion.worker_main, run here): its last
+    stdout line is the message the command line prints (test below), and it writes nothing."""
+    hf = bad_hf_folder(tmp_path, key, value)
+    into = tmp_path / "into"
+    into.mkdir()
+    argv = ["--hf-dir", str(hf), "--into", str(into), "--label", str(tmp_path / "out"), "--dtype", "bfloat16"]
+    assert convert.conversion.worker_main(argv) == 2
+    out = capsys.readouterr().out
+    assert len(out.strip().splitlines()) == 1 and "Traceback" not in out
+    assert out.startswith(f"{hf / 'config.json'}: {key}=")
+    assert list(into.iterdir()) == []
+
+
+def test_the_converter_exits_2_with_one_line(tmp_path, capsys):
+    """The command line around that child process (started once: 1.6 s): exit status 2, the
+    child's line after "error: ", nothing written."""
+    key, _ = CLI_CASES[0]
+    hf = bad_hf_folder(tmp_path, *CLI_CASES[0])
     before = sorted(p.name for p in tmp_path.iterdir())
     code = convert.hf_to_jax.main(["--hf-dir", str(hf), "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err

@@ -22,14 +22,14 @@ MODEL = "tiny-llada"
 SLOTS = 2
 MAX_WAITING = 4
 GEN = 64
-SLOW = {"threshold": 1.5}  # one position per step: the chat answer below lasts 35 steps (1.75 s)
+SLOW = {"threshold": 1.5}  # one position per step: the chat answer below lasts 35 steps (0.9 s)
 SLOW_TOKENS = 64
 HEADERS = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
 def session():
-    return FakeSession(num_slots=SLOTS, gen_length=GEN, max_prompt_len=64, step_seconds=0.05)
+    return FakeSession(num_slots=SLOTS, gen_length=GEN, max_prompt_len=64, step_seconds=0.025)
 
 
 @pytest.fixture(scope="module")
