@@ -49,6 +49,24 @@ def device_events(trace_dir: Path) -> list[dict]:
     return [e for e in events if e.get("ph") == "X" and e.get("pid") in device_pids and "dur" in e]
 
 
+def per_kernel(events: list[dict], steps: int) -> dict[str, tuple[float, float]]:
+    """Device events summed per kernel name: name -> (ms per step, calls per step)."""
+    totals = collections.defaultdict(lambda: [0.0, 0.0])
+    for e in events:
+        totals[e["name"]][0] += e["dur"] * 1e-3 / steps
+        totals[e["name"]][1] += 1 / steps
+    return {name: (ms, calls) for name, (ms, calls) in totals.items()}
+
+
+def by_kind(kernels: dict[str, tuple[float, float]], kind_of) -> dict[str, dict[str, float]]:
+    """per_kernel's table summed per kind_of(name): kind -> {"ms", "calls"} per step."""
+    totals = collections.defaultdict(lambda: [0.0, 0.0])
+    for name, (ms, calls) in kernels.items():
+        totals[kind_of(name)][0] += ms
+        totals[kind_of(name)][1] += calls
+    return {kind: {"ms": ms, "calls": calls} for kind, (ms, calls) in sorted(totals.items())}
+
+
 def traced_steps(engine: Engine, slots: int, gen_length: int, prompt_len: int, steps: int):
     """The flash_cache one-token-per-step loop compiled for `slots` random prompts, run 3
     iterations, then `steps` more under jax.profiler -> (compiled loop, wall seconds per step,
@@ -68,19 +86,15 @@ def traced_steps(engine: Engine, slots: int, gen_length: int, prompt_len: int, s
 
 def profile(engine: Engine, slots: int, gen_length: int, prompt_len: int, steps: int, out: Path) -> dict:
     _, wall, events = traced_steps(engine, slots, gen_length, prompt_len, steps)
-    per_kernel = collections.defaultdict(lambda: [0.0, 0])
-    for e in events:
-        per_kernel[e["name"]][0] += e["dur"] * 1e-6 / steps
-        per_kernel[e["name"]][1] += 1
-    busy = sum(t for t, _ in per_kernel.values())
-    top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])
+    kernels = per_kernel(events, steps)
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])
     result = {
         "slots": slots,
         "steps": steps,
         "wall_ms_per_step_profiled": 1e3 * wall,
-        "device_busy_ms_per_step": 1e3 * busy,
-        "kernels_per_step": sum(n for _, n in per_kernel.values()) / steps,
-        "top": [{"name": name, "ms_per_step": 1e3 * t, "calls_per_step": n / steps} for name, (t, n) in top[:40]],
+        "device_busy_ms_per_step": sum(ms for ms, _ in kernels.values()),
+        "kernels_per_step": sum(n for _, n in kernels.values()),
+        "top": [{"name": name, "ms_per_step": ms, "calls_per_step": n} for name, (ms, n) in top[:40]],
     }
     name = f"profile_{slots}" + ("" if engine.config.quantization == "none" else f"_{engine.config.quantization}")
     write_text_atomically(out / f"{name}.json", json.dumps(result, indent=1))

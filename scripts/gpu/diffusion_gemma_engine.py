@@ -77,7 +77,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from profile_step import device_events  # noqa: E402
+from profile_step import by_kind, device_events, per_kernel  # noqa: E402
 
 from dllm_jax.models import diffusion_gemma as dg  # noqa: E402
 from dllm_jax.models.checkpoint.dtypes import QUANTIZATIONS  # noqa: E402
@@ -258,24 +258,18 @@ def profile_steps(engine, compiled, prompt_ids, slots: int, iterations: int) -> 
             jax.block_until_ready(compiled.run(engine.weights, state, iterations))
         wall = (time.perf_counter() - start) / iterations
         events = device_events(Path(tmp))
-    per_kernel = collections.defaultdict(lambda: [0.0, 0.0])
+    kernels = per_kernel(events, iterations)
     ops = collections.defaultdict(collections.Counter)  # kernel -> the HLO ops the trace names for it
     for e in events:
-        per_kernel[e["name"]][0] += e["dur"] * 1e-3 / iterations
-        per_kernel[e["name"]][1] += 1 / iterations
         args = e.get("args", {})
         ops[e["name"]][str(args.get("hlo_op") or args.get("long_name") or args.get("name", ""))[:120]] += 1
-    by_kind = collections.defaultdict(lambda: [0.0, 0.0])
-    for name, (ms, calls) in per_kernel.items():
-        by_kind[kernel_kind(name)][0] += ms
-        by_kind[kernel_kind(name)][1] += calls
-    top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:30]
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:30]
     return {
         "iterations": iterations,
         "wall_ms_profiled": 1e3 * wall,
-        "device_busy_ms": sum(ms for ms, _ in per_kernel.values()),
-        "kernels_per_iteration": sum(n for _, n in per_kernel.values()),
-        "by_kind": {kind: {"ms": ms, "calls": n} for kind, (ms, n) in sorted(by_kind.items())},
+        "device_busy_ms": sum(ms for ms, _ in kernels.values()),
+        "kernels_per_iteration": sum(n for _, n in kernels.values()),
+        "by_kind": by_kind(kernels, kernel_kind),
         "top": [
             {"name": name[:160], "ms": ms, "calls": n, "ops": dict(ops[name].most_common(4))} for name, (ms, n) in top
         ],

@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -66,7 +67,7 @@ from bench import (  # noqa: E402
     steady_step_time,
 )
 from bench_kernels import rel_l2, time_chain  # noqa: E402
-from profile_step import traced_steps  # noqa: E402
+from profile_step import by_kind, per_kernel, traced_steps  # noqa: E402
 
 from dllm_jax.common.atomic_write import write_text_atomically  # noqa: E402
 from dllm_jax.engine.engine import Engine  # noqa: E402
@@ -292,18 +293,11 @@ def profile_part(report: Report, engines, names, config, slots, gen_length, prom
         except Exception as e:
             report.add("profile", {"slots": slots, "variant": name, "error": f"{type(e).__name__}: {str(e)[:800]}"})
             continue
-        per_kernel = collections.defaultdict(lambda: [0.0, 0])
-        for e in events:
-            per_kernel[e["name"]][0] += e["dur"] * 1e-3 / steps
-            per_kernel[e["name"]][1] += 1 / steps
+        table = per_kernel(events, steps)
+        kind = functools.partial(kind_of, quantizing=quantizing)
         kernels = sorted(
-            ({"name": k, "ms": t, "calls": n, "kind": kind_of(k, quantizing)} for k, (t, n) in per_kernel.items()),
-            key=lambda k: -k["ms"],
+            ({"name": k, "ms": t, "calls": n, "kind": kind(k)} for k, (t, n) in table.items()), key=lambda k: -k["ms"]
         )
-        by_kind = collections.defaultdict(lambda: [0.0, 0.0])
-        for k in kernels:
-            by_kind[k["kind"]][0] += k["ms"]
-            by_kind[k["kind"]][1] += k["calls"]
         report.add(
             "profile",
             {
@@ -312,7 +306,7 @@ def profile_part(report: Report, engines, names, config, slots, gen_length, prom
                 "wall_ms_profiled": 1e3 * wall,
                 "device_busy_ms": sum(k["ms"] for k in kernels),
                 "kernels_per_step": sum(k["calls"] for k in kernels),
-                "by_kind": {kind: {"ms": t, "calls": n} for kind, (t, n) in sorted(by_kind.items())},
+                "by_kind": by_kind(table, kind),
                 "hlo_quantization_fusions": dict(collections.Counter(quantizing.values())),
                 "hlo_gemms": dict(collections.Counter(re.findall(r'custom_call_target="(__cublas[^"]*)"', hlo))),
                 "hlo_kernel_calls": {
