@@ -17,6 +17,7 @@ import dataclasses
 import gzip
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -56,6 +57,12 @@ def per_kernel(events: list[dict], steps: int) -> dict[str, tuple[float, float]]
         totals[e["name"]][0] += e["dur"] * 1e-3 / steps
         totals[e["name"]][1] += 1 / steps
     return {name: (ms, calls) for name, (ms, calls) in totals.items()}
+
+
+def is_gemm_kernel(name: str) -> bool:
+    """A traced kernel that is a GEMM: cuBLAS (its sm90 "nvjet" kernels included), cuDNN,
+    CUTLASS, or one of XLA's Triton GEMM fusions."""
+    return bool(re.search(r"gemm|cublas|xmma|cutlass|cudnn|nvjet|sm90_", name, re.IGNORECASE))
 
 
 def by_kind(kernels: dict[str, tuple[float, float]], kind_of) -> dict[str, dict[str, float]]:

@@ -161,5 +161,5 @@ def _denoise_step(
     """One decoder pass over the canvas and the denoising rule on its logits."""
     B, L = state.canvas.shape
     logits = dg.decode(config, params, state.canvas, cache, state.logits, state.has_logits)
-    gumbel, noise_tokens = step_noise(key, step, B, L, config.vocab_size)
-    return denoise_update(settings, state, logits, step, gumbel, noise_tokens)
+    uniform, noise_tokens = step_noise(key, step, B, L, config.vocab_size)
+    return denoise_update(settings, state, logits, step, uniform, noise_tokens)

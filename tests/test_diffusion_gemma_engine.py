@@ -46,7 +46,8 @@ BASE = DenoiseSettings(
 # (prompt length, seed, max_new_tokens, settings); request 0 meets the EOS in its second canvas
 REQUESTS = (
     (6, 3, GEN, BASE),
-    # two prefill chunks; confident at once, so a canvas stops once its argmax is that of the last 2 steps
+    # two prefill chunks; confident at once, but on these random weights no canvas's argmax
+    # repeats over 3 steps, so every canvas runs its 6 steps (the stop rule: the next test but one)
     (9, 5, GEN, dataclasses.replace(BASE, stability_threshold=2, confidence_threshold=5.0)),
     # two canvases, the answer cut at 7 tokens; each canvas stops after its first step
     (4, 7, 7, dataclasses.replace(BASE, stability_threshold=0, confidence_threshold=5.0)),
@@ -120,8 +121,7 @@ def test_answers_are_token_identical_to_the_reference(answers, expected):
     reasons = [r.finish_reason for r in answers.results]
     assert reasons[0] == "stop" and len(answers.results[0].token_ids) < 2 * CANVAS  # the EOS in canvas 2
     assert reasons[2] == "length" and len(answers.results[2].token_ids) == 7
-    # some canvases stopped before max_denoising_steps (stable and confident)
-    assert answers.results[1].steps < 3 * BASE.max_denoising_steps
+    assert answers.results[1].steps == 3 * BASE.max_denoising_steps
     assert answers.results[2].steps == 2  # two canvases of one step each
 
 
@@ -270,6 +270,46 @@ def test_the_cached_canvas_path_recomputing_every_row_matches_the_reference(engi
     for i, (result, (tokens, passes)) in enumerate(zip(out.results, expected)):
         assert result.token_ids == tokens, f"request {i}"
         assert result.steps == passes, f"request {i}: denoising steps"
+
+
+@pytest.mark.parametrize(
+    "threshold, older_equal, confidence, ends",
+    [
+        (2, True, 5.0, True),  # equal to both kept argmax canvases, confident
+        (2, False, 5.0, False),  # the older one differs
+        (1, False, 5.0, True),  # only the last one counts
+        (1, True, 1e-6, False),  # stable but not confident
+        (0, False, 5.0, True),  # confident alone
+    ],
+)
+def test_a_canvas_ends_when_its_argmax_repeats_the_last_steps_with_confidence(threshold, older_equal, confidence, ends):
+    from dllm_jax.policies.canvas import CanvasPolicy
+    from dllm_jax.runtime.canvas_slots import COMMIT, DENOISE, empty_canvas_slots
+
+    policy = CanvasPolicy(canvas_length=6, vocab_size=VOCAB, max_stability=2, eos_ids=(1,), pad_id=0)
+    argmax = np.arange(6, dtype=np.int32) + 40
+    slot = jax.tree.map(lambda x: x[0], empty_canvas_slots(1, 64, 6, 2, 8, np.float32))
+    slot = slot.replace(
+        active=np.bool_(True),
+        phase=np.int32(DENOISE),
+        start=np.int32(10),
+        gen_end=np.int32(40),
+        denoise_step=np.int32(2),
+        history=np.stack([argmax + (0 if older_equal else 1), argmax]),
+        sampling=slot.sampling.replace(
+            t_min=np.float32(0.1),
+            t_span=np.float32(0.2),
+            max_denoising_steps=np.int32(10),
+            entropy_bound=np.float32(0.1),
+            stability_threshold=np.int32(threshold),
+            confidence_threshold=np.float32(confidence),
+        ),
+    )
+    # logits peaked on argmax: entropy about 0.02 per row at this step's temperature 0.26
+    logits = np.where(np.arange(VOCAB) == argmax[:, None], 3.0, 0.0).astype(np.float32)
+    stepped, _ = policy.denoise(slot, logits)
+    assert int(stepped.phase) == (COMMIT if ends else DENOISE)
+    np.testing.assert_array_equal(stepped.history[-1], argmax)
 
 
 def test_a_sparse_step_recomputes_new_samples_then_renoised_rows_then_the_most_attended():

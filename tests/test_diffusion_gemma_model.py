@@ -290,15 +290,34 @@ def test_entropy_bound_accepts_the_lowest_entropy_prefix():
     )
 
 
-def test_the_sample_follows_the_distribution():
-    probs = np.array([0.5, 0.25, 0.15, 0.1, 0.0])
-    logits = jnp.log(jnp.asarray(probs, jnp.float32))
-    n = 40_000
-    gumbel = jax.random.gumbel(jax.random.key(4), (n, probs.size), jnp.float32)
-    counts = np.bincount(np.asarray(sample(jnp.broadcast_to(logits, (n, probs.size)), gumbel)), minlength=probs.size)
-    # within 5 standard deviations of the binomial count; the zero-probability token never drawn
-    assert np.all(np.abs(counts - n * probs) <= 5 * np.sqrt(n * probs * (1 - probs))), counts
-    assert counts[-1] == 0
+@pytest.mark.parametrize("vocab", [5, 300, 1024])
+def test_the_sample_follows_the_distribution(vocab):
+    """The inverse-CDF draw over one block (5: block 4, padded), blocks with padding (300:
+    10 blocks of 32) and exact blocks (1024: 32 of 32), with zero-probability tokens at the
+    start, inside and at the end of the vocabulary, and whole blocks of them."""
+    rng = np.random.default_rng(vocab)
+    probs = rng.dirichlet(np.full(vocab, 0.3))
+    probs[[0, vocab // 2, vocab - 1]] = 0.0
+    if vocab >= 300:
+        probs[32:96] = 0.0
+    probs = np.float32(probs / probs.sum())
+    n = 60_000
+    uniform = jax.random.uniform(jax.random.key(4), (n,), jnp.float32)
+    logits = jnp.broadcast_to(jnp.log(jnp.asarray(probs)), (n, vocab))
+    counts = np.bincount(np.asarray(_sample(logits, uniform)), minlength=vocab)
+    # within 5 standard deviations of the binomial count; no zero-probability token drawn
+    assert np.all(np.abs(counts - n * probs) <= 5 * np.sqrt(n * probs * (1 - probs)) + 1), counts
+    assert counts[probs == 0].sum() == 0
+
+
+def test_the_sample_inverts_the_cumulative_probability():
+    # cumulative 0.5, 0.5 (a zero), 0.75, 1.0 (then padding): each uniform picks the first
+    # token whose cumulative probability exceeds it; the largest uniform picks the last token
+    # with mass (rounding can put the target past the sum), never the zero or the padding
+    logits = jnp.log(jnp.asarray([0.5, 0.0, 0.25, 0.25, 0.0], jnp.float32))
+    uniform = jnp.asarray([0.0, 0.49, 0.5, 0.74, 0.75, np.nextafter(np.float32(1), np.float32(0))], jnp.float32)
+    drawn = _sample(jnp.broadcast_to(logits, (uniform.size, 5)), uniform)
+    np.testing.assert_array_equal(drawn, [0, 0, 2, 2, 3, 3])
 
 
 def test_finishing_a_canvas_pads_after_the_first_eos():
@@ -309,13 +328,14 @@ def test_finishing_a_canvas_pads_after_the_first_eos():
 
 
 _step_noise = jax.jit(step_noise, static_argnums=(2, 3, 4))
+_sample = jax.jit(sample)
 _initial_canvas = jax.jit(initial_canvas, static_argnums=(1, 2, 3))
 
 
 class _ReplayedNoise:
     """torch.randint / torch.multinomial for transformers' generate, returning dllm_jax's draws:
-    a canvas's first randint is its initial canvas, each step's multinomial a Gumbel-max sample
-    with that step's noise, the randint after it that step's renoising tokens."""
+    a canvas's first randint is its initial canvas, each step's multinomial an inverse-CDF sample
+    at that step's uniforms, the randint after it that step's renoising tokens."""
 
     def __init__(self, rng, vocab_size):
         self.rng, self.vocab = rng, vocab_size
@@ -334,11 +354,10 @@ class _ReplayedNoise:
 
     def multinomial(self, probs, num_samples):
         rows = probs.shape[0] // CANVAS
-        gumbel = _step_noise(canvas_key(self.rng, self.canvas), self.step, rows, CANVAS, self.vocab)[0]
+        uniform = _step_noise(canvas_key(self.rng, self.canvas), self.step, rows, CANVAS, self.vocab)[0]
         self.sampled = True
-        return torch.argmax(
-            torch.log(probs) + torch.from_numpy(np.array(gumbel)).reshape(probs.shape), -1, keepdim=True
-        )
+        drawn = _sample(jnp.log(jnp.asarray(probs.numpy())), uniform.reshape(-1))
+        return torch.from_numpy(np.array(drawn)).long()[:, None]
 
 
 def _transformers_generate(model, prompt, rng, settings, eos, monkeypatch):

@@ -18,7 +18,7 @@ NAME = "tiny-diffusiongemma"
 # decoding (GENERATION, seed 0), measured on the CPU (see the README); a margin of one problem
 # for float differences between JAX versions that change a sampled token.
 CHECKED_PROBLEMS = 32
-MEASURED_CORRECT = 10  # 0.3125 (arith 0.1, sort 0.667); of all 256: 0.461
+MEASURED_CORRECT = 11  # 0.344 (arith 0.15, sort 0.667); of all 256: 0.457 (inverse-CDF sample)
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ A request goes through (dllm_jax.runtime.canvas_slots):
   DENOISE  canvas c (L tokens after everything before it): it starts from uniform random
            tokens, and each iteration is one decoder pass and one step of the entropy-bound
            rule (dllm_jax.policies.entropy_bound): step n of N at temperature
-           t_min + (t_max - t_min) (N - n) / N, a Gumbel-max sample of every position, the
+           t_min + (t_max - t_min) (N - n) / N, a sample of every position (inverse CDF), the
            lowest-entropy positions within entropy_bound accepted and the others renoised, the
            processed logits' softmax the next step's self-conditioning input. The canvas ends
            when its argmax equals that of each of the previous stability_threshold steps with a
@@ -138,8 +138,8 @@ class CanvasPolicy:
         step = slot.denoise_step
         processed = logits.astype(jnp.float32) / annealed_temperature(p.t_min, p.t_span, p.max_denoising_steps, step)
         key = canvas_key(self._request_key(slot), slot.canvas_index)
-        gumbel, renoise = step_noise(key, step, 1, L, self.vocab_size)
-        drawn = sample(processed, gumbel[0])
+        uniform, renoise = step_noise(key, step, 1, L, self.vocab_size)
+        drawn = sample(processed, uniform[0])
         argmax = jnp.argmax(processed, axis=-1).astype(jnp.int32)
         entropy = token_entropy(processed)
         accepted = entropy_bound_accept(entropy[None], p.entropy_bound)[0]

@@ -15,13 +15,17 @@ One denoising step, on the decoder's logits of the current canvas:
    ``stability_threshold`` steps and the mean entropy is below ``confidence_threshold``; a done
    row keeps its canvas, argmax and self-conditioning logits from then on.
 
-Randomness comes in explicitly (``step_noise``): Gumbel noise for the sample (argmax of
-log-probabilities plus Gumbel noise is a draw from the distribution) and the renoising tokens.
+Randomness comes in explicitly (``step_noise``): one uniform per position for the sample (an
+inverse-CDF draw, ``sample``) and the renoising tokens. transformers draws with
+``torch.multinomial``; a Gumbel-max draw would need one random number per position and
+vocabulary entry (256 x 262144 per canvas at the 26B-A4B shape, the sampler's costliest kernel
+on the GPU), the inverse CDF needs one per position and a pass the softmax makes anyway.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -102,11 +106,11 @@ def initial_canvas(key: jax.Array, batch: int, length: int, vocab_size: int) -> 
 def step_noise(
     key: jax.Array, step: jax.Array | int, batch: int, length: int, vocab_size: int
 ) -> tuple[jax.Array, jax.Array]:
-    """Step ``step``'s (0-based) draws from the canvas_key: Gumbel noise float32 [B, L, V] for
-    the sample and renoising tokens int32 [B, L]."""
+    """Step ``step``'s (0-based) draws from the canvas_key: uniforms float32 [B, L] in [0, 1)
+    for the sample and renoising tokens int32 [B, L]."""
     sample_key, renoise_key = jax.random.split(jax.random.fold_in(key, step + 1))
-    gumbel = jax.random.gumbel(sample_key, (batch, length, vocab_size), jnp.float32)
-    return gumbel, jax.random.randint(renoise_key, (batch, length), 0, vocab_size, jnp.int32)
+    uniform = jax.random.uniform(sample_key, (batch, length), jnp.float32)
+    return uniform, jax.random.randint(renoise_key, (batch, length), 0, vocab_size, jnp.int32)
 
 
 def annealed_temperature(
@@ -144,10 +148,47 @@ def entropy_bound_accept(entropy: jax.Array, bound: float | jax.Array) -> jax.Ar
     return jnp.take_along_axis(accepted_sorted, jnp.argsort(order, axis=-1), axis=-1)
 
 
-def sample(logits: jax.Array, gumbel: jax.Array) -> jax.Array:
-    """int32 [...]: a draw from softmax(logits [..., V]) given Gumbel noise of the same shape."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return jnp.argmax(logp + gumbel, axis=-1).astype(jnp.int32)
+def _block_size(vocab_size: int) -> int:
+    """The inverse-CDF search's block: the power of two nearest above sqrt(V) (512 for 262144),
+    so both levels of the search scan about sqrt(V) sums."""
+    return 1 << max(0, math.ceil(math.log2(vocab_size) / 2))
+
+
+def _first_above(cumulative: jax.Array, target: jax.Array, mass: jax.Array) -> jax.Array:
+    """int32 [...]: the first index of cumulative [..., N] (non-decreasing) above target [...]
+    (>= 0), at most the last index with mass [..., N] > 0 (rounding can put target past the
+    total). Entries without mass are never chosen: their cumulative equals the one before."""
+    n = cumulative.shape[-1]
+    first = jnp.sum(cumulative <= target[..., None], axis=-1)
+    last = n - 1 - jnp.argmax(jnp.flip(mass > 0, axis=-1), axis=-1)
+    return jnp.minimum(first, last).astype(jnp.int32)
+
+
+def sample(logits: jax.Array, uniform: jax.Array) -> jax.Array:
+    """int32 [...]: a draw from softmax(logits [..., V]) by its inverse CDF at uniform [...] in
+    [0, 1): the first token whose cumulative probability exceeds the uniform.
+
+    The cumulative sum is taken in two levels (blocks of _block_size tokens, then the chosen
+    block's tokens), so only [..., V / block] block sums and one block per row are scanned.
+    In: logits log([0.5, 0.25, 0.25]), uniform 0.6. Out: 1 (cumulative 0.5, 0.75, 1.0).
+    """
+    x = logits.astype(jnp.float32)
+    V = x.shape[-1]
+    block = _block_size(V)
+    pad = -V % block
+    if pad:
+        x = jnp.concatenate([x, jnp.full(x.shape[:-1] + (pad,), -jnp.inf, jnp.float32)], axis=-1)
+    x = x.reshape(x.shape[:-1] + (x.shape[-1] // block, block))
+    # unnormalized probabilities, the largest 1
+    weight = jnp.exp(x - jnp.max(x, axis=(-2, -1), keepdims=True))
+    block_mass = jnp.sum(weight, axis=-1)
+    block_cumulative = jnp.cumsum(block_mass, axis=-1)
+    target = uniform.astype(jnp.float32) * block_cumulative[..., -1]
+    chosen = _first_above(block_cumulative, target, block_mass)
+    before = jnp.take_along_axis(block_cumulative - block_mass, chosen[..., None], axis=-1)[..., 0]
+    within = jnp.take_along_axis(weight, chosen[..., None, None], axis=-2)[..., 0, :]
+    index = _first_above(jnp.cumsum(within, axis=-1), jnp.maximum(target - before, 0.0), within)
+    return chosen * block + index
 
 
 def denoise_update(
@@ -155,13 +196,13 @@ def denoise_update(
     state: CanvasState,
     logits: jax.Array,
     step: jax.Array | int,
-    gumbel: jax.Array,
+    uniform: jax.Array,
     noise_tokens: jax.Array,
 ) -> CanvasState:
     """One denoising step (steps 1-4 of the module doc) from the decoder's logits float32
     [B, L, V] of state.canvas; rows already done keep their state."""
     processed = logits.astype(jnp.float32) / step_temperature(settings, step)
-    drawn = sample(processed, gumbel)
+    drawn = sample(processed, uniform)
     argmax = jnp.argmax(processed, axis=-1).astype(jnp.int32)
     accept = entropy_bound_accept(token_entropy(processed), settings.entropy_bound)
     canvas = jnp.where(accept, drawn, noise_tokens)

@@ -62,8 +62,8 @@ from dllm_jax.runtime.sharding import CACHE_ROWS, DATA, REPLICATED, SLOTS, axis_
 from dllm_jax.runtime.slots import ERROR_NON_FINITE, ERROR_STEP_LIMIT, SlotSampling
 
 # Most bytes of the float32 [slots, L, V] tensors of the denoising stage alive at once: the
-# logits, the processed logits, their log-softmax, the Gumbel noise, the noisy logits and the
-# softmax of the self-conditioning input (SAMPLER_F32_COPIES of them). At the 26B-A4B shape one
+# logits, the processed logits, their log-softmax and its exponent (the entropy), the sample's
+# exponent and the softmax of the self-conditioning input (SAMPLER_F32_COPIES of them). At the 26B-A4B shape one
 # slot's copy is 256 x 262144 x 4 bytes = 256 MiB: 1.5 GiB per slot, so groups of one slot.
 SAMPLER_BUDGET_BYTES = 2 << 30
 SAMPLER_F32_COPIES = 6

@@ -61,7 +61,6 @@ import dataclasses
 import gzip
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -77,7 +76,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from profile_step import by_kind, device_events, per_kernel  # noqa: E402
+from profile_step import by_kind, device_events, is_gemm_kernel, per_kernel  # noqa: E402
 
 from dllm_jax.models import diffusion_gemma as dg  # noqa: E402
 from dllm_jax.models.checkpoint.dtypes import QUANTIZATIONS  # noqa: E402
@@ -242,14 +241,14 @@ def kernel_kind(name: str) -> str:
     Triton GEMM fusions), or the rest (attention, norms, routing, the sampler, copies)."""
     if "grouped_matmul" in name:
         return "grouped GEMM (experts)"
-    if re.search(r"gemm|cublas|xmma|cutlass|cudnn|sm90_", name, re.IGNORECASE):
+    if is_gemm_kernel(name):
         return "other GEMMs"
     return "rest"
 
 
 def profile_steps(engine, compiled, prompt_ids, slots: int, iterations: int) -> dict:
     """A device trace of `iterations` denoising iterations: busy ms per iteration, by kind and
-    per kernel name (the 30 longest)."""
+    per kernel name (the 150 longest)."""
     state, _ = denoising_state(engine, compiled, prompt_ids, slots)
     state = jax.block_until_ready(compiled.run(engine.weights, state, 1))  # the traced program warm
     with tempfile.TemporaryDirectory() as tmp:
@@ -263,7 +262,7 @@ def profile_steps(engine, compiled, prompt_ids, slots: int, iterations: int) -> 
     for e in events:
         args = e.get("args", {})
         ops[e["name"]][str(args.get("hlo_op") or args.get("long_name") or args.get("name", ""))[:120]] += 1
-    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:30]
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:150]
     return {
         "iterations": iterations,
         "wall_ms_profiled": 1e3 * wall,

@@ -470,8 +470,8 @@ def run_jax(args: argparse.Namespace, report: Report, deadline: float) -> None:
 
     @jax.jit
     def sampler_only(state, logits, step):
-        gumbel, noise = step_noise(key, step, *state.canvas.shape, V)
-        return denoise_update(settings, state, logits, step, gumbel, noise)
+        uniform, noise = step_noise(key, step, *state.canvas.shape, V)
+        return denoise_update(settings, state, logits, step, uniform, noise)
 
     for rows in ROWS:
         if not time_left(f"step at {rows} rows"):

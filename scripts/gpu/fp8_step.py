@@ -67,7 +67,7 @@ from bench import (  # noqa: E402
     steady_step_time,
 )
 from bench_kernels import rel_l2, time_chain  # noqa: E402
-from profile_step import by_kind, per_kernel, traced_steps  # noqa: E402
+from profile_step import by_kind, is_gemm_kernel, per_kernel, traced_steps  # noqa: E402
 
 from dllm_jax.common.atomic_write import write_text_atomically  # noqa: E402
 from dllm_jax.engine.engine import Engine  # noqa: E402
@@ -277,10 +277,6 @@ def quantization_fusions(hlo: str, widths: set[int]) -> dict[str, str]:
     return found
 
 
-def is_gemm(name: str) -> bool:
-    return bool(re.search(r"gemm|cublas|xmma|cutlass", name, re.IGNORECASE))
-
-
 def profile_part(report: Report, engines, names, config, slots, gen_length, prompt_len, steps: int = 4) -> None:
     for name in names:
         if report.over_budget():
@@ -325,7 +321,7 @@ def kind_of(name: str, quantizing: dict[str, str]) -> str:
     for producer in ("rms_norm_quantize", "swiglu_quantize", "qkv_rope_cache_mosaic"):
         if producer in name:
             return producer
-    return "gemm" if is_gemm(name) else "other"
+    return "gemm" if is_gemm_kernel(name) else "other"
 
 
 # ----------------------------------------------------------------------------- producers
