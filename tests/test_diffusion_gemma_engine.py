@@ -28,6 +28,7 @@ from dllm_jax.policies.entropy_bound import DenoiseSettings
 from dllm_jax.runtime.canvas_cache import canvas_cache_bytes
 from dllm_jax.runtime.canvas_memory import check_canvas_loop
 from dllm_jax.runtime.decode_config import DecodeConfig
+from dllm_jax.runtime.kernel_routing import Kernels, canvas_attention
 from dllm_jax.runtime.memory_estimate import DeviceMemory, InsufficientMemoryError
 from dllm_jax.sampling.params import SamplingParams
 from dllm_jax.text.tiny_tokenizer import save_tiny_tokenizer
@@ -310,6 +311,20 @@ def test_a_canvas_ends_when_its_argmax_repeats_the_last_steps_with_confidence(th
     stepped, _ = policy.denoise(slot, logits)
     assert int(stepped.phase) == (COMMIT if ends else DENOISE)
     np.testing.assert_array_equal(stepped.history[-1], argmax)
+
+
+def test_the_canvas_attention_kernel_gives_the_xla_paths_answers(engine, prompts, answers):
+    # The attention as the Triton cache-attention kernel (interpret mode) in the default canvas
+    # loop: encoder chunks (causal own rows, a sliding window per row) and canvases (all own
+    # rows) through the kernel. One more compiled loop, the default path's (the cached canvas
+    # path's scores and own-row masks are covered by tests/test_canvas_attention.py).
+    kernel = Engine(engine.config, engine.weights, engine.tokenizer, backend=Kernels(attention=True), interpret=True)
+    assert canvas_attention(kernel.kernels) == "interpret"
+    sampling = [_sampling(seed, max_new, settings) for _, seed, max_new, settings in REQUESTS]
+    out = kernel.generate(prompts, sampling, decode_config=DECODE)
+    for i, (result, expected) in enumerate(zip(out.results, answers.results)):
+        assert result.token_ids == expected.token_ids, f"request {i}"
+        assert result.steps == expected.steps, f"request {i}: denoising steps"
 
 
 def test_a_sparse_step_recomputes_new_samples_then_renoised_rows_then_the_most_attended():

@@ -327,6 +327,8 @@ def test_the_canvas_loop_lowers_for_cuda_with_the_kernel_and_no_ragged_dot(quant
     assert "ragged_dot" not in text
     # (the jitted kernel function is lowered once per shape and called per layer)
     assert text.count("func.call @grouped_matmul") == 2 * config.n_layers and TRITON in text
+    # and the attention over [cache; own rows] is the Triton cache-attention kernel
+    assert 'name = "cache_attention"' in text
     # the XLA path keeps its ragged dots (the CPU's and TPU's program)
     xla = Engine(config, params, backend="xla", full_pass_lanes=())
     loop = xla.decode_loop(DecodeConfig(method="diffusion_gemma", gen_length=32, batch_size=2), 16)
@@ -334,7 +336,7 @@ def test_the_canvas_loop_lowers_for_cuda_with_the_kernel_and_no_ragged_dot(quant
         jax.jit(loop.run, donate_argnums=1), xla.weights, state, i32(), jax.ShapeDtypeStruct((), jnp.bool_)
     )
     dots = [line for line in text.splitlines() if "chlo.ragged_dot" in line]
-    assert len(dots) == 2 * config.n_layers and "grouped_matmul" not in text
+    assert len(dots) == 2 * config.n_layers and "grouped_matmul" not in text and "cache_attention" not in text
 
 
 def test_the_26b_a4b_canvas_loop_lowers_for_cuda_with_the_kernel_at_its_shapes():

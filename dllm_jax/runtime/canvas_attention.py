@@ -1,4 +1,4 @@
-"""DiffusionGemma's attention over the flat encoder cache plus the pass's own rows (the XLA path).
+"""DiffusionGemma's attention over the flat encoder cache plus the pass's own rows.
 
 Every row of a pass belongs to one slot (group s is slot s) and sees two sets of keys:
   cached  positions [key_start[s, r], key_end[s]) of its slot in the cache: the encoder's K/V
@@ -18,17 +18,31 @@ Example (one canvas row, sliding window W = 4, the canvas at positions [10, 16))
 With ``score_rows``, it also returns each cached key's tracking score, Flash-Cache's: the sum
 over the score rows and query heads of the raw logits q . k (linear in q: the rows' queries are
 summed first, one vector-matrix product per slot and chunk).
+
+Two implementations of one signature (CANVAS_ATTENTIONS; the kernel routing picks one,
+kernel_routing.canvas_attention): ``canvas_cache_attention`` in XLA (CPUs, TPUs, and the
+reference the kernel is checked against), and ``canvas_cache_attention_pallas``, the Triton
+cache-attention kernel (pallas_kernels.attention.cache_attention) with each row's first key as
+its ``key_start``, the group's own rows as its in-query ``extra`` keys under own_mask, and the
+logit scale. XLA's version runs as many separate fusions per layer (transposes, converts, the
+chunk loop's reductions); the kernel reads each slot's keys once per kv head and query tile.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from dllm_jax.runtime.chunked_attention import default_block_k, softmax_update
+from pallas_kernels.attention.cache_attention import AttentionBlockSizes, cache_attention
 from pallas_kernels.attention.online_softmax import initial_state
 from pallas_kernels.attention.reference import MASKED_LOGIT
+
+# what may run the canvas attention: XLA, the Triton kernel, the kernel in interpret mode
+CANVAS_ATTENTIONS = ("xla", "pallas", "interpret")
 
 
 def canvas_cache_attention(
@@ -113,3 +127,66 @@ def canvas_cache_attention(
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
     out = out.transpose(0, 3, 1, 2, 4).reshape(S, R, H * Dh).astype(q.dtype)
     return (out, scores[:, :max_len]) if with_scores else out
+
+
+def canvas_cache_attention_pallas(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: int,
+    key_start: jax.Array,
+    key_end: jax.Array,
+    own_k: jax.Array,
+    own_v: jax.Array,
+    own_mask: jax.Array,
+    *,
+    max_len: int,
+    scale: float = 1.0,
+    score_rows: jax.Array | None = None,
+    group_slot: jax.Array | None = None,
+    interpret: bool = False,
+    block_sizes: AttentionBlockSizes | None = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """``canvas_cache_attention`` as the Triton cache-attention kernel (same arguments and
+    results, without XLA's block_k; q, the caches and own_k/own_v in one dtype).
+
+    Args:
+      interpret: run the kernel in the Pallas interpreter (CPU tests).
+      block_sizes: the kernel's tiling (None: default_attention_block_sizes for these shapes).
+    Returns:
+      [S, R, H * Dh] in q.dtype (a row that sees no key gets zeros), and with score_rows the
+      scores float32 [S, max_len] (0 for keys no row sees).
+    """
+    S, R, H, Dh = q.shape
+    kv_heads = own_k.shape[2]
+    slots = jnp.arange(S, dtype=jnp.int32) if group_slot is None else group_slot.astype(jnp.int32)
+    # [S, R, KVH * Dh]: the own rows as in-query keys, in the cache's column layout
+    extra = (own_k.reshape(S, R, kv_heads * Dh), own_v.reshape(S, R, kv_heads * Dh), own_mask)
+    out, scores = cache_attention(
+        q.reshape(S, R, H * Dh),
+        k_cache,
+        v_cache,
+        jnp.int32(layer),
+        slots,
+        key_end,
+        score_rows,
+        n_heads=H,
+        n_kv_heads=kv_heads,
+        max_len=max_len,
+        extra=extra,
+        key_start=key_start,
+        scale=float(scale),
+        interpret=interpret,
+        block_sizes=block_sizes,
+    )
+    return (out, scores) if score_rows is not None else out
+
+
+def canvas_attention_fn(implementation: str):
+    """The canvas attention an implementation name (CANVAS_ATTENTIONS) stands for, called as
+    ``canvas_cache_attention``."""
+    if implementation not in CANVAS_ATTENTIONS:
+        raise ValueError(f"implementation={implementation!r}: expected one of {CANVAS_ATTENTIONS}")
+    if implementation == "xla":
+        return canvas_cache_attention
+    return functools.partial(canvas_cache_attention_pallas, interpret=implementation == "interpret")

@@ -34,7 +34,7 @@ from jax.sharding import Mesh
 from dllm_jax.models import diffusion_gemma as dg
 from dllm_jax.models.diffusion_gemma_config import AttentionKind, DiffusionGemmaConfig
 from dllm_jax.runtime.cached_forward import SCORE_START_LAYER
-from dllm_jax.runtime.canvas_attention import canvas_cache_attention
+from dllm_jax.runtime.canvas_attention import canvas_attention_fn
 from dllm_jax.runtime.canvas_cache import CanvasCache
 from dllm_jax.runtime.expert_sharding import sharded_expert_mlp
 
@@ -98,6 +98,7 @@ def canvas_forward(
     group_slot: jax.Array | None = None,
     mesh: Mesh | None = None,
     grouped_gemm: str = "xla",
+    attention: str = "xla",
 ) -> tuple[jax.Array, CanvasCache] | tuple[jax.Array, CanvasCache, jax.Array]:
     """Runs the model on the rows over the cache.
 
@@ -114,6 +115,8 @@ def canvas_forward(
         on their devices (dllm_jax.runtime.expert_sharding); GSPMD splits the rest.
       grouped_gemm: what runs the experts' grouped GEMMs (dllm_jax.models.experts.GROUPED_GEMMS;
         the kernel routing's choice, kernel_routing.grouped_gemm).
+      attention: what runs the attention over [cache; own rows]
+        (dllm_jax.runtime.canvas_attention.CANVAS_ATTENTIONS; kernel_routing.canvas_attention).
     Returns:
       the last layer's output rows [S, R, D] (before the final norm), the cache with the
       written rows (the encoder groups' valid rows; with canvas_length, the decoder groups'
@@ -136,6 +139,7 @@ def canvas_forward(
     targets = jnp.where(written, slots[:, None] * max_len + rows.positions, cache_rows)
     encoder = ~rows.decoder[:, None, None]
     expert_mlp = sharded_expert_mlp(mesh, grouped_gemm)
+    attend = canvas_attention_fn(attention)
     keys, values = dict(cache.keys), dict(cache.values)
     for layer in range(config.n_layers):
         kind = config.layer_types[layer]
@@ -148,7 +152,7 @@ def canvas_forward(
         values[name] = values[name].at[j, targets].set(v.reshape(S, R, -1), mode="drop")
         key_start, own_mask = windows[kind]
         scored = score_rows if layer >= SCORE_START_LAYER else None
-        attn = canvas_cache_attention(
+        attn = attend(
             q,
             keys[name],
             values[name],

@@ -57,7 +57,7 @@ from dllm_jax.runtime.decode_loop import (
     record_results,
     run_while_work,
 )
-from dllm_jax.runtime.kernel_routing import Kernels, grouped_gemm
+from dllm_jax.runtime.kernel_routing import Kernels, canvas_attention, grouped_gemm
 from dllm_jax.runtime.sharding import CACHE_ROWS, DATA, REPLICATED, SLOTS, axis_size, per_data_shard
 from dllm_jax.runtime.slots import ERROR_NON_FINITE, ERROR_STEP_LIMIT, SlotSampling
 
@@ -124,8 +124,9 @@ class CanvasLoop:
 
     @property
     def _experts(self) -> dict:
-        """canvas_forward's grouped-GEMM choice for the routed experts (the kernel routing's)."""
-        return {"grouped_gemm": grouped_gemm(self.kernels)}
+        """canvas_forward's kernel choices (the kernel routing's): the routed experts'
+        grouped GEMMs and the attention."""
+        return {"grouped_gemm": grouped_gemm(self.kernels), "attention": canvas_attention(self.kernels, self.mesh)}
 
     # ----- state -------------------------------------------------------------------------
 

@@ -201,6 +201,16 @@ def grouped_gemm(kernels: Kernels) -> str:
     return "interpret" if kernels.interpret else "pallas"
 
 
+def canvas_attention(kernels: Kernels, mesh=None) -> str:
+    """What runs DiffusionGemma's canvas attention (dllm_jax.runtime.canvas_attention.
+    CANVAS_ATTENTIONS): the Triton cache-attention kernel wherever the Triton attention kernel
+    runs (backend "auto" or "pallas" on an NVIDIA GPU), else XLA. Under a tensor axis XLA too:
+    the kernel is not wired through per_tensor_shard for DiffusionGemma's caches yet."""
+    if not kernels.attention or kernels.mosaic or axis_size(mesh, TENSOR) > 1:
+        return "xla"
+    return "interpret" if kernels.interpret else "pallas"
+
+
 def pallas_qkv_to_cache(config: ModelConfig, spec, stacked, x, positions, rows, k_cache, v_cache, layer):
     """Fused projection + RoPE + cache write for the rows of all groups: x [S, R, D] -> q [S, R, H, Dh]."""
     from pallas_kernels.projection.qkv_rope_cache import qkv_rope_cache

@@ -6,7 +6,10 @@ wrapper (validation, split combine, score reduction) and the plain-jnp reference
 Layout: group s (S groups of R query rows) reads cache rows ``group_slot[s] * max_len + j`` for
 ``j < key_len[s]`` of layer ``layer`` of the full [NL, M, KVH*Dh] caches (M = slots * max_len + 1;
 the last row is the trash row). The verify pass adds ``key_exclude`` (cached keys to skip) and
-``extra`` keys that live only in the query (with their own row-by-key mask).
+``extra`` keys that live only in the query (with their own row-by-key mask). DiffusionGemma's
+canvas attention (dllm_jax.runtime.canvas_attention) adds ``key_start``, each row's first
+visible key (the start of a sliding window), its own rows as ``extra`` keys (a causal mask for
+an encoder chunk, all of them for a canvas) and its logit ``scale`` (1: q and k are normed).
 
 Performance at LLaDA-8B layer shapes (H=KVH=32, Dh=128, R=128 rows per slot, bf16; H200 at
 ~4.3 TB/s and ~800 TFLOP/s bf16, 132 SMs):
@@ -29,7 +32,14 @@ Performance at LLaDA-8B layer shapes (H=KVH=32, Dh=128, R=128 rows per slot, bf1
 * Tracking score: per key tile one [BK, Dh] float32 multiply-add with the summed score
   queries (1/BQ of the QK^T work) and a [S, KVH, max_len] float32 partial (8 MiB at 32 slots)
   reduced by XLA; the published kernel's [rows, heads, keys] logits buffer is never written.
-The bench script sweeps block_k, splits, warps and stages per case.
+* Wider heads (DiffusionGemma: Dh 256 in sliding layers, 512 in full ones) take smaller
+  tiles (default_attention_block_sizes): the accumulator [BQ, Dh] float32 and the q tile stay
+  at the 128 x 128 budget (BQ 64 at Dh 256, 32 at 512), and the K and V tiles at [32, Dh] so
+  that q + K/V x stages fit the 228 KiB of shared memory (at Dh 512: 32 + 2 x 2 x 32 KiB).
+  The extra keys go through the same [block_k, Dh] tiles as the cached ones (256 own rows of
+  a canvas would be 256 KiB of K and V at Dh 256 in one tile).
+The bench script sweeps block_k, splits, warps and stages per case
+(scripts/gpu/canvas_attention.py for DiffusionGemma's shapes).
 """
 
 from __future__ import annotations
@@ -89,20 +99,28 @@ class AttentionBlockSizes:
 
 
 def default_attention_block_sizes(
-    num_groups: int, rows: int, n_heads: int, n_kv_heads: int, max_len: int
+    num_groups: int, rows: int, n_heads: int, n_kv_heads: int, max_len: int, head_dim: int = 128
 ) -> AttentionBlockSizes:
-    """128-row tiles and 64-key steps; the most splits doubles while the grid has fewer
-    programs than SMs and a full slot (max_len keys) still gives every split 128 keys.
+    """At Dh <= 128: 128-row tiles and 64-key steps; the most splits doubles while the grid has
+    fewer programs than SMs and a full slot (max_len keys) still gives every split 128 keys.
     Three pipeline stages: the H200 sweep (BENCHMARKS.md) preferred them for 128-row tiles
-    at 1, 8 and 32 slots (e.g. 32 slots x 2048 keys: 514 us against 678 us with two)."""
+    at 1, 8 and 32 slots (e.g. 32 slots x 2048 keys: 514 us against 678 us with two).
+    Wider heads keep BQ * Dh at 128 * 128 (the accumulator's registers) and take 32-key
+    steps over two stages (shared memory; not yet swept on the H200)."""
     group_rows = rows * (n_heads // n_kv_heads)
-    block_q = min(128, max(16, next_power_of_two(group_rows)))
+    most_rows = max(16, min(128, 128 * 128 // head_dim))
+    block_q = min(most_rows, max(16, next_power_of_two(group_rows)))
     programs = num_groups * n_kv_heads * cdiv(group_rows, block_q)
     splits = 1
     while programs * splits < NUM_SMS and max_len // (2 * splits) >= 128:
         splits *= 2
+    wide = head_dim > 128
     return AttentionBlockSizes(
-        block_q, 64, splits, num_warps=8 if block_q >= 64 else 4, num_stages=3 if block_q >= 64 else 2
+        block_q,
+        32 if wide else 64,
+        splits,
+        num_warps=8 if block_q * head_dim >= 64 * 128 else 4,
+        num_stages=3 if block_q >= 64 and not wide else 2,
     )
 
 
@@ -113,11 +131,26 @@ class _Args:
     layer: jax.Array  # int32 []
     group_slot: jax.Array  # int32 [S], out-of-range slots replaced by 0
     key_len: jax.Array  # int32 [S], clipped to [0, max_len]; 0 for out-of-range slots
+    key_start: jax.Array | None  # int32 [S, R] clipped to [0, max_len], or None (every row: 0)
+    key_first: jax.Array  # int32 [S]: the first key any row sees, in [0, key_len]
     head_dim: int
 
 
 def _check_args(
-    q, k_cache, v_cache, layer, group_slot, key_len, score_rows, n_heads, n_kv_heads, max_len, key_exclude, extra
+    q,
+    k_cache,
+    v_cache,
+    layer,
+    group_slot,
+    key_len,
+    score_rows,
+    n_heads,
+    n_kv_heads,
+    max_len,
+    key_exclude,
+    extra,
+    key_start=None,
+    scale=None,
 ) -> _Args:
     check_float("q", q)
     if q.ndim != 3:
@@ -155,16 +188,30 @@ def _check_args(
             if arr.dtype != q.dtype:
                 raise ValueError(f"{name}.dtype={arr.dtype}: expected q.dtype={q.dtype}")
         as_bool("extra_mask", extra_mask, (n_groups, n_rows, k_extra.shape[1]))
+    if scale is not None and not isinstance(scale, (int, float)):
+        raise ValueError(f"scale={scale!r}: expected a Python float (static) or None")
     group_slot = as_int32("group_slot", group_slot, (n_groups,))
     key_len = as_int32("key_len", key_len, (n_groups,))
     # Memory safety: a slot outside the cache reads nothing instead of another buffer.
     slot_ok = (group_slot >= 0) & (group_slot < k_cache.shape[1] // max_len)
+    key_len = jnp.where(slot_ok, jnp.clip(key_len, 0, max_len), 0)
+    key_first = jnp.zeros((n_groups,), jnp.int32)
+    if key_start is not None:
+        key_start = jnp.clip(as_int32("key_start", key_start, (n_groups, n_rows)), 0, max_len)
+        # the rows' ranges [key_start, key_len) share their end: their union starts at the min
+        key_first = jnp.minimum(jnp.min(key_start, axis=1), key_len)
     return _Args(
         layer=as_int32("layer", layer, ()),
         group_slot=jnp.where(slot_ok, group_slot, 0),
-        key_len=jnp.where(slot_ok, jnp.clip(key_len, 0, max_len), 0),
+        key_len=key_len,
+        key_start=key_start,
+        key_first=key_first,
         head_dim=head_dim,
     )
+
+
+def _logit_scale(scale: float | None, head_dim: int) -> float:
+    return 1.0 / head_dim**0.5 if scale is None else float(scale)
 
 
 def _pad_extra(extra: Extra, width: int) -> Extra:
@@ -195,9 +242,11 @@ def _combine_splits(part: jax.Array, lse: jax.Array, active: jax.Array, dtype) -
 
 
 _STATIC = ("n_heads", "n_kv_heads", "max_len", "interpret", "block_sizes")
+# the Triton kernel and the reference also take the logit scale (the TPU kernel does not)
+_STATIC_SCALED = _STATIC + ("scale",)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
+@functools.partial(jax.jit, static_argnames=_STATIC_SCALED)
 def cache_attention(
     q: jax.Array,
     k_cache: jax.Array,
@@ -212,6 +261,8 @@ def cache_attention(
     max_len: int,
     key_exclude: jax.Array | None = None,
     extra: Extra | None = None,
+    key_start: jax.Array | None = None,
+    scale: float | None = None,
     interpret: bool = False,
     block_sizes: AttentionBlockSizes | None = None,
 ) -> tuple[jax.Array, jax.Array]:
@@ -231,34 +282,57 @@ def cache_attention(
       key_exclude: optional bool [S, max_len]; True hides that cached key (and zeroes its score).
       extra: optional (k_extra [S, R2, KVH*Dh], v_extra [S, R2, KVH*Dh], extra_mask bool
         [S, R, R2]): in-query keys, row r of group s sees extra key c iff extra_mask[s, r, c].
+      key_start: optional int32 [S, R]: row r of group s sees only the cached keys j >=
+        key_start[s, r] (clipped to [0, max_len]; None: from 0). The tracking score covers the
+        keys some row of the group sees: [min_r key_start[s, r], key_len[s]).
+      scale: the logits' factor, a static Python float; None: 1 / sqrt(Dh).
       interpret: run the kernel in the Pallas interpreter (CPU tests).
       block_sizes: tiling; default ``default_attention_block_sizes``.
     Returns:
-      out [S, R, H*Dh] in q.dtype (scale 1/sqrt(Dh); a row that sees no key gets a finite
-      value) and scores float32 [S, max_len]: scores[s, j] = sum over score rows r and heads h
-      of q[s, r, h] . k[slot * max_len + j, h // G] (raw, unscaled) for visible keys, else 0.
+      out [S, R, H*Dh] in q.dtype (a row that sees no key gets zeros) and scores float32
+      [S, max_len]: scores[s, j] = sum over score rows r and heads h of
+      q[s, r, h] . k[slot * max_len + j, h // G] (raw, unscaled) for keys some row of the
+      group sees, else 0.
     """
     args = _check_args(
-        q, k_cache, v_cache, layer, group_slot, key_len, score_rows, n_heads, n_kv_heads, max_len, key_exclude, extra
+        q,
+        k_cache,
+        v_cache,
+        layer,
+        group_slot,
+        key_len,
+        score_rows,
+        n_heads,
+        n_kv_heads,
+        max_len,
+        key_exclude,
+        extra,
+        key_start,
+        scale,
     )
     n_groups, n_rows, _ = q.shape
     group = n_heads // n_kv_heads
-    blocks = block_sizes or default_attention_block_sizes(n_groups, n_rows, n_heads, n_kv_heads, max_len)
+    blocks = block_sizes or default_attention_block_sizes(n_groups, n_rows, n_heads, n_kv_heads, max_len, args.head_dim)
     block_q = min(blocks.block_q, max(16, next_power_of_two(n_rows * group)))
     # Pad R so that the flattened rows r * G + g fill whole tiles: every row a program touches
     # is real, and no store needs a row mask.
     row_multiple = block_q // math.gcd(block_q, group)
     padded_rows = cdiv(n_rows, row_multiple) * row_multiple
     pad = padded_rows - n_rows
+    key_start = args.key_start
     if pad:
         q = jnp.pad(q, ((0, 0), (0, pad), (0, 0)))
         if score_rows is not None:
             score_rows = jnp.pad(score_rows, ((0, 0), (0, pad)))
         if extra is not None:
             extra = (extra[0], extra[1], jnp.pad(extra[2], ((0, 0), (0, pad), (0, 0))))
+        if key_start is not None:
+            # padded rows see no cached key (and, above, no extra key)
+            key_start = jnp.pad(key_start, ((0, 0), (0, pad)), constant_values=max_len)
     q_tiles = padded_rows * group // block_q
     n_splits = min(blocks.num_splits, cdiv(max_len, 2 * blocks.block_k))
-    extra_width = 0 if extra is None else max(16, next_power_of_two(extra[0].shape[1]))
+    # whole key steps of extra keys (hidden by the mask past R2)
+    extra_width = 0 if extra is None else cdiv(extra[0].shape[1], blocks.block_k) * blocks.block_k
     lay = KernelLayout(
         group=group,
         head_dim=args.head_dim,
@@ -271,9 +345,13 @@ def cache_attention(
         scores=score_rows is not None,
         exclude=key_exclude is not None,
         extra_width=extra_width,
+        key_start=key_start is not None,
+        scale=_logit_scale(scale, args.head_dim),
     )
 
-    inputs = [args.layer.reshape(1), args.group_slot, args.key_len, q, k_cache, v_cache]
+    inputs = [args.layer.reshape(1), args.group_slot, args.key_first, args.key_len, q, k_cache, v_cache]
+    if lay.key_start:
+        inputs.append(key_start)
     if lay.scores:
         inputs.append(score_rows.astype(jnp.float32))
     if lay.exclude:
@@ -300,19 +378,20 @@ def cache_attention(
     )(*inputs)
 
     if lay.split_output:
-        active = active_splits(args.key_len, n_splits, blocks.block_k)
+        active = active_splits(args.key_len - args.key_first, n_splits, blocks.block_k)
         out = _combine_splits(results[0], results[1], jnp.arange(n_splits)[:, None] < active[None, :], q.dtype)
     else:
         out = results[0]
     out = out[:, :n_rows]
     if not lay.scores:
         return out, jnp.zeros((n_groups, max_len), jnp.float32)
-    # Score partials past a group's key_len were never written: select, never add, them.
-    valid = jnp.arange(max_len)[None, :] < args.key_len[:, None]
+    # Score partials outside a group's [key_first, key_len) were never written: select, never add, them.
+    positions = jnp.arange(max_len)[None, :]
+    valid = (positions >= args.key_first[:, None]) & (positions < args.key_len[:, None])
     return out, jnp.where(valid, jnp.sum(results[-1], axis=1), 0.0)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
+@functools.partial(jax.jit, static_argnames=_STATIC_SCALED)
 def cache_attention_reference(
     q: jax.Array,
     k_cache: jax.Array,
@@ -327,6 +406,8 @@ def cache_attention_reference(
     max_len: int,
     key_exclude: jax.Array | None = None,
     extra: Extra | None = None,
+    key_start: jax.Array | None = None,
+    scale: float | None = None,
     interpret: bool = False,
     block_sizes: AttentionBlockSizes | None = None,
 ) -> tuple[jax.Array, jax.Array]:
@@ -335,14 +416,31 @@ def cache_attention_reference(
     for signature parity and ignored."""
     del interpret, block_sizes
     args = _check_args(
-        q, k_cache, v_cache, layer, group_slot, key_len, score_rows, n_heads, n_kv_heads, max_len, key_exclude, extra
+        q,
+        k_cache,
+        v_cache,
+        layer,
+        group_slot,
+        key_len,
+        score_rows,
+        n_heads,
+        n_kv_heads,
+        max_len,
+        key_exclude,
+        extra,
+        key_start,
+        scale,
     )
     n_groups, n_rows, _ = q.shape
     head_dim = args.head_dim
     positions = jnp.arange(max_len)
-    visible = positions[None, :] < args.key_len[:, None]
+    # [S, R, max_len]: which cached keys each row sees; [S, max_len]: which some row sees
+    row_visible = positions[None, None, :] < args.key_len[:, None, None]
+    if args.key_start is not None:
+        row_visible &= positions[None, None, :] >= args.key_start[:, :, None]
     if key_exclude is not None:
-        visible &= ~key_exclude
+        row_visible &= ~key_exclude[:, None, :]
+    visible = jnp.any(row_visible, axis=1)
     # [S, max_len, KVH, Dh]; hidden keys zeroed so whatever the cache holds there cannot leak
     rows = args.group_slot[:, None] * max_len + positions[None, :]
     k = jnp.where(visible[..., None], k_cache[args.layer, rows], 0).reshape(n_groups, max_len, n_kv_heads, head_dim)
@@ -357,12 +455,13 @@ def cache_attention_reference(
         raw = jnp.where(score_rows[:, :, None, None, None], raw, 0.0)
         scores = jnp.where(visible, jnp.sum(raw, axis=(1, 2, 3)), 0.0)
 
-    mask = jnp.broadcast_to(visible[:, None, :], (n_groups, n_rows, max_len))
+    mask = jnp.broadcast_to(row_visible, (n_groups, n_rows, max_len))
     if extra is not None:
         k_extra, v_extra, extra_mask = extra
         n_extra = k_extra.shape[1]
         k = jnp.concatenate([k, k_extra.reshape(n_groups, n_extra, n_kv_heads, head_dim)], axis=1)
         v = jnp.concatenate([v, v_extra.reshape(n_groups, n_extra, n_kv_heads, head_dim)], axis=1)
         mask = jnp.concatenate([mask, extra_mask], axis=2)
-    out = dense_attention(q.reshape(n_groups, n_rows, n_heads, head_dim), k, v, mask)
-    return out, scores
+    out = dense_attention(q.reshape(n_groups, n_rows, n_heads, head_dim), k, v, mask, _logit_scale(scale, head_dim))
+    # a row that sees no key: zeros (dense_attention would average over every hidden key)
+    return jnp.where(jnp.any(mask, axis=2)[..., None], out, 0), scores
