@@ -309,7 +309,7 @@ def canvas_sampler(
     return CanvasSample(
         argmax=argmax,
         entropy=entropy,
-        sample=sample_from_blocks(mass, uniform, block_weights),
+        sample=sample_from_blocks(mass, uniform, block_weights, recomputed=True),
         finite=jnp.sum(bad_parts, axis=1) == 0,
         probs=probs,
     )

@@ -35,7 +35,11 @@ def first_above(cumulative: jax.Array, target: jax.Array, mass: jax.Array) -> ja
 
 
 def sample_from_blocks(
-    block_mass: jax.Array, uniform: jax.Array, block_weights: Callable[[jax.Array], jax.Array]
+    block_mass: jax.Array,
+    uniform: jax.Array,
+    block_weights: Callable[[jax.Array], jax.Array],
+    *,
+    recomputed: bool = False,
 ) -> jax.Array:
     """int32 [...]: the inverse-CDF draw from its block sums.
 
@@ -44,6 +48,10 @@ def sample_from_blocks(
       uniform: float32 [...] in [0, 1).
       block_weights: the chosen block int32 [...] -> its unnormalized probabilities float32
         [..., block] (0 past the vocabulary), on the scale of block_mass.
+      recomputed: block_weights recomputes them by another exp than block_mass's (a kernel's):
+        the target left within the block is scaled by the weights' sum over the block's mass,
+        so that rounding cannot leave it at or past the block's end (else the draw would fall
+        on the block's last token with probability, whatever its probability).
     Returns:
       int32 [...]: chosen block * block + the index within it.
     """
@@ -52,7 +60,12 @@ def sample_from_blocks(
     chosen = first_above(block_cumulative, target, block_mass)
     before = jnp.take_along_axis(block_cumulative - block_mass, chosen[..., None], axis=-1)[..., 0]
     within = block_weights(chosen)
-    index = first_above(jnp.cumsum(within, axis=-1), jnp.maximum(target - before, 0.0), within)
+    cumulative = jnp.cumsum(within, axis=-1)
+    remaining = jnp.maximum(target - before, 0.0)
+    if recomputed:
+        chosen_mass = jnp.take_along_axis(block_mass, chosen[..., None], axis=-1)[..., 0]
+        remaining = remaining * jnp.where(chosen_mass > 0, cumulative[..., -1] / chosen_mass, 1.0)
+    index = first_above(cumulative, remaining, within)
     return chosen * within.shape[-1] + index
 
 
