@@ -160,3 +160,38 @@ def test_lowers_for_cuda_at_the_26b_a4b_shape():
         softcap=SOFTCAP,
     )
     assert "canvas_sampler_stats" in text and "canvas_sampler_probs" in text
+
+
+def test_the_canvas_loop_lowers_for_cuda_with_the_kernel_where_auto_picks_it():
+    """backend "auto" on a GPU: the denoising stage is the two kernels, and the LM head writes
+    bf16 (no float32 [.., V] product); the XLA path (Kernels()) keeps its float32 head."""
+    from test_grouped_matmul import _canvas_config
+
+    from dllm_jax.engine.engine import Engine
+    from dllm_jax.models import diffusion_gemma as dg
+    from dllm_jax.runtime.decode_config import DecodeConfig
+    from dllm_jax.runtime.kernel_routing import Kernels
+    from dllm_jax.runtime.slots import zero_sampling
+    from tests.cuda_lowering import GPU_AUTO
+
+    config = _canvas_config()
+    params = jax.eval_shape(dg.unstack_layers, dg.abstract_params(config))
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    texts = {}
+    for name, backend in (("auto", GPU_AUTO), ("xla", Kernels())):
+        engine = Engine(config, params, backend=backend, full_pass_lanes=())
+        loop = engine.decode_loop(DecodeConfig(method="diffusion_gemma", gen_length=32, batch_size=2), 16)
+        state = jax.eval_shape(loop.init_state, i32(4, 16), i32(4), jax.eval_shape(lambda: zero_sampling((4,))), i32())
+        run = jax.jit(loop.run, donate_argnums=1)
+        texts[name] = lower_for_cuda(run, engine.weights, state, i32(), jax.ShapeDtypeStruct((), jnp.bool_))
+    # the head's product [2, 16, V] of the two slots' canvases
+    head_f32 = f"-> tensor<2x16x{config.vocab_size}xf32>"
+    head = [
+        line
+        for line in texts["auto"].splitlines()
+        if "stablehlo.dot_general" in line and f"x{config.vocab_size}x" in line
+    ]
+    assert "canvas_sampler_stats" in texts["auto"] and "canvas_sampler_probs" in texts["auto"]
+    assert head and not any(head_f32 in line for line in head)
+    assert "canvas_sampler" not in texts["xla"]
+    assert any("stablehlo.dot_general" in line and head_f32 in line for line in texts["xla"].splitlines())
