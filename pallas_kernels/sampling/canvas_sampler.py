@@ -25,7 +25,8 @@ of float32 per slot each); the kernel reads the logits twice and writes probs on
     reference's), sum(w * (p - m)) for the entropy, and probs written;
   finish (jnp): entropy = log(s) - sum(w (p - m)) / s with s the sum of the block sums, and the
     draw from the block sums (``sample_from_blocks``), whose chosen block's weights are
-    recomputed from the logits (one block of block_size(V) tokens per row).
+    recomputed from the logits (one block of block_size(V) tokens per row; XLA's exp is not
+    Triton's, so the target left within the block is scaled by their sum over the block's).
 
 Numerics: the same float32 operations per element as the reference (``canvas_sampler_reference``,
 today's XLA path built from the same functions), sums in another order, so entropy, the block
@@ -112,8 +113,21 @@ def _check(logits: jax.Array, temperature: jax.Array, uniform: jax.Array, softca
 
 
 def _rounded(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """float32 x rounded to dtype, back in float32."""
-    return x if dtype == jnp.float32 else x.astype(dtype).astype(jnp.float32)
+    """float32 x rounded to dtype (to nearest, ties to even), back in float32.
+
+    bfloat16 by its bits: XLA may drop an ``astype`` round trip (its excess-precision
+    simplification, which here runs the kernel's body in interpret mode, and some fusions of it
+    but not others: a chunk of 4096 lost it, one of 1024 kept it), integer operations it keeps.
+    In: 33.679806 (0x4206B818). Out: 33.75 (0x42070000).
+    """
+    if dtype == jnp.float32:
+        return x
+    if dtype == jnp.bfloat16:
+        bits = lax.bitcast_convert_type(x, jnp.int32)
+        # add half a unit of bfloat16 (less one, plus the kept last bit: ties to even), truncate
+        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & jnp.int32(-65536)
+        return lax.bitcast_convert_type(bits, jnp.float32)
+    return x.astype(dtype).astype(jnp.float32)
 
 
 @functools.partial(jax.jit, static_argnames=("softcap", "interpret", "block_sizes"))

@@ -19,11 +19,14 @@ difference where the reference's probability exceeds 1e-6, and the largest absol
 the stage, the next canvas's tokens equal and the soft embeddings' relative L2 difference.
 Expect the sampler's argmax and sample to agree on all but a few rows in a thousand (Triton's
 tanh, division and exp and XLA's differ in the last bits, which moves near-ties and draws within
-rounding of a token boundary), most probs equal and the others a unit or two of bf16 apart,
-except where a processed logit's last-bit difference moves its rounding to bf16 (today's math
-rounds the processed logits before the softmax): that entry then differs by up to a factor
-exp(one bf16 unit of the logit), e.g. 13% at |p| in [16, 32), and the largest relative
-difference shows it; the soft embeddings' relative L2 difference says whether it matters.
+rounding of a token boundary). probs: the code rounds the processed logits to bf16 before the
+softmax (as transformers' bf16 model does), the kernel too, but XLA drops that float32 -> bf16 ->
+float32 round trip (xla_allow_excess_precision), so against the "xla" reference most probs
+differ, by up to a factor exp(one bf16 unit of the logit) (13% at |p| in [16, 32));
+"vs_rounded_softmax" compares them with the softmax rounded as written (lax.reduce_precision,
+which XLA keeps): there expect most probs equal and the others a unit or two of bf16 apart (an
+entry whose float32 logit differs in its last bit can still round the other way).
+The soft embeddings' relative L2 difference says whether any of it matters.
 
 Writes canvas_sampler_kernel.json and .md in --out (after every case, so a run cut short keeps
 what it measured); a case that fails is recorded with its error; no new case starts after
@@ -55,10 +58,13 @@ from pallas_kernels.sampling.canvas_sampler import (  # noqa: E402
     canvas_sampler_reference,
     default_sampler_block_sizes,
 )
+from pallas_kernels.sampling.inverse_cdf import soft_cap  # noqa: E402
 from scripts.gpu.canvas_sampler import denoise_slots, timed  # noqa: E402
 
-# block-size variants timed besides the default: (block_v, num_splits, num_warps, num_stages)
-VARIANTS = ((2048, None, 4, 2), (8192, None, 8, 2), (4096, 1, 8, 3), (4096, 4, 8, 2))
+# block-size variants timed besides the default: (block_v, num_splits, num_warps, num_stages;
+# None: the default's splits). 512 = one inverse-CDF block per chunk, whose block sum needs no
+# [block_v] -> [block_v / 512, 512] reshape in the kernel.
+VARIANTS = ((2048, None, 4, 2), (8192, None, 8, 2), (4096, 1, 8, 3), (4096, 4, 8, 2), (512, None, 4, 3))
 
 
 def sampler_inputs(rows: int, vocab: int, seed: int = 0):
@@ -72,6 +78,16 @@ def sampler_inputs(rows: int, vocab: int, seed: int = 0):
     temperature = 0.4 + 0.4 * jax.random.randint(k2, (rows,), 1, 17).astype(jnp.float32) / 16
     uniform = jax.random.uniform(k3, (rows,), jnp.float32)
     return logits.astype(jnp.bfloat16), temperature, uniform
+
+
+def rounded_softmax(logits: jax.Array, temperature: jax.Array, softcap: float) -> jax.Array:
+    """The self-conditioning probs as the code writes them: softmax of the processed logits
+    rounded to the logits' dtype, the rounding by lax.reduce_precision, which XLA keeps (it
+    drops an astype round trip: xla_allow_excess_precision)."""
+    processed = soft_cap(logits, softcap) / temperature[:, None]
+    info = jnp.finfo(logits.dtype)
+    rounded = jax.lax.reduce_precision(processed, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+    return jax.nn.softmax(rounded, axis=-1).astype(logits.dtype)
 
 
 def agreement(got, want) -> dict:
@@ -100,6 +116,7 @@ def sampler_case(group: int, rows: int, vocab: int, args, interpret: bool) -> di
     reference = jax.jit(lambda x, t, u: canvas_sampler_reference(x, t, u, softcap=softcap))
     out["xla_ms"] = timed(reference, (logits, temperature, uniform), args.calls, args.repeats)
     want = reference(logits, temperature, uniform)
+    probs_as_written = jax.jit(lambda x, t: rounded_softmax(x, t, softcap))(logits, temperature)
     default = default_sampler_block_sizes(group * rows, vocab)
     variants = [default]
     if not args.tiny:
@@ -119,7 +136,9 @@ def sampler_case(group: int, rows: int, vocab: int, args, interpret: bool) -> di
             )
             row["ms"] = timed(kernel, (logits, temperature, uniform), args.calls, args.repeats)
             row["speedup"] = out["xla_ms"] / row["ms"]
-            row.update(agreement(kernel(logits, temperature, uniform), want))
+            got = kernel(logits, temperature, uniform)
+            row.update(agreement(got, want))
+            row["vs_rounded_softmax"] = agreement(got, want._replace(probs=probs_as_written))
         except Exception as e:  # noqa: BLE001 (a failing variant is reported)
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         out["kernel"].append(row)
@@ -179,11 +198,15 @@ def write_report(report: dict, out: Path) -> None:
                 if "error" in row:
                     lines.append(f"| sampler {label} | {case['group']} | | error: {row['error'][:120]} | | | | |")
                     continue
+                exact = row["vs_rounded_softmax"]
+                other = f"entropy abs {row['entropy_max_abs']:.2e}, probs equal {row['probs_equal']:.4f}"
+                other += (
+                    f" (rounded as written {exact['probs_equal']:.4f}, rel {exact['probs_max_rel_above_1e-6']:.2e})"
+                )
                 lines.append(
                     f"| sampler {label} | {case['group']} | {case['xla_ms_per_slot']:.3f} | "
                     f"{row['ms'] / case['group']:.3f} | {row['speedup']:.2f} | {row['argmax_equal']:.4f} | "
-                    f"{row['sample_equal']:.4f} | entropy abs {row['entropy_max_abs']:.2e}, probs equal "
-                    f"{row['probs_equal']:.4f}, rel {row['probs_max_rel_above_1e-6']:.2e} |"
+                    f"{row['sample_equal']:.4f} | {other} |"
                 )
         else:
             lines.append(
