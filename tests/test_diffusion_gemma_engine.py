@@ -273,6 +273,24 @@ def test_the_cached_canvas_path_recomputing_every_row_matches_the_reference(engi
         assert result.steps == passes, f"request {i}: denoising steps"
 
 
+def test_the_canvas_sampler_kernel_gives_the_reference_tokens(checkpoint, prompts, expected):
+    """The denoising stage by the canvas sampler kernel (interpret mode; the path backend "auto"
+    takes on an NVIDIA GPU): the same answers and denoising steps as the reference. One more
+    compiled loop than the shared engine's: the kernel changes the loop's program."""
+    from dllm_jax.runtime.kernel_routing import Kernels
+
+    kernel = Engine.from_pretrained(
+        str(checkpoint), dtype="float32", backend=Kernels(canvas_sampler=True), interpret=True
+    )
+    assert kernel.decode_loop(DECODE, WIDTH).kernel_sampler
+    sampling = [_sampling(seed, max_new, settings) for _, seed, max_new, settings in REQUESTS]
+    out = kernel.generate(prompts, sampling, decode_config=DECODE)
+    for i, (result, (tokens, passes)) in enumerate(zip(out.results, expected)):
+        assert result.token_ids == tokens, f"request {i}"
+        assert result.steps == passes, f"request {i}: denoising steps"
+    assert kernel.num_compilations == 1
+
+
 @pytest.mark.parametrize(
     "threshold, older_equal, confidence, ends",
     [

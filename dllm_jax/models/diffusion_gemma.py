@@ -57,6 +57,7 @@ from dllm_jax.models.layers import INIT, Linear
 from dllm_jax.models.quantization import quantize_params
 from pallas_kernels.attention.reference import dense_attention
 from pallas_kernels.projection.rope import apply_rope
+from pallas_kernels.sampling.inverse_cdf import soft_cap
 
 Weights = Any
 
@@ -256,6 +257,13 @@ def soft_embeddings(config: DiffusionGemmaConfig, params: Weights, logits: jax.A
     embedding table, times sqrt(D). logits [..., V] -> [..., D]."""
     table = params["embed_tokens"]["embedding"]
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(table.dtype)
+    return embed_probabilities(config, params, probs)
+
+
+def embed_probabilities(config: DiffusionGemmaConfig, params: Weights, probs: jax.Array) -> jax.Array:
+    """probs [..., V] in the model dtype (soft_embeddings' softmax, or the canvas sampler
+    kernel's) times the embedding table, times sqrt(D): [..., D] in the model dtype."""
+    table = params["embed_tokens"]["embedding"]
     return jnp.dot(probs, table, preferred_element_type=jnp.float32).astype(table.dtype) * _embed_scale(config)
 
 
@@ -264,13 +272,25 @@ def _embed_scale(config: DiffusionGemmaConfig) -> jax.Array:
     return jnp.asarray(np.float32(config.d_model**0.5), config.jnp_dtype)
 
 
-def final_logits(config: DiffusionGemmaConfig, params: Weights, h: jax.Array) -> jax.Array:
-    """Final norm, tied LM head (rounded to the model dtype) and soft-cap: [..., D] -> float32 [..., V]."""
+def head_logits(
+    config: DiffusionGemmaConfig, params: Weights, h: jax.Array, *, float32_result: bool = True
+) -> jax.Array:
+    """Final norm and the tied LM head, before the soft-cap: [..., D] -> [..., V] in the model dtype.
+
+    float32_result: the GEMM writes float32, then rounded to the model dtype (as transformers);
+    else it writes the model dtype itself (the same rounding of the same float32 accumulation
+    up to its order, and no separate conversion pass over [..., V]).
+    """
     x = rms_normalize(h, config.rms_norm_eps, params["norm"]["weight"])
     table = params["embed_tokens"]["embedding"]
-    logits = jnp.dot(x, table.T, preferred_element_type=jnp.float32).astype(table.dtype).astype(jnp.float32)
-    cap = jnp.float32(config.final_logit_softcap)
-    return jnp.tanh(logits / cap) * cap
+    if float32_result:
+        return jnp.dot(x, table.T, preferred_element_type=jnp.float32).astype(table.dtype)
+    return jnp.dot(x, table.T, preferred_element_type=table.dtype)
+
+
+def final_logits(config: DiffusionGemmaConfig, params: Weights, h: jax.Array) -> jax.Array:
+    """Final norm, tied LM head (rounded to the model dtype) and soft-cap: [..., D] -> float32 [..., V]."""
+    return soft_cap(head_logits(config, params, h).astype(jnp.float32), config.final_logit_softcap)
 
 
 def encode(

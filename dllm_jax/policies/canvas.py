@@ -46,6 +46,7 @@ from dllm_jax.policies.entropy_bound import (
     token_entropy,
 )
 from dllm_jax.runtime.canvas_forward import CanvasRows
+from dllm_jax.runtime.canvas_policy import StepStatistics
 from dllm_jax.runtime.canvas_slots import COMMIT, DENOISE, DONE, PREFILL, CanvasSlots
 
 
@@ -133,15 +134,32 @@ class CanvasPolicy:
         started = self._start_canvas(slot, index, jnp.where(prefilling, slot.prompt_len, following))
         return jax.tree_util.tree_map(lambda a, b: jnp.where(begins, a, b), started, slot.replace(start=following))
 
-    def denoise(self, slot: CanvasSlots, logits: jax.Array) -> tuple[CanvasSlots, jax.Array]:
-        L, p = self.canvas_length, slot.sampling
-        step = slot.denoise_step
-        processed = logits.astype(jnp.float32) / annealed_temperature(p.t_min, p.t_span, p.max_denoising_steps, step)
+    def _step_noise(self, slot: CanvasSlots) -> tuple[jax.Array, jax.Array]:
+        """The slot's denoising step's draws (step_noise at batch 1): uniforms float32 [1, L]
+        and renoising tokens int32 [1, L]."""
         key = canvas_key(self._request_key(slot), slot.canvas_index)
-        uniform, renoise = step_noise(key, step, 1, L, self.vocab_size)
-        drawn = sample(processed, uniform[0])
-        argmax = jnp.argmax(processed, axis=-1).astype(jnp.int32)
-        entropy = token_entropy(processed)
+        return step_noise(key, slot.denoise_step, 1, self.canvas_length, self.vocab_size)
+
+    def step_inputs(self, slot: CanvasSlots) -> tuple[jax.Array, jax.Array]:
+        p = slot.sampling
+        temperature = annealed_temperature(p.t_min, p.t_span, p.max_denoising_steps, slot.denoise_step)
+        uniform, _ = self._step_noise(slot)
+        return temperature, uniform[0]
+
+    def denoise(self, slot: CanvasSlots, logits: jax.Array) -> tuple[CanvasSlots, jax.Array]:
+        temperature, uniform = self.step_inputs(slot)
+        processed = logits.astype(jnp.float32) / temperature
+        statistics = StepStatistics(
+            argmax=jnp.argmax(processed, axis=-1).astype(jnp.int32),
+            entropy=token_entropy(processed),
+            drawn=sample(processed, uniform),
+        )
+        return self.denoise_with(slot, statistics), processed
+
+    def denoise_with(self, slot: CanvasSlots, statistics: StepStatistics) -> CanvasSlots:
+        p, step = slot.sampling, slot.denoise_step
+        argmax, entropy = statistics.argmax, statistics.entropy
+        _, renoise = self._step_noise(slot)
         accepted = entropy_bound_accept(entropy[None], p.entropy_bound)[0]
         # stable: equal to each of the last stability_threshold argmax canvases (vacuous for 0)
         compared = jnp.arange(self.max_stability) >= self.max_stability - p.stability_threshold
@@ -149,7 +167,7 @@ class CanvasPolicy:
         confident = jnp.mean(entropy) < p.confidence_threshold
         ends = (stable & confident) | (step + 1 >= p.max_denoising_steps)
         history = jnp.concatenate([slot.history[1:], argmax[None]]) if self.max_stability else slot.history
-        noisy = jnp.where(accepted, drawn, renoise[0])
+        noisy = jnp.where(accepted, statistics.drawn, renoise[0])
         stepped = slot.replace(
             noisy=noisy,
             changed=noisy != slot.noisy,
@@ -159,7 +177,7 @@ class CanvasPolicy:
             tokens=jax.lax.dynamic_update_slice(slot.tokens, argmax, (slot.start,)),
         )
         ended = self._end_canvas(stepped, argmax)
-        return jax.tree_util.tree_map(lambda a, b: jnp.where(ends, a, b), ended, stepped), processed
+        return jax.tree_util.tree_map(lambda a, b: jnp.where(ends, a, b), ended, stepped)
 
     def _end_canvas(self, slot: CanvasSlots, argmax: jax.Array) -> CanvasSlots:
         """The canvas's answer (argmax, pad after its first EOS) and the slot's next phase.

@@ -16,7 +16,8 @@ One denoising step, on the decoder's logits of the current canvas:
    row keeps its canvas, argmax and self-conditioning logits from then on.
 
 Randomness comes in explicitly (``step_noise``): one uniform per position for the sample (an
-inverse-CDF draw, ``sample``) and the renoising tokens. transformers draws with
+inverse-CDF draw, ``sample``, shared with the canvas sampler kernel from
+pallas_kernels.sampling.inverse_cdf) and the renoising tokens. transformers draws with
 ``torch.multinomial``; a Gumbel-max draw would need one random number per position and
 vocabulary entry (256 x 262144 per canvas at the 26B-A4B shape, the sampler's costliest kernel
 on the GPU), the inverse CDF needs one per position and a pass the softmax makes anyway.
@@ -25,11 +26,27 @@ on the GPU), the inverse CDF needs one per position and a pass the softmax makes
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
 from flax import struct
+
+from pallas_kernels.sampling.inverse_cdf import sample, token_entropy
+
+__all__ = [
+    "CanvasState",
+    "DenoiseSettings",
+    "annealed_temperature",
+    "canvas_key",
+    "denoise_update",
+    "entropy_bound_accept",
+    "initial_canvas",
+    "initial_state",
+    "sample",
+    "step_noise",
+    "step_temperature",
+    "token_entropy",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,12 +146,6 @@ def step_temperature(settings: DenoiseSettings, step: jax.Array | int) -> jax.Ar
     return annealed_temperature(settings.t_min, settings.t_max - settings.t_min, settings.max_denoising_steps, step)
 
 
-def token_entropy(logits: jax.Array) -> jax.Array:
-    """float32 [...]: the entropy of softmax(logits [..., V]) (natural log)."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
-
-
 def entropy_bound_accept(entropy: jax.Array, bound: float | jax.Array) -> jax.Array:
     """bool [B, L]: the positions accepted under the entropy bound (step 3 of the module doc).
 
@@ -146,49 +157,6 @@ def entropy_bound_accept(entropy: jax.Array, bound: float | jax.Array) -> jax.Ar
     # ascending order: the running max is the current value
     accepted_sorted = jnp.cumsum(ascending, axis=-1) - ascending <= bound
     return jnp.take_along_axis(accepted_sorted, jnp.argsort(order, axis=-1), axis=-1)
-
-
-def _block_size(vocab_size: int) -> int:
-    """The inverse-CDF search's block: the power of two nearest above sqrt(V) (512 for 262144),
-    so both levels of the search scan about sqrt(V) sums."""
-    return 1 << max(0, math.ceil(math.log2(vocab_size) / 2))
-
-
-def _first_above(cumulative: jax.Array, target: jax.Array, mass: jax.Array) -> jax.Array:
-    """int32 [...]: the first index of cumulative [..., N] (non-decreasing) above target [...]
-    (>= 0), at most the last index with mass [..., N] > 0 (rounding can put target past the
-    total). Entries without mass are never chosen: their cumulative equals the one before."""
-    n = cumulative.shape[-1]
-    first = jnp.sum(cumulative <= target[..., None], axis=-1)
-    last = n - 1 - jnp.argmax(jnp.flip(mass > 0, axis=-1), axis=-1)
-    return jnp.minimum(first, last).astype(jnp.int32)
-
-
-def sample(logits: jax.Array, uniform: jax.Array) -> jax.Array:
-    """int32 [...]: a draw from softmax(logits [..., V]) by its inverse CDF at uniform [...] in
-    [0, 1): the first token whose cumulative probability exceeds the uniform.
-
-    The cumulative sum is taken in two levels (blocks of _block_size tokens, then the chosen
-    block's tokens), so only [..., V / block] block sums and one block per row are scanned.
-    In: logits log([0.5, 0.25, 0.25]), uniform 0.6. Out: 1 (cumulative 0.5, 0.75, 1.0).
-    """
-    x = logits.astype(jnp.float32)
-    V = x.shape[-1]
-    block = _block_size(V)
-    pad = -V % block
-    if pad:
-        x = jnp.concatenate([x, jnp.full(x.shape[:-1] + (pad,), -jnp.inf, jnp.float32)], axis=-1)
-    x = x.reshape(x.shape[:-1] + (x.shape[-1] // block, block))
-    # unnormalized probabilities, the largest 1
-    weight = jnp.exp(x - jnp.max(x, axis=(-2, -1), keepdims=True))
-    block_mass = jnp.sum(weight, axis=-1)
-    block_cumulative = jnp.cumsum(block_mass, axis=-1)
-    target = uniform.astype(jnp.float32) * block_cumulative[..., -1]
-    chosen = _first_above(block_cumulative, target, block_mass)
-    before = jnp.take_along_axis(block_cumulative - block_mass, chosen[..., None], axis=-1)[..., 0]
-    within = jnp.take_along_axis(weight, chosen[..., None, None], axis=-2)[..., 0, :]
-    index = _first_above(jnp.cumsum(within, axis=-1), jnp.maximum(target - before, 0.0), within)
-    return chosen * block + index
 
 
 def denoise_update(

@@ -10,7 +10,10 @@ iteration advances every active slot by one pass of L rows (L = the canvas lengt
   3. the canvas slots' logits (the tied LM head over their L rows) go through the policy's
      denoising step, and their softmax becomes the next step's self-conditioning input; the
      vocabulary-wide float32 tensors of this stage are made for ``sampler_slots`` slots at a
-     time (``lax.map`` over groups of slots), so they stay within SAMPLER_BUDGET_BYTES;
+     time (``lax.map`` over groups of slots), so they stay within SAMPLER_BUDGET_BYTES; with
+     Kernels.canvas_sampler (``kernel_sampler``) the canvas sampler kernel computes the step's
+     statistics and the softmax from the LM head's model-dtype output instead (the policy's
+     ``step_inputs`` and ``denoise_with``);
   4. encoded slots move on (the next prompt chunk, or the next canvas);
   5. finished slots write their results and are refilled from the on-device request ring.
 Per-request values (t_min, t_max, entropy_bound, max_denoising_steps, stability_threshold,
@@ -45,7 +48,7 @@ from dllm_jax.models import diffusion_gemma as dg
 from dllm_jax.models.diffusion_gemma_config import DiffusionGemmaConfig
 from dllm_jax.runtime.canvas_cache import allocate_canvas_cache
 from dllm_jax.runtime.canvas_forward import canvas_forward
-from dllm_jax.runtime.canvas_policy import CanvasDecodePolicy
+from dllm_jax.runtime.canvas_policy import CanvasDecodePolicy, StepStatistics
 from dllm_jax.runtime.canvas_slots import DENOISE, CanvasSlots, empty_canvas_slots, install_canvas_request
 from dllm_jax.runtime.decode_loop import (
     DecodeState,
@@ -58,8 +61,18 @@ from dllm_jax.runtime.decode_loop import (
     run_while_work,
 )
 from dllm_jax.runtime.kernel_routing import Kernels, canvas_attention, grouped_gemm
-from dllm_jax.runtime.sharding import CACHE_ROWS, DATA, REPLICATED, SLOTS, axis_size, per_data_shard
+from dllm_jax.runtime.sharding import (
+    CACHE_ROWS,
+    DATA,
+    EXPERT,
+    REPLICATED,
+    SLOTS,
+    TENSOR,
+    axis_size,
+    per_data_shard,
+)
 from dllm_jax.runtime.slots import ERROR_NON_FINITE, ERROR_STEP_LIMIT, SlotSampling
+from pallas_kernels.sampling.canvas_sampler import canvas_sampler
 
 # Most bytes of the float32 [slots, L, V] tensors of the denoising stage alive at once: the
 # logits, the processed logits, their log-softmax and its exponent (the entropy), the sample's
@@ -165,6 +178,13 @@ class CanvasLoop:
 
     # ----- one iteration -----------------------------------------------------------------
 
+    @property
+    def kernel_sampler(self) -> bool:
+        """Whether the denoising stage runs the canvas sampler kernel (Kernels.canvas_sampler),
+        which needs every device to hold whole rows of logits: not under a tensor or expert axis
+        (GSPMD cannot split a kernel)."""
+        return self.kernels.canvas_sampler and axis_size(self.mesh, TENSOR) * axis_size(self.mesh, EXPERT) == 1
+
     def _denoise(self, weights, slots: CanvasSlots, hidden: jax.Array) -> tuple[CanvasSlots, jax.Array]:
         """Every slot's denoising step from its pass's last hidden rows [B, L, D], in groups of
         sampler_slots slots: the slots (with the new soft embeddings) and whether each one's
@@ -174,6 +194,8 @@ class CanvasLoop:
 
         def group(args):
             slots_g, hidden_g = args
+            if self.kernel_sampler:
+                return self._denoise_by_kernel(weights, slots_g, hidden_g)
             # float32 [g, L, V]
             logits = dg.final_logits(config, weights, hidden_g)
             finite = jnp.all(jnp.isfinite(logits), axis=(1, 2))
@@ -186,6 +208,31 @@ class CanvasLoop:
         grouped = jax.tree_util.tree_map(lambda x: x.reshape((B // g, g) + x.shape[1:]), (slots, hidden))
         out = jax.lax.map(group, grouped)
         return jax.tree_util.tree_map(lambda x: x.reshape((B,) + x.shape[2:]), out)
+
+    def _denoise_by_kernel(self, weights, slots: CanvasSlots, hidden: jax.Array) -> tuple[CanvasSlots, jax.Array]:
+        """_denoise's group of g slots by the canvas sampler kernel: the LM head writes the
+        model dtype, the kernel computes the policy's statistics and the self-conditioning
+        probabilities from it (the same math as the XLA path, summed in another order)."""
+        config = self.model
+        g, L = hidden.shape[:2]
+        # [g, L, V] in the model dtype, before the soft-cap
+        logits = dg.head_logits(config, weights, hidden, float32_result=False)
+        # float32 [g] and [g, L]
+        temperature, uniform = jax.vmap(self.policy.step_inputs)(slots)
+        out = canvas_sampler(
+            logits.reshape(g * L, -1),
+            jnp.repeat(temperature, L),
+            uniform.reshape(g * L),
+            softcap=config.final_logit_softcap,
+            interpret=self.kernels.interpret,
+        )
+        per_slot = lambda x: x.reshape((g, L) + x.shape[1:])  # noqa: E731
+        statistics = StepStatistics(
+            argmax=per_slot(out.argmax), entropy=per_slot(out.entropy), drawn=per_slot(out.sample)
+        )
+        stepped = jax.vmap(self.policy.denoise_with)(slots, statistics)
+        soft = dg.embed_probabilities(config, weights, per_slot(out.probs))
+        return stepped.replace(soft=soft.astype(config.jnp_dtype)), jnp.all(per_slot(out.finite), axis=1)
 
     def _cached_passes(
         self, weights, slots: CanvasSlots, cache, branch: jax.Array, any_sparse: jax.Array

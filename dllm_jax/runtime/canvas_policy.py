@@ -5,7 +5,11 @@ A policy is a frozen dataclass (hashable: static to jit). Its methods get ONE sl
 (dllm_jax.runtime.canvas_loop). Each iteration every active slot runs one pass of
 canvas_length rows: the policy says which (``rows``: a prompt chunk or a finished canvas to
 encode, or the canvas to denoise), then moves the slot on: after an encoder pass
-(``after_encoding``) or with the decoder's logits of its canvas (``denoise``).
+(``after_encoding``) or with the decoder's logits of its canvas (``denoise``). A loop whose
+kernel computes the step's statistics of the logits itself (Kernels.canvas_sampler) asks the
+policy for the step's temperature and uniforms (``step_inputs``) and moves the slot on with
+those statistics (``denoise_with``): ``denoise`` is ``denoise_with`` of the statistics it
+computes in jnp.
 """
 
 from __future__ import annotations
@@ -13,9 +17,22 @@ from __future__ import annotations
 from typing import Protocol
 
 import jax
+from flax import struct
 
 from dllm_jax.runtime.canvas_forward import CanvasRows
 from dllm_jax.runtime.canvas_slots import CanvasSlots
+
+
+@struct.dataclass
+class StepStatistics:
+    """A denoising step's statistics of one canvas's processed logits (its logits over the
+    step's temperature), per canvas row [L]: argmax int32 (the lowest index of the largest),
+    entropy float32 (of their softmax), drawn int32 (the inverse-CDF sample at the step's
+    uniform). With a batch axis under vmap."""
+
+    argmax: jax.Array
+    entropy: jax.Array
+    drawn: jax.Array
 
 
 class CanvasDecodePolicy(Protocol):
@@ -35,6 +52,14 @@ class CanvasDecodePolicy(Protocol):
         """One denoising step of a DENOISE slot from the decoder's logits float32 [L, V] of its
         canvas, with the slot's own sampling values: the slot, and the processed logits
         float32 [L, V] whose softmax is the next step's self-conditioning input."""
+
+    def step_inputs(self, slot: CanvasSlots) -> tuple[jax.Array, jax.Array]:
+        """The slot's denoising step's temperature float32 [] and its sample's uniforms float32
+        [L], what a kernel needs to compute the step's StepStatistics from the logits."""
+
+    def denoise_with(self, slot: CanvasSlots, statistics: StepStatistics) -> CanvasSlots:
+        """``denoise``'s step from the statistics of the processed logits (computed elsewhere,
+        from ``step_inputs``): the slot."""
 
     def finished(self, slot: CanvasSlots) -> jax.Array:
         """bool: the request in this slot is complete."""

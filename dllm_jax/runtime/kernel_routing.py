@@ -19,9 +19,11 @@ measured in the step: 0.998x at 32 slots and 1.037x at 8 of the XLA path's time,
 (pallas_kernels.matmul.grouped_matmul: XLA:GPU rewrites jax.lax.ragged_dot into a dense
 product with every expert; the kernel ran 9-40x faster at 26B-A4B's 1 and 8 slots' rows, and the
 step 23.5 / 74.6 / 260.5 ms against 177.5 / 1305 / out of memory at 1 / 8 / 32 slots, H200
-2026-12-03); on a TPU the Mosaic version of the
-attention kernel (never run on a real TPU: tested in interpret mode and lowered for TPU on
-the CPU); pure XLA elsewhere
+2026-12-03); DiffusionGemma's denoising stage by the canvas sampler kernel
+(pallas_kernels.sampling.canvas_sampler: about 4-5 ms of a 32-slot 26B-A4B step by its bytes
+against XLA's ~20 ms; not yet measured, scripts/gpu/canvas_sampler_kernel.py); on a TPU the
+Mosaic version of the attention kernel (never run on a real TPU: tested in interpret mode and
+lowered for TPU on the CPU); pure XLA elsewhere
 (CPUs, other GPUs), whose attention is chunked over keys (dllm_jax.runtime.chunked_attention).
 """
 
@@ -75,6 +77,11 @@ class Kernels:
     # the routed experts' grouped GEMMs (DiffusionGemma) by the Pallas grouped GEMM instead of
     # jax.lax.ragged_dot; not part of the name
     experts: bool = False
+    # DiffusionGemma's denoising stage (argmax, entropy, the inverse-CDF sample, the finite
+    # check and the self-conditioning softmax of each canvas row) by the canvas sampler kernel
+    # (pallas_kernels.sampling.canvas_sampler: two reads of the LM head's model-dtype output and
+    # one write, instead of XLA's float32 copies and about seven passes); not part of the name
+    canvas_sampler: bool = False
     # fp8 models: each projection's input quantized once, in the epilogue of its producer (the
     # RMSNorms before q/k/v and gate/up, SwiGLU before down: layers.Fp8Producers) instead of
     # by XLA before every GEMM (pass_producers()); changes nothing for other models, so not part
@@ -135,9 +142,11 @@ def _backend_kernels(backend: str | Kernels, interpret: bool) -> Kernels:
         # the only kernel with a TPU version
         return Kernels(attention=True, mosaic=True, interpret=interpret)
     if backend == "pallas":
-        return Kernels(qkv=True, attention=True, top_p_top_k=True, experts=True, interpret=interpret)
+        return Kernels(
+            qkv=True, attention=True, top_p_top_k=True, experts=True, canvas_sampler=True, interpret=interpret
+        )
     if backend == "auto" and platform.on_nvidia_gpu():
-        return Kernels(attention=True, scatter=True, top_p_top_k=True, experts=True)
+        return Kernels(attention=True, scatter=True, top_p_top_k=True, experts=True, canvas_sampler=True)
     return Kernels()
 
 
