@@ -182,11 +182,17 @@ def canvas_cache_attention_pallas(
     return (out, scores) if score_rows is not None else out
 
 
-def canvas_attention_fn(implementation: str):
+# The widest heads the kernel takes: on the H200 (scripts/gpu/canvas_attention.py, 2026-12-03,
+# BENCHMARKS.md) a 26B-A4B sliding layer (Dh 256) ran 2.7-3.2x faster than XLA's chunked
+# softmax at 8 and 32 slots, a full layer (Dh 512) 0.71-1.03x, so wider heads stay on XLA.
+KERNEL_MAX_HEAD_DIM = 256
+
+
+def canvas_attention_fn(implementation: str, head_dim: int | None = None):
     """The canvas attention an implementation name (CANVAS_ATTENTIONS) stands for, called as
-    ``canvas_cache_attention``."""
+    ``canvas_cache_attention``; XLA's for heads wider than KERNEL_MAX_HEAD_DIM."""
     if implementation not in CANVAS_ATTENTIONS:
         raise ValueError(f"implementation={implementation!r}: expected one of {CANVAS_ATTENTIONS}")
-    if implementation == "xla":
+    if implementation == "xla" or (head_dim or 0) > KERNEL_MAX_HEAD_DIM:
         return canvas_cache_attention
     return functools.partial(canvas_cache_attention_pallas, interpret=implementation == "interpret")

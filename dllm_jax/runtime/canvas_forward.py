@@ -139,7 +139,12 @@ def canvas_forward(
     targets = jnp.where(written, slots[:, None] * max_len + rows.positions, cache_rows)
     encoder = ~rows.decoder[:, None, None]
     expert_mlp = sharded_expert_mlp(mesh, grouped_gemm)
-    attend = canvas_attention_fn(attention)
+    attends = {
+        kind: canvas_attention_fn(
+            attention, config.full_head_dim if kind is AttentionKind.FULL else config.sliding_head_dim
+        )
+        for kind in set(config.layer_types)
+    }
     keys, values = dict(cache.keys), dict(cache.values)
     for layer in range(config.n_layers):
         kind = config.layer_types[layer]
@@ -152,7 +157,7 @@ def canvas_forward(
         values[name] = values[name].at[j, targets].set(v.reshape(S, R, -1), mode="drop")
         key_start, own_mask = windows[kind]
         scored = score_rows if layer >= SCORE_START_LAYER else None
-        attn = attend(
+        attn = attends[kind](
             q,
             keys[name],
             values[name],
