@@ -273,16 +273,17 @@ def test_the_cached_canvas_path_recomputing_every_row_matches_the_reference(engi
         assert result.steps == passes, f"request {i}: denoising steps"
 
 
-def test_the_canvas_sampler_kernel_gives_the_reference_tokens(checkpoint, prompts, expected):
-    """The denoising stage by the canvas sampler kernel (interpret mode; the path backend "auto"
-    takes on an NVIDIA GPU): the same answers and denoising steps as the reference. One more
-    compiled loop than the shared engine's: the kernel changes the loop's program."""
-    from dllm_jax.runtime.kernel_routing import Kernels
-
+def test_the_gpu_kernels_give_the_reference_tokens(checkpoint, prompts, expected):
+    """The canvas loop as backend "auto" runs it on an NVIDIA GPU, in interpret mode: the
+    attention by the Triton cache-attention kernel (encoder chunks: causal own rows and a
+    sliding window per row; canvases: all own rows) and the denoising stage by the canvas
+    sampler kernel; the same answers and denoising steps as the reference. One more compiled
+    loop than the shared engine's (the kernels change the loop's program); each kernel alone
+    against its reference: tests/test_canvas_attention.py, tests/test_canvas_sampler.py."""
     kernel = Engine.from_pretrained(
-        str(checkpoint), dtype="float32", backend=Kernels(canvas_sampler=True), interpret=True
+        str(checkpoint), dtype="float32", backend=Kernels(attention=True, canvas_sampler=True), interpret=True
     )
-    assert kernel.decode_loop(DECODE, WIDTH).kernel_sampler
+    assert kernel.decode_loop(DECODE, WIDTH).kernel_sampler and canvas_attention(kernel.kernels) == "interpret"
     sampling = [_sampling(seed, max_new, settings) for _, seed, max_new, settings in REQUESTS]
     out = kernel.generate(prompts, sampling, decode_config=DECODE)
     for i, (result, (tokens, passes)) in enumerate(zip(out.results, expected)):
@@ -329,20 +330,6 @@ def test_a_canvas_ends_when_its_argmax_repeats_the_last_steps_with_confidence(th
     stepped, _ = policy.denoise(slot, logits)
     assert int(stepped.phase) == (COMMIT if ends else DENOISE)
     np.testing.assert_array_equal(stepped.history[-1], argmax)
-
-
-def test_the_canvas_attention_kernel_gives_the_xla_paths_answers(engine, prompts, answers):
-    # The attention as the Triton cache-attention kernel (interpret mode) in the default canvas
-    # loop: encoder chunks (causal own rows, a sliding window per row) and canvases (all own
-    # rows) through the kernel. One more compiled loop, the default path's (the cached canvas
-    # path's scores and own-row masks are covered by tests/test_canvas_attention.py).
-    kernel = Engine(engine.config, engine.weights, engine.tokenizer, backend=Kernels(attention=True), interpret=True)
-    assert canvas_attention(kernel.kernels) == "interpret"
-    sampling = [_sampling(seed, max_new, settings) for _, seed, max_new, settings in REQUESTS]
-    out = kernel.generate(prompts, sampling, decode_config=DECODE)
-    for i, (result, expected) in enumerate(zip(out.results, answers.results)):
-        assert result.token_ids == expected.token_ids, f"request {i}"
-        assert result.steps == expected.steps, f"request {i}: denoising steps"
 
 
 def test_a_sparse_step_recomputes_new_samples_then_renoised_rows_then_the_most_attended():
