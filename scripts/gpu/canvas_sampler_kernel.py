@@ -51,7 +51,9 @@ import numpy as np  # noqa: E402
 from dllm_jax.models.diffusion_gemma_config import diffusion_gemma_26b_a4b_config  # noqa: E402
 from dllm_jax.policies.canvas import CanvasPolicy  # noqa: E402
 from dllm_jax.runtime.canvas_loop import CanvasLoop  # noqa: E402
+from dllm_jax.runtime.canvas_slots import DENOISE, empty_canvas_slots  # noqa: E402
 from dllm_jax.runtime.kernel_routing import Kernels  # noqa: E402
+from dllm_jax.runtime.slots import zero_sampling  # noqa: E402
 from pallas_kernels.sampling.canvas_sampler import (  # noqa: E402
     SamplerBlockSizes,
     canvas_sampler,
@@ -59,12 +61,33 @@ from pallas_kernels.sampling.canvas_sampler import (  # noqa: E402
     default_sampler_block_sizes,
 )
 from pallas_kernels.sampling.inverse_cdf import soft_cap  # noqa: E402
-from scripts.gpu.canvas_sampler import denoise_slots, timed  # noqa: E402
+from scripts.gpu.canvas_sampler import timed  # noqa: E402
 
 # block-size variants timed besides the default: (block_v, num_splits, num_warps, num_stages;
 # None: the default's splits). 512 = one inverse-CDF block per chunk, whose block sum needs no
 # [block_v] -> [block_v / 512, 512] reshape in the kernel.
 VARIANTS = ((2048, None, 4, 2), (8192, None, 8, 2), (4096, 1, 8, 3), (4096, 4, 8, 2), (512, None, 4, 3))
+
+
+def denoise_slots(group: int, rows: int, d_model: int):
+    """`group` slots denoising step 3 of 16 of their first canvas."""
+    slots = empty_canvas_slots(group, 2 * rows, rows, 1, d_model, jnp.bfloat16)
+    sampling = zero_sampling((group,)).replace(
+        t_min=jnp.full((group,), 0.4, jnp.float32),
+        t_span=jnp.full((group,), 0.4, jnp.float32),
+        max_denoising_steps=jnp.full((group,), 16, jnp.int32),
+        entropy_bound=jnp.full((group,), 0.1, jnp.float32),
+        stability_threshold=jnp.ones((group,), jnp.int32),
+        confidence_threshold=jnp.full((group,), 0.005, jnp.float32),
+        seed=jnp.arange(group, dtype=jnp.int32),
+    )
+    return slots.replace(
+        active=jnp.ones((group,), bool),
+        phase=jnp.full((group,), DENOISE, jnp.int32),
+        denoise_step=jnp.full((group,), 3, jnp.int32),
+        gen_end=jnp.full((group,), 2 * rows, jnp.int32),
+        sampling=sampling,
+    )
 
 
 def sampler_inputs(rows: int, vocab: int, seed: int = 0):
