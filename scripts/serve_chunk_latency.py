@@ -42,6 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from scripts.load_test import percentile  # noqa: E402
 from tests.fake_session import FakeSession, ThreadedServer  # noqa: E402
 
 
@@ -84,11 +85,6 @@ class SampleRecorder:
             key = next((k for k in steps if abs(k - received) < 1e-6), received)
             steps.setdefault(key, []).append(cpu)
         return [(len(c), max(c) - min(c)) for c in steps.values()]
-
-
-def percentile(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))]
 
 
 def burst_summary(bursts: list[tuple[int, float]]) -> dict:

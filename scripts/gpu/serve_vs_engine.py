@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib.util
 import json
 import math
@@ -73,6 +74,7 @@ from dllm_jax.models.config import ModelConfig, llada_8b_config  # noqa: E402
 from dllm_jax.models.transformer import init_params, init_params_per_layer  # noqa: E402
 from dllm_jax.sampling.params import SamplingParams  # noqa: E402
 from dllm_jax.serve.assemble import ServeOptions, assemble, decode_config, request_defaults  # noqa: E402
+from scripts.load_test import percentile  # noqa: E402
 
 METHOD = "flash_cache"
 
@@ -233,16 +235,16 @@ class ExactSamples:
 
     def summary(self, start: int) -> dict:
         """Mean, p50, p99 and max in seconds of the values observed since index `start`."""
-        values = sorted(self.values[start:])
+        values = self.values[start:]
         if not values:
             return {"count": 0}
-        at = lambda q: values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))]  # noqa: E731
+        at = functools.partial(percentile, values)
         return {
             "count": len(values),
             "mean_s": statistics.fmean(values),
             "p50_s": at(0.5),
             "p99_s": at(0.99),
-            "max_s": values[-1],
+            "max_s": max(values),
         }
 
 
