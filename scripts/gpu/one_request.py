@@ -14,10 +14,12 @@ starting new work once --budget-s is spent):
            subprocess each, a small while loop with a conditional) and as compile options.
   steps    the 1-slot flash_cache step at LLaDA-8B shape (random weights, as scripts/bench.py
            builds them) in bf16, with int8 weights through XLA and through the kernel (as
-           quantized_matmul routes it, or at every pass up to 1024 rows), bf16 with command
-           buffers (compile options); the first full pass (640 positions) of the first
-           request and again later, against its FLOP floor, also without the engine's
-           zero-iteration first execution ("cold": the first run of a fresh executable);
+           quantized_matmul routes it, or at every pass up to 1024 rows), each with the
+           engine's compiler options (whole-loop command buffers on NVIDIA GPUs) or without
+           command buffers ("nocmdbuf"); the first full pass (640 positions) of the first
+           request and later ones (the median of LATER_PASSES), against its FLOP floor, also
+           without the engine's zero-iteration first execution ("cold": the first run of a
+           fresh executable);
            kernels per step, device-busy time and launch gaps (untraced wall time less the
            busy time) from a jax.profiler trace of a few steps and of one full pass.
   env      the bf16 1-slot step with command buffers set through XLA_FLAGS, in a subprocess
@@ -47,6 +49,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import dllm_jax.models.quantization as quantization  # noqa: E402
 from dllm_jax.common.atomic_write import write_text_atomically  # noqa: E402
+from dllm_jax.runtime.compiler_options import default_compiler_options  # noqa: E402
 from pallas_kernels.matmul import weight_only_matmul as wo  # noqa: E402
 
 # XLA command-buffer settings tried; the while loop and conditionals of the decode loop only
@@ -55,6 +58,8 @@ COMMAND_BUFFERS = {
     "default+while+cond": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
     "relative +while+cond": "+WHILE,+CONDITIONAL",
 }
+# later full passes timed (one-iteration calls on fresh states; their median is reported)
+LATER_PASSES = 5
 # the projections' [K, N] and the LM head's, with the row counts they see (1 and 8 slots)
 SHAPES = {
     "qkvo 4096x4096": (4096, 4096, (128, 1024)),
@@ -328,10 +333,14 @@ def step_variant(report: Report, label: str, engine, cost, ceilings: dict, profi
         samples.append((time.perf_counter() - start) / 8)
     row["step_ms"] = 1e3 * statistics.median(samples)
     row["step_samples_ms"] = [round(1e3 * s, 3) for s in samples]
-    fresh = jax.block_until_ready(initial_state(compiled, prompts, schedule_sampling("flash_cache", "one")))
-    start = time.perf_counter()
-    fresh = jax.block_until_ready(compiled.run(weights, fresh, 1))
-    row["later_pass_ms"] = 1e3 * (time.perf_counter() - start)
+    passes = []
+    for _ in range(LATER_PASSES):
+        fresh = jax.block_until_ready(initial_state(compiled, prompts, schedule_sampling("flash_cache", "one")))
+        start = time.perf_counter()
+        jax.block_until_ready(compiled.run(weights, fresh, 1))
+        passes.append(time.perf_counter() - start)
+    row["later_pass_ms"] = 1e3 * statistics.median(passes)
+    row["later_pass_samples_ms"] = [round(1e3 * s, 3) for s in passes]
     key_len = 640
     rows = 128
     step_flops = cost.pass_flops(rows, key_len, WINDOW)
@@ -388,19 +397,18 @@ def steps_part(report: Report, tiny: bool, variants: list[str], profile: bool) -
     if any(v.startswith("int8") for v in variants):
         params["int8-weights"] = jax.block_until_ready(quantize_on_device(params["none"], "int8-weights"))
     report.add("steps_setup", {"init_s": time.perf_counter() - start})
-    cmdbuf = {
-        "xla_gpu_enable_command_buffer": COMMAND_BUFFERS["default+while+cond"],
-        "xla_enable_command_buffers_during_profiling": True,
-    }
     for variant in variants:
         if report.over_budget():
             report.add("steps", {"variant": variant, "skipped": "budget"})
             continue
         mode = "int8-weights" if variant.startswith("int8") else "none"
         q_config = dataclasses.replace(config, quantization=mode)
-        options = dict(quantization.compiler_options(mode))
-        if "cmdbuf" in variant:
-            options.update(cmdbuf)
+        # the engine's own options (whole-loop command buffers on NVIDIA GPUs), traced as they run
+        options = default_compiler_options(mode)
+        if "nocmdbuf" in variant:
+            options.pop("xla_gpu_enable_command_buffer", None)
+        elif "xla_gpu_enable_command_buffer" in options:
+            options["xla_enable_command_buffers_during_profiling"] = True
         routed = quantization.WEIGHT_ONLY_MAX_ROWS
         limit = 1024 if "kernel 1024" in variant else routed if "kernel" in variant else 0
         first_execution = engine_module._first_execution
@@ -519,7 +527,8 @@ def main(argv=None) -> int:
         nargs="+",
         default=["bf16 cold", "bf16", "int8 xla", "int8 kernel"],
         help="1-slot step variants: bf16 | int8 xla | int8 kernel | int8 kernel 1024, each optionally + "
-        "' cmdbuf' (command buffers) / ' cold' (no zero-iteration first execution at compile time)",
+        "' nocmdbuf' (without the engine's default whole-loop command buffers) / ' cold' (no zero-iteration "
+        "first execution at compile time)",
     )
     p.add_argument("--sweep", action="store_true", help="time every tiling of sweep_configs, not only the default")
     p.add_argument(
