@@ -5,6 +5,9 @@
     (add --backend pallas to run the Pallas kernels, the grouped GEMM included, in interpret mode on the CPU)
     PYTHONPATH=. python scripts/gpu/diffusion_gemma_engine.py --quantization fp8 --transformers-s 0 --out OUT
 
+--xla-option KEY=VALUE (repeatable): an XLA option over the engine's defaults for every loop (e.g.
+xla_allow_excess_precision=false), kept in the report's compiler_options.
+
 --quantization fp8 / int8-weights: the random bf16 weights quantized on the device, layer by layer
 (dllm_jax.models.quantization: the projections and the experts in 8 bits), and the engine run on
 them (fp8 with the quantization's compiler options); the weight floor counts their bytes, the
@@ -515,6 +518,19 @@ def watchdog(seconds: float, out: Path, report: dict) -> threading.Timer:
     return timer
 
 
+def xla_option(text: str) -> tuple[str, bool | int | str]:
+    """--xla-option's KEY=VALUE: the value as a bool (true/false), an int, or the string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected KEY=VALUE")
+    if value.lower() in ("true", "false"):
+        return key, value.lower() == "true"
+    try:
+        return key, int(value)
+    except ValueError:
+        return key, value
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="tiny shapes on any device (a smoke test)")
@@ -536,6 +552,15 @@ def main(argv=None) -> int:
     p.add_argument("--compile-threads", type=int, default=3, help="step loops compiled side by side (1: in turn)")
     p.add_argument("--quantization", choices=QUANTIZATIONS, default="none", help="8-bit weights (made from bf16 ones)")
     p.add_argument("--backend", default="auto", help="the engine's backend (auto: the Pallas grouped GEMM on a GPU)")
+    p.add_argument(
+        "--xla-option",
+        dest="xla_options",
+        type=xla_option,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an XLA option the loops are compiled with, over the engine's defaults (repeatable; true/false/ints parsed)",
+    )
     p.add_argument("--transformers-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     began = time.perf_counter()
@@ -558,6 +583,7 @@ def main(argv=None) -> int:
         write(args.out, report)
 
     from dllm_jax.engine.engine import Engine
+    from dllm_jax.runtime.compiler_options import default_compiler_options
 
     report.update(device=str(jax.devices()[0].device_kind), jax=jax.__version__)
     report["ceilings"] = ceilings(args.tiny)
@@ -574,9 +600,18 @@ def main(argv=None) -> int:
     # one full-pass variant (all slots) for the cached-canvas loops: the exact loop has no other
     # off a GPU the kernels run in interpret mode (the CPU smoke: --tiny --backend pallas)
     interpret = jax.devices()[0].platform != "gpu"
+    options = {**default_compiler_options(config.quantization), **dict(args.xla_options)}
     engine = Engine(
-        config, weights, None, backend=args.backend, interpret=interpret, unroll_layers=True, full_pass_lanes=()
+        config,
+        weights,
+        None,
+        backend=args.backend,
+        interpret=interpret,
+        unroll_layers=True,
+        full_pass_lanes=(),
+        compiler_options=options,
     )
+    report["compiler_options"] = options
     report["backend"] = engine.backend + (" +experts" if engine.kernels.experts else "")
     rows = {
         slots: {"slots": slots, **floors(config, slots, args.prompt, report["ceilings"])} for slots in args.slots_counts
