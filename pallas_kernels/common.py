@@ -6,6 +6,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental.pallas import triton as plgpu
 
@@ -47,6 +48,32 @@ def dividing_block(name: str, size: int, most: int, kernel: str) -> int:
 def dot_t(a: jax.Array, b: jax.Array) -> jax.Array:
     """a [M, K] . b [N, K]^T -> float32 [M, N] (q . k^T of a tile, without a transpose)."""
     return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def gelu_tanh(x: jax.Array, dtype: Any) -> jax.Array:
+    """jax.nn.gelu(x, approximate=True) on `dtype` values, as XLA computes it, in float32 registers.
+
+        gelu(x) = x * 0.5 * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x^3)))
+
+    x: float32 values of `dtype` (bf16 / f16 / f32). As jnp does on `dtype` arrays, the constants
+    are `dtype` values (bf16: sqrt(2 / pi) = 0.796875, 0.044715 -> 0.0446777) and every operation's
+    result is rounded to `dtype` (XLA's CPU backend upcasts each bf16 op and rounds it back;
+    XLA:GPU on Hopper multiplies and adds bf16 natively and upcasts tanh alone: the same values);
+    x^3 is x * (x * x), as lax.integer_pow. Returns float32 values of `dtype` (for float32 x this
+    is jax.nn.gelu itself; tests/test_grouped_matmul.py holds it equal to the model's gelu_tanh).
+    """
+    dtype = jnp.dtype(dtype)
+
+    def rounded(v):
+        return v if dtype == jnp.float32 else v.astype(dtype).astype(jnp.float32)
+
+    def constant(value: float) -> float:
+        return float(np.asarray(value, np.float64).astype(dtype))
+
+    cube = rounded(x * rounded(x * x))
+    inner = rounded(constant(np.sqrt(2 / np.pi)) * rounded(x + rounded(constant(0.044715) * cube)))
+    cdf = rounded(0.5 * rounded(1.0 + rounded(jnp.tanh(inner))))
+    return rounded(x * cdf)
 
 
 def pad_rows(x: jax.Array, multiple: int) -> jax.Array:

@@ -19,16 +19,21 @@ import dllm_jax.common.platform
 from dllm_jax.models import diffusion_gemma as dg
 from dllm_jax.models.diffusion_gemma_config import AttentionKind, DiffusionGemmaConfig, RopeSettings
 from dllm_jax.models.experts import expert_mlp_with, grouped_expert_mlp, routed_sum
+from dllm_jax.models.gemma_layers import gelu_tanh
 from dllm_jax.models.quantization import quantize_experts
 from dllm_jax.runtime.decode_config import DecodeConfig
 from dllm_jax.runtime.expert_sharding import sharded_expert_mlp
 from dllm_jax.runtime.kernel_routing import Kernels, grouped_gemm, resolve_kernels
 from dllm_jax.runtime.sharding import EXPERT_ROWS, parse_mesh
 from dllm_jax.runtime.slots import zero_sampling
+from pallas_kernels.common import gelu_tanh as kernel_gelu_tanh
 from pallas_kernels.matmul.grouped_matmul import (
     GroupedMatmulBlockSizes,
+    default_gated_block_sizes,
     default_grouped_block_sizes,
     grouped_matmul,
+    grouped_matmul_gated,
+    grouped_matmul_gated_reference,
     grouped_matmul_reference,
     tile_map,
 )
@@ -209,6 +214,136 @@ def test_lowers_for_cuda_at_26b_a4b_shapes(kind, rows):
     text = lower_for_cuda(gathered, *args, S((rows,), jnp.int32))
     # no [rows, 2816] copy of the gathered rows outside the kernel
     assert text.count(TRITON) == 1 and f"tensor<{rows}x2816x" not in text
+
+
+# ----- the gated kernel: gelu(gate) * up in the epilogue ------------------------------------------
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_the_kernels_activation_is_the_models_gelu_tanh_bit_for_bit(dtype):
+    """common.gelu_tanh on float32 registers holding dtype values equals the model's gelu_tanh
+    (jax.nn.gelu on dtype arrays, jitted: XLA rounds every op): every finite bf16 / f16 value,
+    random float32 ones."""
+    if jnp.dtype(dtype).itemsize == 2:
+        x = jnp.asarray(np.arange(1 << 16, dtype=np.uint16).view(jnp.dtype(dtype)))
+        x = x[jnp.isfinite(x)]
+    else:
+        x = jnp.asarray(np.random.default_rng().standard_normal(1 << 16) * 6, jnp.float32)
+    want = np.asarray(jax.jit(gelu_tanh)(x), np.float32)
+    got = np.asarray(jax.jit(lambda v: kernel_gelu_tanh(v.astype(jnp.float32), dtype).astype(dtype))(x), np.float32)
+    same = (got == want) | (np.isnan(got) & np.isnan(want))
+    assert same.all(), f"{np.sum(~same)} of {x.size} differ, e.g. x={np.asarray(x[~same][:4], np.float32)}"
+
+
+def unfused(x, w, sizes, w_scale, x_scale, **run):
+    """The gated product as the experts ran it before: the plain kernel's [M, 2F] rounded to
+    out_dtype, then jax.nn.gelu(gate) * up in XLA (jitted)."""
+    y = grouped_matmul(x, w, sizes, w_scale, x_scale, **run)
+    f = w.shape[1] // 2
+    return jax.jit(lambda y: gelu_tanh(y[:, :f]) * y[:, f:])(y)
+
+
+@pytest.mark.parametrize(
+    "m, f, k, groups, kind, routing, blocks",
+    [
+        (40, 32, 48, 4, "bf16", "spread", GroupedMatmulBlockSizes(16, 16, 16)),  # tiles across group edges
+        (70, 48, 64, 5, "bf16", "tail", GroupedMatmulBlockSizes(16, 32, 32)),  # 32 columns of F = 48: a window
+        (37, 32, 32, 4, "f32", "one", GroupedMatmulBlockSizes(32, 32, 16)),  # every row to one group
+        (70, 32, 64, 5, "int8", "spread", GroupedMatmulBlockSizes(16, 16, 32)),
+        (50, 48, 64, 4, "fp8", "tail", GroupedMatmulBlockSizes(16, 32, 32)),
+        (9, 16, 16, 3, "bf16", "spread", None),  # default tiling, fewer rows than a tile (padded)
+    ],
+)
+def test_the_gated_kernel_equals_the_plain_kernel_then_xlas_gelu_times_up(m, f, k, groups, kind, routing, blocks):
+    """Fresh random inputs, interpret mode: bit for bit the plain kernel of the same tiling
+    followed by XLA's gelu(gate) * up on its rounded product (the rounding points are the unfused
+    path's), close to the ragged_dot reference; with fill_tail=False the rows past
+    sum(group_sizes) stay interpret mode's NaN (no program stored them) and every other row is
+    written; with fill_tail they are zeros."""
+    rng = np.random.default_rng()
+    x, w, sizes, w_scale, x_scale = random_case(rng, m, 2 * f, k, groups, kind, routing)
+    out_dtype = jnp.float32 if kind == "f32" else jnp.bfloat16
+    run = dict(out_dtype=out_dtype, interpret=True, block_sizes=blocks)
+    got = np.asarray(grouped_matmul_gated(x, w, sizes, w_scale, x_scale, fill_tail=False, **run), np.float32)
+    tail = int(jnp.sum(sizes))
+    assert got.shape == (m, f)
+    assert np.isfinite(got[:tail]).all(), "a row of a group was not written"
+    assert np.isnan(got[tail:]).all(), "a row in no group was written"
+    before = np.asarray(unfused(x, w, sizes, w_scale, x_scale, **run), np.float32)
+    np.testing.assert_array_equal(got[:tail], before[:tail])
+    want = grouped_matmul_gated_reference(x, w, sizes, w_scale, x_scale, out_dtype=out_dtype)
+    assert_close(got[:tail], want[:tail], out_dtype, f"gated grouped GEMM {kind}")
+    filled = grouped_matmul_gated(x, w, sizes, w_scale, x_scale, **run)
+    np.testing.assert_array_equal(np.asarray(filled, np.float32), np.concatenate([got[:tail], np.zeros((m - tail, f))]))
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+def test_the_gated_kernel_gathers_its_rows(kind):
+    """Sorted rows picked from token rows by row_index (each ~2.5 times), 8-bit scales per
+    sorted row: bit for bit the kernel on the copied rows, and close to the reference."""
+    rng = np.random.default_rng()
+    x, w, _, w_scale, _ = random_case(rng, 24, 64, 64, 4, kind, "spread")
+    m = 60
+    index = jnp.asarray(rng.integers(0, 24, m), jnp.int32)
+    sizes = jnp.asarray(group_sizes(rng, m, 4, "tail"))
+    x_scale = jnp.asarray(rng.uniform(0.5, 2.0, m), jnp.float32) if kind == "fp8" else None
+    run = dict(out_dtype=jnp.bfloat16, interpret=True, block_sizes=GroupedMatmulBlockSizes(16, 32, 32))
+    got = grouped_matmul_gated(x, w, sizes, w_scale, x_scale, row_index=index, **run)
+    np.testing.assert_array_equal(
+        np.asarray(got), np.asarray(grouped_matmul_gated(x[index], w, sizes, w_scale, x_scale, **run))
+    )
+    want = grouped_matmul_gated_reference(x, w, sizes, w_scale, x_scale, out_dtype=jnp.bfloat16, row_index=index)
+    assert_close(got, want, jnp.bfloat16, f"gathered gated grouped GEMM {kind}")
+
+
+@pytest.mark.unit
+def test_the_gated_kernel_names_what_it_does_not_take():
+    x, sizes = jnp.zeros((8, 32)), jnp.array([4, 4])
+    with pytest.raises(ValueError, match="2F must be a multiple of 32"):
+        grouped_matmul_gated(x, jnp.zeros((2, 48, 32)), sizes)  # F = 24
+    with pytest.raises(ValueError, match="block_n=64 must be at most F=32"):
+        grouped_matmul_gated(x, jnp.zeros((2, 64, 32)), sizes, block_sizes=GroupedMatmulBlockSizes(16, 64, 16))
+    with pytest.raises(ValueError, match="w_scale is needed"):
+        grouped_matmul_gated(x, jnp.zeros((2, 64, 32), jnp.int8), sizes)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("slots, tile", [(1, (32, 64)), (8, (128, 64)), (32, (128, 64))])
+def test_the_gated_default_tiling_is_the_plain_ones_with_half_the_columns(slots, tile):
+    """26B-A4B's gate/up (F = 704, K = 2816): the plain kernel's 128 columns of the [M, 1408]
+    product become 64 of the gate's and 64 of the up's."""
+    blocks = default_gated_block_sizes(slots * 256 * 8, 704, 2816, 128)
+    plain = default_grouped_block_sizes(slots * 256 * 8, 1408, 2816, 128)
+    assert (blocks.block_m, blocks.block_n) == tile and blocks.block_n * 2 == plain.block_n
+    assert (blocks.block_k, blocks.num_warps, blocks.num_stages) == (plain.block_k, plain.num_warps, plain.num_stages)
+
+
+@pytest.mark.parametrize(
+    "kind, rows, blocks",
+    [
+        ("bf16", 2048, None),
+        ("int8", 65536, None),
+        ("fp8", 16384, None),
+        ("bf16", 65536, GroupedMatmulBlockSizes(128, 128, 64, 8, 3)),  # 704 = 5.5 x 128: the column window
+    ],
+)
+def test_the_gated_kernel_lowers_for_cuda_at_26b_a4b_shapes(kind, rows, blocks):
+    """gate/up of 128 experts (2816 -> 2 x 704) as the experts run it: the token rows gathered,
+    one Triton call writing [rows, 704], and no [rows, 1408] product anywhere."""
+    S = jax.ShapeDtypeStruct
+    x_dtype = FP8 if kind == "fp8" else jnp.bfloat16
+    w_dtype = {"bf16": jnp.bfloat16, "int8": jnp.int8, "fp8": FP8}[kind]
+    args = [S((rows // 8, 2816), x_dtype), S((128, 1408, 2816), w_dtype), S((128,), jnp.int32)]
+    args += [S((128, 1408), jnp.float32)] * (kind != "bf16") + [S((rows,), jnp.float32)] * (kind == "fp8")
+    gated = jax.jit(
+        lambda *a: grouped_matmul_gated(
+            *a[:-1], out_dtype=jnp.bfloat16, fill_tail=False, block_sizes=blocks, row_index=a[-1]
+        )
+    )
+    text = lower_for_cuda(gated, *args, S((rows,), jnp.int32))
+    assert text.count(TRITON) == 1 and f"tensor<{rows}x704xbf16>" in text
+    assert f"tensor<{rows}x1408x" not in text and f"tensor<{rows}x2816x" not in text
 
 
 # ----- the routed experts through the kernel ----------------------------------------------------

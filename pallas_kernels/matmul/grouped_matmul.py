@@ -35,9 +35,15 @@ Tail rows (past sum(group_sizes)): written as zeros with fill_tail=True (ragged_
 with fill_tail=False left unwritten, for callers that mask them anyway (an expert-parallel
 device's rows for other devices' experts: they then cost nothing).
 
+Gated (grouped_matmul_gated, for a gated MLP's gate_up weights [G, 2F, K]): each program
+reads its rows once into two accumulators, the gate's columns [c, c + BN) and the up's [F + c,
+F + c + BN), and writes gelu_tanh(gate) * up [M, F] with the products rounded where the plain
+kernel stores them: the [M, 2F] product and the separate XLA pass over it are never written.
+
 Shapes: N a multiple of 16, K of 16 (block_n and block_k divide them; `supports`); M >= 1
 (fewer rows than BM are padded). Pallas Triton: lowers on a CPU for CUDA and runs in interpret
-mode; grouped_matmul_reference is the same function through jax.lax.ragged_dot_general.
+mode; grouped_matmul_reference is the same function through jax.lax.ragged_dot_general,
+grouped_matmul_gated_reference the gated one through it and jax.nn.gelu.
 """
 
 from __future__ import annotations
@@ -52,7 +58,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import cdiv, compiler_params, dot_t, next_power_of_two
+from pallas_kernels.common import cdiv, compiler_params, dot_t, gelu_tanh, next_power_of_two
 from pallas_kernels.matmul.invariant_matmul import MatmulBlockSizes
 
 FP8 = jnp.float8_e4m3fn
@@ -110,9 +116,26 @@ def default_grouped_block_sizes(m: int, n: int, k: int, groups: int) -> GroupedM
     return GroupedMatmulBlockSizes(block_m, block_n, block_k, num_warps=num_warps, num_stages=4 if block_m <= 64 else 3)
 
 
+def default_gated_block_sizes(m: int, f: int, k: int, groups: int) -> GroupedMatmulBlockSizes:
+    """The gated kernel's tiling: the plain kernel's for the [M, 2F] product with block_n halved.
+
+    A program then holds as many accumulator columns (block_n of the gate's, block_n of the
+    up's) and reads as many weight bytes per step as the plain kernel's, so its registers,
+    shared memory and grid are the same (26B-A4B's F = 704: 64 columns, 11 programs per row
+    tile). scripts/gpu/grouped_gemm.py --impls gated times it against other tilings.
+    """
+    plain = default_grouped_block_sizes(m, 2 * f, k, groups)
+    return dataclasses.replace(plain, block_n=max(16, plain.block_n // 2))
+
+
 def supports(m: int, n: int, k: int) -> bool:
     """Whether the kernel takes these shapes (its tiles must divide N and K)."""
     return m >= 1 and n % 16 == 0 and k % 16 == 0
+
+
+def supports_gated(m: int, two_f: int, k: int) -> bool:
+    """Whether the gated kernel takes these shapes (w [G, 2F, K]: F and K multiples of 16)."""
+    return supports(m, two_f, k) and two_f % 32 == 0
 
 
 def _check(x, w, group_sizes, w_scale, x_scale, row_index=None):
@@ -173,41 +196,66 @@ def _kernel(
     blocks: GroupedMatmulBlockSizes,
     scaled: tuple[bool, bool],
     gathered: bool,
+    gated: bool,
 ):
     *in_refs, o_ref = refs
     index_ref = in_refs.pop(0) if gathered else None
     xs_ref = in_refs.pop(0) if scaled[0] else None
     ws_ref = in_refs.pop(0) if scaled[1] else None
     bm, bn, bk = blocks.block_m, blocks.block_n, blocks.block_k
-    m, k = o_ref.shape[0], x_ref.shape[1]
-    col0 = pl.multiple_of(pl.program_id(0) * bn, bn)
+    (m, n), k = o_ref.shape, x_ref.shape[1]
+    first = pl.program_id(0) * bn
     t = pl.program_id(1)
     group, start, end = tiles_ref[0, t], tiles_ref[1, t], tiles_ref[2, t]
     # BM rows inside x that hold the tile's rows [start, min(start + BM, end))
     window = jnp.minimum(start, m - bm)
     rows = window + jnp.arange(bm, dtype=jnp.int32)
-    mask = jnp.broadcast_to(((rows >= start) & (rows < end))[:, None], (bm, bn))
+    mask = ((rows >= start) & (rows < end))[:, None]
+    if n % bn:
+        # (gated only) BN columns inside the output that hold the program's [first, first + BN),
+        # the last program's shifted left onto its neighbour's, which it does not store
+        col0 = pl.multiple_of(jnp.minimum(first, n - bn), 16)
+        mask = mask & (col0 + jnp.arange(bn, dtype=jnp.int32) >= first)[None, :]
+    else:
+        col0 = pl.multiple_of(first, bn)
+    mask = jnp.broadcast_to(mask, (bm, bn))
     target = o_ref.at[pl.ds(window, bm), pl.ds(col0, bn)]
+    # the weight rows of each accumulator: the output columns', or (gated) the gate's and the up's
+    columns = (col0, col0 + n) if gated else (col0,)
 
     @pl.when(group < n_groups)
     def _():
         # the window's rows of x: themselves, or (gathered) the rows row_index names
         source = pl.ds(window, bm) if index_ref is None else index_ref[pl.ds(window, bm)]
 
-        def step(i, acc):
+        def step(i, accs):
             k0 = pl.multiple_of(i * bk, bk)
             x = x_ref[source, pl.ds(k0, bk)]
-            w = w_ref[group, pl.ds(col0, bn), pl.ds(k0, bk)]
-            if w.dtype != x.dtype:  # int8 weights: exact in bf16 / f16 / f32 for |q| <= 127
-                w = w.astype(x.dtype)
-            return acc + dot_t(x, w)
 
-        acc = lax.fori_loop(0, k // bk, step, jnp.zeros((bm, bn), jnp.float32))
-        if xs_ref is not None:
-            acc = acc * xs_ref[pl.ds(window, bm)][:, None]
-        if ws_ref is not None:
-            acc = acc * ws_ref[group, pl.ds(col0, bn)][None, :]
-        plgpu.store(target, acc.astype(o_ref.dtype), mask=mask)
+            def product(col):
+                w = w_ref[group, pl.ds(col, bn), pl.ds(k0, bk)]
+                if w.dtype != x.dtype:  # int8 weights: exact in bf16 / f16 / f32 for |q| <= 127
+                    w = w.astype(x.dtype)
+                return dot_t(x, w)
+
+            return tuple(acc + product(col) for acc, col in zip(accs, columns))
+
+        zeros = (jnp.zeros((bm, bn), jnp.float32),) * len(columns)
+        products = []
+        for acc, col in zip(lax.fori_loop(0, k // bk, step, zeros), columns):
+            if xs_ref is not None:
+                acc = acc * xs_ref[pl.ds(window, bm)][:, None]
+            if ws_ref is not None:
+                acc = acc * ws_ref[group, pl.ds(col, bn)][None, :]
+            products.append(acc)
+        if gated:
+            # gate and up rounded as the plain kernel stores them, then gelu(gate) * up as XLA
+            # computes it on those values (each op rounded to the output dtype; gelu_tanh)
+            gate, up = (y.astype(o_ref.dtype).astype(jnp.float32) for y in products)
+            out = gelu_tanh(gate, o_ref.dtype) * up
+        else:
+            (out,) = products
+        plgpu.store(target, out.astype(o_ref.dtype), mask=mask)
 
     @pl.when(group == n_groups)
     def _():
@@ -250,6 +298,58 @@ def grouped_matmul(
         raise ValueError(
             f"w {w.shape}: N must be a multiple of block_n={blocks.block_n} and K of block_k={blocks.block_k}"
         )
+    return _grouped_call(x, w, group_sizes, w_scale, x_scale, row_index, out_dtype, fill_tail, interpret, blocks)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "fill_tail", "interpret", "block_sizes"))
+def grouped_matmul_gated(
+    x: jax.Array,
+    w: jax.Array,
+    group_sizes: jax.Array,
+    w_scale: jax.Array | None = None,
+    x_scale: jax.Array | None = None,
+    *,
+    out_dtype: Any = jnp.float32,
+    fill_tail: bool = True,
+    interpret: bool = False,
+    block_sizes: GroupedMatmulBlockSizes | None = None,
+    row_index: jax.Array | None = None,
+) -> jax.Array:
+    """The gated grouped GEMM: y = grouped_matmul(x, w, ...) [M, 2F] -> gelu(y[:, :F]) * y[:, F:] [M, F].
+
+    w [G, 2F, K] is a gated MLP's gate_up weights (rows [0, F) the gate, [F, 2F) the up
+    projection); a program computes gate columns [c, c + block_n) and the same up columns
+    [F + c, F + c + block_n) from one load of its rows (two float32 accumulators, so block_n is
+    half the columns it reads), rounds both to out_dtype as grouped_matmul stores them, and
+    writes gelu_tanh(gate) * up, computed as XLA computes it on out_dtype values (each op
+    rounded; common.gelu_tanh). So it equals grouped_matmul followed by jax.nn.gelu(gate,
+    approximate=True) * up in out_dtype but for tanh's last bit (Triton's libdevice tanhf where
+    XLA emits its own) and the MMA's summation order. block_n need not divide F (the last
+    program's columns overlap its neighbour's); F a multiple of 16, block_n <= F.
+
+    Args: as grouped_matmul's (w_scale float32 [G, 2F]); ValueError for shapes it does not take.
+    Returns: [M, F] in out_dtype; rows past sum(group_sizes): zeros, or unwritten without fill_tail.
+    """
+    _check(x, w, group_sizes, w_scale, x_scale, row_index)
+    (k, (G, two_f, _)), m = (x.shape[1], w.shape), (x.shape[0] if row_index is None else row_index.shape[0])
+    if not supports_gated(m, two_f, k):
+        raise ValueError(f"x {x.shape} @ w {w.shape}: 2F must be a multiple of 32 and K of 16")
+    blocks = block_sizes or default_gated_block_sizes(m, two_f // 2, k, G)
+    if blocks.block_n > two_f // 2 or k % blocks.block_k:
+        raise ValueError(
+            f"w {w.shape}: block_n={blocks.block_n} must be at most F={two_f // 2} and divide K by block_k={blocks.block_k}"
+        )
+    return _grouped_call(
+        x, w, group_sizes, w_scale, x_scale, row_index, out_dtype, fill_tail, interpret, blocks, gated=True
+    )
+
+
+def _grouped_call(
+    x, w, group_sizes, w_scale, x_scale, row_index, out_dtype, fill_tail, interpret, blocks, gated=False
+) -> jax.Array:
+    """The pallas_call of both kernels (arguments checked): [M, N], or gated [M, N / 2]."""
+    m = x.shape[0] if row_index is None else row_index.shape[0]
+    G, n = w.shape[0], (w.shape[1] // 2 if gated else w.shape[1])
     rows = max(m, blocks.block_m)  # fewer rows than a tile: padded (rows in no group)
     if rows > m:
         if row_index is None:
@@ -265,14 +365,15 @@ def grouped_matmul(
         blocks=blocks,
         scaled=(x_scale is not None, w_scale is not None),
         gathered=row_index is not None,
+        gated=gated,
     )
     out = pl.pallas_call(
         kernel,
-        grid=(n // blocks.block_n, tiles.shape[1]),
+        grid=(cdiv(n, blocks.block_n), tiles.shape[1]),
         out_shape=jax.ShapeDtypeStruct((rows, n), jnp.dtype(out_dtype)),
         compiler_params=compiler_params(blocks.num_warps, blocks.num_stages),
         interpret=interpret,
-        name="grouped_matmul",
+        name="grouped_matmul_gated" if gated else "grouped_matmul",
     )(tiles, x, w, *extra)
     return out[:m] if rows > m else out
 
@@ -308,3 +409,29 @@ def grouped_matmul_reference(
         row_group = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(x.shape[0]), side="right")
         y = y * w_scale[jnp.minimum(row_group, w.shape[0] - 1)]
     return y.astype(out_dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "fill_tail", "interpret", "block_sizes"))
+def grouped_matmul_gated_reference(
+    x,
+    w,
+    group_sizes,
+    w_scale=None,
+    x_scale=None,
+    *,
+    out_dtype=jnp.float32,
+    fill_tail=True,
+    interpret=False,
+    block_sizes=None,
+    row_index=None,
+):
+    """Pure jnp, the same signature: grouped_matmul_reference's [M, 2F] product in out_dtype,
+    then jax.nn.gelu(gate, approximate=True) * up on those out_dtype values (as
+    dllm_jax.models.experts runs them after the plain GEMM). Rows past sum(group_sizes) are
+    zeros whatever fill_tail says."""
+    del interpret, block_sizes
+    y = grouped_matmul_reference(
+        x, w, group_sizes, w_scale, x_scale, out_dtype=out_dtype, fill_tail=fill_tail, row_index=row_index
+    )
+    f = w.shape[1] // 2
+    return jax.nn.gelu(y[:, :f], approximate=True) * y[:, f:]
