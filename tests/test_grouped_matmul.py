@@ -490,6 +490,8 @@ def test_the_26b_a4b_canvas_loop_lowers_for_cuda_with_the_kernel_at_its_shapes()
     run = jax.jit(loop.run, donate_argnums=1)
     text = lower_for_cuda(run, engine.weights, state, i32(), jax.ShapeDtypeStruct((), jnp.bool_))
     assert "ragged_dot" not in text and text.count("func.call @grouped_matmul") == 2 * config.n_layers
+    # gate/up is the gated kernel (gelu(gate) * up in its epilogue), down the plain one
+    assert text.count("func.call @grouped_matmul_gated") == config.n_layers
     for operands in (
         "tensor<2048x2816xbf16>, tensor<128x1408x2816xbf16>",
         "tensor<16384x704xbf16>, tensor<128x2816x704xbf16>",
@@ -497,3 +499,5 @@ def test_the_26b_a4b_canvas_loop_lowers_for_cuda_with_the_kernel_at_its_shapes()
         assert operands in text
     lines = text.splitlines()
     assert not any("stablehlo.gather" in line and "(tensor<2048x2816xbf16>" in line for line in lines)
+    # the [16384, 1408] gate/up product is never an array of the program
+    assert "tensor<16384x1408x" not in text

@@ -17,7 +17,9 @@ CPUs and TPUs run well and XLA:GPU (jax 0.11.2) rewrites into a dense product of
 every expert; "pallas", pallas_kernels.matmul.grouped_matmul (a Triton grouped GEMM that reads
 only the rows' own experts: the kernel routing's choice on NVIDIA GPUs,
 dllm_jax.runtime.kernel_routing); "interpret", the same kernel in Pallas interpret mode (CPU
-tests). Shapes the kernel does not tile (widths not multiples of 16) stay with "xla".
+tests). Shapes the kernel does not tile (widths not multiples of 16) stay with "xla". The
+kernel's gate/up product is grouped_matmul_gated, gelu(gate) * up in its epilogue, so the
+[T * K, 2F] product is never written (XLA's path: the product, then an XLA pass over it).
 
 Parameter layout (one layer), Hugging Face's ([out, in] per expert, as torch's Linear):
   experts/gate_up_proj  [E, 2F, D]   (rows [0, F) the gate, [F, 2F) the up projection)
@@ -149,7 +151,7 @@ def routed_sum(
     GEMM skips them (no MMA, no store) and the result masks them.
     """
     T, K = experts.shape
-    E, F = _shape(gate_up)[0], _shape(down)[2]
+    E = _shape(gate_up)[0]
     local = experts.reshape(T * K) - first_expert
     here = (local >= 0) & (local < E)
     # [T * K] the assignments sorted by local expert, those to other experts (key E) last and
@@ -159,10 +161,10 @@ def routed_sum(
     group_sizes = jnp.bincount(key, length=E).astype(jnp.int32)
     # each sorted row's local expert (E, clamped by the scales' gather, for rows in no group)
     sorted_experts = key[order]
-    gemm = _gemm_for(grouped_gemm, T * K, gate_up, down)
-    # [T * K, 2F]: the token rows in expert order (gathered by the GEMM: order // K)
-    gate_up_out = gemm(x, gate_up, group_sizes, sorted_experts, (order // K).astype(jnp.int32))
-    hidden = gelu_tanh(gate_up_out[:, :F].astype(x.dtype)) * gate_up_out[:, F:].astype(x.dtype)
+    gated, gemm = _gemms_for(grouped_gemm, T * K, gate_up, down)
+    # [T * K, F] in x's dtype: gelu(gate) * up of the token rows in expert order (gathered by
+    # the GEMM: order // K)
+    hidden = gated(x, gate_up, group_sizes, sorted_experts, (order // K).astype(jnp.int32))
     # [T * K, D]
     out = gemm(hidden, down, group_sizes, sorted_experts).astype(x.dtype)
     # each assignment's row in the sorted order; gathering the products back (rather than
@@ -201,20 +203,36 @@ def _by_expert(
     return jax.lax.ragged_dot_general(rows, w, group_sizes, GROUPED_ROWS, preferred_element_type=jnp.float32)
 
 
-def _gemm_for(grouped_gemm: str, m: int, gate_up: ExpertWeights, down: ExpertWeights) -> Callable:
-    """The grouped GEMM (rows, w, group_sizes, row_experts, row_index=None) -> [M, out] both
-    products of M sorted rows run with: _by_expert, or the Pallas kernel where it takes both
-    shapes (_by_expert_kernel)."""
+def _gated_by_expert(
+    rows: jax.Array,
+    w: ExpertWeights,
+    group_sizes: jax.Array,
+    row_experts: jax.Array,
+    row_index: jax.Array | None = None,
+) -> jax.Array:
+    """gelu(gate) * up [M, F] in rows' dtype of _by_expert's float32 [M, 2F] gate/up product,
+    each half rounded to rows' dtype first (as transformers rounds its projections)."""
+    gate_up_out = _by_expert(rows, w, group_sizes, row_experts, row_index)
+    F = gate_up_out.shape[1] // 2
+    return gelu_tanh(gate_up_out[:, :F].astype(rows.dtype)) * gate_up_out[:, F:].astype(rows.dtype)
+
+
+def _gemms_for(grouped_gemm: str, m: int, gate_up: ExpertWeights, down: ExpertWeights) -> tuple[Callable, Callable]:
+    """The grouped GEMMs (rows, w, group_sizes, row_experts, row_index=None) of M sorted rows:
+    gate/up with the activation -> [M, F] in rows' dtype, and the plain one -> [M, out] (down):
+    _gated_by_expert and _by_expert, or the Pallas kernels where they take both shapes
+    (_by_expert_kernel, gated: the activation in the GEMM's epilogue)."""
     if grouped_gemm not in GROUPED_GEMMS:
         raise ValueError(f"grouped_gemm={grouped_gemm!r}: expected one of {GROUPED_GEMMS}")
     if grouped_gemm == "xla":
-        return _by_expert
-    from pallas_kernels.matmul.grouped_matmul import supports
+        return _gated_by_expert, _by_expert
+    from pallas_kernels.matmul.grouped_matmul import supports, supports_gated
 
     (_, two_f, d), f = _shape(gate_up), _shape(down)[2]
-    if not (supports(m, two_f, d) and supports(m, d, f)):
-        return _by_expert
-    return functools.partial(_by_expert_kernel, interpret=grouped_gemm == "interpret")
+    if not (supports_gated(m, two_f, d) and supports(m, d, f)):
+        return _gated_by_expert, _by_expert
+    kernel = functools.partial(_by_expert_kernel, interpret=grouped_gemm == "interpret")
+    return functools.partial(kernel, gated=True), kernel
 
 
 def _by_expert_kernel(
@@ -225,17 +243,25 @@ def _by_expert_kernel(
     row_index: jax.Array | None = None,
     *,
     interpret: bool,
+    gated: bool = False,
 ) -> jax.Array:
-    """_by_expert through the Pallas grouped GEMM, with the same numbers: float32 accumulation,
-    the product rounded once to rows' dtype (the callers' next step; float32 rows stay float32)
-    instead of written in float32; 8-bit weights as quantized_ragged_dot runs them (fp8: the rows
-    quantized per row, a float8 x float8 product times both scales; int8-weights: the weights
-    converted to the rows' dtype, times their scales). Rows in no group are left unwritten."""
-    from pallas_kernels.matmul.grouped_matmul import grouped_matmul
+    """_by_expert (gated: _gated_by_expert) through the Pallas grouped GEMM, with the same
+    numbers: float32 accumulation, the product rounded once to rows' dtype (the callers' next
+    step; float32 rows stay float32) instead of written in float32; 8-bit weights as
+    quantized_ragged_dot runs them (fp8: the rows quantized per row, a float8 x float8 product
+    times both scales; int8-weights: the weights converted to the rows' dtype, times their
+    scales). Gated, gelu(gate) * up is the kernel's epilogue on those rounded halves, computed
+    as XLA computes it on rows' dtype (grouped_matmul_gated: equal but for tanh's last bit).
+    Rows in no group are left unwritten."""
+    from pallas_kernels.matmul.grouped_matmul import grouped_matmul, grouped_matmul_gated
 
     del row_experts  # each tile knows its expert
     run = functools.partial(
-        grouped_matmul, out_dtype=rows.dtype, fill_tail=False, interpret=interpret, row_index=row_index
+        grouped_matmul_gated if gated else grouped_matmul,
+        out_dtype=rows.dtype,
+        fill_tail=False,
+        interpret=interpret,
+        row_index=row_index,
     )
     if not isinstance(w, Mapping):
         return run(rows, w, group_sizes)
