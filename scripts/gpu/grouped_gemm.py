@@ -4,6 +4,8 @@
     PYTHONPATH=. python scripts/gpu/grouped_gemm.py --tiny --out OUT   # CPU smoke (the kernels in interpret mode)
     PYTHONPATH=. python scripts/gpu/grouped_gemm.py --impls pallas pallas-sweep --flag-sets default \
         --slots 32 8 1 --repeats 5 --timeout-s 140 --out OUT           # H200: the kernel's tilings alone
+    PYTHONPATH=. python scripts/gpu/grouped_gemm.py --impls gated --flag-sets default \
+        --slots 32 8 1 --repeats 5 --timeout-s 140 --out OUT           # H200: gate/up + gelu, fused or not
 
 DiffusionGemma's experts run as two grouped GEMMs over the rows sorted by expert
 (dllm_jax.models.experts). At the 26B-A4B shape (128 experts of 2816 -> 2 x 704 -> 2816, top 8)
@@ -30,6 +32,17 @@ For each row count (a random uniform routing) and each product (gate/up: [M, 281
              ("tokamax-kn", its native layout). xprof, which tokamax imports for profiling
              only, is stubbed when missing.
 
+  gated      gate/up with the activation, hidden = gelu(gate) * up [M, F], as the experts run it
+             (token rows gathered by row_index, fill_tail=False): "unfused" is today's pair, the
+             plain kernel's [M, 2F] product then XLA's gelu * up ("unfused gemm": the kernel
+             alone), against pallas_kernels.matmul.grouped_matmul_gated ("gated <tiling>": its
+             default, then a small sweep, gated_sweep); then, after every slot count's bf16
+             rows, the same pair with int8 and fp8 weights at the default tiling. "unequal" is
+             the share of the elements that differ from the unfused pair's bit for bit (expected
+             ~0: the same rounding points, only tanh's last bit and the MMA order may differ).
+             The product is "gate_up+gelu"; a summary per slot count follows the table
+             (the fastest tiling, and the saving per step of 30 layers).
+
 Each row's "rel err" is the relative L2 error against an exact float32 product of 64 sampled
 rows (the row's expert's weights gathered), so every path is checked on the GPU on fresh random
 data; "vs xla" is the relative L2 difference to the xla row of the same product where it ran. The
@@ -55,11 +68,18 @@ What to expect (H200: ~3.2 TB/s through JAX, ~800 TFLOP/s bf16; per layer, bf16 
   a plain Triton GEMM (no TMA, no warp specialization): 50-70% of the bandwidth at 1 slot and
   40-60% of the MMA rate at 32 slots would be a good result, i.e. per layer about 0.7 ms at 1
   slot, 0.8 ms at 8, 2-2.5 ms at 32 for both products.
+  gated     the fused kernel skips the [M, 1408] bf16 product's write and read and XLA's pass
+            over it (0.37 / 0.09 / 0.01 GB per layer at 32 / 8 / 1 slots; the pass measured 82
+            us per layer at 32 slots in the engine's profile): about 0.1 ms per layer at 32
+            slots (3 ms per step) if the epilogue's tanh and second accumulator cost the main
+            loop nothing, little at 1 slot (the weights' stream dominates).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -71,12 +91,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 # the families of variants --impls picks from
-IMPLS = ("xla", "pallas", "pallas-sweep", "8bit", "tokamax")
+IMPLS = ("xla", "pallas", "pallas-sweep", "8bit", "tokamax", "gated")
 FLAG_SETS = {
     "default": "",
     "cudnn_ragged_dot": "--xla_gpu_experimental_use_ragged_dot_fusion=true",
 }
 SAMPLED_ROWS = 64
+GATED = "gate_up+gelu"  # the gated family's product
+LAYERS = 30  # 26B-A4B's decoder layers: a step runs the experts' products once per layer
 
 
 def _import_tokamax():
@@ -126,6 +148,209 @@ def sweep(rows: int, n: int, k: int, groups: int, extra=()):
     return [base, *others]
 
 
+def time_call(fn, *operands, repeats: int):
+    """(ms, result, compiled) of a jitted fn: compile, one call, then the median of `repeats`."""
+    import jax
+    import numpy as np
+
+    compiled = jax.jit(fn).lower(*operands).compile()
+    result = jax.block_until_ready(compiled(*operands))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(*operands))
+        times.append(time.perf_counter() - start)
+    return 1e3 * float(np.median(times)), result, compiled
+
+
+def rel(a, b) -> float:
+    """Relative L2 difference of a to b (float64 on the host)."""
+    import numpy as np
+
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def gated_sweep(rows: int, f: int, k: int, groups: int, extra=()):
+    """The gated kernel's default tiling, then its neighbours: half or twice the columns (of the
+    gate's, the up's as many), half or twice the rows, both (e.g. 64 x 128 from 128 x 64), the
+    other warp count, the other stage count, twice block_k; then `extra`. Those that fit F and K."""
+    from pallas_kernels.matmul.grouped_matmul import GroupedMatmulBlockSizes, default_gated_block_sizes
+
+    base = default_gated_block_sizes(rows, f, k, groups)
+    bm, bn, bk = base.block_m, base.block_n, base.block_k
+
+    def tiling(m, n):
+        # two accumulators of m x n: 8 warps from 2 x 128 x 64 columns on, as the plain kernel's
+        if m < 16 or n < 16:
+            return None
+        return GroupedMatmulBlockSizes(m, n, bk, 8 if m * 2 * n >= 128 * 128 else 4, 4 if m <= 64 else 3)
+
+    candidates = [
+        base,
+        tiling(bm, bn // 2),
+        tiling(bm, 2 * bn),
+        tiling(bm // 2, bn),
+        tiling(2 * bm, bn),
+        tiling(bm // 2, 2 * bn),
+        dataclasses.replace(base, num_warps=12 - base.num_warps),
+        dataclasses.replace(base, num_stages=7 - base.num_stages),
+        dataclasses.replace(base, block_k=2 * bk, num_stages=3),
+        *extra,
+    ]
+    chosen = []
+    for b in candidates:
+        fits = b is not None and b.block_m <= min(128, max(16, rows)) and b.block_n <= f and k % b.block_k == 0
+        if fits and b not in chosen:
+            chosen.append(b)
+    return chosen
+
+
+def gated_child(args, out: dict, interpret: bool) -> None:
+    """The gated family (--impls gated): for each slot count, gate/up + gelu * up as the experts
+    run it today (plain kernel, then XLA) against the gated kernel's tilings (bf16 weights), then
+    the 8-bit pair at the default tiling; rows appended to out["rows"], saved after each."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from dllm_jax.models.gemma_layers import gelu_tanh
+    from dllm_jax.models.quantization import fp8_rows, quantize_experts
+    from pallas_kernels.matmul.grouped_matmul import default_gated_block_sizes, grouped_matmul, grouped_matmul_gated
+
+    E, K = (8, 2) if args.tiny else (128, 8)
+    D, F = (128, 64) if args.tiny else (2816, 704)
+    dtype = jnp.bfloat16
+    rng = np.random.default_rng(1)
+    path = args.out / f"grouped_gemm_{args.flag_set}.json"
+
+    def compare(result, baseline):
+        """(relative L2 difference, share of unequal elements) of two [M, F] results, on the device."""
+        a, b = result.astype(jnp.float32), baseline.astype(jnp.float32)
+        diff = jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30)
+        return float(diff), float(jnp.mean(a != b))
+
+    for mode in ("none", "int8-weights", "fp8"):
+        for slots in args.slots:
+            M = slots * (8 if args.tiny else 256) * K
+            T = M // K
+            sizes = jnp.asarray(np.bincount(rng.integers(0, E, M), minlength=E).astype(np.int32))
+            row_group = jnp.asarray(np.repeat(np.arange(E), np.asarray(sizes)), jnp.int32)
+            sample = jnp.asarray(np.sort(rng.choice(M, min(M, SAMPLED_ROWS), replace=False)))
+            key_x, key_w = jax.random.split(jax.random.key(int(rng.integers(1 << 30))))
+            tokens = jax.random.normal(key_x, (T, D), jnp.float32).astype(dtype)
+            index = jnp.asarray(rng.integers(0, T, M), jnp.int32)
+            w = (jax.random.normal(key_w, (E, 2 * F, D), jnp.float32) / np.sqrt(D)).astype(dtype)
+            # the weights and rows as the product sees them, for the exact float32 reference
+            rows = tokens[index[sample]].astype(jnp.float32)
+            weights = w
+            if mode == "none":
+                operands = (tokens, w, sizes, None, None, index)
+            else:
+                q = quantize_experts(w, mode)
+                weights = q["qkernel"].astype(jnp.float32) * q["scale"][..., None]
+                if mode == "fp8":  # rows quantized per token row, before the gather (as the experts do)
+                    xq, xs = fp8_rows(tokens)
+                    rows = xq[index[sample]].astype(jnp.float32) * xs[index[sample]]
+                    operands = (xq, q["qkernel"], sizes, q["scale"], xs[index, 0], index)
+                else:
+                    operands = (tokens, q["qkernel"], sizes, q["scale"], None, index)
+            product = jnp.einsum("rk,rnk->rn", rows, weights[row_group[sample]].astype(jnp.float32))
+            exact = jax.nn.gelu(product[:, :F], approximate=True) * product[:, F:]
+            del weights
+
+            def plain(x, w, s, w_scale, x_scale, i):
+                return grouped_matmul(
+                    x, w, s, w_scale, x_scale, out_dtype=dtype, fill_tail=False, interpret=interpret, row_index=i
+                )
+
+            def unfused(*a):
+                y = plain(*a)
+                return gelu_tanh(y[:, :F]) * y[:, F:]
+
+            def fused(x, w, s, w_scale, x_scale, i, blocks=None):
+                return grouped_matmul_gated(
+                    x,
+                    w,
+                    s,
+                    w_scale,
+                    x_scale,
+                    out_dtype=dtype,
+                    fill_tail=False,
+                    interpret=interpret,
+                    block_sizes=blocks,
+                    row_index=i,
+                )
+
+            suffix = "" if mode == "none" else "-" + ("int8" if mode == "int8-weights" else "fp8")
+            tilings = (
+                gated_sweep(M, F, D, E, args.tilings) if mode == "none" else [default_gated_block_sizes(M, F, D, E)]
+            )
+            variants = [(f"unfused gemm{suffix}", plain, None)] * (mode == "none")
+            variants += [(f"unfused{suffix}", unfused, None)]
+            variants += [(f"gated{suffix}", functools.partial(fused, blocks=b), b) for b in tilings]
+            baseline = None
+            weight_bytes = sum(a.size * a.dtype.itemsize for a in operands[1:4:2] if a is not None)
+            for label, fn, blocks in variants:
+                label = label if blocks is None else f"{label} {blocks.name}"
+                row = {"slots": slots, "rows": M, "impl": label, "product": GATED}
+                try:
+                    ms, result, compiled = time_call(fn, *operands, repeats=args.repeats)
+                    memory = compiled.memory_analysis()
+                    row["temp_gib"] = (memory.temp_size_in_bytes / 2**30) if memory is not None else float("nan")
+                    row["ragged_dots"], row["cudnn_calls"] = 0, 0
+                    row["ms"] = ms
+                    # the least a gated product moves: the weights, the gathered rows, [M, F] out
+                    moved = weight_bytes + M * D * operands[0].dtype.itemsize + M * F * 2
+                    row["tb_per_s"] = moved / (ms * 1e-3) / 1e12
+                    row["tflop_per_s"] = 2 * M * 2 * F * D / (ms * 1e-3) / 1e12
+                    if label.startswith("unfused gemm"):
+                        # the [M, 2F] product alone: its error against the product's exact rows
+                        row["rel_err"] = rel(result[sample], product)
+                    else:
+                        row["rel_err"] = rel(result[sample], exact)
+                        if baseline is None:
+                            baseline = result
+                        else:
+                            row["vs_unfused"], row["unequal"] = compare(result, baseline)
+                    del compiled, result
+                except Exception as e:  # noqa: BLE001 (a failed variant is reported)
+                    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                out["rows"].append(row)
+                print(json.dumps(row), flush=True)
+                path.write_text(json.dumps(out, indent=2))
+            del tokens, w, operands, baseline
+
+
+def gated_summary(rows: list[dict]) -> str:
+    """Per slot count of the gated family: the unfused pair, the gated default and fastest
+    tiling, and what the fastest saves per step (LAYERS layers); the fastest tilings are the
+    candidates for default_gated_block_sizes."""
+    lines = []
+    for slots in sorted({r["slots"] for r in rows if r["product"] == GATED}, reverse=True):
+        own = [r for r in rows if r["product"] == GATED and r["slots"] == slots and "ms" in r]
+        by = {r["impl"]: r for r in own}
+        gated = [r for r in own if r["impl"].startswith("gated ")]
+        if "unfused" not in by or not gated:
+            continue
+        unfused, gemm = by["unfused"]["ms"], by.get("unfused gemm", {}).get("ms", float("nan"))
+        default, best = gated[0], min(gated, key=lambda r: r["ms"])
+        lines.append(
+            f"{slots} slots ({own[0]['rows']} rows): unfused {unfused:.3f} ms (GEMM {gemm:.3f} + XLA gelu*up "
+            f"{unfused - gemm:.3f}); gated default {default['ms']:.3f} ({default['impl'][6:]}); fastest "
+            f"{best['ms']:.3f} ({best['impl'][6:]}, max unequal {max(r.get('unequal', 0) for r in gated):.1e}); "
+            f"saves {unfused - best['ms']:.3f} ms per layer, {LAYERS * (unfused - best['ms']):.2f} ms per step"
+        )
+        for q in ("int8", "fp8"):
+            if f"unfused-{q}" in by and any(r["impl"].startswith(f"gated-{q}") for r in own):
+                fused = next(r for r in own if r["impl"].startswith(f"gated-{q}"))
+                lines.append(
+                    f"  {q}: unfused {by[f'unfused-{q}']['ms']:.3f} ms, gated {fused['ms']:.3f} "
+                    f"(rel err {fused['rel_err']:.1e}, unequal {fused.get('unequal', float('nan')):.1e})"
+                )
+    return "\n".join(lines)
+
+
 def child(args) -> None:
     import jax
     import jax.numpy as jnp
@@ -156,21 +381,12 @@ def child(args) -> None:
     )
     out["tokamax"] = getattr(tokamax, "__version__", None) or why
 
-    def timed(fn, *operands):
-        """(ms, result, compiled) of a jitted fn: compile, one call, then the median of --repeats."""
-        compiled = jax.jit(fn).lower(*operands).compile()
-        result = jax.block_until_ready(compiled(*operands))
-        times = []
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            jax.block_until_ready(compiled(*operands))
-            times.append(time.perf_counter() - start)
-        return 1e3 * float(np.median(times)), result, compiled
-
-    def rel(a, b) -> float:
-        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
+    timed = functools.partial(time_call, repeats=args.repeats)
+    if "gated" in impls and kernels:
+        gated_child(args, out, interpret)
+        impls -= {"gated"}
+        if not impls:
+            return
     for slots in args.slots:
         M = slots * (8 if args.tiny else 256) * K
         groups = np.bincount(rng.integers(0, E, M), minlength=E).astype(np.int32)
@@ -301,9 +517,9 @@ def child(args) -> None:
 def table(reports: dict) -> str:
     nan = float("nan")
     lines = [
-        "| flags | slots | rows | impl | product | ms | TB/s | TFLOP/s | rel err | vs xla | vs pallas | ragged dots "
-        "| cuDNN | temp GiB |",
-        "|" + "---|" * 14,
+        "| flags | slots | rows | impl | product | ms | TB/s | TFLOP/s | rel err | vs xla | vs pallas / unfused "
+        "| unequal | ragged dots | cuDNN | temp GiB |",
+        "|" + "---|" * 15,
     ]
     for flag_set, report in reports.items():
         for r in report["rows"]:
@@ -313,8 +529,8 @@ def table(reports: dict) -> str:
                 continue
             lines.append(
                 f"{head} {r['ms']:.3f} | {r['tb_per_s']:.2f} | {r['tflop_per_s']:.1f} | {r['rel_err']:.1e} | "
-                f"{r.get('vs_xla', nan):.1e} | {r.get('vs_pallas', nan):.1e} | {r['ragged_dots']} | {r['cudnn_calls']} | "
-                f"{r['temp_gib']:.2f} |"
+                f"{r.get('vs_xla', nan):.1e} | {r.get('vs_pallas', r.get('vs_unfused', nan)):.1e} | "
+                f"{r.get('unequal', nan):.1e} | {r['ragged_dots']} | {r['cudnn_calls']} | {r['temp_gib']:.2f} |"
             )
     return "\n".join(lines)
 
@@ -358,6 +574,8 @@ def main(argv=None) -> int:
         reports[flag_set] = json.loads(path.read_text()) if path.exists() else {"rows": []}
         print(f"{flag_set}: cudnn {reports[flag_set].get('cudnn')}, tokamax {reports[flag_set].get('tokamax')}")
     text = table(reports)
+    summary = gated_summary(reports.get("default", {"rows": []})["rows"])
+    text += f"\n\ngated (gate/up + gelu * up):\n{summary}" if summary else ""
     (args.out / "grouped_gemm.md").write_text(text + "\n")
     print(text)
     return 0
