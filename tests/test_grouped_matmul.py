@@ -380,7 +380,12 @@ def test_the_routed_experts_through_the_kernel_equal_the_ragged_dot_path(mode, r
     want = jax.jit(grouped_expert_mlp)(x, weights, experts, gate_up, down)
     got = jax.jit(expert_mlp_with("interpret"))(x, weights, experts, gate_up, down)
     assert got.dtype == dtype
-    assert_close(got, want, dtype, f"routed experts {mode}")
+    # fp8: the hidden activation is re-quantized per row for the down projection. The kernel
+    # stores it in bf16 first; XLA fuses gelu * up into that quantization and, allowed excess
+    # precision (its default), skips the bf16 rounding, so elements near an e4m3 step land on
+    # either side (0 of 60 seeds differ with --xla_allow_excess_precision=false; with it, up to
+    # 0.032 over 300 seeds): fp8's threshold
+    assert_close(got, want, FP8 if mode == "fp8" else dtype, f"routed experts {mode}")
 
 
 def test_a_block_of_the_experts_adds_only_its_own_rows():

@@ -13,6 +13,10 @@ import numpy as np
 REL_L2 = {
     jnp.dtype(jnp.bfloat16): 1e-2,
     jnp.dtype(jnp.float32): 1e-5,
+    # a path that re-quantizes an intermediate to float8 e4m3 (3 mantissa bits): a last-bit
+    # difference before it moves an element by a whole e4m3 step (6-12% of it), so two correct
+    # paths that round the intermediate's producer differently differ by up to a few percent
+    jnp.dtype(jnp.float8_e4m3fn): 6e-2,
 }
 
 
