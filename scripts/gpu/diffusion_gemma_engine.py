@@ -8,9 +8,9 @@
 --xla-option KEY=VALUE (repeatable): an XLA option over the engine's defaults for every loop (e.g.
 xla_allow_excess_precision=false), kept in the report's compiler_options.
 
---quantization fp8 / int8-weights: the random bf16 weights quantized on the device, layer by layer
-(dllm_jax.models.quantization: the projections and the experts in 8 bits), and the engine run on
-them (fp8 with the quantization's compiler options); the weight floor counts their bytes, the
+--quantization fp8 / int8-weights: the random bf16 weights quantized on the device, layer by layer,
+each bf16 layer freed once quantized (dllm_jax.models.quantization: the projections and the
+experts in 8 bits), and the engine run on them (fp8 with the quantization's compiler options); the weight floor counts their bytes, the
 FLOP floor stays at the bf16 matmul rate.
 
 Parts, in order; after each, OUT/diffusion_gemma_engine.json and .md are rewritten, no new part
@@ -335,6 +335,21 @@ def end_to_end(engine, config, decode_config, prompt_ids, args) -> dict:
 # ----- transformers' generate, in a child process run before JAX takes the device ------------
 
 
+def quantized_layer_by_layer(weights: dg.Weights, mode: str) -> dg.Weights:
+    """quantize_params(weights, mode), each bf16 layer dropped once its 8-bit copy is made: at
+    26B-A4B the bf16 tree (50.5 GB) and a whole 8-bit copy (26 GB) do not fit an 80 GB card
+    together."""
+    weights = dict(weights)
+    stacks = [name for name in dg.STACKS.values() if name in weights]
+    for name in stacks:
+        layers, done = list(weights.pop(name)), []
+        while layers:
+            done.append(jax.block_until_ready(quantize_params({name: (layers.pop(0),)}, mode)[name][0]))
+        weights[name] = tuple(done)
+    rest = quantize_params({k: v for k, v in weights.items() if k not in stacks}, mode)
+    return {**weights, **rest}
+
+
 def transformers_model(tiny: bool):
     """transformers' DiffusionGemmaForBlockDiffusion of the shape, random weights (its own
     init), sdpa attention, on the GPU in bf16 when there is one (else the CPU in float32)."""
@@ -623,8 +638,8 @@ def main(argv=None) -> int:
     print(f"ceilings: {report['ceilings']}", flush=True)
     start = time.perf_counter()
     weights = random_weights(config)
-    if args.quantization != "none":  # layer by layer on the device; the bf16 leaves are dropped
-        weights = quantize_params(weights, args.quantization)
+    if args.quantization != "none":
+        weights = quantized_layer_by_layer(weights, args.quantization)
         config = dataclasses.replace(config, quantization=args.quantization)
     jax.block_until_ready(weights)
     report["weights_s"] = time.perf_counter() - start
