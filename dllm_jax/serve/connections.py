@@ -6,8 +6,8 @@ them: a client that sends part of its headers and stalls holds its connection op
 enough of them exhaust the file descriptors. `guarded_protocol` is uvicorn's httptools protocol
 (the C parser: the event loop's CPU per streamed chunk is 14% under the pure-Python h11
 protocol's, and the commit-to-chunk p99 of 32 streams 7-15% lower, on the CPU benchmark
-scripts/serve_chunk_latency.py; BENCHMARKS.md) with both limits: a connection beyond `max_connections` is answered 503 and closed at once, and one
-whose request headers are not complete `header_timeout` seconds after its first byte (or after
+scripts/serve_chunk_latency.py; BENCHMARKS.md) with both limits: a connection beyond
+`max_connections` is answered 503 and closed at once, and one whose request headers are not complete `header_timeout` seconds after its first byte (or after
 it opened) is answered 408 and closed. (A stalled body is the middleware's: dllm_jax.serve.middleware;
 an idle keep-alive connection is uvicorn's timeout_keep_alive.)
 """

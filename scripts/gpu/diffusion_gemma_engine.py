@@ -10,8 +10,8 @@ xla_allow_excess_precision=false), kept in the report's compiler_options.
 
 --quantization fp8 / int8-weights: the random bf16 weights quantized on the device, layer by layer,
 each bf16 layer freed once quantized (dllm_jax.models.quantization: the projections and the
-experts in 8 bits), and the engine run on them (fp8 with the quantization's compiler options); the weight floor counts their bytes, the
-FLOP floor stays at the bf16 matmul rate.
+experts in 8 bits), and the engine run on them (fp8 with the quantization's compiler options);
+the weight floor counts their bytes, the FLOP floor stays at the bf16 matmul rate.
 
 Parts, in order; after each, OUT/diffusion_gemma_engine.json and .md are rewritten, no new part
 starts once --budget-s has passed, and at --hard-limit-s the report is written and the process
@@ -159,6 +159,21 @@ def random_weights(config: DiffusionGemmaConfig, seed: int = 0) -> dg.Weights:
 
     leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
     return jax.tree_util.tree_unflatten(treedef, [make(path, leaf, i) for i, (path, leaf) in enumerate(leaves)])
+
+
+def quantized_layer_by_layer(weights: dg.Weights, mode: str) -> dg.Weights:
+    """quantize_params(weights, mode), each bf16 layer dropped once its 8-bit copy is made: at
+    26B-A4B the bf16 tree (50.5 GB) and a whole 8-bit copy (26 GB) do not fit an 80 GB card
+    together."""
+    weights = dict(weights)
+    stacks = [name for name in dg.STACKS.values() if name in weights]
+    for name in stacks:
+        layers, done = list(weights.pop(name)), []
+        while layers:
+            done.append(jax.block_until_ready(quantize_params({name: (layers.pop(0),)}, mode)[name][0]))
+        weights[name] = tuple(done)
+    rest = quantize_params({k: v for k, v in weights.items() if k not in stacks}, mode)
+    return {**weights, **rest}
 
 
 def ceilings(tiny: bool) -> dict:
@@ -333,21 +348,6 @@ def end_to_end(engine, config, decode_config, prompt_ids, args) -> dict:
 
 
 # ----- transformers' generate, in a child process run before JAX takes the device ------------
-
-
-def quantized_layer_by_layer(weights: dg.Weights, mode: str) -> dg.Weights:
-    """quantize_params(weights, mode), each bf16 layer dropped once its 8-bit copy is made: at
-    26B-A4B the bf16 tree (50.5 GB) and a whole 8-bit copy (26 GB) do not fit an 80 GB card
-    together."""
-    weights = dict(weights)
-    stacks = [name for name in dg.STACKS.values() if name in weights]
-    for name in stacks:
-        layers, done = list(weights.pop(name)), []
-        while layers:
-            done.append(jax.block_until_ready(quantize_params({name: (layers.pop(0),)}, mode)[name][0]))
-        weights[name] = tuple(done)
-    rest = quantize_params({k: v for k, v in weights.items() if k not in stacks}, mode)
-    return {**weights, **rest}
 
 
 def transformers_model(tiny: bool):

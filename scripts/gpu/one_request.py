@@ -17,9 +17,9 @@ starting new work once --budget-s is spent):
            quantized_matmul routes it, or at every pass up to 1024 rows), each with the
            engine's compiler options (whole-loop command buffers on NVIDIA GPUs) or without
            command buffers ("nocmdbuf"), or with every dot on cuBLAS ("cublas": XLA's Triton
-           GEMM fusions off), or with XLA's DotMerger off ("nodotmerge": it merges the q/k/v dots,
-           32 MiB each in bf16, by concatenating their weights on every call); the first full pass (640 positions) of the first
-           request and later ones (the median of LATER_PASSES), against its FLOP floor, also
+           GEMM fusions off), or with XLA's DotMerger off ("nodotmerge": it merges dots that
+           share an input by concatenating their weights on every call); the first full pass
+           (640 positions) of the first request and later ones (the median of LATER_PASSES), against its FLOP floor, also
            without the engine's zero-iteration first execution ("cold": the first run of a
            fresh executable);
            kernels per step, device-busy time and launch gaps (untraced wall time less the
@@ -413,7 +413,7 @@ def steps_part(report: Report, tiny: bool, variants: list[str], profile: bool) -
             options["xla_enable_command_buffers_during_profiling"] = True
         if "cublas" in variant:  # XLA's Triton GEMM fusions off: every dot to cuBLAS
             options["xla_gpu_enable_triton_gemm"] = False
-        if "nodotmerge" in variant:  # q/k/v's dots kept apart: no per-call copy of their concatenated weights
+        if "nodotmerge" in variant:  # dots sharing an input kept apart: no per-call copy of their concatenated weights
             options["xla_gpu_dot_merger_threshold_mb"] = 0
         routed = quantization.WEIGHT_ONLY_MAX_ROWS
         limit = 1024 if "kernel 1024" in variant else routed if "kernel" in variant else 0
