@@ -5,8 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dllm_jax.models import transformer
 from dllm_jax.models.config import ConfigError, ModelConfig, llada_8b_config
-from dllm_jax.models.transformer import abstract_params, count_params, forward, init_params
+from dllm_jax.models.transformer import Block, abstract_params, count_params, forward, init_params
 
 pytestmark = pytest.mark.unit
 
@@ -40,6 +41,26 @@ def test_scan_compiles_one_layer_body(tiny_cfg, tiny_params):
     hlo = jax.jit(lambda p, t: forward(deep, p, t)).lower(params, tokens).as_text()
     assert "while" in hlo
     assert hlo.count("dot_general") < 20  # 6 unrolled layers would hold 7 * 6 projections
+
+
+@pytest.mark.parametrize("rows", [transformer.MERGED_QKV_MAX_ROWS, transformer.MERGED_QKV_MAX_ROWS + 8])
+def test_qkv_read_their_own_rows_past_the_merge_limit(tiny_cfg, tiny_params, rows):
+    """Past MERGED_QKV_MAX_ROWS the projections' dots get separate inputs (an optimization
+    barrier, so XLA:GPU's DotMerger cannot concatenate their weights on every call); the values
+    are those of the plain projections either way."""
+    layer = jax.tree.map(lambda a: a[0], tiny_params["layers"])
+    x = jax.random.normal(jax.random.key(2), (2, rows // 2, tiny_cfg.d_model), jnp.float32)
+    positions = jnp.broadcast_to(jnp.arange(rows // 2), (2, rows // 2))
+
+    def project(x, positions):
+        return Block(tiny_cfg).apply({"params": layer}, x, positions, method=Block.project_qkv)
+
+    hlo = jax.jit(project).lower(x, positions).as_text()
+    assert ("optimization_barrier" in hlo) == (rows > transformer.MERGED_QKV_MAX_ROWS)
+    _, _, v = project(x, positions)
+    np.testing.assert_array_equal(
+        v.reshape(rows, -1), (x.reshape(rows, -1) @ layer["v_proj"]["kernel"]).astype(v.dtype)
+    )
 
 
 @pytest.mark.parametrize(

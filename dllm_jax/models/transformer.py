@@ -34,6 +34,7 @@ biases stay.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -47,6 +48,16 @@ from pallas_kernels.attention.reference import dense_attention
 from pallas_kernels.projection.rope import apply_rope, rope_cos_sin
 
 Weights = Any  # the model's weights: a nested dict of arrays (Flax's "params" collection)
+
+# Up to this many rows, q/k/v read the same normed rows and XLA:GPU's DotMerger may merge their
+# dots (it concatenates the weights of dots that share an input). Past it, each projection reads
+# its own copy of the rows (an optimization barrier), so the dots stay apart. At LLaDA-8B shape
+# (BENCHMARKS.md, "q/k/v apart past 256 rows"): merged, 128 rows (the 1-slot step) are one Triton
+# GEMM reading the weights in place, 1.6% faster than apart on an H100; in the traces of larger
+# passes (the 8-slot step, a 1-slot full pass) cuBLAS runs the merged dot and the concatenated
+# weights are copied on every call: apart is 4.9% faster at 512 rows, 5.1% at 1024 (8 slots),
+# 1.4% at 4096 and 3.3% for a 1-slot full pass of 640 (H200). 256 rows were not measured apart.
+MERGED_QKV_MAX_ROWS = 256
 
 
 class Block(nn.Module):
@@ -88,9 +99,12 @@ class Block(nn.Module):
         c = self.config
         dt = c.jnp_dtype
         lead = x.shape[:-1]
-        q = self.q_proj(x, jnp.float32).reshape(*lead, c.n_heads, c.head_dim)
-        k = self.k_proj(x, jnp.float32).reshape(*lead, c.n_kv_heads, c.head_dim)
-        v = self.v_proj(x, jnp.float32).reshape(*lead, c.n_kv_heads, c.head_dim)
+        xq = xk = xv = x
+        if isinstance(x, jax.Array) and math.prod(lead) > MERGED_QKV_MAX_ROWS:  # fp8 rows: the merger is off
+            xq, xk, xv = jax.lax.optimization_barrier((x, x, x))
+        q = self.q_proj(xq, jnp.float32).reshape(*lead, c.n_heads, c.head_dim)
+        k = self.k_proj(xk, jnp.float32).reshape(*lead, c.n_kv_heads, c.head_dim)
+        v = self.v_proj(xv, jnp.float32).reshape(*lead, c.n_kv_heads, c.head_dim)
         cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)
         # [..., T, 1, Dh/2]: one angle per row, shared by all heads
         cos, sin = cos[..., None, :], sin[..., None, :]
