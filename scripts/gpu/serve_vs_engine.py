@@ -26,7 +26,9 @@ the engine's time per iteration, the share of the load's wall time the server's 
 (dispatch to return: on XLA:GPU, where a call returns when the device is done, how busy the
 server kept the device), and the time from the loop call that returned a commit to the chunk
 carrying it (dllm_commit_to_chunk_seconds; target p99 <= 5 ms; every sample is kept, so the
-table's mean, p50, p99 and max are exact, not the histogram's buckets).
+table's mean, p50, p99 and max are exact, not the histogram's buckets), and the part of it
+before the event loop starts handing a step's events to their streams ("to the event loop":
+from the same receipt to dllm_jax.serve.worker._put_all, once per step and event loop).
 --switch-intervals-ms measures each configuration once per interpreter switch interval
 (sys.setswitchinterval: how long a thread that wants the interpreter lock waits for the one
 holding it; Python's default is 5 ms): the event loop sending a step's chunks and the engine
@@ -73,6 +75,7 @@ from dllm_jax.engine.engine import Engine  # noqa: E402
 from dllm_jax.models.config import ModelConfig, llada_8b_config  # noqa: E402
 from dllm_jax.models.transformer import init_params, init_params_per_layer  # noqa: E402
 from dllm_jax.sampling.params import SamplingParams  # noqa: E402
+from dllm_jax.serve import worker as serve_worker  # noqa: E402
 from dllm_jax.serve.assemble import ServeOptions, assemble, decode_config, request_defaults  # noqa: E402
 from scripts.load_test import percentile  # noqa: E402
 
@@ -235,17 +238,40 @@ class ExactSamples:
 
     def summary(self, start: int) -> dict:
         """Mean, p50, p99 and max in seconds of the values observed since index `start`."""
-        values = self.values[start:]
-        if not values:
-            return {"count": 0}
-        at = functools.partial(percentile, values)
-        return {
-            "count": len(values),
-            "mean_s": statistics.fmean(values),
-            "p50_s": at(0.5),
-            "p99_s": at(0.99),
-            "max_s": max(values),
-        }
+        return summarize(self.values[start:])
+
+
+class LoopWakeSamples:
+    """For every step's events, the seconds from the engine thread's receipt of the commits
+    (Event.received) to the event loop starting to hand them to their streams (worker._put_all,
+    which deliver_all schedules with call_soon_threadsafe): the part of commit-to-chunk spent
+    before any stream runs, waking the loop and waiting for the interpreter lock."""
+
+    def __init__(self):
+        self.values: list[float] = []
+        put_all = serve_worker._put_all
+
+        def recording(items):
+            received = max((event.received for _, event in items), default=0.0)
+            if received:
+                self.values.append(time.perf_counter() - received)
+            return put_all(items)
+
+        serve_worker._put_all = recording
+
+
+def summarize(values: list[float]) -> dict:
+    """Count, mean, p50, p99 and max in seconds."""
+    if not values:
+        return {"count": 0}
+    at = functools.partial(percentile, values)
+    return {
+        "count": len(values),
+        "mean_s": statistics.fmean(values),
+        "p50_s": at(0.5),
+        "p99_s": at(0.99),
+        "max_s": max(values),
+    }
 
 
 def read_metrics(url: str) -> dict[str, float]:
@@ -345,6 +371,7 @@ def serve_slots(engine, config, opts, budget: Budget, engines: dict, slots: int,
     print(f"[{slots} slots] server warm-up {server.warmup_seconds:.1f} s", flush=True)
     uv, thread, url = start_server(server)
     exact = ExactSamples(server.metrics.commit_to_chunk_seconds)
+    wakes = LoopWakeSamples()
     rows, skipped, curve_runs = [], [], None
     default_interval = sys.getswitchinterval()
     try:
@@ -358,12 +385,13 @@ def serve_slots(engine, config, opts, budget: Budget, engines: dict, slots: int,
                     )
                     continue
                 sys.setswitchinterval(default_interval if interval is None else interval / 1e3)
-                start = len(exact.values)
+                start, wakes_start = len(exact.values), len(wakes.values)
                 rows.append(measure(engine, config, opts, budget, engines, server, url, slots, canvas))
                 rows[-1]["warmup_s"] = server.warmup_seconds
                 rows[-1]["switch_interval_ms"] = 1e3 * sys.getswitchinterval()
                 if "server" in rows[-1]:
                     rows[-1]["server"]["commit_to_chunk_exact"] = exact.summary(start)
+                    rows[-1]["server"]["receipt_to_event_loop"] = summarize(wakes.values[wakes_start:])
         sys.setswitchinterval(default_interval)
         if curve:
             curve_runs = _curve_loads(url, opts, config, budget, slots, opts.curve_requests or 2 * slots)
@@ -485,20 +513,22 @@ def write_report(opts, rows: list[dict], skipped: list[str], curve: dict | None 
         "",
         "| slots | requests | canvas | switch interval ms | server tokens/s | engine tokens/s | server / engine | "
         "server step ms | engine ms/iteration | calls' share of wall | commit-to-chunk mean / p50 / p99 / max ms | "
-        "same tokens | errors |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "to the event loop p50 / p99 / max ms | same tokens | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "server" not in r or "engine" not in r:
             lines.append(f"| {r['slots']} | {r['requests']} | {'on' if r['canvas'] else 'off'} | {r.get('cut')} |")
             continue
         s, e, c = r["server"], r["engine"], r["server"].get("commit_to_chunk_exact", {})
+        w = s.get("receipt_to_event_loop", {})
         lines.append(
             f"| {r['slots']} | {r['requests']} | {'on' if r['canvas'] else 'off'} | "
             f"{r.get('switch_interval_ms', 5.0):g} | {s['tokens_per_s']:.1f} | "
             f"{e['tokens_per_s']:.1f} | **{r['server_over_engine']:.3f}** | {ms(s['step'].get('mean_s'))} | "
             f"{e['ms_per_iteration']:.2f} | {s['calls_share_of_wall']:.2f} | {ms(c.get('mean_s'))} / "
-            f"{ms(c.get('p50_s'))} / {ms(c.get('p99_s'))} / {ms(c.get('max_s'))} | {r['same_tokens']} | "
+            f"{ms(c.get('p50_s'))} / {ms(c.get('p99_s'))} / {ms(c.get('max_s'))} | "
+            f"{ms(w.get('p50_s'))} / {ms(w.get('p99_s'))} / {ms(w.get('max_s'))} | {r['same_tokens']} | "
             f"{s['errors'] or 'none'} |"
         )
     lines += [f"\nSkipped: {'; '.join(skipped)}."] if skipped else []
