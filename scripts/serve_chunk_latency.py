@@ -7,9 +7,10 @@ HTTP stack over tests/fake_session.py's FakeSession, streaming load from scripts
 
 Each configuration is SLOTS or SLOTS:canvas (the requests ask for the canvas stream). A run
 starts the server in this process (uvicorn on 127.0.0.1, a free port) over one FakeSession of
-SLOTS slots whose step takes --step-ms and commits --per-step positions of every running
-request, then sends 2 x SLOTS streaming /v1/completions at once from load_test.py in a
-subprocess (its own interpreter). Every prompt is --gen-length characters, so each step adds
+SLOTS slots whose step call first works --dispatch-ms in Python (holding the interpreter lock,
+as the engine prepares and dispatches its next call), then takes --step-ms and commits
+--per-step positions of every running request, then sends 2 x SLOTS streaming
+/v1/completions at once from load_test.py in a subprocess (its own interpreter). Every prompt is --gen-length characters, so each step adds
 stable text to every stream: a step's chunks for all its slots reach the event loop together,
 as on an engine at full batch. Reported per run: the dllm_commit_to_chunk_seconds samples
 (from the engine thread's receipt of a step's commits to their chunk being yielded; the exact
@@ -42,6 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from dllm_jax.serve import worker  # noqa: E402
 from scripts.load_test import percentile  # noqa: E402
 from tests.fake_session import FakeSession, ThreadedServer  # noqa: E402
 
@@ -52,6 +54,21 @@ def parse_args(argv):
     p.add_argument("--repeats", type=int, default=1, help="runs per configuration (default 1)")
     p.add_argument("--step-ms", type=float, default=100.0, help="wall time of one fake step (default 100)")
     p.add_argument("--gen-length", type=int, default=32, help="answer positions (default 32)")
+    p.add_argument(
+        "--dispatch-ms",
+        type=float,
+        default=0.0,
+        help="Python work (holding the interpreter lock) at the start of every step call, as the engine "
+        "prepares and dispatches the next call (default 0)",
+    )
+    p.add_argument(
+        "--streams-first-ms",
+        type=float,
+        nargs="+",
+        default=None,
+        help="run each configuration once per value of the worker's STREAMS_FIRST_MAX_SECONDS, in ms "
+        "(0: the engine thread does not wait for the streams; default: the worker's own)",
+    )
     p.add_argument("--per-step", type=int, default=2, help="positions committed per step (default 2)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per load (default 120)")
     p.add_argument("--profile", type=int, default=0, metavar="N", help="print the event loop's N costliest functions")
@@ -162,6 +179,7 @@ def one_run(opts, slots: int, canvas: bool) -> dict:
         max_prompt_len=opts.gen_length,
         step_seconds=opts.step_ms / 1000,
         per_step=opts.per_step,
+        dispatch_seconds=opts.dispatch_ms / 1000,
     )
     server = ThreadedServer({"fake": session}, max_waiting=4 * slots, api_key=None, model="fake")
     recorder = SampleRecorder()
@@ -182,6 +200,7 @@ def one_run(opts, slots: int, canvas: bool) -> dict:
     result = {
         "slots": slots,
         "canvas": canvas,
+        "streams_first_ms": 1e3 * worker.STREAMS_FIRST_MAX_SECONDS,
         "requests": load["requests"],
         "ok": load["ok"],
         "errors": load["errors"],
@@ -200,6 +219,7 @@ def one_run(opts, slots: int, canvas: bool) -> dict:
 COLUMNS = (
     "slots",
     "canvas",
+    "streams first ms",
     "chunks",
     "mean ms",
     "p50 ms",
@@ -217,6 +237,7 @@ def row(r: dict) -> str:
     cells = (
         r["slots"],
         "on" if r["canvas"] else "off",
+        f"{r['streams_first_ms']:g}",
         r["count"],
         *(f"{r[k]:.2f}" for k in ("mean_ms", "p50_ms", "p99_ms", "max_ms")),
         *(f"{r[k]:.0f}" for k in ("loop_cpu_us_per_chunk", "burst_cpu_us_per_chunk")),
@@ -239,8 +260,11 @@ def main(argv=None) -> int:
             for config in opts.configs:
                 slots, _, canvas = config.partition(":")
                 for _ in range(opts.repeats):
-                    runs.append(one_run(opts, int(slots), bool(canvas)))
-                    print(row(runs[-1]), flush=True)
+                    for value in opts.streams_first_ms or [None]:
+                        if value is not None:
+                            worker.STREAMS_FIRST_MAX_SECONDS = value / 1000
+                        runs.append(one_run(opts, int(slots), bool(canvas)))
+                        print(row(runs[-1]), flush=True)
             logging.getLogger().handlers.clear()
     if opts.output is not None:
         opts.output.write_text(json.dumps({"options": vars(opts) | {"output": str(opts.output)}, "runs": runs}))

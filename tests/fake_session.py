@@ -84,7 +84,9 @@ class _Request:
 class FakeSession:
     """The Session protocol over no model. Args: num_slots, gen_length, max_prompt_len,
     step_seconds (wall time of one step), per_step (positions committed per step), fail_step
-    (the step call, counted from 1, that raises as a failed device call would).
+    (the step call, counted from 1, that raises as a failed device call would), dispatch_seconds
+    (Python work at the start of every step call, holding the interpreter lock, as the engine's
+    session prepares and dispatches the next call while the last one's events are sent).
 
     calls: ("step", the running ids) | ("abort", id) | ("reset", None), in order; fail_add:
     prompts (as tuples) whose add raises RuntimeError, as a bug in the session would."""
@@ -99,6 +101,7 @@ class FakeSession:
         per_step: int = 2,
         tokenizer: CharTokenizer | None = None,
         fail_step: int | None = None,
+        dispatch_seconds: float = 0.0,
     ):
         self.compiled = SimpleNamespace(loop=SimpleNamespace(num_slots=num_slots, cfg=False))
         self._decode_config = DecodeConfig(gen_length=gen_length, batch_size=num_slots)
@@ -113,6 +116,7 @@ class FakeSession:
         self.aborted: list[object] = []
         self.calls: list[tuple[str, object]] = []
         self.fail_step = fail_step
+        self.dispatch_seconds = dispatch_seconds
         self.fail_add: set[tuple[int, ...]] = set()
         self.step_calls = 0
         self.lock = threading.Lock()  # the tests read the counters from another thread
@@ -182,6 +186,9 @@ class FakeSession:
         self._news = []
 
     def step(self, max_iterations: int) -> list[RequestUpdate]:
+        busy_until = time.perf_counter() + self.dispatch_seconds
+        while time.perf_counter() < busy_until:  # pure Python: the interpreter lock stays held
+            pass
         while self._waiting and len(self._running) < self.compiled.loop.num_slots:
             request = self._waiting.popleft()
             self._running[request.request_id] = request

@@ -14,6 +14,7 @@ import time
 import pytest
 
 from dllm_jax.sampling.params import SamplingParams
+from dllm_jax.serve import worker as worker_module
 from dllm_jax.serve.errors import APIError
 from dllm_jax.serve.metrics import ServerMetrics
 from dllm_jax.serve.worker import EngineWorker, Event, RequestHandle, Work, deliver_all
@@ -150,3 +151,67 @@ def test_a_handle_gives_its_events_in_order_and_none_after_its_timeout():
         assert await handle.next_event(0) is None
 
     asyncio.run(scenario())
+
+
+def test_a_steps_flag_is_set_once_the_requests_it_woke_have_run():
+    """deliver_all's flag for an event loop is set after every request its events woke has run up
+    to its next wait (a stream: through sending its chunk), so the engine thread can leave the
+    interpreter lock to the event loop until then."""
+    ran, seen = [], []
+
+    class Flag(threading.Event):
+        def set(self):
+            seen.append(list(ran))  # what had run when the flag was set
+            super().set()
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        handles = [RequestHandle(None, _work(f"r{i}"), loop) for i in range(3)]
+
+        async def stream(handle):
+            await handle.next_event(10)
+            ran.append(handle.request_id)
+            await asyncio.sleep(0)  # a later part of the stream: the flag does not wait for it
+            ran.append(f"{handle.request_id} later")
+
+        tasks = [asyncio.ensure_future(stream(h)) for h in handles]
+        await asyncio.sleep(0)  # every stream waits for its event
+        flag = Flag()
+        worker_module._put_all(loop, [(h, Event(received=1.0)) for h in handles], flag)
+        assert not flag.is_set()
+        while not flag.is_set():
+            await asyncio.sleep(0)
+        await asyncio.gather(*tasks)
+        assert seen == [["r0", "r1", "r2"]]
+        # deliver_all, from another thread: one flag for the one loop, set once its streams ran
+        more = [RequestHandle(None, _work("r3"), loop)]
+        waiting = asyncio.ensure_future(more[0].next_event(10))
+        flags = []
+        sender = threading.Thread(target=lambda: flags.extend(deliver_all([(more[0], Event(received=2.0))])))
+        sender.start()
+        assert (await waiting).received == 2.0
+        sender.join()
+        assert len(flags) == 1
+        while not flags[0].is_set():
+            await asyncio.sleep(0)
+
+    asyncio.run(scenario())
+
+
+def test_the_engine_thread_waits_for_the_streams_at_most_its_bound():
+    """_let_streams_run returns when the flags are set, and otherwise after at most
+    STREAMS_FIRST_MAX_SECONDS or STREAMS_FIRST_SHARE of the call's time (a busy or stopped event
+    loop cannot stall the device)."""
+    worker = EngineWorker({"a": fake()}, ServerMetrics())
+    never = threading.Event()
+    start = time.perf_counter()
+    worker._let_streams_run([never], call_seconds=0.008)  # a quarter of an 8 ms call
+    assert 0.0015 <= time.perf_counter() - start < 0.05
+    start = time.perf_counter()
+    worker._let_streams_run([never], call_seconds=10.0)  # capped at 5 ms
+    assert 0.0045 <= time.perf_counter() - start < 0.1
+    done = threading.Event()
+    done.set()
+    start = time.perf_counter()
+    worker._let_streams_run([done, never], call_seconds=0.0)
+    assert time.perf_counter() - start < 0.05

@@ -35,6 +35,13 @@ from dllm_jax.serve.metrics import ServerMetrics
 
 log = logging.getLogger("dllm_jax.serve")
 
+# How long the engine thread lets the event loop send a step's chunks before it prepares the next
+# loop call (dllm_jax.serve.worker.EngineWorker._let_streams_run): at most this many seconds, and
+# at most this share of the session call's time, so that the next call is still queued before
+# the device finishes the one in flight.
+STREAMS_FIRST_MAX_SECONDS = 0.005
+STREAMS_FIRST_SHARE = 0.25
+
 
 class Session(Protocol):
     """What the worker needs of a generation session (dllm_jax.engine.session.GenerationSession)."""
@@ -118,22 +125,30 @@ class RequestHandle:
             self.worker.release(self)
 
 
-def deliver_all(deliveries: list[tuple[RequestHandle, Event]]) -> None:
+def deliver_all(deliveries: list[tuple[RequestHandle, Event]]) -> list[threading.Event]:
     """Hands events to their requests from the engine thread: one wake-up of each event loop
-    for all of them (a loop step's events for every slot), in order."""
+    for all of them (a loop step's events for every slot), in order. Returns, per event loop, a
+    flag set once that loop has run every request the events woke (each up to its next wait:
+    a stream, through sending its chunk)."""
     by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestHandle, Event]]] = {}
     for handle, event in deliveries:
         by_loop.setdefault(handle._loop, []).append((handle, event))
+    woken = []
     for loop, items in by_loop.items():
+        done = threading.Event()
         try:
-            loop.call_soon_threadsafe(_put_all, items)
+            loop.call_soon_threadsafe(_put_all, loop, items, done)
         except RuntimeError:  # a closed event loop, at shutdown
-            pass
+            continue
+        woken.append(done)
+    return woken
 
 
-def _put_all(items: list[tuple[RequestHandle, Event]]) -> None:
+def _put_all(loop: asyncio.AbstractEventLoop, items: list[tuple[RequestHandle, Event]], done: threading.Event) -> None:
     for handle, event in items:
         handle._events.put_nowait(event)
+    # the puts scheduled the woken tasks' next steps on this loop: this callback runs after them
+    loop.call_soon(done.set)
 
 
 class EngineWorker:
@@ -356,8 +371,18 @@ class EngineWorker:
                     del self._in_engine[update.request_id]
                     self._throughput.finished(update.result)
                 deliveries.append((handle, Event(commits=update.commits, received=received, result=update.result)))
-            deliver_all(deliveries)
+            self._let_streams_run(deliver_all(deliveries), received - start)
             self._throughput.steps += steps
+
+    def _let_streams_run(self, woken: list[threading.Event], call_seconds: float) -> None:
+        """Waits until the event loops have run the requests a step's events woke, for at most
+        STREAMS_FIRST_MAX_SECONDS or STREAMS_FIRST_SHARE of the session call's time, before this
+        thread prepares the next call. That work holds the interpreter lock, which the event
+        loop needs to send the step's chunks; the device meanwhile runs the call dispatched
+        before these events were read."""
+        deadline = time.perf_counter() + min(STREAMS_FIRST_MAX_SECONDS, STREAMS_FIRST_SHARE * call_seconds)
+        for done in woken:
+            done.wait(max(0.0, deadline - time.perf_counter()))
 
     def _session_failed(self, method: str, session: Session, error: Exception) -> None:
         """A session call raised: its requests fail (500), the session starts afresh."""

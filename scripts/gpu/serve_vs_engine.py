@@ -251,11 +251,11 @@ class LoopWakeSamples:
         self.values: list[float] = []
         put_all = serve_worker._put_all
 
-        def recording(items):
+        def recording(loop, items, done):
             received = max((event.received for _, event in items), default=0.0)
             if received:
                 self.values.append(time.perf_counter() - received)
-            return put_all(items)
+            return put_all(loop, items, done)
 
         serve_worker._put_all = recording
 
