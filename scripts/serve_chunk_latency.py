@@ -4,6 +4,8 @@ HTTP stack over tests/fake_session.py's FakeSession, streaming load from scripts
     PYTHONPATH=. python scripts/serve_chunk_latency.py                       # 8 and 32 slots, canvas off and on
     PYTHONPATH=. python scripts/serve_chunk_latency.py --configs 32 --repeats 3
     PYTHONPATH=. python scripts/serve_chunk_latency.py --configs 32:canvas --profile 15   # + the event loop's profile
+    PYTHONPATH=. python scripts/serve_chunk_latency.py --configs 32 --dispatch-ms 3 --streams-first-ms 0 5
+                                      # 3 ms of lock-holding work per call; the engine thread's wait off, on
 
 Each configuration is SLOTS or SLOTS:canvas (the requests ask for the canvas stream). A run
 starts the server in this process (uvicorn on 127.0.0.1, a free port) over one FakeSession of
