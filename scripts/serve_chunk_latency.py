@@ -76,6 +76,11 @@ def parse_args(argv):
     p.add_argument("--profile", type=int, default=0, metavar="N", help="print the event loop's N costliest functions")
     p.add_argument("--output", type=Path, help="write the report as JSON here")
     opts = p.parse_args(argv)
+    if opts.dispatch_ms < 0:
+        p.error(f"--dispatch-ms {opts.dispatch_ms:g}: expected >= 0")
+    for value in opts.streams_first_ms or ():
+        if value < 0:
+            p.error(f"--streams-first-ms {value:g}: expected >= 0")
     for config in opts.configs:
         slots, _, canvas = config.partition(":")
         if not slots.isdigit() or int(slots) < 1 or canvas not in ("", "canvas"):
@@ -250,6 +255,17 @@ def row(r: dict) -> str:
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
+def with_streams_first(ms: float | None, fn, *args):
+    """fn(*args) with the worker's STREAMS_FIRST_MAX_SECONDS at `ms` (None: as it is), restored after."""
+    kept = worker.STREAMS_FIRST_MAX_SECONDS
+    if ms is not None:
+        worker.STREAMS_FIRST_MAX_SECONDS = ms / 1000
+    try:
+        return fn(*args)
+    finally:
+        worker.STREAMS_FIRST_MAX_SECONDS = kept
+
+
 def main(argv=None) -> int:
     opts = parse_args(argv)
     runs = []
@@ -263,9 +279,7 @@ def main(argv=None) -> int:
                 slots, _, canvas = config.partition(":")
                 for _ in range(opts.repeats):
                     for value in opts.streams_first_ms or [None]:
-                        if value is not None:
-                            worker.STREAMS_FIRST_MAX_SECONDS = value / 1000
-                        runs.append(one_run(opts, int(slots), bool(canvas)))
+                        runs.append(with_streams_first(value, one_run, opts, int(slots), bool(canvas)))
                         print(row(runs[-1]), flush=True)
             logging.getLogger().handlers.clear()
     if opts.output is not None:
