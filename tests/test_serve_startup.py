@@ -116,6 +116,37 @@ def test_ctrl_c_during_the_warm_up_is_one_line_and_status_130(tmp_path):
     assert [line for line in after if line.strip()] == ["dllm-serve: interrupted during start-up"], after
 
 
+# An interrupt that lands in a garbage-collection callback (jax registers one: _xla_gc_callback):
+# as a KeyboardInterrupt it is swallowed there ("Exception ignored") and the start-up went on.
+_INTERRUPT_IN_A_GC_CALLBACK = """
+import gc, os, signal, sys
+from dllm_jax.serve.cli import interrupt_exits_at_once
+
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as a terminal starts a process
+
+def callback(phase, info):
+    if phase == "start":
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(1000):  # bytecodes inside the callback: the signal's handler runs here
+            pass
+
+with interrupt_exits_at_once():
+    gc.callbacks.append(callback)
+    gc.collect()
+    gc.callbacks.remove(callback)
+    print("the start-up went on")
+"""
+
+
+@pytest.mark.integration
+def test_an_interrupt_inside_a_gc_callback_still_ends_the_start_up():
+    result = subprocess.run(
+        [sys.executable, "-c", _INTERRUPT_IN_A_GC_CALLBACK], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 130, result
+    assert result.stderr.strip() == cli.INTERRUPTED_DURING_START_UP and "went on" not in result.stdout
+
+
 def test_the_log_has_no_backend_probing_noise():
     """Without JAX_PLATFORMS, jax probes for a TPU and logs "Unable to initialize backend
     'tpu'" at INFO; the server's logging keeps third-party records below WARNING out."""

@@ -13,8 +13,10 @@ start-up exits at once with status 130. Bad options: one line on stderr and exit
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -351,19 +353,51 @@ def serve(server, args: argparse.Namespace, sock: socket.socket) -> None:
     uv.run(sockets=[sock])
 
 
+INTERRUPTED_DURING_START_UP = "dllm-serve: interrupted during start-up"
+
+
+def _exit_interrupted(signum: int, frame) -> None:
+    print(INTERRUPTED_DURING_START_UP, file=sys.stderr, flush=True)
+    logging.shutdown()  # flushes the log's handlers
+    os._exit(130)
+
+
+@contextlib.contextmanager
+def interrupt_exits_at_once():
+    """Within: SIGINT prints one line and ends the process with status 130 from its handler.
+
+    Not as a KeyboardInterrupt, which Python raises at whatever bytecode the main thread runs
+    next. Raised inside one of jax's garbage-collection callbacks, it is swallowed ("Exception
+    ignored in _xla_gc_callback") and the server starts anyway. Unwinding a half-built engine
+    has also crashed the process (SIGSEGV, as the interrupted compile's objects were freed).
+    Nothing of the server is written before it listens, so exiting at once loses nothing.
+    Only in the main thread, and only where SIGINT raises KeyboardInterrupt (a process started
+    with SIGINT ignored keeps ignoring it)."""
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGINT) if in_main else None
+    if previous is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _exit_interrupted)
+    try:
+        yield
+    finally:
+        if previous is signal.default_int_handler:
+            signal.signal(signal.SIGINT, previous)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging(args.log_level)
     sock = None
     try:
-        _check(args)
-        sock = bind(args.host, args.port)
-        server = build(args)
+        with interrupt_exits_at_once():
+            _check(args)
+            sock = bind(args.host, args.port)
+            server = build(args)
     except (KeyboardInterrupt, ValueError, OSError) as e:  # UsageError, ConversionError, TokenizerError, ...
         if sock is not None:
             sock.close()
-        if isinstance(e, KeyboardInterrupt):
-            print("dllm-serve: interrupted during start-up", file=sys.stderr)
+        if isinstance(e, KeyboardInterrupt):  # where interrupt_exits_at_once installs no handler
+            print(INTERRUPTED_DURING_START_UP, file=sys.stderr)
             return 130
         print(f"dllm-serve: {e}", file=sys.stderr)
         return 2
