@@ -12,8 +12,8 @@ starts the server in this process (uvicorn on 127.0.0.1, a free port) over one F
 SLOTS slots whose step call first works --dispatch-ms in Python (holding the interpreter lock,
 as the engine prepares and dispatches its next call), then takes --step-ms and commits
 --per-step positions of every running request, then sends 2 x SLOTS streaming
-/v1/completions at once from load_test.py in a subprocess (its own interpreter). Every prompt is --gen-length characters, so each step adds
-stable text to every stream: a step's chunks for all its slots reach the event loop together,
+/v1/completions at once from load_test.py in a subprocess (its own interpreter). Every prompt
+is --gen-length characters, so each step adds stable text to every stream: a step's chunks for all its slots reach the event loop together,
 as on an engine at full batch. Reported per run: the dllm_commit_to_chunk_seconds samples
 (from the engine thread's receipt of a step's commits to their chunk being yielded; the exact
 values, not the histogram's buckets): count, mean, p50, p99, max; the event loop thread's CPU

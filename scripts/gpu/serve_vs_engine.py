@@ -245,11 +245,12 @@ class LoopWakeSamples:
     """For every step's events, the seconds from the engine thread's receipt of the commits
     (Event.received) to the event loop starting to hand them to their streams (worker._put_all,
     which deliver_all schedules with call_soon_threadsafe): the part of commit-to-chunk spent
-    before any stream runs, waking the loop and waiting for the interpreter lock."""
+    before any stream runs, waking the loop and waiting for the interpreter lock. Records until
+    close(), which puts the worker's own _put_all back."""
 
     def __init__(self):
         self.values: list[float] = []
-        put_all = serve_worker._put_all
+        self._put_all = put_all = serve_worker._put_all
 
         def recording(loop, items, done):
             received = max((event.received for _, event in items), default=0.0)
@@ -258,6 +259,9 @@ class LoopWakeSamples:
             return put_all(loop, items, done)
 
         serve_worker._put_all = recording
+
+    def close(self) -> None:
+        serve_worker._put_all = self._put_all
 
 
 def summarize(values: list[float]) -> dict:
@@ -396,6 +400,7 @@ def serve_slots(engine, config, opts, budget: Budget, engines: dict, slots: int,
         if curve:
             curve_runs = _curve_loads(url, opts, config, budget, slots, opts.curve_requests or 2 * slots)
     finally:
+        wakes.close()  # the next slot count's server records into its own samples, not through this wrapper
         uv.should_exit = True
         thread.join(60)
     return rows, curve_runs, skipped
