@@ -45,6 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from dllm_jax.common.atomic_write import write_text_atomically  # noqa: E402
 from dllm_jax.serve import worker  # noqa: E402
 from scripts.load_test import percentile  # noqa: E402
 from tests.fake_session import FakeSession, ThreadedServer  # noqa: E402
@@ -283,7 +284,9 @@ def main(argv=None) -> int:
                         print(row(runs[-1]), flush=True)
             logging.getLogger().handlers.clear()
     if opts.output is not None:
-        opts.output.write_text(json.dumps({"options": vars(opts) | {"output": str(opts.output)}, "runs": runs}))
+        write_text_atomically(
+            opts.output, json.dumps({"options": vars(opts) | {"output": str(opts.output)}, "runs": runs})
+        )
     return 0
 
 
