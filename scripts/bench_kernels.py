@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python scripts/bench_kernels.py            # GPU, LLaDA-8B layer shapes
     PYTHONPATH=. python scripts/bench_kernels.py --tiny     # CPU smoke test, interpret mode
+    PYTHONPATH=. python scripts/bench_kernels.py --full-pass  # GPU, attention of one request's first full pass
 
 One run: (1) the two ceilings, a large bf16 matmul rate and a large elementwise pass's
 bandwidth (bytes read + written); (2) correctness of each kernel against its jnp reference on
@@ -96,6 +97,12 @@ LLADA_8B = Shapes(
     sweep_size=7,
 )
 
+# the first full pass of one request (issue 30): 1 slot, prompt 512 + answer 128 = 640 rows over
+# their own 640 keys; attention only (the pass's projections are XLA's GEMMs), a wider sweep
+LLADA_8B_FULL_PASS = dataclasses.replace(
+    LLADA_8B, rows_per_slot=640, max_len=640, cache_slots=1, slot_counts=(1,), key_lengths=(640,), sweep_size=14
+)
+
 TINY = Shapes(
     d_model=128,
     n_heads=4,
@@ -147,6 +154,14 @@ def attention_candidates(default: AttentionBlockSizes, shapes: Shapes) -> list[A
         replace(num_warps=4),
         replace(block_k=32, num_warps=4),
         replace(block_q=64, num_warps=4),
+        # past sweep_size 7 (the full pass's sweep): fewer rows per program for more programs
+        replace(block_q=64, num_warps=4, num_splits=2),
+        replace(block_q=64, num_warps=4, num_stages=3),
+        replace(block_q=64, block_k=128, num_warps=4),
+        replace(block_q=32, num_warps=4),
+        replace(block_q=64, num_warps=8, num_stages=3),
+        replace(block_k=128, num_stages=3),
+        replace(num_splits=4),
     ]
     return list(dict.fromkeys(candidates))[: 1 + shapes.sweep_size]
 
@@ -588,6 +603,11 @@ def log(message: str) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="tiny shapes, CPU, Pallas interpret mode")
+    parser.add_argument(
+        "--full-pass",
+        action="store_true",
+        help="attention only, at the first full pass of one request (1 slot x 640 rows over 640 keys)",
+    )
     parser.add_argument("--out", help="JSON path (default $OUT/bench_kernels.json, else ./bench_kernels.json)")
     parser.add_argument("--repeats", type=int, default=5, help="timed samples per measurement (median)")
     parser.add_argument("--inner", type=int, default=4, help="chained calls per compiled program")
@@ -605,7 +625,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     if opts.tiny:
         jax.config.update("jax_platforms", "cpu")
-    shapes = TINY if opts.tiny else LLADA_8B
+    shapes = TINY if opts.tiny else LLADA_8B_FULL_PASS if opts.full_pass else LLADA_8B
     out_path = opts.out or os.path.join(os.environ.get("OUT", "."), "bench_kernels.json")
     report: dict[str, Any] = {
         "device": str(jax.devices()[0].device_kind),
@@ -631,7 +651,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"checks: {json.dumps(report['checks'])}")
     save()
 
-    cases = [("qkv", n, None) for n in shapes.slot_counts]
+    cases = [] if opts.full_pass else [("qkv", n, None) for n in shapes.slot_counts]
     cases += [("attention", n, k) for k in shapes.key_lengths for n in shapes.slot_counts]
     for i, (kind, n_slots, key_len) in enumerate(cases):
         # an equal share of the remaining sweep budget per remaining case

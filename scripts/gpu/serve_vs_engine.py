@@ -32,7 +32,10 @@ from the same receipt to dllm_jax.serve.worker._put_all, once per step and event
 --switch-intervals-ms measures each configuration once per interpreter switch interval
 (sys.setswitchinterval: how long a thread that wants the interpreter lock waits for the one
 holding it; Python's default is 5 ms): the event loop sending a step's chunks and the engine
-thread preparing the next call share one interpreter.
+thread preparing the next call share one interpreter. --streams-first-ms likewise measures each
+configuration once per bound of the engine thread's wait for the event loop to send a step's
+chunks before it prepares the next call (dllm_jax.serve.worker.STREAMS_FIRST_MAX_SECONDS; 0: no
+wait), on the same server: an A/B of that wait within one run.
 
 --budget-s bounds the whole run (weights, compiles, loads): before each configuration and curve
 rate the script estimates its time from what it measured so far (compile and warm-up, the
@@ -54,6 +57,7 @@ import argparse
 import dataclasses
 import functools
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -78,6 +82,7 @@ from dllm_jax.sampling.params import SamplingParams  # noqa: E402
 from dllm_jax.serve import worker as serve_worker  # noqa: E402
 from dllm_jax.serve.assemble import ServeOptions, assemble, decode_config, request_defaults  # noqa: E402
 from scripts.load_test import percentile  # noqa: E402
+from scripts.serve_chunk_latency import with_streams_first  # noqa: E402
 
 METHOD = "flash_cache"
 
@@ -135,6 +140,14 @@ def parse_args(argv):
         default=[None],
         help="measure each configuration once per interpreter switch interval (sys.setswitchinterval; default Python's)",
     )
+    p.add_argument(
+        "--streams-first-ms",
+        type=float,
+        nargs="+",
+        default=[None],
+        help="measure each configuration once per value of the worker's STREAMS_FIRST_MAX_SECONDS, in ms "
+        "(0: the engine thread does not wait for the streams; default: the worker's own)",
+    )
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
     opts = p.parse_args(argv)
     defaults = (
@@ -163,6 +176,8 @@ def parse_args(argv):
             p.error(f"--{name.replace('_', '-')}={value}: expected >= 1")
     if opts.budget_s < 0:
         p.error(f"--budget-s={opts.budget_s}: expected >= 0 (0: no bound)")
+    if any(ms is not None and not ms >= 0 for ms in opts.streams_first_ms):
+        p.error(f"--streams-first-ms {opts.streams_first_ms}: expected numbers >= 0")
     return opts
 
 
@@ -380,7 +395,7 @@ def serve_slots(engine, config, opts, budget: Budget, engines: dict, slots: int,
     default_interval = sys.getswitchinterval()
     try:
         for canvas in canvases:
-            for interval in opts.switch_intervals_ms:
+            for interval, streams_first in itertools.product(opts.switch_intervals_ms, opts.streams_first_ms):
                 requests = opts.requests or max(4, 2 * slots)
                 needed = budget.load_s(slots, requests, opts.gen_length) * opts.repeats * 2
                 if not budget.fits(needed):
@@ -390,9 +405,16 @@ def serve_slots(engine, config, opts, budget: Budget, engines: dict, slots: int,
                     continue
                 sys.setswitchinterval(default_interval if interval is None else interval / 1e3)
                 start, wakes_start = len(exact.values), len(wakes.values)
-                rows.append(measure(engine, config, opts, budget, engines, server, url, slots, canvas))
+                rows.append(
+                    with_streams_first(
+                        streams_first, measure, engine, config, opts, budget, engines, server, url, slots, canvas
+                    )
+                )
                 rows[-1]["warmup_s"] = server.warmup_seconds
                 rows[-1]["switch_interval_ms"] = 1e3 * sys.getswitchinterval()
+                rows[-1]["streams_first_ms"] = (
+                    1e3 * serve_worker.STREAMS_FIRST_MAX_SECONDS if streams_first is None else streams_first
+                )
                 if "server" in rows[-1]:
                     rows[-1]["server"]["commit_to_chunk_exact"] = exact.summary(start)
                     rows[-1]["server"]["receipt_to_event_loop"] = summarize(wakes.values[wakes_start:])
@@ -516,10 +538,10 @@ def write_report(opts, rows: list[dict], skipped: list[str], curve: dict | None 
         f"{opts.repeats} load(s) and Engine.generate run(s) per configuration (medians)"
         f"{'; every loop call blocking until its results are ready' if opts.blocking_calls else ''}.",
         "",
-        "| slots | requests | canvas | switch interval ms | server tokens/s | engine tokens/s | server / engine | "
+        "| slots | requests | canvas | switch interval ms | streams-first wait ms | server tokens/s | engine tokens/s | server / engine | "
         "server step ms | engine ms/iteration | calls' share of wall | commit-to-chunk mean / p50 / p99 / max ms | "
         "to the event loop p50 / p99 / max ms | same tokens | errors |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "server" not in r or "engine" not in r:
@@ -529,7 +551,7 @@ def write_report(opts, rows: list[dict], skipped: list[str], curve: dict | None 
         w = s.get("receipt_to_event_loop", {})
         lines.append(
             f"| {r['slots']} | {r['requests']} | {'on' if r['canvas'] else 'off'} | "
-            f"{r.get('switch_interval_ms', 5.0):g} | {s['tokens_per_s']:.1f} | "
+            f"{r.get('switch_interval_ms', 5.0):g} | {r.get('streams_first_ms', 5.0):g} | {s['tokens_per_s']:.1f} | "
             f"{e['tokens_per_s']:.1f} | **{r['server_over_engine']:.3f}** | {ms(s['step'].get('mean_s'))} | "
             f"{e['ms_per_iteration']:.2f} | {s['calls_share_of_wall']:.2f} | {ms(c.get('mean_s'))} / "
             f"{ms(c.get('p50_s'))} / {ms(c.get('p99_s'))} / {ms(c.get('max_s'))} | "
