@@ -269,6 +269,15 @@ def test_metrics_count_the_work_of_each_request(server):
     assert after["dllm_slots_total"] == SLOTS
 
 
+def test_the_startup_heap_is_frozen_while_serving_and_collections_are_timed(server):
+    """The lifespan froze what start-up left (gc.freeze) and times each collection for /metrics."""
+    import gc
+
+    assert gc.get_freeze_count() > 0
+    gc.collect()
+    assert metrics(server)['dllm_gc_pause_seconds_count{generation="2"}'] >= 1
+
+
 @pytest.mark.parametrize("canvas", [None, {"step": 3, "gen_length": 8, "commits": [], "eos_position": None}])
 def test_a_pieces_event_is_the_sse_of_its_whole_chunk(canvas):
     """The chunk's head is encoded once per response; each event is the same bytes as the

@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from dllm_jax.engine.results import TokenLogprob
 from dllm_jax.serve.errors import APIError, install_error_handlers
+from dllm_jax.serve.heap import frozen_startup_heap
 from dllm_jax.serve.metrics import ServerMetrics
 from dllm_jax.serve.middleware import GuardMiddleware
 from dllm_jax.serve.playground import add_playground
@@ -93,11 +94,12 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        worker.start()
-        try:
-            yield
-        finally:
-            worker.stop()
+        with frozen_startup_heap(metrics.gc_pause_seconds):
+            worker.start()
+            try:
+                yield
+            finally:
+                worker.stop()
 
     app = FastAPI(title="dllm-jax", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)

@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 log = logging.getLogger("dllm_jax.serve")
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch.BACKEND_COMPILE_EVENT
+_GC_PAUSE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
 _TOKENS_PER_STEP_BUCKETS = (1, 1.5, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 
 
@@ -63,6 +64,13 @@ class ServerMetrics:
             "dllm_commit_to_chunk_seconds",
             "Time from the loop call that returned a commit to its chunk being sent",
             buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.gc_pause_seconds = Histogram(
+            "dllm_gc_pause_seconds",
+            "Pause of each garbage collection while serving (the interpreter lock held), by generation",
+            ["generation"],
+            buckets=_GC_PAUSE_BUCKETS,
             registry=r,
         )
         self.warmup_seconds = Gauge("dllm_warmup_seconds", "Compile time of the warm-up at start", registry=r)

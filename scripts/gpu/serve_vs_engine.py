@@ -35,7 +35,9 @@ holding it; Python's default is 5 ms): the event loop sending a step's chunks an
 thread preparing the next call share one interpreter. --streams-first-ms likewise measures each
 configuration once per bound of the engine thread's wait for the event loop to send a step's
 chunks before it prepares the next call (dllm_jax.serve.worker.STREAMS_FIRST_MAX_SECONDS; 0: no
-wait), on the same server: an A/B of that wait within one run.
+wait), on the same server: an A/B of that wait within one run. --gc-freeze on off measures each
+configuration with the startup heap frozen (as the server runs: dllm_jax.serve.heap) and with it
+unfrozen for the measurement; every garbage collection's pause is recorded either way.
 
 --budget-s bounds the whole run (weights, compiles, loads): before each configuration and curve
 rate the script estimates its time from what it measured so far (compile and warm-up, the
@@ -56,6 +58,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import gc
 import importlib.util
 import itertools
 import json
@@ -147,6 +150,14 @@ def parse_args(argv):
         default=[None],
         help="measure each configuration once per value of the worker's STREAMS_FIRST_MAX_SECONDS, in ms "
         "(0: the engine thread does not wait for the streams; default: the worker's own)",
+    )
+    p.add_argument(
+        "--gc-freeze",
+        nargs="+",
+        choices=("on", "off"),
+        default=["on"],
+        help="measure each configuration with the server's startup heap frozen (on: as it serves, "
+        "dllm_jax.serve.heap) and/or unfrozen for the measurement (off)",
     )
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
     opts = p.parse_args(argv)
@@ -293,6 +304,15 @@ def summarize(values: list[float]) -> dict:
     }
 
 
+def gc_cells(row: dict) -> str:
+    """The report's GC cells: frozen or not, then collections (of them generation 2) / the longest pause."""
+    pauses = row.get("gc_pauses", [])
+    count = sum(p["count"] for p in pauses)
+    longest = max((p["max_s"] for p in pauses if p["count"]), default=None)
+    full = pauses[-1]["count"] if pauses else 0
+    return f"{'frozen' if row.get('gc_freeze', 'on') == 'on' else 'unfrozen'} | {count} ({full}) / {ms(longest)}"
+
+
 def read_metrics(url: str) -> dict[str, float]:
     samples = {}
     for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
@@ -390,12 +410,16 @@ def serve_slots(engine, config, opts, budget: Budget, engines: dict, slots: int,
     print(f"[{slots} slots] server warm-up {server.warmup_seconds:.1f} s", flush=True)
     uv, thread, url = start_server(server)
     exact = ExactSamples(server.metrics.commit_to_chunk_seconds)
+    # the lifespan's frozen_startup_heap observes into these children (labels() returns the same one)
+    gc_pauses = [ExactSamples(server.metrics.gc_pause_seconds.labels(str(g))) for g in range(len(gc.get_count()))]
     wakes = LoopWakeSamples()
     rows, skipped, curve_runs = [], [], None
     default_interval = sys.getswitchinterval()
     try:
         for canvas in canvases:
-            for interval, streams_first in itertools.product(opts.switch_intervals_ms, opts.streams_first_ms):
+            for interval, streams_first, frozen in itertools.product(
+                opts.switch_intervals_ms, opts.streams_first_ms, opts.gc_freeze
+            ):
                 requests = opts.requests or max(4, 2 * slots)
                 needed = budget.load_s(slots, requests, opts.gen_length) * opts.repeats * 2
                 if not budget.fits(needed):
@@ -405,11 +429,20 @@ def serve_slots(engine, config, opts, budget: Budget, engines: dict, slots: int,
                     continue
                 sys.setswitchinterval(default_interval if interval is None else interval / 1e3)
                 start, wakes_start = len(exact.values), len(wakes.values)
-                rows.append(
-                    with_streams_first(
-                        streams_first, measure, engine, config, opts, budget, engines, server, url, slots, canvas
+                gc_start = [len(p.values) for p in gc_pauses]
+                if frozen == "off":  # the lifespan froze the startup heap: undone for this measurement
+                    gc.unfreeze()
+                try:
+                    rows.append(
+                        with_streams_first(
+                            streams_first, measure, engine, config, opts, budget, engines, server, url, slots, canvas
+                        )
                     )
-                )
+                finally:
+                    if frozen == "off":
+                        gc.freeze()
+                rows[-1]["gc_freeze"] = frozen
+                rows[-1]["gc_pauses"] = [summarize(p.values[i:]) for p, i in zip(gc_pauses, gc_start)]
                 rows[-1]["warmup_s"] = server.warmup_seconds
                 rows[-1]["switch_interval_ms"] = 1e3 * sys.getswitchinterval()
                 rows[-1]["streams_first_ms"] = (
@@ -540,8 +573,8 @@ def write_report(opts, rows: list[dict], skipped: list[str], curve: dict | None 
         "",
         "| slots | requests | canvas | switch interval ms | streams-first wait ms | server tokens/s | engine tokens/s | server / engine | "
         "server step ms | engine ms/iteration | calls' share of wall | commit-to-chunk mean / p50 / p99 / max ms | "
-        "to the event loop p50 / p99 / max ms | same tokens | errors |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "to the event loop p50 / p99 / max ms | GC heap | GC pauses (gen 2) / max ms | same tokens | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "server" not in r or "engine" not in r:
@@ -555,7 +588,7 @@ def write_report(opts, rows: list[dict], skipped: list[str], curve: dict | None 
             f"{e['tokens_per_s']:.1f} | **{r['server_over_engine']:.3f}** | {ms(s['step'].get('mean_s'))} | "
             f"{e['ms_per_iteration']:.2f} | {s['calls_share_of_wall']:.2f} | {ms(c.get('mean_s'))} / "
             f"{ms(c.get('p50_s'))} / {ms(c.get('p99_s'))} / {ms(c.get('max_s'))} | "
-            f"{ms(w.get('p50_s'))} / {ms(w.get('p99_s'))} / {ms(w.get('max_s'))} | {r['same_tokens']} | "
+            f"{ms(w.get('p50_s'))} / {ms(w.get('p99_s'))} / {ms(w.get('max_s'))} | {gc_cells(r)} | {r['same_tokens']} | "
             f"{s['errors'] or 'none'} |"
         )
     lines += [f"\nSkipped: {'; '.join(skipped)}."] if skipped else []
