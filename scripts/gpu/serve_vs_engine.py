@@ -254,10 +254,12 @@ class ExactSamples:
 
     def __init__(self, histogram):
         self.values: list[float] = []
+        self.times: list[float] = []  # time.perf_counter() at each observation
         observe = histogram.observe
 
         def recording(value, *args, **kwargs):
             self.values.append(value)
+            self.times.append(time.perf_counter())
             return observe(value, *args, **kwargs)
 
         histogram.observe = recording
@@ -265,6 +267,21 @@ class ExactSamples:
     def summary(self, start: int) -> dict:
         """Mean, p50, p99 and max in seconds of the values observed since index `start`."""
         return summarize(self.values[start:])
+
+
+def longest_with_pauses(chunks: ExactSamples, start: int, pauses: list[ExactSamples], n: int = 10) -> list[dict]:
+    """The n longest commit-to-chunk samples since index `start`, each with the garbage-collection
+    pause time (ms, any generation) that ended inside its interval: which of the tail the
+    collector made."""
+    intervals = sorted(zip(chunks.values[start:], chunks.times[start:]), reverse=True)[:n]
+    ended = [(t - v, t) for p in pauses for v, t in zip(p.values, p.times)]
+    return [
+        {
+            "ms": 1e3 * value,
+            "gc_ms": 1e3 * sum(min(end, at) - max(begin, at - value) for begin, end in ended if at - value < end <= at),
+        }
+        for value, at in intervals
+    ]
 
 
 class LoopWakeSamples:
@@ -443,6 +460,7 @@ def serve_slots(engine, config, opts, budget: Budget, engines: dict, slots: int,
                         gc.freeze()
                 rows[-1]["gc_freeze"] = frozen
                 rows[-1]["gc_pauses"] = [summarize(p.values[i:]) for p, i in zip(gc_pauses, gc_start)]
+                rows[-1]["longest_chunks"] = longest_with_pauses(exact, start, gc_pauses)
                 rows[-1]["warmup_s"] = server.warmup_seconds
                 rows[-1]["switch_interval_ms"] = 1e3 * sys.getswitchinterval()
                 rows[-1]["streams_first_ms"] = (
@@ -592,6 +610,13 @@ def write_report(opts, rows: list[dict], skipped: list[str], curve: dict | None 
             f"{s['errors'] or 'none'} |"
         )
     lines += [f"\nSkipped: {'; '.join(skipped)}."] if skipped else []
+    longest = [r for r in rows if r.get("longest_chunks")]
+    lines += ["\nThe longest commit-to-chunk samples, ms (of them in garbage collection):\n"] if longest else []
+    lines += [
+        f"- {r['slots']}{':canvas' if r['canvas'] else ''}, {'frozen' if r.get('gc_freeze', 'on') == 'on' else 'unfrozen'} heap: "
+        + ", ".join(f"{c['ms']:.2f} ({c['gc_ms']:.2f})" for c in r["longest_chunks"])
+        for r in longest
+    ]
     if curve and curve["runs"]:
         lines += [
             "",
