@@ -32,6 +32,10 @@ For each row count (a random uniform routing) and each product (gate/up: [M, 281
              ("tokamax-kn", its native layout). xprof, which tokamax imports for profiling
              only, is stubbed when missing.
 
+  jax-mgpu   jax's own Hopper grouped GEMM, jax.experimental.pallas.ops.gpu.ragged_dot_mgpu
+             (Mosaic GPU: wgmma, TMA, a persistent grid of 132 programs) on our [E, out, in]
+             layout (transpose_rhs), over the sorted rows (no gather), at the tilings of
+             JAX_MGPU_TILINGS that divide the product; GPU only.
   gated      gate/up with the activation, hidden = gelu(gate) * up [M, F], as the experts run it
              (token rows gathered by row_index, fill_tail=False): "unfused" is today's pair, the
              plain kernel's [M, 2F] product then XLA's gelu * up ("unfused gemm": the kernel
@@ -91,7 +95,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 # the families of variants --impls picks from
-IMPLS = ("xla", "pallas", "pallas-sweep", "8bit", "tokamax", "gated")
+IMPLS = ("xla", "pallas", "pallas-sweep", "8bit", "tokamax", "gated", "jax-mgpu")
+# jax's own Hopper ragged dot's tilings tried (block_m, block_n, block_k, max_concurrent_steps,
+# grid_block_n), those whose block_n * grid_block_n divides N and block_k K
+JAX_MGPU_TILINGS = (
+    (128, 128, 64, 4, 1),
+    (128, 128, 64, 5, 1),
+    (64, 128, 64, 4, 1),
+    (128, 256, 64, 3, 1),
+    (128, 128, 64, 4, 2),
+    (192, 128, 64, 4, 1),
+    (128, 64, 64, 6, 2),
+)
 FLAG_SETS = {
     "default": "",
     "cudnn_ragged_dot": "--xla_gpu_experimental_use_ragged_dot_fusion=true",
@@ -430,9 +445,17 @@ def child(args) -> None:
                              for impl in ("xla", "pallas")]  # fmt: skip
             if tokamax is not None:
                 variants += [("tokamax", "none", None), ("tokamax-kn", "none", None)]
+            if kernels and "jax-mgpu" in impls and on_gpu:
+                variants += [
+                    ("jax-mgpu", "none", t) for t in JAX_MGPU_TILINGS if n_out % (t[1] * t[4]) == 0 and n_in % t[2] == 0
+                ]
             xla_result, pallas_result = {}, None
             for impl, mode, blocks in variants:
-                label = impl if blocks is None else f"{impl} {blocks.name}"
+                label = (
+                    impl
+                    if blocks is None
+                    else f"{impl} {'x'.join(map(str, blocks)) if impl == 'jax-mgpu' else blocks.name}"
+                )
                 row = {"slots": slots, "rows": M, "impl": label, "product": name}
                 q = quantized.get(mode)
                 try:
@@ -469,6 +492,15 @@ def child(args) -> None:
                             r, qk, s, sc, out_dtype=dtype, interpret=interpret
                         )
                         operands = (x, q["qkernel"], q["scale"], sizes)
+                    elif impl == "jax-mgpu":  # jax's Hopper example kernel (wgmma, TMA), on our [E, out, in]
+                        from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+                        bm, bn, bk, steps, gbn = blocks
+                        fn = lambda r, w, s: ragged_dot_mgpu.ragged_dot(  # noqa: E731
+                            r, w, group_sizes=s, block_m=bm, block_n=bn, block_k=bk,
+                            max_concurrent_steps=steps, grid_block_n=gbn, transpose_rhs=True,
+                        )  # fmt: skip
+                        operands = (x, w, sizes)
                     else:  # tokamax: Mosaic GPU, on our layout or on [E, in, out]
                         from tokamax._src.ops.ragged_dot.base import TRANS_RHS_RAGGED_DOT_DIM_NUMS
 
@@ -502,7 +534,10 @@ def child(args) -> None:
                         row["vs_xla"] = rel(result, xla_result[mode])
                     if impl == "pallas" and pallas_result is None:
                         pallas_result = result
-                    elif impl in ("pallas", "pallas-gathered", "tokamax", "tokamax-kn") and pallas_result is not None:
+                    elif (
+                        impl in ("pallas", "pallas-gathered", "tokamax", "tokamax-kn", "jax-mgpu")
+                        and pallas_result is not None
+                    ):
                         row["vs_pallas"] = rel(result, pallas_result)
                     del compiled, result
                 except Exception as e:  # noqa: BLE001 (a failed variant is reported)
