@@ -271,14 +271,16 @@ class ExactSamples:
 
 def longest_with_pauses(chunks: ExactSamples, start: int, pauses: list[ExactSamples], n: int = 10) -> list[dict]:
     """The n longest commit-to-chunk samples since index `start`, each with the garbage-collection
-    pause time (ms, any generation) that ended inside its interval: which of the tail the
-    collector made."""
+    pause time (ms, any generation) that ended inside its interval (which of the tail the
+    collector made) and when it was observed (s after the first sample since `start`)."""
     intervals = sorted(zip(chunks.values[start:], chunks.times[start:]), reverse=True)[:n]
     ended = [(t - v, t) for p in pauses for v, t in zip(p.values, p.times)]
+    first = chunks.times[start] if len(chunks.times) > start else 0.0
     return [
         {
             "ms": 1e3 * value,
             "gc_ms": 1e3 * sum(min(end, at) - max(begin, at - value) for begin, end in ended if at - value < end <= at),
+            "at_s": at - first,
         }
         for value, at in intervals
     ]
@@ -611,10 +613,14 @@ def write_report(opts, rows: list[dict], skipped: list[str], curve: dict | None 
         )
     lines += [f"\nSkipped: {'; '.join(skipped)}."] if skipped else []
     longest = [r for r in rows if r.get("longest_chunks")]
-    lines += ["\nThe longest commit-to-chunk samples, ms (of them in garbage collection):\n"] if longest else []
+    lines += (
+        ["\nThe longest commit-to-chunk samples, ms (of them in garbage collection) @ s into the load:\n"]
+        if longest
+        else []
+    )
     lines += [
         f"- {r['slots']}{':canvas' if r['canvas'] else ''}, {'frozen' if r.get('gc_freeze', 'on') == 'on' else 'unfrozen'} heap: "
-        + ", ".join(f"{c['ms']:.2f} ({c['gc_ms']:.2f})" for c in r["longest_chunks"])
+        + ", ".join(f"{c['ms']:.2f} ({c['gc_ms']:.2f}) @ {c['at_s']:.2f}" for c in r["longest_chunks"])
         for r in longest
     ]
     if curve and curve["runs"]:
