@@ -321,7 +321,8 @@ def test_streams_of_one_step_each_get_all_their_chunks_in_order():
         *pieces, last = chunks
         assert last["choices"] == [] and last["usage"]["completion_tokens"] == len(prompt)
         steps = [c["dllm"]["step"] for c in pieces if "dllm" in c]
-        assert steps == list(range(1, gen // 2 + 1))
+        # one chunk per step: the last step's chunk also ends the answer (no chunk of its own)
+        assert steps == list(range(1, gen // 2 + 1)) and len(pieces) == len(steps)
         assert "".join(c["choices"][0]["text"] for c in pieces) == expected_text(CharTokenizer().encode(prompt))
         reasons = [c["choices"][0]["finish_reason"] for c in pieces]
         assert reasons[-1] == "stop" and set(reasons[:-1]) == {None}

@@ -37,6 +37,14 @@ class Piece:
     logprobs: tuple[TokenLogprob, ...] = ()
 
 
+def _joined(step: Piece | None, end: Piece) -> Piece:
+    """A step's piece followed by the answer's end (its remaining text, finish reason and
+    logprobs) as one piece; the end alone without a step piece."""
+    if step is None:
+        return end
+    return Piece(step.index, step.text + end.text, end.finish_reason, step.canvas, step.logprobs + end.logprobs)
+
+
 @dataclasses.dataclass
 class ChoiceStats:
     """Usage and diffusion counters of a finished choice, as the engine counts them
@@ -96,15 +104,24 @@ class ChoiceRun:
                     raise event.error
                 # with the final answer in the same event, the answer ends with it (and its counters)
                 ends_here = event.result is not None
+                last = None  # the event's latest piece, sent once the next is known: the last joins the end
                 for commits in event.commits:
                     piece = self._step(commits, ends_here)
                     if piece is not None:
-                        yield piece, event.received
-                    if self.finish_reason is not None:
-                        self.handle.close()  # ended at a stop string: free the slot now
+                        if last is not None:
+                            yield last, event.received
+                        last = piece
+                    if self.finish_reason is not None:  # ended at a stop string: free the slot now
+                        self.handle.close()
+                        if last is not None:
+                            yield last, event.received
                         return
-                if event.result is not None:
-                    yield self._final(event.result), event.received
+                if ends_here:
+                    # the last step and the end in one chunk: when every slot ends at the same
+                    # step, each stream's end is one chunk for the event loop to send, not two
+                    yield _joined(last, self._final(event.result)), event.received
+                elif last is not None:
+                    yield last, event.received
         finally:
             self.handle.close()
 
