@@ -22,7 +22,8 @@ from prometheus_client import Histogram
 def frozen_startup_heap(pause_seconds: Histogram) -> Iterator[None]:
     """Collects once, freezes what is left, and observes every collection's pause in
     `pause_seconds` (a histogram labelled by "generation") until exit, which unfreezes: a process
-    that goes on without the server (tests, benchmarks) collects those objects as before."""
+    that goes on without the server (tests, benchmarks) collects those objects as before. The
+    freeze is the process's: of two servers in one process, the first to stop unfreezes both."""
     by_generation = [pause_seconds.labels(str(g)) for g in range(len(gc.get_count()))]
     started: list[float] = []
 
