@@ -326,3 +326,64 @@ def test_streams_of_one_step_each_get_all_their_chunks_in_order():
         assert "".join(c["choices"][0]["text"] for c in pieces) == expected_text(CharTokenizer().encode(prompt))
         reasons = [c["choices"][0]["finish_reason"] for c in pieces]
         assert reasons[-1] == "stop" and set(reasons[:-1]) == {None}
+
+
+class _Handle:
+    """The parts of a RequestHandle a ChoiceRun reads, handing out fixed events."""
+
+    def __init__(self, events):
+        self.events = list(events)
+        self.work = type("Work", (), {"prompt_ids": [1, 2]})()
+        self.arrived = time.monotonic()
+
+    async def next_event(self, timeout):
+        return self.events.pop(0)
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("engine_text", [True, False])
+def test_the_last_step_is_decoded_once_with_the_engines_text_or_without_it(engine_text):
+    """Random-order commits leave the stable prefix short until the last step. When the engine's
+    result brings the answer's text, that step's chunk takes the text from it and decodes
+    nothing (the whole answer decoded again, on the event loop, for every stream ending
+    together); without it, the stream decodes it. The answer is the same."""
+    from dllm_jax.engine.results import GenerationResult
+    from dllm_jax.engine.session import StepCommits
+    from dllm_jax.serve.metrics import ServerMetrics
+    from dllm_jax.serve.responses import ChoiceRun
+    from dllm_jax.serve.stable_text import StableText
+    from dllm_jax.serve.worker import Event
+
+    tokenizer, decoded = CharTokenizer(), []
+
+    def decode(ids):
+        decoded.append(len(ids))
+        return tokenizer.decode(ids)
+
+    answer = tokenizer.encode("hello")
+    order = [4, 2, 3, 1, 0]  # position 0 last: no stable text before the end
+    events = [
+        Event(commits=(StepCommits(i, (p,), (answer[p],), (False,)),), received=float(i))
+        for i, p in enumerate(order[:-1])
+    ]
+    result = GenerationResult(0, [1, 2], answer, "hello" if engine_text else None, "length", 2, 5, 5, 5, 5, 0, 0, 0.1)
+    events.append(Event(commits=(StepCommits(4, (0,), (answer[0],), (False,)),), received=4.0, result=result))
+    run = ChoiceRun(
+        _Handle(events),
+        StableText(decode, len(answer)),
+        0,
+        token_text=lambda t: tokenizer.decode([t]),
+        canvas=True,
+        deadline=time.monotonic() + 60,
+        metrics=ServerMetrics(),
+    )
+
+    async def collect():
+        return [piece async for piece, _ in run.pieces()]
+
+    pieces = asyncio.run(collect())
+    assert "".join(p.text for p in pieces) == "hello" and pieces[-1].finish_reason == "length"
+    assert len(pieces) == len(order) and pieces[-1].canvas["step"] == len(order)  # the last step's chunk ends it
+    assert (max(decoded, default=0) == 5) is not engine_text, decoded

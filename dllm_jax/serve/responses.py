@@ -21,7 +21,7 @@ from dllm_jax.engine.results import GenerationResult, TokenLogprob
 from dllm_jax.engine.session import StepCommits
 from dllm_jax.serve.errors import APIError
 from dllm_jax.serve.metrics import ServerMetrics
-from dllm_jax.serve.stable_text import StableText
+from dllm_jax.serve.stable_text import StableText, TextDelta
 from dllm_jax.serve.worker import RequestHandle
 
 
@@ -106,7 +106,7 @@ class ChoiceRun:
                 ends_here = event.result is not None
                 last = None  # the event's latest piece, sent once the next is known: the last joins the end
                 for commits in event.commits:
-                    piece = self._step(commits, ends_here)
+                    piece = self._step(commits, event.result)
                     if piece is not None:
                         if last is not None:
                             yield last, event.received
@@ -125,14 +125,18 @@ class ChoiceRun:
         finally:
             self.handle.close()
 
-    def _step(self, commits: StepCommits, final_follows: bool) -> Piece | None:
+    def _step(self, commits: StepCommits, final: GenerationResult | None) -> Piece | None:
+        """One step's piece; `final`, the engine's result when it comes in the same event."""
         self.text.commit(commits.positions, commits.tokens)
         if commits.logprobs is not None:
             self._logprob_at.update(zip(commits.positions, commits.logprobs))
-        delta = self.text.advance()
+        # the engine's final text emits the rest of the answer right after: decoding the prefix
+        # here as well would be the same text twice, on the event loop (all slots often end at
+        # one step, and each stream's end waits for the streams before it)
+        delta = TextDelta("") if final is not None and final.text is not None else self.text.advance()
         # the answer ends here only at a stop string; otherwise its end comes with the engine's
         # result, so that the request's counters are the engine's
-        if final_follows or not self.text.stopped_by_string:
+        if final is not None or not self.text.stopped_by_string:
             delta = dataclasses.replace(delta, finish_reason=None)
         step = commits.step + 1  # StepCommits.step counts from 0; the request's steps from 1
         self.stats.steps = step

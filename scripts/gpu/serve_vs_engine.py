@@ -424,7 +424,7 @@ def serve_slots(engine, config, opts, budget: Budget, engines: dict, slots: int,
     """One server of `slots` slots (compiled and warmed up if new) for every configuration of
     that slot count, then the curve on it when asked: (rows, the curve's runs or None, skipped)."""
     start = time.monotonic()
-    server = assemble(engine, IdTokenizer(config.eos_token_id), serve_options(opts, slots))
+    server = assemble(engine, engine.tokenizer, serve_options(opts, slots))
     budget.compile_s = max(budget.compile_s, time.monotonic() - start)
     print(f"[{slots} slots] server warm-up {server.warmup_seconds:.1f} s", flush=True)
     uv, thread, url = start_server(server)
@@ -675,7 +675,8 @@ def main(argv=None) -> int:
     else:
         weights = jax.block_until_ready(init_params_per_layer(config, jax.random.key(0)))
     print(f"random weights on {jax.devices()[0]} in {time.perf_counter() - t:.1f} s", flush=True)
-    engine = Engine(config, weights, backend="auto")
+    # as dllm-serve's engine, it decodes each answer's text once it finishes (on its thread)
+    engine = Engine(config, weights, backend="auto", tokenizer=IdTokenizer(config.eos_token_id))
     if opts.blocking_calls:
         compile_loop = engine.compile
         engine.compile = lambda *a, **k: blocking(compile_loop(*a, **k))
