@@ -37,7 +37,10 @@ configuration once per bound of the engine thread's wait for the event loop to s
 chunks before it prepares the next call (dllm_jax.serve.worker.STREAMS_FIRST_MAX_SECONDS; 0: no
 wait), on the same server: an A/B of that wait within one run. --gc-freeze on off measures each
 configuration with the startup heap frozen (as the server runs: dllm_jax.serve.heap) and with it
-unfrozen for the measurement; every garbage collection's pause is recorded either way.
+unfrozen for the measurement; every garbage collection's pause is recorded either way. Each
+configuration's report also lists its ten longest commit-to-chunk samples, each with the
+collection pause inside it and when in the load it came (the tail's cause: a collection, or
+the requests that all end at one step).
 
 --budget-s bounds the whole run (weights, compiles, loads): before each configuration and curve
 rate the script estimates its time from what it measured so far (compile and warm-up, the
