@@ -282,7 +282,7 @@ def longest_with_pauses(chunks: ExactSamples, start: int, pauses: list[ExactSamp
     return [
         {
             "ms": 1e3 * value,
-            "gc_ms": 1e3 * sum(min(end, at) - max(begin, at - value) for begin, end in ended if at - value < end <= at),
+            "gc_ms": 1e3 * sum(end - max(begin, at - value) for begin, end in ended if at - value < end <= at),
             "at_s": at - first,
         }
         for value, at in intervals
@@ -326,13 +326,18 @@ def summarize(values: list[float]) -> dict:
     }
 
 
+def heap_state(row: dict) -> str:
+    """Whether the row's load ran with the startup heap frozen (the server's default) or not."""
+    return "frozen" if row.get("gc_freeze", "on") == "on" else "unfrozen"
+
+
 def gc_cells(row: dict) -> str:
     """The report's GC cells: frozen or not, then collections (of them generation 2) / the longest pause."""
     pauses = row.get("gc_pauses", [])
     count = sum(p["count"] for p in pauses)
     longest = max((p["max_s"] for p in pauses if p["count"]), default=None)
     full = pauses[-1]["count"] if pauses else 0
-    return f"{'frozen' if row.get('gc_freeze', 'on') == 'on' else 'unfrozen'} | {count} ({full}) / {ms(longest)}"
+    return f"{heap_state(row)} | {count} ({full}) / {ms(longest)}"
 
 
 def read_metrics(url: str) -> dict[str, float]:
@@ -622,7 +627,7 @@ def write_report(opts, rows: list[dict], skipped: list[str], curve: dict | None 
         else []
     )
     lines += [
-        f"- {r['slots']}{':canvas' if r['canvas'] else ''}, {'frozen' if r.get('gc_freeze', 'on') == 'on' else 'unfrozen'} heap: "
+        f"- {r['slots']}{':canvas' if r['canvas'] else ''}, {heap_state(r)} heap: "
         + ", ".join(f"{c['ms']:.2f} ({c['gc_ms']:.2f}) @ {c['at_s']:.2f}" for c in r["longest_chunks"])
         for r in longest
     ]
