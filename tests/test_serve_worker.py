@@ -336,7 +336,10 @@ class _Handle:
         self.work = type("Work", (), {"prompt_ids": [1, 2]})()
         self.arrived = time.monotonic()
 
-    async def next_event(self, timeout):
+    def expire_waits_at(self, when):
+        pass
+
+    async def next_event(self):
         return self.events.pop(0)
 
     def close(self):

@@ -153,6 +153,32 @@ def test_a_handle_gives_its_events_in_order_and_none_after_its_timeout():
     asyncio.run(scenario())
 
 
+def test_a_handles_expiry_ends_its_wait_after_the_events_before_it_until_it_is_closed():
+    """expire_waits_at is the stream's one bound on its waits: the events delivered before it are
+    read first, then next_event answers None; closing the handle disarms it."""
+
+    class Worker:
+        def release(self, handle):
+            pass
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        handle = RequestHandle(Worker(), _work("r1"), loop)
+        handle.expire_waits_at(time.monotonic() + 0.05)
+        threading.Thread(target=deliver_all, args=([(handle, Event(received=1.0))],)).start()
+        assert (await asyncio.wait_for(handle.next_event(), 5)).received == 1.0
+        started = time.monotonic()
+        assert await asyncio.wait_for(handle.next_event(), 5) is None
+        assert time.monotonic() - started < 1.0
+        closed = RequestHandle(Worker(), _work("r2"), loop)
+        closed.expire_waits_at(time.monotonic() + 0.01)
+        closed.close()
+        await asyncio.sleep(0.05)
+        assert closed._events.empty()  # no None queued: the timer was cancelled
+
+    asyncio.run(scenario())
+
+
 def test_a_steps_flag_is_set_once_the_requests_it_woke_have_run():
     """deliver_all's flag for an event loop is set after every request its events woke has run up
     to its next wait (a stream: through sending its chunk), so the engine thread can leave the

@@ -94,10 +94,11 @@ class ChoiceRun:
 
     async def pieces(self) -> AsyncIterator[tuple[Piece, float]]:
         """Pieces with the perf_counter time their commits reached the host; raises APIError."""
+        # the worker expires the request at its deadline; this bound is for a stuck worker
+        self.handle.expire_waits_at(self.deadline + 5.0)
         try:
             while self.finish_reason is None:
-                wait = self.deadline + 5.0 - time.monotonic()
-                event = await self.handle.next_event(timeout=max(wait, 0.0))
+                event = await self.handle.next_event()
                 if event is None:
                     raise APIError(504, "the request's deadline passed before it finished", code="deadline_exceeded")
                 if event.error is not None:

@@ -92,7 +92,8 @@ class RequestHandle:
         self.arrived = time.monotonic()
         self.started: float | None = None
         self._loop = loop
-        self._events: asyncio.Queue[Event] = asyncio.Queue()
+        self._events: asyncio.Queue[Event | None] = asyncio.Queue()  # None: the handler's wait expired
+        self._expiry: asyncio.TimerHandle | None = None
         self.closed = False
 
     @property
@@ -103,15 +104,25 @@ class RequestHandle:
         """Called from the engine thread (a closed event loop, at shutdown, drops it)."""
         deliver_all([(self, event)])
 
-    async def next_event(self, timeout: float | None = None) -> Event | None:
-        """The next event, or None after `timeout` seconds without one.
+    def expire_waits_at(self, when: float) -> None:
+        """Ends the handler's wait at `when` (time.monotonic()): from then on, once the events
+        before it are taken, next_event answers None. One timer for the request's whole life,
+        where a timeout per next_event would arm and cancel one per step (called on the loop)."""
+        if self._expiry is None:
+            self._expiry = self._loop.call_later(max(when - time.monotonic(), 0.0), self._events.put_nowait, None)
 
-        An event already queued is taken at once; otherwise the wait is the queue's own future
-        under a deadline (asyncio.timeout), not asyncio.wait_for, which wraps every get in a
-        task of its own (three event-loop hops per event instead of one).
+    async def next_event(self, timeout: float | None = None) -> Event | None:
+        """The next event, or None after `timeout` seconds without one (None: no bound but
+        expire_waits_at's).
+
+        An event already queued is taken at once; otherwise the wait is the queue's own future,
+        under a deadline (asyncio.timeout) when `timeout` is given, not asyncio.wait_for, which
+        wraps every get in a task of its own (three event-loop hops per event instead of one).
         """
         if not self._events.empty():
             return self._events.get_nowait()
+        if timeout is None:
+            return await self._events.get()
         try:
             async with asyncio.timeout(timeout):
                 return await self._events.get()
@@ -120,6 +131,8 @@ class RequestHandle:
 
     def close(self) -> None:
         """The handler is done with the request: abort it if the engine still holds it."""
+        if self._expiry is not None:
+            self._expiry.cancel()
         if not self.closed:
             self.closed = True
             self.worker.release(self)
