@@ -80,7 +80,9 @@ def test_the_held_out_metric_is_the_engine_on_swapped_weights():
     between evaluations without recompiling), as scripts/eval.py scores. A canvas of 32: the
     trained model's right answers to these problems are at most 31 tokens long (it solves the
     same 11 of 12 as with the trainer's 64), and each evaluation's gen_len full passes over
-    the slots cost 2.5 times less."""
+    the slots cost 2.5 times less. The loop runs far longer than it compiles (32 steps per
+    four problems), so the untrained model is scored on one batch of four problems and the
+    fresh engine cross-checks the answers of that batch token for token."""
     from dllm_jax.engine.engine import Engine, GenerationError
     from dllm_jax.models.loading import load_model
     from dllm_jax.text.tokenizer import Tokenizer
@@ -95,20 +97,27 @@ def test_the_held_out_metric_is_the_engine_on_swapped_weights():
         Tokenizer.from_transformers(tok),
         compiler_options=RUN_HEAVY_COMPILER_OPTIONS,
     )
-    untrained = tr.held_out_accuracy(engine, problems, gen_len=gen, batch_size=4)
+    untrained = tr.held_out_accuracy(engine, problems[:4], gen_len=gen, batch_size=4)
     engine.swap_weights(tiny.weights)
+    seen = []  # what held_out_accuracy's generate returned, to score and cross-check its texts
+    generate = engine.generate
+    engine.generate = lambda *args, **kwargs: seen.append(generate(*args, **kwargs)) or seen[-1]
     trained = tr.held_out_accuracy(engine, problems, gen_len=gen, batch_size=4)
     assert engine.num_compilations == 1
     assert untrained["all"] == 0.0 and trained["all"] >= 0.75, (untrained, trained)
-    # the same answers as the engine's exact one-per-step decode over one block, scored alike
+    # scored alike: exact match of each answer, overall and per task
+    texts = [r.text for r in seen[0].results]
+    correct = [tiny_tasks.is_correct(p, t) for p, t in zip(problems, texts)]
+    by_task = {task: [ok for p, ok in zip(problems, correct) if p.task == task] for task in tiny_tasks.TASKS}
+    assert trained == {"all": sum(correct) / 12, **{t: sum(oks) / len(oks) for t, oks in by_task.items()}}
+    # the same answers as the engine's exact one-per-step decode over one block, on a fresh
+    # engine with the model's own tokenizer and weights (the trainer's tokenizer encodes alike,
+    # swapped weights decode as loaded ones)
     decode = DecodeConfig(method="llada", gen_length=gen, block_length=gen, steps=gen, batch_size=4)
-    texts = [
-        r.text
-        for r in Engine(tiny.config, tiny.weights, tiny.tokenizer, compiler_options=RUN_HEAVY_COMPILER_OPTIONS)
-        .generate([p.prompt for p in problems], decode_config=decode, chat=True)
-        .results
-    ]
-    assert trained["all"] == sum(tiny_tasks.is_correct(p, t) for p, t in zip(problems, texts)) / len(problems)
+    fresh = Engine(tiny.config, tiny.weights, tiny.tokenizer, compiler_options=RUN_HEAVY_COMPILER_OPTIONS)
+    reference = fresh.generate([p.prompt for p in problems[:4]], decode_config=decode, chat=True).results
+    assert [(r.token_ids, r.steps) for r in seen[0].results[:4]] == [(r.token_ids, r.steps) for r in reference]
+    assert texts[:4] == [r.text for r in reference]
     bad = dict(tiny.weights, lm_head={"kernel": tiny.weights["lm_head"]["kernel"][:, :-1]})
     with pytest.raises(GenerationError, match=r"swap_weights: \['lm_head'\]\['kernel'\] is"):
         engine.swap_weights(bad)
