@@ -87,6 +87,9 @@ def generate(
         )
     eos = np.asarray(config.eos_token_ids if eos_token_ids is None else eos_token_ids)
     valid = np.ones((B, P), bool) if prompt_valid is None else np.asarray(prompt_valid, bool)
+    # The model's passes read no EOS id (only the host loop below does): their jitted steps take
+    # the config with the EOS ids fixed, so configs differing only there share compiled steps.
+    config = dataclasses.replace(config, eos_token_ids=(0,))
 
     cache = dg.init_cache(config, B, P + (n_canvases - 1) * L)
     cache, _ = _encode(config, params, jnp.asarray(prompt), cache, jnp.asarray(valid))
