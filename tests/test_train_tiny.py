@@ -160,7 +160,7 @@ def test_an_interrupted_run_resumes_to_the_same_weights(tmp_path):
         "--eval-every",
         "1000",
         "--eval-problems",
-        "1",
+        "2",  # as many as the final evaluation: one compiled loop (its slots) for both
         "--final-eval-problems",
         "2",
         "--gen-length",
@@ -236,7 +236,7 @@ def test_dream_run_exports_a_dream_folder_the_engine_loads(tmp_path):
         "--eval-every",
         "1000",
         "--eval-problems",
-        "1",
+        "2",  # as many as the final evaluation: one compiled loop (its slots) for both
         "--final-eval-problems",
         "2",
         "--gen-length",
