@@ -390,3 +390,46 @@ def test_the_last_step_is_decoded_once_with_the_engines_text_or_without_it(engin
     assert "".join(p.text for p in pieces) == "hello" and pieces[-1].finish_reason == "length"
     assert len(pieces) == len(order) and pieces[-1].canvas["step"] == len(order)  # the last step's chunk ends it
     assert (max(decoded, default=0) == 5) is not engine_text, decoded
+
+
+def test_streams_ending_at_one_step_send_their_chunks_before_their_answers_are_counted():
+    """All slots often end at the same step: each stream's last chunk goes out before the
+    counters of the answers that ended with it, so no stream's end waits for the others'
+    counting (the counters still come, on the next turn of the event loop)."""
+    from dllm_jax.engine.results import GenerationResult
+    from dllm_jax.engine.session import StepCommits
+    from dllm_jax.serve.metrics import ServerMetrics
+    from dllm_jax.serve.responses import ChoiceRun
+    from dllm_jax.serve.stable_text import StableText
+    from dllm_jax.serve.worker import Event
+
+    tokenizer, log = CharTokenizer(), []
+    metrics = ServerMetrics()
+    count = metrics.tokens_generated.inc
+    metrics.tokens_generated.inc = lambda n: (log.append("counted"), count(n))
+    answer = tokenizer.encode("hi")
+
+    def run(index):
+        result = GenerationResult(0, [1, 2], answer, "hi", "length", 1, 2, 2, 2, 2, 0, 0, 0.1)
+        commits = StepCommits(0, (0, 1), tuple(answer), (False, False))
+        return ChoiceRun(
+            _Handle([Event(commits=(commits,), received=1.0, result=result)]),
+            StableText(tokenizer.decode, len(answer)),
+            index,
+            token_text=lambda t: tokenizer.decode([t]),
+            canvas=False,
+            deadline=time.monotonic() + 60,
+            metrics=metrics,
+        )
+
+    async def stream(r):
+        async for piece, _ in r.pieces():
+            log.append(f"chunk {piece.index} {piece.text!r} {piece.finish_reason}")
+
+    async def both():
+        await asyncio.gather(*(stream(run(i)) for i in range(3)))
+        await asyncio.sleep(0)
+
+    asyncio.run(both())
+    assert log == [*(f"chunk {i} 'hi' length" for i in range(3)), "counted", "counted", "counted"], log
+    assert metrics.tokens_generated._value.get() == 3 * len(answer)

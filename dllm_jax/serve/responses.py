@@ -13,6 +13,7 @@ server then aborts the request and its engine counters are unknown (None).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
@@ -192,6 +193,11 @@ class ChoiceRun:
     def _finished(self, reason: str, completion_tokens: int) -> None:
         self.finish_reason = reason
         self.stats.completion_tokens = completion_tokens
+        # counted after the chunks the same step woke: all slots often end at one step, and each
+        # stream's last chunk would wait for the counting of the streams before it
+        asyncio.get_running_loop().call_soon(self._count_answer, reason, completion_tokens, time.monotonic())
+
+    def _count_answer(self, reason: str, completion_tokens: int, at: float) -> None:
         m = self.metrics
         m.requests.labels(reason).inc()
         m.tokens_generated.inc(completion_tokens)
@@ -199,7 +205,7 @@ class ChoiceRun:
         m.steps.inc(self.stats.steps)
         if self.stats.steps and self.stats.reference_tokens is not None:
             m.tokens_per_step.observe(self.stats.reference_tokens / self.stats.steps)
-        m.answer_seconds.observe(time.monotonic() - self.handle.arrived)
+        m.answer_seconds.observe(at - self.handle.arrived)
 
 
 def usage(stats: list[ChoiceStats]) -> dict:
