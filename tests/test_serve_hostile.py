@@ -310,12 +310,37 @@ def test_a_hundred_thousand_prompts_are_refused_without_freezing_the_server(serv
 
 
 def test_429_carries_retry_after(server):
-    body = chat("sort: 5 3 8 1 9 2", dllm=SLOW)
-    with concurrent.futures.ThreadPoolExecutor(SLOTS + MAX_PROMPTS + 4) as pool:
-        responses = list(pool.map(lambda _: post(server, "/v1/chat/completions", body), range(SLOTS + MAX_PROMPTS + 4)))
-    limited = [r for r in responses if r.status_code == 429]
-    assert limited and all(r.headers["retry-after"] == "1" for r in limited)
-    assert {r.status_code for r in responses} == {200, 429}
+    """More requests at once than slots and waiting places: the ones past them are 429 with
+    Retry-After and the queue_full code. Streamed, so an admitted request's 200 comes as it is
+    queued; the test then leaves them all (their slots are freed within a call, as the test of
+    leaving clients above checks) instead of waiting for 20 answers of about 25 steps each."""
+    wait_for(lambda: metrics(server)["dllm_slots_busy"] == 0, what="idle")
+    body = chat("sort: 5 3 8 1 9 2", dllm=SLOW, stream=True)
+    headers = {"Authorization": f"Bearer {KEY}"}
+    extra = 4  # past the slots and the waiting places
+    clients = [httpx.Client(timeout=120) for _ in range(SLOTS + MAX_PROMPTS + extra)]
+
+    def open_stream(client: httpx.Client) -> httpx.Response:
+        request = client.build_request("POST", f"{server.url}/v1/chat/completions", json=body, headers=headers)
+        return client.send(request, stream=True)
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(len(clients)) as pool:
+            responses = list(pool.map(open_stream, clients))
+        limited = [r for r in responses if r.status_code == 429]
+        assert {r.status_code for r in responses} == {200, 429}
+        assert 1 <= len(limited) <= extra  # never below the slots and the waiting places
+        for r in limited:
+            r.read()
+            assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "queue_full", r.text
+    finally:
+        for client in clients:
+            client.close()  # closes the streams: the server cancels the admitted requests
+    wait_for(
+        lambda: (m := metrics(server))["dllm_slots_busy"] == 0 and m["dllm_requests_waiting"] == 0,
+        what="the left requests cancelled",
+    )
+    assert_healthy(server)
 
 
 def test_the_page_is_served_with_security_headers(server):
