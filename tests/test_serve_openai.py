@@ -23,8 +23,11 @@ ANSWER = "13+5=18\n18-1=17\n17-9=8\n#### 8"  # the embedded model's answer
 
 @pytest.fixture(scope="module")
 def server():
+    # 2 slots: enough for n=3 and two prompts to share the loop (the rest wait), and the start-up's
+    # warm-up runs each loop's requests to their end (llada+cfg's one step per token, two passes a
+    # step: about 11 s with 2 slots on the 2-core CPU, 21 s with 4)
     proc = ServerProcess(
-        ["--batch-size", "4", "--max-logprobs", "3"]
+        ["--batch-size", "2", "--max-logprobs", "3"]
         + ["--method", "flash_cache", "--method", "fast_dllm", "--method", "llada+cfg"]
     )
     try:
