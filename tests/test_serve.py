@@ -164,9 +164,10 @@ def test_completions_take_a_string_a_list_and_token_ids(server, client, engine):
     assert streamed == texts
 
 
-def test_64_requests_from_16_clients_each_answered_once_as_alone(server, engine):
-    """Mixed lengths and parameters in one batch; each answer is the one of decoding it alone."""
-    problems = held_out_problems(64, seed=11)
+def test_32_requests_from_16_clients_each_answered_once_as_alone(server, engine):
+    """Mixed lengths and parameters in one batch; each answer is the one of decoding it alone.
+    32 requests: each of the 8 slots takes about 4 in turn, and every kind below is among them."""
+    problems = held_out_problems(32, seed=11)
     rng = random.Random(0)
     asks = []
     for i, p in enumerate(problems):
@@ -183,6 +184,12 @@ def test_64_requests_from_16_clients_each_answered_once_as_alone(server, engine)
                 "threshold": rng.choice([None, 0.6, 0.95]),
             }
         )
+
+    # every kind of request is in the mix (chat or not, streamed or not, each length, sampled with
+    # and without top_k, each threshold)
+    assert {(a["chat"], a["stream"]) for a in asks} == {(c, s) for c in (True, False) for s in (True, False)}
+    assert {a["max_tokens"] for a in asks} == {16, 40, GEN} and {a["threshold"] for a in asks} == {None, 0.6, 0.95}
+    assert {(a["temperature"], a["top_k"]) for a in asks} == {(None, None), (0.8, None), (0.8, 5)}
 
     def ask(a):
         body = {"model": MODEL, "max_tokens": a["max_tokens"], "dllm": {}}
