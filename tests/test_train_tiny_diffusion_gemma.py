@@ -25,6 +25,9 @@ from scripts import train_tiny_diffusion_gemma as tr
 from scripts.gpu import diffusion_gemma_network as bench
 
 LONG = Problem("arith", "1+2+3+4+5", "1+2=3\n3+3=6\n6+4=10\n10+5=15\n#### 15", "15")  # 35 + 1 tokens: two canvases
+# the model's passes jitted, one compile per shape, shared by the tests of this module (op by op,
+# one pass takes about 5 s on the CPU and the objective test's about 100 s)
+ENCODE, DECODE = (jax.jit(f, static_argnums=0) for f in (dg.encode, dg.decode))
 
 
 @pytest.fixture(scope="module")
@@ -100,8 +103,7 @@ def test_the_objective_scores_what_generation_computes(tok, config, params):
         if tokens[0, tr.PREFIX_LEN :].tolist() == second.tolist():
             break
     canvas = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (1, tr.CANVAS_LENGTH)))
-    # jitted: one compile per shape (op by op, the model's passes took about 100 s on the CPU)
-    encode, decode = (jax.jit(f, static_argnums=0) for f in (dg.encode, dg.decode))
+    encode, decode = ENCODE, DECODE
     cache = dg.init_cache(config, 1, tr.PREFIX_LEN)
     cache, _ = encode(config, params, jnp.asarray(tokens[:, : tr.PREFIX_LEN]), cache, jnp.asarray(valid))
     trained = decode(config, params, canvas, cache)
@@ -151,9 +153,11 @@ def test_the_export_reads_back_in_dllm_jax_and_transformers(tok, config, params,
     canvas = np.random.default_rng(1).integers(0, config.vocab_size, (1, tr.CANVAS_LENGTH))
     with torch.no_grad():
         theirs = model(input_ids=torch.from_numpy(prompt), decoder_input_ids=torch.from_numpy(canvas)).logits
-    cache = dg.init_cache(config, 1, prompt.shape[1])
-    cache, _ = dg.encode(config, params, jnp.asarray(prompt), cache)
-    ours = dg.decode(config, params, jnp.asarray(canvas), cache)
+    # a cache with room for a canvas after the prompt: the shapes of the objective test's
+    # step-by-step passes, whose compiled programs this reuses
+    cache = dg.init_cache(config, 1, prompt.shape[1] + tr.CANVAS_LENGTH)
+    cache, _ = ENCODE(config, params, jnp.asarray(prompt), cache)
+    ours = DECODE(config, params, jnp.asarray(canvas), cache)
     assert relative_error(np.asarray(ours), theirs.numpy()) < 1e-5
 
 
