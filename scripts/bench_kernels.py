@@ -3,6 +3,7 @@
     PYTHONPATH=. python scripts/bench_kernels.py            # GPU, LLaDA-8B layer shapes
     PYTHONPATH=. python scripts/bench_kernels.py --tiny     # CPU smoke test, interpret mode
     PYTHONPATH=. python scripts/bench_kernels.py --full-pass  # GPU, attention of one request's first full pass
+    PYTHONPATH=. python scripts/bench_kernels.py --attention-only --budget-s 260   # GPU, the attention cases alone
 
 One run: (1) the two ceilings, a large bf16 matmul rate and a large elementwise pass's
 bandwidth (bytes read + written); (2) correctness of each kernel against its jnp reference on
@@ -608,6 +609,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="attention only, at the first full pass of one request (1 slot x 640 rows over 640 keys)",
     )
+    parser.add_argument(
+        "--attention-only",
+        action="store_true",
+        help="the attention cases alone (no q/k/v projection cases): the whole sweep budget for them",
+    )
     parser.add_argument("--out", help="JSON path (default $OUT/bench_kernels.json, else ./bench_kernels.json)")
     parser.add_argument("--repeats", type=int, default=5, help="timed samples per measurement (median)")
     parser.add_argument("--inner", type=int, default=4, help="chained calls per compiled program")
@@ -651,7 +657,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"checks: {json.dumps(report['checks'])}")
     save()
 
-    cases = [] if opts.full_pass else [("qkv", n, None) for n in shapes.slot_counts]
+    cases = [] if opts.full_pass or opts.attention_only else [("qkv", n, None) for n in shapes.slot_counts]
     cases += [("attention", n, k) for k in shapes.key_lengths for n in shapes.slot_counts]
     for i, (kind, n_slots, key_len) in enumerate(cases):
         # an equal share of the remaining sweep budget per remaining case
