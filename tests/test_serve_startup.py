@@ -52,14 +52,36 @@ def one_line(stderr: str) -> str:
         (["--header-timeout", "0"], {}, "--header-timeout=0.0: expected > 0"),
     ],
 )
-def test_bad_options_exit_2_with_one_line_before_loading(tmp_path, args, env, words):
+def test_bad_options_exit_2_with_one_line_before_loading(tmp_path, monkeypatch, capsys, args, env, words):
+    """dllm-serve's main in this process (the real process: the test below): loading the model
+    fails the test, so each refusal comes before it."""
+    from dllm_jax.engine.engine import Engine
+
+    def from_pretrained(*args, **kwargs):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(Engine, "from_pretrained", staticmethod(from_pretrained))
     empty = tmp_path / "key"
     empty.write_text("\n")
     args = [a.replace("{empty}", str(empty)) for a in args]
+    monkeypatch.delenv("DLLM_API_KEY", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    code = cli.main(["--port", "0", *args])
+    err = capsys.readouterr().err
+    assert code == 2 and words in one_line(err), err[-2000:]
+    assert one_line(err).startswith("dllm-serve: ") and "compiling" not in err
+
+
+def test_a_bad_option_in_the_real_process_exits_2_with_one_line_before_loading():
+    """The process a user starts: exit status 2, one line on stderr, nothing loaded or compiled."""
     environment = {k: v for k, v in os.environ.items() if k != "DLLM_API_KEY"}
     started = time.monotonic()
-    result = serve(args, {**environment, **env})
-    assert result.returncode == 2 and words in one_line(result.stderr), result.stderr[-2000:]
+    result = serve(["--api-key", ""], environment)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert one_line(result.stderr) == (
+        "dllm-serve: --api-key: the API key is empty (leave it unset to serve without a key)"
+    )
     assert time.monotonic() - started < 45  # no model loaded, nothing compiled
     assert "compiling" not in result.stderr
 
