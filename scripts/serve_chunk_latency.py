@@ -46,7 +46,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from dllm_jax.common.atomic_write import write_text_atomically  # noqa: E402
-from dllm_jax.serve import worker  # noqa: E402
 from scripts.load_test import percentile  # noqa: E402
 from tests.fake_session import FakeSession, ThreadedServer  # noqa: E402
 
@@ -69,7 +68,7 @@ def parse_args(argv):
         type=float,
         nargs="+",
         default=None,
-        help="run each configuration once per value of the worker's STREAMS_FIRST_MAX_SECONDS, in ms "
+        help="run each configuration once per value of the worker's streams_first_max_seconds, in ms "
         "(0: the engine thread does not wait for the streams; default: the worker's own)",
     )
     p.add_argument("--per-step", type=int, default=2, help="positions committed per step (default 2)")
@@ -180,7 +179,9 @@ async def _call(fn):
     return fn()
 
 
-def one_run(opts, slots: int, canvas: bool) -> dict:
+def one_run(opts, slots: int, canvas: bool, streams_first_ms: float | None = None) -> dict:
+    """One load on a fake-session server; streams_first_ms sets its worker's wait for the streams
+    after each call (None: the worker's default)."""
     session = FakeSession(
         num_slots=slots,
         gen_length=opts.gen_length,
@@ -190,6 +191,8 @@ def one_run(opts, slots: int, canvas: bool) -> dict:
         dispatch_seconds=opts.dispatch_ms / 1000,
     )
     server = ThreadedServer({"fake": session}, max_waiting=4 * slots, api_key=None, model="fake")
+    if streams_first_ms is not None:
+        server.worker.streams_first_max_seconds = streams_first_ms / 1000
     recorder = SampleRecorder()
     server.metrics.commit_to_chunk_seconds = recorder
     loop = server.server.servers[0].get_loop()
@@ -208,7 +211,7 @@ def one_run(opts, slots: int, canvas: bool) -> dict:
     result = {
         "slots": slots,
         "canvas": canvas,
-        "streams_first_ms": 1e3 * worker.STREAMS_FIRST_MAX_SECONDS,
+        "streams_first_ms": 1e3 * server.worker.streams_first_max_seconds,
         "requests": load["requests"],
         "ok": load["ok"],
         "errors": load["errors"],
@@ -256,17 +259,6 @@ def row(r: dict) -> str:
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
-def with_streams_first(ms: float | None, fn, *args):
-    """fn(*args) with the worker's STREAMS_FIRST_MAX_SECONDS at `ms` (None: as it is), restored after."""
-    kept = worker.STREAMS_FIRST_MAX_SECONDS
-    if ms is not None:
-        worker.STREAMS_FIRST_MAX_SECONDS = ms / 1000
-    try:
-        return fn(*args)
-    finally:
-        worker.STREAMS_FIRST_MAX_SECONDS = kept
-
-
 def main(argv=None) -> int:
     opts = parse_args(argv)
     runs = []
@@ -280,7 +272,7 @@ def main(argv=None) -> int:
                 slots, _, canvas = config.partition(":")
                 for _ in range(opts.repeats):
                     for value in opts.streams_first_ms or [None]:
-                        runs.append(with_streams_first(value, one_run, opts, int(slots), bool(canvas)))
+                        runs.append(one_run(opts, int(slots), bool(canvas), value))
                         print(row(runs[-1]), flush=True)
             logging.getLogger().handlers.clear()
     if opts.output is not None:

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from dllm_jax.serve import worker
 from scripts import serve_chunk_latency as script
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,15 +29,6 @@ def test_bad_arguments_are_one_line_and_status_2(argv, message, capsys):
         script.parse_args(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
-
-
-def test_the_streams_first_setting_is_restored_after_a_run():
-    kept = worker.STREAMS_FIRST_MAX_SECONDS
-    seen = script.with_streams_first(0.0, lambda: worker.STREAMS_FIRST_MAX_SECONDS)
-    assert seen == 0.0 and worker.STREAMS_FIRST_MAX_SECONDS == kept
-    with pytest.raises(RuntimeError):
-        script.with_streams_first(2.0, lambda: (_ for _ in ()).throw(RuntimeError("failed run")))
-    assert worker.STREAMS_FIRST_MAX_SECONDS == kept
 
 
 def test_a_run_with_and_without_the_wait_streams_every_request(tmp_path):

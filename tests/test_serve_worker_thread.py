@@ -225,8 +225,8 @@ def test_a_steps_flag_is_set_once_the_requests_it_woke_have_run():
 
 
 def test_the_engine_thread_waits_for_the_streams_at_most_its_bound():
-    """_let_streams_run returns when the flags are set, and otherwise after at most
-    STREAMS_FIRST_MAX_SECONDS or STREAMS_FIRST_SHARE of the call's time (a busy or stopped event
+    """_let_streams_run returns when the flags are set, and otherwise after at most the worker's
+    streams_first_max_seconds or STREAMS_FIRST_SHARE of the call's time (a busy or stopped event
     loop cannot stall the device)."""
     worker = EngineWorker({"a": fake()}, ServerMetrics())
     never = threading.Event()
@@ -241,3 +241,11 @@ def test_the_engine_thread_waits_for_the_streams_at_most_its_bound():
     start = time.perf_counter()
     worker._let_streams_run([done, never], call_seconds=0.0)
     assert time.perf_counter() - start < 0.05
+    worker.streams_first_max_seconds = 0.0  # no wait, however long the call
+    start = time.perf_counter()
+    worker._let_streams_run([never], call_seconds=10.0)
+    assert time.perf_counter() - start < 0.0015
+    unbound = EngineWorker({"a": fake()}, ServerMetrics(), streams_first_max_seconds=1.0)
+    start = time.perf_counter()
+    unbound._let_streams_run([never], call_seconds=0.08)  # the share's 20 ms, not 5
+    assert 0.019 <= time.perf_counter() - start < 0.5

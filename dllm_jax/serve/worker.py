@@ -36,9 +36,9 @@ from dllm_jax.serve.metrics import ServerMetrics
 log = logging.getLogger("dllm_jax.serve")
 
 # How long the engine thread lets the event loop send a step's chunks before it prepares the next
-# loop call (dllm_jax.serve.worker.EngineWorker._let_streams_run): at most this many seconds, and
-# at most this share of the session call's time, so that the next call is still queued before
-# the device finishes the one in flight.
+# loop call (EngineWorker._let_streams_run): at most EngineWorker.streams_first_max_seconds (this
+# by default), and at most this share of the session call's time, so that the next call is
+# still queued before the device finishes the one in flight.
 STREAMS_FIRST_MAX_SECONDS = 0.005
 STREAMS_FIRST_SHARE = 0.25
 
@@ -174,6 +174,8 @@ class EngineWorker:
       max_iterations: loop iterations per session call (a chunk leaves at most this many
         steps after its commit; 1 = every step).
       log_interval: seconds between throughput lines in the log (0: none).
+      streams_first_max_seconds: the longest the engine thread waits, after a call, for the
+        event loops to send that step's chunks before it prepares the next call (0: no wait).
     """
 
     def __init__(
@@ -184,6 +186,7 @@ class EngineWorker:
         max_waiting: int = 256,
         max_iterations: int = 1,
         log_interval: float = 10.0,
+        streams_first_max_seconds: float = STREAMS_FIRST_MAX_SECONDS,
     ):
         if not sessions:
             raise ValueError("no sessions")
@@ -191,6 +194,7 @@ class EngineWorker:
         self.metrics = metrics
         self.max_waiting = max_waiting
         self.max_iterations = max_iterations
+        self.streams_first_max_seconds = streams_first_max_seconds
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._inbox: collections.deque[RequestHandle] = collections.deque()
@@ -389,11 +393,11 @@ class EngineWorker:
 
     def _let_streams_run(self, woken: list[threading.Event], call_seconds: float) -> None:
         """Waits until the event loops have run the requests a step's events woke, for at most
-        STREAMS_FIRST_MAX_SECONDS or STREAMS_FIRST_SHARE of the session call's time, before this
+        streams_first_max_seconds or STREAMS_FIRST_SHARE of the session call's time, before this
         thread prepares the next call. That work holds the interpreter lock, which the event
         loop needs to send the step's chunks; the device meanwhile runs the call dispatched
         before these events were read."""
-        deadline = time.perf_counter() + min(STREAMS_FIRST_MAX_SECONDS, STREAMS_FIRST_SHARE * call_seconds)
+        deadline = time.perf_counter() + min(self.streams_first_max_seconds, STREAMS_FIRST_SHARE * call_seconds)
         for done in woken:
             done.wait(max(0.0, deadline - time.perf_counter()))
 

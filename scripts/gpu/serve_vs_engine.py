@@ -34,7 +34,7 @@ from the same receipt to dllm_jax.serve.worker._put_all, once per step and event
 holding it; Python's default is 5 ms): the event loop sending a step's chunks and the engine
 thread preparing the next call share one interpreter. --streams-first-ms likewise measures each
 configuration once per bound of the engine thread's wait for the event loop to send a step's
-chunks before it prepares the next call (dllm_jax.serve.worker.STREAMS_FIRST_MAX_SECONDS; 0: no
+chunks before it prepares the next call (EngineWorker.streams_first_max_seconds; 0: no
 wait), on the same server: an A/B of that wait within one run. --gc-freeze on off measures each
 configuration with the startup heap frozen (as the server runs: dllm_jax.serve.heap) and with it
 unfrozen for the measurement; every garbage collection's pause is recorded either way. Each
@@ -88,7 +88,6 @@ from dllm_jax.sampling.params import SamplingParams  # noqa: E402
 from dllm_jax.serve import worker as serve_worker  # noqa: E402
 from dllm_jax.serve.assemble import ServeOptions, assemble, decode_config, request_defaults  # noqa: E402
 from scripts.load_test import percentile  # noqa: E402
-from scripts.serve_chunk_latency import with_streams_first  # noqa: E402
 
 METHOD = "flash_cache"
 
@@ -151,7 +150,7 @@ def parse_args(argv):
         type=float,
         nargs="+",
         default=[None],
-        help="measure each configuration once per value of the worker's STREAMS_FIRST_MAX_SECONDS, in ms "
+        help="measure each configuration once per value of the worker's streams_first_max_seconds, in ms "
         "(0: the engine thread does not wait for the streams; default: the worker's own)",
     )
     p.add_argument(
@@ -312,6 +311,40 @@ class LoopWakeSamples:
         serve_worker._put_all = self._put_all
 
 
+class LoadSpans:
+    """When the server admitted a load's first request and handed out its last result
+    (time.monotonic()), recorded in the worker's own calls: the load's span inside the server,
+    without the client's process start and HTTP round trips. reset() before each load; close()
+    puts the worker's methods back."""
+
+    def __init__(self, worker):
+        self.first_admit: float | None = None
+        self.last_result: float | None = None
+        self._worker = worker
+        admit = worker._admit
+        self._deliver_all = deliver_all = serve_worker.deliver_all
+
+        def recording_admit(arrived):
+            if arrived and self.first_admit is None:
+                self.first_admit = time.monotonic()
+            return admit(arrived)
+
+        def recording_deliver(deliveries):
+            if any(event.result is not None for _, event in deliveries):
+                self.last_result = time.monotonic()
+            return deliver_all(deliveries)
+
+        worker._admit = recording_admit
+        serve_worker.deliver_all = recording_deliver
+
+    def reset(self) -> None:
+        self.first_admit = self.last_result = None
+
+    def close(self) -> None:
+        del self._worker._admit  # the instance attribute: the class's method again
+        serve_worker.deliver_all = self._deliver_all
+
+
 def summarize(values: list[float]) -> dict:
     """Count, mean, p50, p99 and max in seconds."""
     if not values:
@@ -442,6 +475,8 @@ def serve_slots(engine, config, opts, budget: Budget, engines: dict, slots: int,
     wakes = LoopWakeSamples()
     rows, skipped, curve_runs = [], [], None
     default_interval = sys.getswitchinterval()
+    default_wait = server.worker.streams_first_max_seconds
+    spans = LoadSpans(server.worker)
     try:
         for canvas in canvases:
             for interval, streams_first, frozen in itertools.product(
@@ -459,13 +494,11 @@ def serve_slots(engine, config, opts, budget: Budget, engines: dict, slots: int,
                 gc_start = [len(p.values) for p in gc_pauses]
                 if frozen == "off":  # the lifespan froze the startup heap: undone for this measurement
                     gc.unfreeze()
+                server.worker.streams_first_max_seconds = default_wait if streams_first is None else streams_first / 1e3
                 try:
-                    rows.append(
-                        with_streams_first(
-                            streams_first, measure, engine, config, opts, budget, engines, server, url, slots, canvas
-                        )
-                    )
+                    rows.append(measure(engine, config, opts, budget, engines, server, url, slots, canvas, spans))
                 finally:
+                    server.worker.streams_first_max_seconds = default_wait
                     if frozen == "off":
                         gc.freeze()
                 rows[-1]["gc_freeze"] = frozen
@@ -473,9 +506,7 @@ def serve_slots(engine, config, opts, budget: Budget, engines: dict, slots: int,
                 rows[-1]["longest_chunks"] = longest_with_pauses(exact, start, gc_pauses)
                 rows[-1]["warmup_s"] = server.warmup_seconds
                 rows[-1]["switch_interval_ms"] = 1e3 * sys.getswitchinterval()
-                rows[-1]["streams_first_ms"] = (
-                    1e3 * serve_worker.STREAMS_FIRST_MAX_SECONDS if streams_first is None else streams_first
-                )
+                rows[-1]["streams_first_ms"] = 1e3 * default_wait if streams_first is None else streams_first
                 if "server" in rows[-1]:
                     rows[-1]["server"]["commit_to_chunk_exact"] = exact.summary(start)
                     rows[-1]["server"]["receipt_to_event_loop"] = summarize(wakes.values[wakes_start:])
@@ -484,30 +515,42 @@ def serve_slots(engine, config, opts, budget: Budget, engines: dict, slots: int,
             curve_runs = _curve_loads(url, opts, config, budget, slots, opts.curve_requests or 2 * slots)
     finally:
         wakes.close()  # the next slot count's server records into its own samples, not through this wrapper
+        spans.close()
         uv.should_exit = True
         thread.join(60)
     return rows, curve_runs, skipped
 
 
-def measure(engine, config, opts, budget: Budget, engines: dict, server, url: str, slots: int, canvas: bool) -> dict:
+def measure(
+    engine, config, opts, budget: Budget, engines: dict, server, url: str, slots: int, canvas: bool, spans: LoadSpans
+) -> dict:
     """One configuration: --repeats saturating loads on the server, each followed (while the
-    slot count has fewer) by an Engine.generate of the same requests; medians of both."""
+    slot count has fewer) by an Engine.generate of the same requests right away, and by one
+    after the device idled as long as it did before the load (from the load's start to the
+    server's first admission: the client's process start); medians of each. A device that
+    slows down when idle (clocks) then costs both sides alike."""
     options = serve_options(opts, slots)
     requests = opts.requests or max(4, 2 * slots)
     name = f"{slots}{'-canvas' if canvas else ''}"
     row: dict = {"slots": slots, "canvas": canvas, "requests": requests, "server_runs": []}
     session = server.worker.sessions[METHOD]
     runs = engines.setdefault(slots, [])
+    idle_runs = engines.setdefault((slots, "after idle"), [])
     before = read_metrics(url)
     for repeat in range(opts.repeats):
         if repeat and not budget.fits(budget.load_s(slots, requests, opts.gen_length) * 2):
             break
         calls_before = session.call_seconds
+        spans.reset()
+        spawned = time.monotonic()
         got = load(url, opts, config, requests, [math.inf], opts.out / f"load_{name}.json", canvas, budget.left())
         if got is None:
             row["cut"] = "the budget ended during a load"
             break
         run = got[0]
+        if spans.first_admit is not None and spans.last_result is not None:
+            run["idle_before_s"] = spans.first_admit - spawned
+            run["span_s"] = spans.last_result - spans.first_admit  # first admission to last result, in the server
         # the loop calls' share of the load's wall (from its first request to its last answer)
         run["calls_share_of_wall"] = (session.call_seconds - calls_before) / run["wall_s"]
         row["server_runs"].append(run)
@@ -515,6 +558,14 @@ def measure(engine, config, opts, budget: Budget, engines: dict, server, url: st
         if len(runs) < opts.repeats and budget.fits(budget.load_s(slots, requests, opts.gen_length)):
             runs.append(engine_run(engine, config, opts, options, requests))
             budget.step_ms[slots] = statistics.median(e["ms_per_iteration"] for e in runs)
+        idle = run.get("idle_before_s")
+        if (
+            idle is not None
+            and len(idle_runs) < opts.repeats
+            and budget.fits(idle + budget.load_s(slots, requests, opts.gen_length))
+        ):
+            time.sleep(idle)
+            idle_runs.append(engine_run(engine, config, opts, options, requests) | {"idle_s": idle})
     samples = read_metrics(url)
     if not row["server_runs"] or not runs:
         row.setdefault("cut", "no budget left for Engine.generate")
@@ -536,7 +587,19 @@ def measure(engine, config, opts, budget: Budget, engines: dict, server, url: st
         "tokens": runs[-1]["tokens"],
     }
     row["server_over_engine"] = row["server"]["tokens_per_s"] / row["engine"]["tokens_per_s"]
-    row["same_tokens"] = all(r["tokens"] == runs[0]["tokens"] for r in served + runs)
+    spanned = [r for r in served if "span_s" in r]
+    if spanned:
+        # the server's own rate: its tokens over its span (no client process, no HTTP)
+        row["server"]["span_tokens_per_s"] = statistics.median(r["tokens"] / r["span_s"] for r in spanned)
+        row["server"]["idle_before_s"] = statistics.median(r["idle_before_s"] for r in spanned)
+    if idle_runs:
+        row["engine_after_idle_runs"] = idle_runs
+        row["engine_after_idle"] = {
+            "tokens_per_s": statistics.median(e["tokens_per_s"] for e in idle_runs),
+            "idle_s": statistics.median(e["idle_s"] for e in idle_runs),
+        }
+        row["server_over_engine_after_idle"] = row["server"]["tokens_per_s"] / row["engine_after_idle"]["tokens_per_s"]
+    row["same_tokens"] = all(r["tokens"] == runs[0]["tokens"] for r in served + runs + idle_runs)
     return row
 
 
@@ -619,6 +682,27 @@ def write_report(opts, rows: list[dict], skipped: list[str], curve: dict | None 
             f"{ms(w.get('p50_s'))} / {ms(w.get('p99_s'))} / {ms(w.get('max_s'))} | {gc_cells(r)} | {r['same_tokens']} | "
             f"{s['errors'] or 'none'} |"
         )
+    idled = [r for r in rows if "engine_after_idle" in r]
+    if idled:
+        lines += [
+            "",
+            "The same loads against Engine.generate after the device idled as long as before each load (the "
+            "client's process start, to the server's first admission), and the server's own rate (its tokens over "
+            "its first admission to its last result, without the client's start and HTTP):",
+            "",
+            "| slots | canvas | idle s | server tokens/s | engine after idle tokens/s | server / engine after idle | "
+            "server span tokens/s | span / engine (right away) |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in idled:
+            s, e, i = r["server"], r["engine"], r["engine_after_idle"]
+            span = s.get("span_tokens_per_s")
+            span_cells = "- | -" if span is None else f"{span:.1f} | {span / e['tokens_per_s']:.3f}"
+            lines.append(
+                f"| {r['slots']} | {'on' if r['canvas'] else 'off'} | {i['idle_s']:.2f} | {s['tokens_per_s']:.1f} | "
+                f"{i['tokens_per_s']:.1f} | **{r['server_over_engine_after_idle']:.3f}** | "
+                f"{span_cells} |"
+            )
     lines += [f"\nSkipped: {'; '.join(skipped)}."] if skipped else []
     longest = [r for r in rows if r.get("longest_chunks")]
     lines += (
