@@ -291,7 +291,7 @@ TINY_SAMPLING = SamplingParams(
 
 
 # Each mode compiles its own loop: its weights are other dtypes, so the program differs.
-@pytest.mark.engine
+@pytest.mark.integration  # a whole evaluation per mode: 16 held-out problems
 @pytest.mark.parametrize("mode", MODES)
 def test_the_embedded_model_answers_held_out_problems_on_8_bit_weights(mode):
     engine = Engine.from_pretrained("tiny-diffusiongemma", dtype="float32", quantization=mode)

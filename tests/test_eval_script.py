@@ -28,7 +28,7 @@ def tiny_engine(embedded):
     )
 
 
-@pytest.mark.engine
+@pytest.mark.integration  # a whole evaluation: 12 held-out problems, 48 full passes each
 def test_shipped_model_solves_held_out_problems_with_exact_decoding(tiny_engine):
     problems = tiny_tasks.held_out_problems(12, seed=tiny_tasks.HELD_OUT_SEED + 1)
     # two blocks of 24 (its answers to these problems are at most 36 tokens long): 48 full

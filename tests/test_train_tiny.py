@@ -74,7 +74,7 @@ def test_masking_spares_the_prompt_and_follows_the_ratio(tok):
     assert np.corrcoef(share, p_mask[:, 0])[0, 1] > 0.95
 
 
-@pytest.mark.engine
+@pytest.mark.integration  # whole evaluations: 20 held-out decodes of 32 full passes each
 def test_the_held_out_metric_is_the_engine_on_swapped_weights():
     """The trainer scores with the engine (the trainer's own tokenizer, weights swapped in
     between evaluations without recompiling), as scripts/eval.py scores. A canvas of 32: the
