@@ -288,6 +288,11 @@ def test_dllm_generate_decodes_the_embedded_model_alike_over_data_and_expert_axe
     argv += ["--batch-size", "2", "--max-new-tokens", "16", "--no-progress", "-q"]
     assert main(argv) == 0
     single = capsys.readouterr().out
+    # the model resolves by name and answers each prompt under its header (what
+    # tests/test_embedded_diffusion_gemma.py's dllm-generate test checked with one prompt)
+    first, second = single.split("### [1] 13+5-1-9\n")
+    header = "### [0] sort: 3 1 2\n"
+    assert first.startswith(header) and first[len(header) :].strip() and second.strip(), single
     assert main(argv + ["--mesh", "data=2,expert=2"]) == 0
     assert capsys.readouterr().out == single and single.count("### [") == 2
     # its one full-attention kv head does not split over a tensor axis: refused before loading

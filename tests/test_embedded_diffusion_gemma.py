@@ -1,7 +1,8 @@
 """The embedded tiny DiffusionGemma (dllm_jax/assets/tiny-diffusiongemma, its README says how it
 was trained): it resolves by name, reads back as the family's config with its chat template, and
-answers held-out tiny tasks through the reference generation (tests/diffusion_gemma_reference.py),
-and dllm-generate answers a prompt with it by name (the engine's canvas loop)."""
+answers held-out tiny tasks through the reference generation (tests/diffusion_gemma_reference.py).
+dllm-generate answering with it by name (the engine's canvas loop) is checked in
+tests/test_diffusion_gemma_sharding.py, whose dllm-generate test runs it by name."""
 
 import pytest
 from transformers import AutoTokenizer
@@ -26,6 +27,7 @@ def embedded():
     return read_checkpoint(tiny_model_path(NAME), dtype="float32")
 
 
+@pytest.mark.unit
 def test_the_embedded_folder_resolves_by_name_and_reads_back(embedded):
     info, _ = embedded
     assert model_folder(NAME) == tiny_model_path(NAME)
@@ -39,17 +41,9 @@ def test_the_embedded_folder_resolves_by_name_and_reads_back(embedded):
     assert tokenizer.eos_token_id in config.eos_token_ids and tokenizer.pad_token_id == config.pad_token_id
 
 
+@pytest.mark.integration  # a whole evaluation (32 held-out problems through the reference)
 def test_the_embedded_model_answers_held_out_problems(embedded):
     info, weights = embedded
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path(NAME))
     accuracy = tr.held_out_accuracy(info.config, weights, tokenizer, tiny_tasks.held_out_problems(CHECKED_PROBLEMS))
     assert accuracy["all"] * CHECKED_PROBLEMS >= MEASURED_CORRECT - 1, accuracy
-
-
-def test_dllm_generate_answers_with_the_embedded_model_by_name(capsys):
-    from dllm_jax.cli.generate import main
-
-    assert main(["--model", NAME, "--prompt", "sort: 3 1 2", "--no-progress", "-q"]) == 0
-    printed = capsys.readouterr().out
-    header = "### [0] sort: 3 1 2\n"
-    assert printed.startswith(header) and printed[len(header) :].strip(), printed
