@@ -12,23 +12,21 @@ from __future__ import annotations
 import pytest
 
 from dllm_jax.common.errors import GenerationError
-from dllm_jax.engine.engine import Engine
-from dllm_jax.runtime.decode_config import DecodeConfig
 from dllm_jax.sampling.params import SamplingParams
-from tests.engine_checks import random_prompts
+from tests.engine_checks import FAST_DUAL, FLASH, LLADA, random_prompts
 
-DECODES = {
-    "flash_cache": DecodeConfig(method="flash_cache", gen_length=32, batch_size=2, mask_num=2, track_num=1),
-    "fast_dllm": DecodeConfig(method="fast_dllm", gen_length=32, block_length=8, batch_size=2),
-    "llada": DecodeConfig(method="llada", gen_length=32, block_length=8, steps=16, batch_size=2),
-}
-CUTS = (1, 3, 9)
+pytestmark = pytest.mark.engine
+
+# The session's shared loops over the lively model (tests/engine_checks.py): Flash-Cache with
+# look-ahead masks and tracked rows, Fast-dLLM (dual cache) and LLaDA's sampler over two blocks
+# of 16; the cut at 17 ends inside the second block.
+DECODES = {"flash_cache": FLASH, "fast_dllm": FAST_DUAL, "llada": LLADA}
+CUTS = (1, 3, 17)
 
 
 @pytest.fixture(scope="module")
-def engine(lively):
-    cfg, params = lively
-    return Engine(cfg, params, backend="xla")
+def engine(lively_engine):
+    return lively_engine
 
 
 @pytest.mark.parametrize("method", list(DECODES))
