@@ -14,7 +14,7 @@ import pytest
 
 from dllm_jax.cli.arguments import add_knob_flags, knob_values
 from dllm_jax.common.errors import SamplingParamsError
-from dllm_jax.engine.engine import Engine, GenerationError
+from dllm_jax.engine.engine import GenerationError
 from dllm_jax.policies.flash_cache import FlashCachePolicy
 from dllm_jax.policies.tracking_rules import PINNED_KEY, rule_index
 from dllm_jax.runtime.decode_config import DecodeConfig
@@ -25,12 +25,17 @@ from dllm_jax.runtime.tracking_probe import _attention_and_error, probe_stalenes
 from dllm_jax.sampling.params import TRACK_RULES, SamplingParams
 from dllm_jax.serve.params import make_params
 from dllm_jax.serve.protocol import CompletionRequest
-from tests.engine_checks import answer, random_prompts, reference_for
+from tests.engine_checks import FLASH, answer, random_prompts, reference_for
+
+pytestmark = pytest.mark.engine  # the selection and probe checks alone are unit-sized
 
 L = 16
 POLICY = FlashCachePolicy(window=4, lookahead=4, tracked=4, max_len=L, n_heads=2, eos_id=15, mask_id=14)
-# one compiled loop for every rule: a one-block budget of 16 rows, so the rules differ
-DECODE = DecodeConfig(method="flash_cache", gen_length=32, batch_size=2, threshold=0.3, mask_num=2, track_num=1)
+# one compiled loop for every rule, the session's shared Flash-Cache loop (tests/engine_checks.py:
+# one block of look-ahead masks and one of tracked rows, a budget of 16 rows, so the rules
+# differ) at a run-time threshold of 0.3 (parallel commits, so sparse steps follow full ones)
+DECODE = FLASH
+THRESHOLD = 0.3
 
 
 def hand_built_slot(rule: str, **values):
@@ -103,9 +108,8 @@ def test_random_draws_from_the_request_stream_after_fresh_commits():
 
 
 @pytest.fixture(scope="module")
-def engine(lively):
-    cfg, params = lively
-    return Engine(cfg, params, backend="xla")
+def engine(lively_engine):
+    return lively_engine
 
 
 @pytest.fixture(scope="module")
@@ -117,14 +121,17 @@ def prompts():
 def mixed(engine, prompts):
     """Every prompt under every rule, all in one generate call: (requests, their results)."""
     requests = [(prompt, rule) for rule in TRACK_RULES for prompt in prompts]
-    sampling = [SamplingParams(track_rule=rule, seed=7) for _, rule in requests]
+    sampling = [SamplingParams(track_rule=rule, seed=7, threshold=THRESHOLD) for _, rule in requests]
+    compilations = engine.num_compilations
     out = engine.generate([p for p, _ in requests], sampling, decode_config=DECODE)
-    return requests, out.results
+    # the shared engine may have compiled the loop already (0) or compiles it now (1)
+    return requests, out.results, engine.num_compilations - compilations
 
 
 def test_every_rule_decodes_as_the_reference_in_one_compiled_loop(engine, prompts, mixed):
-    requests, results = mixed
-    ref = reference_for(engine, DECODE, prompts)
+    requests, results, new_compilations = mixed
+    assert new_compilations <= 1, "every rule runs in one compiled loop"
+    ref = reference_for(engine, DECODE, prompts, SamplingParams(threshold=THRESHOLD))
     eos = engine.config.eos_token_id
     answers = {}
     for (prompt, rule), result in zip(requests, results):
@@ -132,13 +139,12 @@ def test_every_rule_decodes_as_the_reference_in_one_compiled_loop(engine, prompt
         assert result.token_ids == answer(tokens, eos), rule
         assert (result.steps, result.reference_num_tokens) == (steps, committed), rule
         answers.setdefault(rule, []).append(result.token_ids)
-    assert engine.num_compilations == 1
     assert len({tuple(map(tuple, a)) for a in answers.values()}) >= 3, "the rules must choose differently here"
 
 
 def test_none_decodes_as_a_budget_of_zero(engine, prompts, mixed):
-    requests, results = mixed
-    ref = reference_for(engine, dataclasses.replace(DECODE, track_num=0), prompts)
+    requests, results, _ = mixed
+    ref = reference_for(engine, dataclasses.replace(DECODE, track_num=0), prompts, SamplingParams(threshold=THRESHOLD))
     none = [r for (_, rule), r in zip(requests, results) if rule == "none"]
     for prompt, result in zip(prompts, none):
         tokens, steps, _ = ref.flash_cache(prompt)
@@ -150,7 +156,7 @@ def test_the_loop_records_each_refreshed_rows_last_layer_change(engine, prompts)
     (K, V) before| at the last layer; elsewhere unchanged."""
     compiled = engine.compile(DECODE, max(map(len, prompts)))
     loop = compiled.loop
-    state = compiled.initial_state(prompts, SamplingParams(track_rule="drift"))
+    state = compiled.initial_state(prompts, SamplingParams(track_rule="drift", threshold=THRESHOLD))
     layer = drift_layer(engine.config)
     checked = 0
     for _ in range(5):
@@ -210,7 +216,7 @@ def test_the_staleness_probe_matches_one_row_replaced_at_a_time():
 
 def test_the_probe_reports_the_decoded_rows_of_sparse_steps(engine, prompts):
     compiled = engine.compile(DECODE, max(map(len, prompts)))
-    state = compiled.initial_state(prompts)
+    state = compiled.initial_state(prompts, SamplingParams(threshold=THRESHOLD))
     state = compiled.run(engine.weights, state, 2)
     probe = jax.device_get(jax.jit(lambda w, s: probe_staleness(compiled.loop, w, s))(engine.weights, state))
     slots = jax.device_get(state.slots)
