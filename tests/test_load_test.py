@@ -9,6 +9,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import load_test  # noqa: E402
 
+pytestmark = pytest.mark.unit  # in process: no compiled decode loop, no process
+
 
 def test_the_mix_draws_each_requests_fields_once_for_every_rate():
     opts = load_test.parse_args(["--requests", "40", "--max-tokens", "8", "32", "--methods", "a", "b", "--seed", "3"])

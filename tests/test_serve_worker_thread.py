@@ -20,6 +20,8 @@ from dllm_jax.serve.metrics import ServerMetrics
 from dllm_jax.serve.worker import EngineWorker, Event, RequestHandle, Work, deliver_all
 from tests.fake_session import FakeSession
 
+pytestmark = pytest.mark.unit  # in process: no compiled decode loop, no process
+
 
 def fake(*, steps: int = 5, step_seconds: float = 0.01, slots: int = 2, fail_step: int | None = None):
     """A fake session whose requests commit one position per step and finish after ``steps``."""
