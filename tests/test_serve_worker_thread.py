@@ -32,11 +32,19 @@ def _work(request_id: str, method: str = "a", prompt=(1, 2)) -> Work:
     return Work(request_id, method, list(prompt), SamplingParams(), time.monotonic() + 30)
 
 
+async def _next_or_none(handle, timeout: float):
+    """The handle's next event, or None after `timeout` seconds without one."""
+    try:
+        return await asyncio.wait_for(handle.next_event(), timeout)
+    except TimeoutError:
+        return None
+
+
 async def _events_until_end(handle, timeout: float = 10.0):
     """The handle's events up to its result or error."""
     events = []
     while True:
-        event = await handle.next_event(timeout)
+        event = await _next_or_none(handle, timeout)
         assert event is not None, "no event in time"
         events.append(event)
         if event.result is not None or event.error is not None:
@@ -57,7 +65,7 @@ def test_a_released_request_is_aborted_before_the_next_device_call():
 
     async def scenario(worker):
         handle = worker.submit(_work("r1"))
-        assert (await handle.next_event(10)).commits  # it is in a slot, decoding
+        assert (await _next_or_none(handle, 10)).commits  # it is in a slot, decoding
         mark = len(session.calls)
         handle.close()  # the client went away
         deadline = time.monotonic() + 10
@@ -137,20 +145,20 @@ def test_the_thread_logs_its_throughput(caplog):
     assert lines and "requests/s" in lines[0] and "tokens/s" in lines[0] and "slots busy" in lines[0]
 
 
-def test_a_handle_gives_its_events_in_order_and_none_after_its_timeout():
+def test_a_handle_gives_its_events_in_order_and_a_cancelled_wait_loses_none():
     """Events wait in the handle until read (a wait cancelled or timed out loses none)."""
 
     async def scenario():
         handle = RequestHandle(None, _work("r1"), asyncio.get_running_loop())
-        assert await handle.next_event(0.01) is None
-        waiting = asyncio.ensure_future(handle.next_event(10))
+        assert await _next_or_none(handle, 0.01) is None
+        waiting = asyncio.ensure_future(handle.next_event())
         await asyncio.sleep(0)
         waiting.cancel()
         sent = [Event(received=float(i)) for i in range(3)]
         threading.Thread(target=deliver_all, args=([(handle, e) for e in sent],)).start()
-        got = [await handle.next_event(10) for _ in sent]
+        got = [await _next_or_none(handle, 10) for _ in sent]
         assert [e.received for e in got] == [0.0, 1.0, 2.0]
-        assert await handle.next_event(0) is None
+        assert await _next_or_none(handle, 0.01) is None
 
     asyncio.run(scenario())
 
@@ -197,7 +205,7 @@ def test_a_steps_flag_is_set_once_the_requests_it_woke_have_run():
         handles = [RequestHandle(None, _work(f"r{i}"), loop) for i in range(3)]
 
         async def stream(handle):
-            await handle.next_event(10)
+            await handle.next_event()
             ran.append(handle.request_id)
             await asyncio.sleep(0)  # a later part of the stream: the flag does not wait for it
             ran.append(f"{handle.request_id} later")
@@ -213,7 +221,7 @@ def test_a_steps_flag_is_set_once_the_requests_it_woke_have_run():
         assert seen == [["r0", "r1", "r2"]]
         # deliver_all, from another thread: one flag for the one loop, set once its streams ran
         more = [RequestHandle(None, _work("r3"), loop)]
-        waiting = asyncio.ensure_future(more[0].next_event(10))
+        waiting = asyncio.ensure_future(more[0].next_event())
         flags = []
         sender = threading.Thread(target=lambda: flags.extend(deliver_all([(more[0], Event(received=2.0))])))
         sender.start()
@@ -223,7 +231,10 @@ def test_a_steps_flag_is_set_once_the_requests_it_woke_have_run():
         while not flags[0].is_set():
             await asyncio.sleep(0)
 
-    asyncio.run(scenario())
+    async def bounded():  # a flag never set or an event never delivered fails instead of hanging
+        await asyncio.wait_for(scenario(), 30)
+
+    asyncio.run(bounded())
 
 
 def test_the_engine_thread_waits_for_the_streams_at_most_its_bound():

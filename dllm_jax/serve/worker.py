@@ -111,23 +111,13 @@ class RequestHandle:
         if self._expiry is None:
             self._expiry = self._loop.call_later(max(when - time.monotonic(), 0.0), self._events.put_nowait, None)
 
-    async def next_event(self, timeout: float | None = None) -> Event | None:
-        """The next event, or None after `timeout` seconds without one (None: no bound but
-        expire_waits_at's).
-
-        An event already queued is taken at once; otherwise the wait is the queue's own future,
-        under a deadline (asyncio.timeout) when `timeout` is given, not asyncio.wait_for, which
-        wraps every get in a task of its own (three event-loop hops per event instead of one).
-        """
+    async def next_event(self) -> Event | None:
+        """The next event, or None once expire_waits_at's time has passed (its bound on the
+        request's waits). An event already queued is taken at once; otherwise the wait is the
+        queue's own future (one event-loop hop per event)."""
         if not self._events.empty():
             return self._events.get_nowait()
-        if timeout is None:
-            return await self._events.get()
-        try:
-            async with asyncio.timeout(timeout):
-                return await self._events.get()
-        except TimeoutError:
-            return None
+        return await self._events.get()
 
     def close(self) -> None:
         """The handler is done with the request: abort it if the engine still holds it."""
