@@ -340,6 +340,28 @@ def test_model_args_types_and_the_harness_batch_size():
         parse_model_args(dict(pretrained="p"), harness_batch_size="auto")
 
 
+def test_local_tasks_are_run_without_indexing_lm_evals_built_in_ones(task_dir):
+    import argparse
+
+    import lm_eval.tasks
+
+    from dllm_jax.evaluation.__main__ import index_only_the_include_path, tasks_all_local
+
+    local = str(task_dir)
+    assert tasks_all_local(local, [GEN_TASK, MC_TASK]) and tasks_all_local(local, [f"{GEN_TASK},{MC_TASK}"])
+    assert not tasks_all_local(local, [GEN_TASK, "gsm8k"])  # a built-in task: lm-eval indexes them all
+    assert not tasks_all_local(local, ["tiny_*"]) and not tasks_all_local(local, [str(task_dir / "x.yaml")])
+    assert not tasks_all_local(None, [GEN_TASK]) and not tasks_all_local(local, None)
+    built_in = lm_eval.tasks.TaskManager
+    with index_only_the_include_path(argparse.Namespace(include_path=local, tasks=[GEN_TASK])):
+        # as lm-eval's run command makes it (lm_eval.config.evaluate_config.process_tasks)
+        manager = lm_eval.tasks.TaskManager(include_path=local, metadata={})
+        assert set(manager.all_subtasks) == {GEN_TASK, MC_TASK}
+    assert lm_eval.tasks.TaskManager is built_in
+    with index_only_the_include_path(argparse.Namespace(include_path=local, tasks=["gsm8k"])):
+        assert lm_eval.tasks.TaskManager is built_in
+
+
 def test_command_line_names_a_bad_model_arg_in_one_line(task_dir, monkeypatch, capsys):
     from dllm_jax.evaluation.__main__ import main
 
