@@ -156,11 +156,15 @@ def assemble(engine: Engine, tokenizer: Any, options: ServeOptions) -> Server:
 
 def warm_up(session, max_prompt: int) -> None:
     """Runs the paths serving takes, so that they compile now: a request of the longest prompt
-    to its end, and one aborted while it is in the device (the path a cancellation takes: its
-    step bound set to 0 in its ring entry and slot). It is aborted right after the call that
-    pushed it, since a request may finish at its first step (then there is nothing to abort).
-    A last request's first call clears the read results' done flags (a device-side update)."""
-    session.add("warm-up-0", [0] * max_prompt, make_params(CompletionRequest(model="warm-up", prompt=[0])))
+    to its end (its first 4 tokens: every step runs the one compiled loop, so a whole answer
+    compiles nothing more and, on a CPU, took most of the start-up), and one aborted while it is
+    in the device (the path a cancellation takes: its step bound set to 0 in its ring entry and
+    slot). It is aborted right after the call that pushed it, since a request may finish at its
+    first step (then there is nothing to abort). A last request's first call clears the read
+    results' done flags (a device-side update)."""
+    session.add(
+        "warm-up-0", [0] * max_prompt, make_params(CompletionRequest(model="warm-up", prompt=[0], max_tokens=4))
+    )
     session.add(
         "warm-up-1", [0] * max_prompt, make_params(CompletionRequest(model="warm-up", prompt=[0], max_tokens=4))
     )
