@@ -162,12 +162,9 @@ def warm_up(session, max_prompt: int) -> None:
     slot). It is aborted right after the call that pushed it, since a request may finish at its
     first step (then there is nothing to abort). A last request's first call clears the read
     results' done flags (a device-side update)."""
-    session.add(
-        "warm-up-0", [0] * max_prompt, make_params(CompletionRequest(model="warm-up", prompt=[0], max_tokens=4))
-    )
-    session.add(
-        "warm-up-1", [0] * max_prompt, make_params(CompletionRequest(model="warm-up", prompt=[0], max_tokens=4))
-    )
+    four_tokens = make_params(CompletionRequest(model="warm-up", prompt=[0], max_tokens=4))
+    session.add("warm-up-0", [0] * max_prompt, four_tokens)
+    session.add("warm-up-1", [0] * max_prompt, four_tokens)
     session.step(1)  # pushes both; their results are read at a later call
     if not session.abort("warm-up-1"):
         raise RuntimeError("the warm-up request to abort was not in the session")
