@@ -44,6 +44,11 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _cache = tempfile.mkdtemp(prefix="dllm-tests-xla-cache-")
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+# Every program goes into that cache, not only those that took a second to compile (jax's
+# default): each module's jax.clear_caches (below) would otherwise compile the same small
+# programs (an op at a shape, a model's init, a jitted reference) again in every module. On the
+# 2-core machine this took the quick tier from 418 to 345 s (2026-12-07, one run each).
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 
 # before jax is imported: it reads JAX_COMPILATION_CACHE_DIR then
@@ -58,7 +63,8 @@ jax.config.update("jax_num_cpu_devices", 4)
 def child_process_env() -> dict[str, str]:
     """The environment entries a process the tests start needs to compile as this one does (the
     run's compilation cache and XLA flags); processes started with os.environ have them already."""
-    return {key: os.environ[key] for key in ("JAX_COMPILATION_CACHE_DIR", "XLA_FLAGS")}
+    keys = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "XLA_FLAGS")
+    return {key: os.environ[key] for key in keys}
 
 
 # `python -c` this, a module and its arguments: the module runs as `python -m module` with the
