@@ -50,7 +50,7 @@ def bf16_engine(lively_bf16):
 # the number of slots sharing it shows up in one of them (LLaDA's sampler runs the full pass
 # alone, which both also run).
 @pytest.mark.parametrize("decode", [FLASH_VERIFY, FAST_DUAL], ids=["flash_verify", "fast_dllm"])
-@pytest.mark.slow
+@pytest.mark.integration  # full tier: batch invariance of whole decodes
 def test_bf16_answers_do_not_depend_on_the_batch(bf16_engine, decode):
     engine = bf16_engine
     sampling = SamplingParams(threshold=0.5)
@@ -80,7 +80,7 @@ def test_invariant_kernels_replace_the_row_count_dependent_ones():
 # On XLA's ops; the invariant Pallas kernels (what backend="pallas" chooses with
 # batch_invariant=True, the GPU's choice below) are checked step by step to the end of the
 # answer in test_invariant_gpu_kernels_are_bit_identical_in_every_tap.
-@pytest.mark.slow
+@pytest.mark.integration  # full tier: batch invariance of whole decodes
 def test_invariant_mode_answers_do_not_depend_on_the_batch(lively_bf16):
     cfg, params = lively_bf16
     engine = Engine(cfg, params, backend="xla", batch_invariant=True)
@@ -105,6 +105,7 @@ def test_invariant_mode_rejects_what_it_cannot_run(lively_bf16):
         Engine(cfg, params, batch_invariant="yes")
 
 
+@pytest.mark.integration  # full tier: batch invariance of whole decodes
 def test_leak_report_compares_every_tap_bit_for_bit(bf16_engine):
     engine = bf16_engine
     decode = dataclasses.replace(FLASH, batch_size=4)
@@ -179,7 +180,7 @@ def test_deterministic_flags_keep_what_is_set():
     assert parse_args(["--batch-invariant"]).batch_invariant and not parse_args([]).batch_invariant
 
 
-@pytest.mark.slow
+@pytest.mark.integration  # full tier: batch invariance of whole decodes
 def test_invariant_gpu_kernels_are_bit_identical_in_every_tap(lively_bf16):
     """The GPU's invariant kernel choice (Pallas attention, scatter and matmul; interpret mode;
     what backend="pallas" chooses with batch_invariant=True) through the leak report,

@@ -66,6 +66,7 @@ def test_auto_picks_the_tpu_kernel_on_a_tpu_and_xla_on_a_cpu(monkeypatch):
 
 
 @pytest.mark.engine
+@pytest.mark.integration  # full tier: the interpreted kernels inside the decode loop
 def test_engine_with_the_tpu_kernel_decodes_the_xla_tokens(lively, lively_engine):
     """Flash-Cache with Flash-Verify (sparse, full and verify passes) through the interpreted
     Mosaic kernel gives the xla backend's tokens."""

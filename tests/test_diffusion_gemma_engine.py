@@ -273,6 +273,7 @@ def test_the_cached_canvas_path_recomputing_every_row_matches_the_reference(engi
         assert result.steps == passes, f"request {i}: denoising steps"
 
 
+@pytest.mark.integration  # full tier: the interpreted kernels inside the decode loop
 def test_the_gpu_kernels_give_the_reference_tokens(checkpoint, prompts, expected):
     """The canvas loop as backend "auto" runs it on an NVIDIA GPU, in interpret mode: the
     attention by the Triton cache-attention kernel (encoder chunks: causal own rows and a

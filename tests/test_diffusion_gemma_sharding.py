@@ -131,6 +131,7 @@ def single_device(engines, requests):
     return engines(None).generate(*requests, decode_config=DECODE)
 
 
+@pytest.mark.integration  # full tier: decodes over device meshes
 def test_the_sharded_canvas_loop_decodes_the_single_device_tokens(engines, requests, single_device):
     # the slots over data, the heads and the experts over tensor (the experts over the expert
     # axis: the embedded model's test below; over expert and tensor together: the routed
@@ -146,6 +147,7 @@ def test_the_sharded_canvas_loop_decodes_the_single_device_tokens(engines, reque
     )
 
 
+@pytest.mark.integration  # full tier: compiles loops over device meshes
 def test_only_hidden_rows_are_summed_across_devices(engines, requests, model):
     """The layers' all-reduces (attention output, MLP, the experts' sums: rows [<= B L, D] of a
     data shard's pass) and the data shards' bookkeeping: no weight, cache row or logit is
@@ -281,6 +283,7 @@ def test_models_that_do_not_split_are_refused(overrides, spec, match):
         Engine(config, dg.abstract_params(config), backend="xla", mesh=mesh_of(spec))
 
 
+@pytest.mark.integration  # full tier: decodes over device meshes
 def test_dllm_generate_decodes_the_embedded_model_alike_over_data_and_expert_axes(capsys):
     from dllm_jax.cli.generate import main
 

@@ -109,6 +109,7 @@ def test_continuous_batching_and_batch_invariance(engine):
     [(FLASH_VERIFY, SamplingParams(threshold=0.7, gamma=0.3)), (FAST_DUAL, SamplingParams(threshold=0.5))],
     ids=["flash_verify", "fast_dllm_dual"],
 )
+@pytest.mark.integration  # full tier: the interpreted kernels inside the decode loop
 def test_pallas_kernels_decode_like_the_reference(decode, sampling):
     """The fused projection (with biases) and the GQA cache attention, in interpret mode, on a
     model of head_dim 32 (the kernels' smallest tile is 16 rotary pairs)."""
@@ -122,6 +123,7 @@ def test_pallas_kernels_decode_like_the_reference(decode, sampling):
     check(pallas, random_prompts((12, 7, 3)), decode, sampling)
 
 
+@pytest.mark.integration  # full tier: decodes over device meshes
 def test_a_tensor_split_decodes_the_reference_tokens(prompts):
     """Biases split by heads like their projections' columns (sharding.param_specs)."""
     from dllm_jax.runtime.sharding import parse_mesh

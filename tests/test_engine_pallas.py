@@ -55,6 +55,7 @@ def xla_answers():
     [(FLASH_VERIFY, ("gpu-auto",)), (FAST_DLLM, ("pallas",))],
     ids=["flash_verify", "fast_dllm_dual"],
 )
+@pytest.mark.integration  # full tier: the interpreted kernels inside the decode loop
 def test_pallas_backends_decode_like_xla(xla_answers, decode, variants):
     cfg, params, prompts = _kernel_sized_model()
     xla = xla_answers(decode)
@@ -75,6 +76,7 @@ def test_pallas_backends_decode_like_xla(xla_answers, decode, variants):
     [("data=2,tensor=2", "pallas", FLASH_VERIFY), ("tensor=2", GPU_AUTO, FAST_DLLM)],
     ids=["data2-tensor2-pallas-verify", "tensor2-gpu_auto-fast_dllm"],
 )
+@pytest.mark.integration  # full tier: the interpreted kernels inside the decode loop
 def test_kernels_run_on_each_devices_slots_and_heads(xla_answers, spec, backend, decode):
     """Under a mesh each device runs the kernels on its own slots and heads (shard_map)."""
     cfg, params, prompts = _kernel_sized_model()

@@ -137,6 +137,7 @@ def test_int8_model_lowers_for_cuda_with_the_kernel(monkeypatch):
 
 
 @pytest.mark.engine
+@pytest.mark.integration  # full tier: the interpreted kernels inside the decode loop
 def test_engine_decodes_the_same_through_the_kernel(monkeypatch):
     """flash_cache on int8 weights, the block projections through the kernel (interpret mode)
     against XLA's path: the same tokens."""

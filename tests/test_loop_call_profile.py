@@ -89,6 +89,7 @@ def test_the_profiled_loop_is_the_one_the_server_compiles():
 
 
 @pytest.mark.engine
+@pytest.mark.integration  # full tier: a script's whole run
 def test_the_tiny_run_measures_every_part(tmp_path):
     opts = profile.parse_args(["--tiny", "--slots", "1", "--variants", "default", "--out", str(tmp_path)])
     profile.run(opts)

@@ -261,6 +261,7 @@ SHORT = SamplingParams(gen_length=32)
 # verify), Fast-dLLM its block pass; LLaDA's sampler runs the full pass only, which both run.
 @pytest.mark.engine
 @pytest.mark.parametrize("decode", ["fast_dllm", "flash_verify"])
+@pytest.mark.integration  # full tier: decodes on 8-bit weights
 def test_every_method_decodes_on_int8_weights_like_the_original(tiny_model, embedded_engine, decode):
     plain = embedded_engine
     config = dataclasses.replace(tiny_model.config, quantization="int8-weights")
@@ -271,6 +272,7 @@ def test_every_method_decodes_on_int8_weights_like_the_original(tiny_model, embe
 
 
 @pytest.mark.engine
+@pytest.mark.integration  # full tier: decodes on 8-bit weights
 def test_the_tiny_dream_decodes_on_int8_weights_like_the_original(tiny_dream):
     plain = Engine(tiny_dream.config, tiny_dream.weights, tiny_dream.tokenizer)
     config = dataclasses.replace(tiny_dream.config, quantization="int8-weights")
@@ -292,6 +294,7 @@ def fp8_held_out(tiny_model):
 
 
 @pytest.mark.engine
+@pytest.mark.integration  # full tier: a whole held-out evaluation
 def test_fp8_engine_solves_held_out_problems_about_as_often(embedded_engine, fp8_held_out):
     problems, fp8_results = fp8_held_out
     plain = embedded_engine.generate([p.prompt for p in problems], HELD_OUT_DECODE, chat=True).results
@@ -303,6 +306,7 @@ def test_fp8_engine_solves_held_out_problems_about_as_often(embedded_engine, fp8
 
 
 @pytest.mark.engine
+@pytest.mark.integration  # full tier: decodes on 8-bit weights
 def test_fp8_engine_with_the_producers_decodes_todays_tokens(tiny_model, fp8_held_out, monkeypatch):
     """Flash-Verify's every pass (full, sparse, verify) with each projection's input quantized
     by its producer (the kernels interpreted): today's tokens and steps on the first 4 problems
@@ -339,6 +343,7 @@ def test_the_fused_projection_kernel_refuses_quantized_weights(tiny_model):
 
 
 @pytest.mark.engine
+@pytest.mark.integration  # full tier: decodes over device meshes
 def test_quantized_weights_split_over_a_tensor_mesh_decode_the_same_tokens(lively):
     cfg, params = lively
     config = dataclasses.replace(cfg, quantization="int8-weights")

@@ -71,6 +71,7 @@ def single_device(engines, prompts):
 
 
 @pytest.mark.parametrize("spec, decode", SHARDED)
+@pytest.mark.integration  # full tier: decodes over device meshes
 def test_sharded_engine_decodes_the_single_device_tokens(engines, single_device, prompts, spec, decode):
     expected = single_device(decode)
     config, sampling = DECODES[decode]
@@ -88,6 +89,7 @@ def _shard_shape(array: jax.Array) -> tuple[int, ...]:
     return shapes.pop()
 
 
+@pytest.mark.integration  # full tier: compiles loops over device meshes
 def test_weights_cache_and_slots_are_split_as_intended(engines, prompts):
     engine = engines("data=2,tensor=2")
     cfg = engine.config
@@ -132,6 +134,7 @@ def test_per_layer_weights_are_split_like_stacked_ones(lively):
         assert layer["ff_norm"]["weight"].sharding.is_fully_replicated
 
 
+@pytest.mark.integration  # full tier: compiles loops over device meshes
 def test_data_shards_exchange_only_bookkeeping(engines, prompts):
     """No K/V, hidden rows or logits cross the data axis: the largest exchange is the
     finished answers [B, G] going to the (replicated) results ring, or the slots' canvas going
@@ -144,6 +147,7 @@ def test_data_shards_exchange_only_bookkeeping(engines, prompts):
     assert max(n for _, n in found) <= max(decode.batch_size * decode.gen_length, canvas.num_ints, canvas.num_floats)
 
 
+@pytest.mark.integration  # full tier: compiles loops over device meshes
 def test_tensor_shards_never_gather_weights_or_cache(engines, prompts):
     """Tensor parallelism needs only all-reduces (of hidden rows and tracking scores)."""
     compiled = engines("tensor=2").compile(DECODES["flash"][0], max(map(len, prompts)))

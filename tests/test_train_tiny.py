@@ -141,6 +141,7 @@ def test_bad_command_lines_exit_with_code_2(tmp_path, argv, capsys):
     assert "error:" in capsys.readouterr().err
 
 
+@pytest.mark.integration  # full tier: training runs
 def test_an_interrupted_run_resumes_to_the_same_weights(tmp_path):
     common = [
         "--steps",
@@ -213,6 +214,7 @@ def test_dream_loss_falls_after_a_few_training_steps():
 
 
 @pytest.mark.engine
+@pytest.mark.integration  # full tier: training runs
 def test_dream_run_exports_a_dream_folder_the_engine_loads(tmp_path):
     from dllm_jax import DecodeConfig, Engine
 
