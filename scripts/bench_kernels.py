@@ -152,7 +152,7 @@ def attention_candidates(default: AttentionBlockSizes, shapes: Shapes) -> list[A
         replace(num_stages=3),
         replace(block_k=128),
         replace(num_splits=max(1, default.num_splits // 2)),
-        replace(num_warps=4),
+        replace(num_warps=4 if default.num_warps == 8 else 8),
         replace(block_k=32, num_warps=4),
         replace(block_q=64, num_warps=4),
         # past sweep_size 7 (the full pass's sweep): fewer rows per program for more programs

@@ -78,6 +78,16 @@ def test_default_tiling_splits_keys_only_when_the_grid_is_small():
 
 
 @pytest.mark.parametrize(
+    "slots, head_dim, warps",
+    [(1, 128, 8), (8, 128, 4), (32, 128, 4), (1, 256, 4), (32, 256, 4)],
+    ids=["1-slot-split", "8-slots", "32-slots", "wide-1-slot", "wide-32-slots"],
+)
+def test_default_tiling_takes_eight_warps_only_for_split_128_row_tiles(slots, head_dim, warps):
+    # the H100's decode-step A/B (BENCHMARKS.md, 2026-12-07): 8 warps won at 1 slot, 4 at 8 and 32
+    assert default_attention_block_sizes(slots, 128, 32, 32, 2048, head_dim).num_warps == warps
+
+
+@pytest.mark.parametrize(
     "n_groups, n_rows, verify",
     [(1, 128, False), (32, 128, False), (8, 32, True)],
 )

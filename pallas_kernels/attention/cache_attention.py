@@ -105,10 +105,13 @@ def default_attention_block_sizes(
     fewer programs than SMs and a full slot (max_len keys) still gives every split 128 keys.
     Three pipeline stages: the H200 sweep (BENCHMARKS.md) preferred them for 128-row tiles
     at 1, 8 and 32 slots (e.g. 32 slots x 2048 keys: 514 us against 678 us with two).
-    Wider heads keep BQ * Dh at 128 * 128 (the accumulator's registers) and take 32-key
-    steps over two stages with 4 warps: the H200 sweep at Dh 256 (DiffusionGemma's sliding
-    layers, 8 and 32 slots, 256 and 1024 cached keys; BENCHMARKS.md, 2026-12-03) ran 64x32 on
-    4 warps 2.0-2.2x faster than on 8 (e.g. 32 slots x 1024 keys: 0.839 against 1.833 ms)."""
+    Four warps where the row tiles alone fill the GPU (no split), eight where they are split
+    (one slot's step): on the H100 (BENCHMARKS.md, 2026-12-07) four warps ran the LLaDA-8B
+    decode step 2.7% faster at 8 slots and 0.9% at 32, and 2.1% slower at 1 slot (8 splits).
+    Wider heads keep BQ * Dh at 128 * 128 (the accumulator's registers) and take 32-key steps
+    over two stages on 4 warps: the H200 sweep at Dh 256 (DiffusionGemma's sliding layers,
+    BENCHMARKS.md, 2026-12-03) ran 64x32 on 4 warps 2.0-2.2x faster than on 8 (e.g. 32 slots
+    x 1024 keys: 0.839 against 1.833 ms)."""
     group_rows = rows * (n_heads // n_kv_heads)
     most_rows = max(16, min(128, 128 * 128 // head_dim))
     block_q = min(most_rows, max(16, next_power_of_two(group_rows)))
@@ -121,7 +124,7 @@ def default_attention_block_sizes(
         block_q,
         32 if wide else 64,
         splits,
-        num_warps=8 if block_q * head_dim >= 64 * 128 and not wide else 4,
+        num_warps=8 if block_q * head_dim >= 64 * 128 and splits > 1 and not wide else 4,
         num_stages=3 if block_q >= 64 and not wide else 2,
     )
 
