@@ -199,6 +199,7 @@ def test_each_expert_lives_on_one_device_of_the_expert_x_tensor_group(engines):
             assert leaf.sharding.is_fully_replicated, name
 
 
+@pytest.mark.integration  # full tier: compiles loops over device meshes
 def test_the_memory_estimate_is_one_devices_share(engines, requests):
     engine = engines("data=2,tensor=2")
     compiled = engine.compile(DECODE, max(map(len, requests[0])))
