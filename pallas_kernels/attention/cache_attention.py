@@ -107,7 +107,7 @@ def default_attention_block_sizes(
     at 1, 8 and 32 slots (e.g. 32 slots x 2048 keys: 514 us against 678 us with two).
     Four warps where the row tiles alone fill the GPU (no split), eight where they are split
     (one slot's step): on the H100 (BENCHMARKS.md, 2026-12-07) four warps ran the LLaDA-8B
-    decode step 2.7% faster at 8 slots and 0.9% at 32, and 2.1% slower at 1 slot (8 splits).
+    decode step 2.7% faster at 8 slots and 0.9% at 32, and 2.1% slower at 1 slot (split keys).
     Wider heads keep BQ * Dh at 128 * 128 (the accumulator's registers) and take 32-key steps
     over two stages on 4 warps: the H200 sweep at Dh 256 (DiffusionGemma's sliding layers,
     BENCHMARKS.md, 2026-12-03) ran 64x32 on 4 warps 2.0-2.2x faster than on 8 (e.g. 32 slots
