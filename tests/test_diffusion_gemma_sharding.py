@@ -93,7 +93,9 @@ def model():
         w = w / 0.02 / fan_in**0.5
         return w * 0.1 if "self_conditioning" in name and "down_proj" in name else w
 
-    return config, jax.tree_util.tree_map_with_path(scaled, dg.init_params(config, jax.random.key(0)))
+    # one program (eagerly, each leaf's draw and scaling would compile on its own)
+    init = jax.jit(lambda key: jax.tree_util.tree_map_with_path(scaled, dg.init_params(config, key)))
+    return config, init(jax.random.key(0))
 
 
 @pytest.fixture(scope="module")

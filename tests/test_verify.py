@@ -1,6 +1,7 @@
 """Flash-Verify: acceptance rules, the verify query's exactness, and the loop against the reference."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -64,6 +65,18 @@ def _one_slot_after_stage1(cfg, W, L, key_len, num_committed, seed):
     return slot, new, draft
 
 
+# The passes below jitted (eagerly, each of their ops would be a program compiled on its own)
+_refresh = jax.jit(cached_forward, static_argnums=(0, 1))
+_forward = jax.jit(forward, static_argnums=0)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _verify(cfg, spec, params, cache, plan, key_len):
+    """The read-only verify pass of a batched plan_verify output."""
+    rows = (plan.tokens, plan.positions, plan.row_valid, None, key_len, plan.mask_rows, None)
+    return cached_forward(cfg, spec, params, cache, *rows, VerifyKeys(plan.key_exclude, plan.extra_mask))
+
+
 @pytest.mark.unit
 @pytest.mark.parametrize("num_committed", [1, 5, 12])
 def test_mask_view_equals_an_exact_forward_of_the_drafted_sequence(num_committed):
@@ -76,7 +89,7 @@ def test_mask_view_equals_an_exact_forward_of_the_drafted_sequence(num_committed
     old, new, draft = _one_slot_after_stage1(cfg, W, L, key_len, num_committed, seed=num_committed)
     spec = PassSpec(max_len=L)
     positions = jnp.arange(L, dtype=jnp.int32)[None]
-    _, _, cache = cached_forward(
+    _, _, cache = _refresh(
         cfg,
         spec,
         params,
@@ -92,26 +105,13 @@ def test_mask_view_equals_an_exact_forward_of_the_drafted_sequence(num_committed
     S = int(plan.num_search)
     assert S == min(W - num_committed, W // 2)
     batched = jax.tree_util.tree_map(lambda x: x[None], plan)
-    logits, _, cache_after = cached_forward(
-        cfg,
-        spec,
-        params,
-        cache,
-        batched.tokens,
-        batched.positions,
-        batched.row_valid,
-        None,
-        jnp.array([key_len]),
-        batched.mask_rows,
-        None,
-        VerifyKeys(batched.key_exclude, batched.extra_mask),
-    )
+    logits, _, cache_after = _verify(cfg, spec, params, cache, batched, jnp.array([key_len]))
     for i in range(S):
         sequence = new.tokens
         for k in range(S):
             value = plan.search_drafts[k] if k < i else cfg.mask_token_id
             sequence = sequence.at[plan.search_positions[k]].set(value)
-        exact = forward(cfg, params, sequence[None, :key_len])[0, plan.search_positions[i]]
+        exact = _forward(cfg, params, sequence[None, :key_len])[0, plan.search_positions[i]]
         np.testing.assert_allclose(logits[0, i], exact, rtol=2e-4, atol=2e-4)
     # the verify pass reads the cache and never writes it
     assert all(

@@ -42,6 +42,7 @@ instead of ``kernel``, and experts/gate_up_proj and experts/down_proj are each
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -184,9 +185,11 @@ def init_cache(config: DiffusionGemmaConfig, batch: int, max_length: int) -> Enc
     )
 
 
+@functools.partial(jax.jit, static_argnums=0)
 def init_params(config: DiffusionGemmaConfig, rng: jax.Array) -> Weights:
     """Random parameters (normal(0.02) matrices, unit norm weights and scalars) in config.dtype,
-    then quantized as config.quantization says."""
+    then quantized as config.quantization says. One compiled program per config (eagerly, each
+    parameter's draw would be compiled and run on its own)."""
     plain = dataclasses.replace(config, quantization="none")
     return quantize_params(_init_plain_params(plain, rng), config.quantization)
 

@@ -34,6 +34,7 @@ biases stay.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -184,9 +185,11 @@ class Transformer(nn.Module):
         return self.logits(h)
 
 
+@functools.partial(jax.jit, static_argnums=0)
 def init_params(config: ModelConfig, rng: jax.Array) -> Weights:
     """Random parameters (normal(0.02) matrices, unit norms, zero biases) in config.dtype,
-    then quantized as config.quantization says."""
+    then quantized as config.quantization says. One compiled program per config (eagerly, each
+    parameter's draw would be compiled and run on its own)."""
     tokens = jnp.zeros((1, 2), dtype=jnp.int32)
     plain = dataclasses.replace(config, quantization="none")
     return quantize_params(Transformer(plain).init(rng, tokens)["params"], config.quantization)
@@ -196,7 +199,7 @@ def init_params_per_layer(config: ModelConfig, rng: jax.Array) -> Weights:
     """Random parameters with params["layers"] a tuple of per-layer trees, built layer by layer
     (no layer-stacked copy ever exists: device memory stays at the model's size)."""
     top_rng, *layer_rngs = jax.random.split(rng, config.n_layers + 1)
-    top = jax.jit(init_params, static_argnums=0)(dataclasses.replace(config, n_layers=1), top_rng)
+    top = init_params(dataclasses.replace(config, n_layers=1), top_rng)
     h = jnp.zeros((1, 2, config.d_model), config.jnp_dtype)
     positions = jnp.zeros((1, 2), jnp.int32)
     plain_block = Block(dataclasses.replace(config, quantization="none"))
