@@ -210,6 +210,7 @@ def test_the_memory_estimate_counts_the_cache_and_refuses_what_does_not_fit(engi
         check_canvas_loop(loop, memory=DeviceMemory(available=1, name="test"), **shape)
 
 
+@pytest.mark.integration  # full tier: a front end on another family than the default LLaDA (its own loop)
 def test_dllm_generate_runs_a_diffusion_gemma_folder_by_its_family(checkpoint, engine, capsys):
     from dllm_jax.cli.generate import main
 
@@ -226,6 +227,7 @@ def test_dllm_generate_runs_a_diffusion_gemma_folder_by_its_family(checkpoint, e
     assert "temperature=0.5 does not apply to method='diffusion_gemma'" in capsys.readouterr().err
 
 
+@pytest.mark.integration  # full tier: a front end on another family than the default LLaDA (its own loop)
 def test_the_server_answers_completions_and_chat_as_the_engine_does(engine):
     from fastapi.testclient import TestClient
 

@@ -64,7 +64,7 @@ def test_every_featured_chain_stays_in_the_trained_range(prompt):
     worked_answer(prompt)
 
 
-@pytest.mark.slow
+@pytest.mark.integration  # full tier: whole decodes of every featured prompt on both tiny models
 @pytest.mark.parametrize("model", ["tiny-llada", "tiny-dream"])
 def test_the_models_answer_every_featured_prompt(model):
     prompts = sorted(featured())

@@ -52,7 +52,12 @@ def run(args, capsys):
 @pytest.mark.engine
 @pytest.mark.parametrize(
     "method_args",
-    [["--method", "flash_cache", "--verify"], ["--method", "llada", "--steps", "8"], ["--mesh", "data=2,tensor=2"]],
+    [
+        ["--method", "flash_cache", "--verify"],
+        ["--method", "llada", "--steps", "8"],
+        # full tier: decodes over device meshes
+        pytest.param(["--mesh", "data=2,tensor=2"], marks=pytest.mark.integration),
+    ],
 )
 def test_generates_and_writes_jsonl(model_dir, tmp_path, capsys, method_args):
     out = tmp_path / "answers.jsonl"
@@ -372,7 +377,7 @@ def test_console_script_runs_as_installed(model_dir):
     assert wrapper.returncode == 0 and "--prompts-file" in wrapper.stdout
 
 
-@pytest.mark.engine
+@pytest.mark.integration  # full tier: the batch-invariant mode's decodes
 def test_batch_invariant_flag_reaches_the_engine(model_dir, capsys, monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # restored after the test
     code, _, stderr = run(

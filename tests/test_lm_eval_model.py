@@ -246,7 +246,7 @@ def test_guided_estimate_equals_the_plain_computation(flash_lm):
     assert guided.estimate(prefix, target).value == estimate.value  # same request, same masks
 
 
-@pytest.mark.engine
+@pytest.mark.integration  # full tier: a front end on another family than the default LLaDA
 def test_a_dream_folder_is_scored_like_a_llada_one():
     """pretrained=tiny-dream (the embedded Dream model, by name): the estimator reads Dream's
     shifted predictions, so it equals the plain computation and prefers the right answer."""
@@ -497,7 +497,7 @@ def test_what_neither_model_args_nor_the_task_set_is_left_to_the_models_generati
     assert dict(off.engine.generation_defaults.values) == {} and gemma_lm.engine.generation_defaults.values
 
 
-@pytest.mark.engine
+@pytest.mark.integration  # full tier: a front end on another family than the default LLaDA
 def test_the_embedded_model_decodes_with_its_generation_config_values(gemma_lm):
     """Unset, the sampler's values are the model's generation_config.json's: the answer (and its
     steps) of a request that sets none is that of one setting the file's values, not that of one
@@ -512,7 +512,7 @@ def test_the_embedded_model_decodes_with_its_generation_config_values(gemma_lm):
     assert from_class.token_ids != from_file.token_ids  # the values matter: the comparison means something
 
 
-@pytest.mark.engine
+@pytest.mark.integration  # full tier: a front end on another family than the default LLaDA
 def test_diffusion_gemma_rolling_loglikelihood_is_the_encoders_over_rolling_windows(gemma_lm):
     lm = gemma_lm
     bos = [lm.config.bos_token_id]

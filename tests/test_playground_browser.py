@@ -26,10 +26,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.support.ui import Select, WebDriverWait
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.slow,
-]  # the server's warm-up compiles three methods (about 1.5 min on 2 cores)
+pytestmark = pytest.mark.integration  # the server's warm-up compiles three methods (about 1.5 min on 2 cores)
 
 PROMPT = "sort: 3 9 1 4"
 COMPARE_PROMPT = "(3+2)*4-7"  # every step within the tiny model's range [0, 20]

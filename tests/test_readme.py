@@ -45,7 +45,7 @@ INSTALL_PREFIX = "python3 -m venv .venv && .venv/bin/pip install"
 SUITE_COMMAND = ".venv/bin/python -m pytest"
 RUN = {"bash", "python"}
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]  # every block starts a process that compiles a decode loop
+pytestmark = pytest.mark.integration  # every block starts a process that compiles a decode loop
 
 
 def page_blocks(page: Path) -> dict[str, list[dict]]:
