@@ -397,7 +397,7 @@ def build_leak_engine(args) -> tuple[Engine, str]:
 
     full = MODEL_SHAPES[args.model_shape]()
     config = dataclasses.replace(full, dtype=args.dtype, n_layers=args.layers or full.n_layers)
-    params = jax.block_until_ready(jax.jit(init_params, static_argnums=0)(config, jax.random.key(0)))
+    params = jax.block_until_ready(init_params(config, jax.random.key(0)))
     what = f"random weights at {args.model_shape} widths, {config.n_layers} of {full.n_layers} layers"
     return Engine(config, params, **kwargs), what
 

@@ -696,7 +696,7 @@ def main(argv=None) -> int:
         if opts.layers == "per_layer":
             params = jax.block_until_ready(init_params_per_layer(config, jax.random.key(0)))
         else:
-            params = jax.block_until_ready(jax.jit(init_params, static_argnums=0)(config, jax.random.key(0)))
+            params = jax.block_until_ready(init_params(config, jax.random.key(0)))
         print(f"{model}: random weights on {jax.devices()[0]} in {time.perf_counter() - init_start:.1f} s", flush=True)
         jobs = []
         weights = {"none": params}

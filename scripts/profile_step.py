@@ -127,7 +127,7 @@ def main(argv=None) -> int:
     if opts.layers == "per_layer":
         params = jax.block_until_ready(init_params_per_layer(config, jax.random.key(0)))
     else:
-        params = jax.block_until_ready(jax.jit(init_params, static_argnums=0)(config, jax.random.key(0)))
+        params = jax.block_until_ready(init_params(config, jax.random.key(0)))
     if opts.quantization != "none":
         params = jax.block_until_ready(quantize_on_device(params, opts.quantization))
         config = dataclasses.replace(config, quantization=opts.quantization)
