@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from dllm_jax.common.late_callbacks import tolerant_event_loops
 from dllm_jax.common.quiet_logs import quiet_logs
 from dllm_jax.models import diffusion_gemma as dg
 from dllm_jax.models.checkpoint.errors import ConversionError
@@ -134,8 +135,13 @@ def _restore_params(path: Path, config: ModelConfig, *, stored_dtype: str) -> We
     handler = ocp.BasePyTreeCheckpointHandler(restore_concurrent_bytes=_one_leaf_at_a_time(largest))
     restore_args = ocp.checkpoint_utils.construct_restore_args(target)
     try:
-        # a damaged file fails every read in flight, and asyncio logs each one with its traceback
-        with quiet_logs(), ocp.Checkpointer(ocp.PyTreeCheckpointHandler(handler_impl=handler)) as checkpointer:
+        # a damaged file fails every read in flight: asyncio logs each one with its traceback, and
+        # reads finishing after orbax closed its loop would print theirs (tolerant_event_loops)
+        with (
+            quiet_logs(),
+            tolerant_event_loops(),
+            ocp.Checkpointer(ocp.PyTreeCheckpointHandler(handler_impl=handler)) as checkpointer,
+        ):
             return checkpointer.restore(
                 path.absolute(), args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args)
             )
@@ -154,7 +160,7 @@ def _tree_difference(path: Path, expected: Weights) -> str | None:
     at ``path`` differ from ``expected``'s (e.g. an 8-bit checkpoint written before the
     embedding was stored in int8); None when they match or the stored names cannot be read."""
     try:
-        with quiet_logs(), ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
+        with quiet_logs(), tolerant_event_loops(), ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
             stored = checkpointer.metadata(path.absolute()).item_metadata.tree
     except Exception:  # noqa: BLE001 - only an explanation of an error already being raised
         return None
