@@ -4,6 +4,7 @@
     PYTHONPATH=$PWD/.old python3 scripts/gpu/step_against_old_tree.py --tree .old --out $OUT/perf12/old.json
     python3 scripts/gpu/step_against_old_tree.py --compare $OUT/perf12/new.json $OUT/perf12/old.json
     python3 scripts/gpu/step_against_old_tree.py --smoke --out /tmp/perf12.json                  # CPU, tiny model
+    python3 scripts/gpu/step_against_old_tree.py --model-shape dream-7b --out $OUT/dream/new.json  # Dream-7B shape
 
 Runs bench.py's own ``steady_step_time`` of the given tree (flash_cache, one token per step,
 backend auto, the full pass over all slots at once, random per-layer bf16 weights at LLaDA-8B
@@ -62,16 +63,19 @@ def control_flow(compiled) -> dict:
     }
 
 
-def measure(bench, slots_list, gen_length: int, prompt_len: int, backend: str, smoke: bool) -> dict:
+def measure(
+    bench, slots_list, gen_length: int, prompt_len: int, backend: str, smoke: bool, model_shape: str = "llada-8b"
+) -> dict:
     import jax
 
-    config = bench.tiny_config() if smoke else bench.llada_8b_config()
+    config = bench.tiny_config() if smoke else bench.MODEL_SHAPES[model_shape]()
     start = time.perf_counter()
     params = jax.block_until_ready(bench.init_params_per_layer(config, jax.random.key(0)))
     report = {
         "device": jax.devices()[0].device_kind,
         "jax": jax.__version__,
         "tree": bench.__file__,
+        "model_shape": "tiny" if smoke else model_shape,
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "init_s": time.perf_counter() - start,
         "runs": [],
@@ -173,6 +177,7 @@ def main(argv=None) -> int:
     )
     p.add_argument("--slots", nargs="+", type=int, default=None, help="default 1 8 32 (smoke: 1 2)")
     p.add_argument("--smoke", action="store_true", help="tiny model, backend xla: a CPU check of the script")
+    p.add_argument("--model-shape", default="llada-8b", help="bench.py's MODEL_SHAPES name (default llada-8b)")
     p.add_argument("--out", type=Path, default=None, help="JSON report")
     p.add_argument("--compare", nargs=2, type=Path, metavar=("NEW", "OLD"), help="print the table of two reports")
     opts = p.parse_args(argv)
@@ -181,9 +186,9 @@ def main(argv=None) -> int:
         return 0
     bench = _import_tree(opts.tree)
     slots = opts.slots or ([1, 2] if opts.smoke else [1, 8, 32])
-    report = measure(
-        bench, slots, 32 if opts.smoke else 256, 16 if opts.smoke else 256, "xla" if opts.smoke else "auto", opts.smoke
-    )
+    gen_length, prompt_len = (32, 16) if opts.smoke else (256, 256)
+    backend = "xla" if opts.smoke else "auto"
+    report = measure(bench, slots, gen_length, prompt_len, backend, opts.smoke, opts.model_shape)
     if opts.out:
         opts.out.parent.mkdir(parents=True, exist_ok=True)
         opts.out.write_text(json.dumps(report, indent=1))
