@@ -325,42 +325,39 @@ def step_variant(report: Report, label: str, engine, cost, ceilings: dict, profi
         "compiler_options": engine.compiler_options,
         "weight_only_max_rows": quantization.WEIGHT_ONLY_MAX_ROWS,
     }
-    state = jax.block_until_ready(initial_state(compiled, prompts, schedule_sampling("flash_cache", "one")))
-    start = time.perf_counter()
-    state = jax.block_until_ready(compiled.run(weights, state, 1))
-    row["first_request_pass_ms"] = 1e3 * (time.perf_counter() - start)  # the first request's
-    state = jax.block_until_ready(compiled.run(weights, state, 2))
-    samples = []
-    for _ in range(5):
+
+    def fresh_state():
+        return jax.block_until_ready(initial_state(compiled, prompts, schedule_sampling("flash_cache", "one")))
+
+    def steady_call_s(iterations: int) -> float:
+        """Seconds of one call of `iterations` iterations, going on from the current state."""
+        nonlocal state
         start = time.perf_counter()
-        state = jax.block_until_ready(compiled.run(weights, state, 8))
-        samples.append((time.perf_counter() - start) / 8)
+        state = jax.block_until_ready(compiled.run(weights, state, iterations))
+        return time.perf_counter() - start
+
+    def fresh_call_s(iterations: int) -> float:
+        """Seconds of one call of `iterations` iterations on a fresh request's state."""
+        fresh = fresh_state()
+        start = time.perf_counter()
+        jax.block_until_ready(compiled.run(weights, fresh, iterations))
+        return time.perf_counter() - start
+
+    state = fresh_state()
+    row["first_request_pass_ms"] = 1e3 * steady_call_s(1)  # the first request's
+    steady_call_s(2)
+    samples = [steady_call_s(8) / 8 for _ in range(5)]
     row["step_ms"] = 1e3 * statistics.median(samples)
     row["step_samples_ms"] = [round(1e3 * s, 3) for s in samples]
     # a later pass is a call of one iteration: what such a call costs beyond its step's share
     # of a long call (the launch, the host's waits) is in later_pass_ms too
-    calls = []
-    for _ in range(5):
-        start = time.perf_counter()
-        state = jax.block_until_ready(compiled.run(weights, state, 1))
-        calls.append(time.perf_counter() - start)
-    row["one_step_call_ms"] = 1e3 * statistics.median(calls)
-    passes = []
-    for _ in range(LATER_PASSES):
-        fresh = jax.block_until_ready(initial_state(compiled, prompts, schedule_sampling("flash_cache", "one")))
-        start = time.perf_counter()
-        jax.block_until_ready(compiled.run(weights, fresh, 1))
-        passes.append(time.perf_counter() - start)
+    row["one_step_call_ms"] = 1e3 * statistics.median(steady_call_s(1) for _ in range(5))
+    passes = [fresh_call_s(1) for _ in range(LATER_PASSES)]
     row["later_pass_ms"] = 1e3 * statistics.median(passes)
     row["later_pass_samples_ms"] = [round(1e3 * s, 3) for s in passes]
     # the same pass inside a longer call: a fresh request's call of 1 + 8 iterations less 8 steps
     # (what a request admitted into a running loop pays; no call's launch or host wait in it)
-    inside = []
-    for _ in range(LATER_PASSES):
-        fresh = jax.block_until_ready(initial_state(compiled, prompts, schedule_sampling("flash_cache", "one")))
-        start = time.perf_counter()
-        jax.block_until_ready(compiled.run(weights, fresh, 9))
-        inside.append(time.perf_counter() - start - 8e-3 * row["step_ms"])
+    inside = [fresh_call_s(9) - 8e-3 * row["step_ms"] for _ in range(LATER_PASSES)]
     row["pass_inside_call_ms"] = 1e3 * statistics.median(inside)
     key_len = 640
     rows = 128
@@ -374,15 +371,10 @@ def step_variant(report: Report, label: str, engine, cost, ceilings: dict, profi
     row["later_pass_over_flop_floor"] = row["later_pass_ms"] / row["full_pass_flop_floor_ms"]
     row["pass_inside_call_over_flop_floor"] = row["pass_inside_call_ms"] / row["full_pass_flop_floor_ms"]
     if profile:
-        holder = {"state": state}
-
-        def steps():
-            holder["state"] = jax.block_until_ready(compiled.run(weights, holder["state"], 4))
-
-        row["profile_step"] = traced(steps, 4)
+        row["profile_step"] = traced(lambda: steady_call_s(4), 4)
         row["profile_step"]["gaps_ms"] = row["step_ms"] - row["profile_step"]["device_busy_ms"]
 
-        fresh = jax.block_until_ready(initial_state(compiled, prompts, schedule_sampling("flash_cache", "one")))
+        fresh = fresh_state()
         row["profile_full_pass"] = traced(lambda: jax.block_until_ready(compiled.run(weights, fresh, 1)), 1)
         row["profile_full_pass"]["gaps_ms"] = row["later_pass_ms"] - row["profile_full_pass"]["device_busy_ms"]
     report.add("steps", row)
