@@ -210,6 +210,36 @@ def test_the_memory_estimate_counts_the_cache_and_refuses_what_does_not_fit(engi
         check_canvas_loop(loop, memory=DeviceMemory(available=1, name="test"), **shape)
 
 
+@pytest.mark.parametrize("kernel_sampler, group, per_logit", [(False, 1, 6 * 4), (True, 8, 2 * 2)])
+def test_the_denoising_stage_takes_as_many_slots_at_a_time_as_its_temporaries_allow(kernel_sampler, group, per_logit):
+    """At the 26B-A4B shape (256 x 262144 logits per slot) with 32 slots: XLA's stage (six
+    float32 copies, 1.5 GiB per slot) one slot at a time, the canvas sampler kernel's (the LM
+    head's bfloat16 output and the probabilities, 256 MiB per slot) 8; the memory estimate
+    counts one group. Shapes only."""
+    from dllm_jax.models.diffusion_gemma_config import diffusion_gemma_26b_a4b_config
+    from dllm_jax.policies.factory import make_canvas_policy
+    from dllm_jax.runtime.canvas_loop import CanvasLoop, sampler_group
+    from dllm_jax.runtime.canvas_memory import estimate_canvas_loop
+
+    config = diffusion_gemma_26b_a4b_config()
+    decode = DecodeConfig(method="diffusion_gemma", gen_length=256, batch_size=32).for_model(config)
+    loop = CanvasLoop(
+        model=config,
+        policy=make_canvas_policy(decode, config),
+        num_slots=32,
+        max_len=512,
+        gen_length=256,
+        kernels=Kernels(canvas_sampler=kernel_sampler),
+    )
+    assert loop.kernel_sampler == kernel_sampler
+    assert (loop.sampler_slots, loop.sampler_bytes_per_logit) == (group, per_logit)
+    estimate = estimate_canvas_loop(loop, queue_capacity=32, prompt_width=256)
+    assert estimate.logits == group * 256 * 262144 * per_logit + 32 * 256 * 2816 * 2
+    # the largest divisor of the slots that fits: 12 slots go 6 at a time, 9 slots 3
+    assert sampler_group(12, 256, 262144, per_logit) == min(6, group)
+    assert sampler_group(9, 256, 262144, per_logit) == min(3, group)
+
+
 @pytest.mark.integration  # full tier: a front end on another family than the default LLaDA (its own loop)
 def test_dllm_generate_runs_a_diffusion_gemma_folder_by_its_family(checkpoint, engine, capsys):
     from dllm_jax.cli.generate import main
@@ -270,6 +300,22 @@ def test_the_cached_canvas_path_recomputing_every_row_matches_the_reference(engi
     decode_config = dataclasses.replace(DECODE, canvas_rows=CANVAS)
     sampling = [_sampling(seed, max_new, settings) for _, seed, max_new, settings in REQUESTS]
     out = cached.generate(prompts, sampling, decode_config=decode_config)
+    for i, (result, (tokens, passes)) in enumerate(zip(out.results, expected)):
+        assert result.token_ids == tokens, f"request {i}"
+        assert result.steps == passes, f"request {i}: denoising steps"
+
+
+@pytest.mark.integration  # full tier: one more compiled loop (the denoising stage in groups)
+def test_the_denoising_stage_one_slot_at_a_time_gives_the_same_answers(engine, prompts, expected, monkeypatch):
+    # a full-size vocabulary's stage runs in groups of slots (lax.map); the tiny model's fits
+    # whole, so the budget is cut to one slot's temporaries
+    from dllm_jax.runtime import canvas_loop
+
+    monkeypatch.setattr(canvas_loop, "SAMPLER_BUDGET_BYTES", 6 * 4 * CANVAS * engine.config.vocab_size)
+    grouped = Engine(engine.config, engine.weights, engine.tokenizer)
+    assert grouped.decode_loop(DECODE, WIDTH).sampler_slots == 1 < DECODE.batch_size
+    sampling = [_sampling(seed, max_new, settings) for _, seed, max_new, settings in REQUESTS]
+    out = grouped.generate(prompts, sampling, decode_config=DECODE)
     for i, (result, (tokens, passes)) in enumerate(zip(out.results, expected)):
         assert result.token_ids == tokens, f"request {i}"
         assert result.steps == passes, f"request {i}: denoising steps"

@@ -9,8 +9,8 @@ iteration advances every active slot by one pass of L rows (L = the canvas lengt
      the flat cache, the canvas rows read it;
   3. the canvas slots' logits (the tied LM head over their L rows) go through the policy's
      denoising step, and their softmax becomes the next step's self-conditioning input; the
-     vocabulary-wide float32 tensors of this stage are made for ``sampler_slots`` slots at a
-     time (``lax.map`` over groups of slots), so they stay within SAMPLER_BUDGET_BYTES; with
+     vocabulary-wide tensors of this stage are made for ``sampler_slots`` slots at a time
+     (``lax.map`` over groups of slots), so they stay within SAMPLER_BUDGET_BYTES; with
      Kernels.canvas_sampler (``kernel_sampler``) the canvas sampler kernel computes the step's
      statistics and the softmax from the LM head's model-dtype output instead (the policy's
      ``step_inputs`` and ``denoise_with``);
@@ -74,18 +74,25 @@ from dllm_jax.runtime.sharding import (
 from dllm_jax.runtime.slots import ERROR_NON_FINITE, ERROR_STEP_LIMIT, SlotSampling
 from pallas_kernels.sampling.canvas_sampler import canvas_sampler
 
-# Most bytes of the float32 [slots, L, V] tensors of the denoising stage alive at once: the
-# logits, the processed logits, their log-softmax and its exponent (the entropy), the sample's
-# exponent and the softmax of the self-conditioning input (SAMPLER_F32_COPIES of them). At the 26B-A4B shape one
-# slot's copy is 256 x 262144 x 4 bytes = 256 MiB: 1.5 GiB per slot, so groups of one slot.
+# Most bytes of the [slots, L, V] tensors of the denoising stage alive at once. In XLA's
+# stage they are float32: the logits, the processed logits, their log-softmax and its exponent
+# (the entropy), the sample's exponent and the softmax of the self-conditioning input
+# (SAMPLER_F32_COPIES of them); at the 26B-A4B shape one slot's copy is 256 x 262144 x 4 bytes
+# = 256 MiB, 1.5 GiB per slot, so groups of one slot. The canvas sampler kernel's stage holds
+# KERNEL_SAMPLER_COPIES in the model dtype (the LM head's output and the probabilities): 256
+# MiB per slot in bfloat16, so groups of 8 slots.
 SAMPLER_BUDGET_BYTES = 2 << 30
 SAMPLER_F32_COPIES = 6
+KERNEL_SAMPLER_COPIES = 2
 
 
-def sampler_group(num_slots: int, canvas_length: int, vocab_size: int) -> int:
-    """Slots per group of the denoising stage: the largest divisor of num_slots whose float32
-    temporaries fit SAMPLER_BUDGET_BYTES (at least one)."""
-    per_slot = SAMPLER_F32_COPIES * canvas_length * vocab_size * 4
+def sampler_group(
+    num_slots: int, canvas_length: int, vocab_size: int, bytes_per_logit: int = SAMPLER_F32_COPIES * 4
+) -> int:
+    """Slots per group of the denoising stage: the largest divisor of num_slots whose
+    temporaries (bytes_per_logit for each of a slot's canvas_length x vocab_size logits) fit
+    SAMPLER_BUDGET_BYTES (at least one)."""
+    per_slot = bytes_per_logit * canvas_length * vocab_size
     fitting = [g for g in range(1, num_slots + 1) if num_slots % g == 0 and g * per_slot <= SAMPLER_BUDGET_BYTES]
     return max(fitting, default=1)
 
@@ -131,9 +138,19 @@ class CanvasLoop:
         return tuple(sorted({1, max(1, B // 4), B}))
 
     @property
+    def sampler_bytes_per_logit(self) -> int:
+        """Bytes the denoising stage holds per logit of a group: SAMPLER_F32_COPIES float32
+        copies in XLA's stage, KERNEL_SAMPLER_COPIES in the model dtype in the kernel's."""
+        if self.kernel_sampler:
+            return KERNEL_SAMPLER_COPIES * self.model.jnp_dtype.itemsize
+        return SAMPLER_F32_COPIES * 4
+
+    @property
     def sampler_slots(self) -> int:
         """Slots per group of a data shard's denoising stage."""
-        return sampler_group(self.shard_slots, self.policy.canvas_length, self.model.vocab_size)
+        return sampler_group(
+            self.shard_slots, self.policy.canvas_length, self.model.vocab_size, self.sampler_bytes_per_logit
+        )
 
     @property
     def _experts(self) -> dict:

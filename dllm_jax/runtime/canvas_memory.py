@@ -15,8 +15,9 @@ shard and every width split by the tensor axis is the device's share:
                runs a few of the experts, as its grouped GEMMs' buffers are that long), and
                one chunk of the attention's float32 logits and probabilities over the cached
                keys plus the rows' own;
-  logits       the denoising stage's float32 [g, L, V] copies for one group of g slots
-               (canvas_loop.sampler_group) and the soft embeddings [B, L, D];
+  logits       the denoising stage's [g, L, V] copies for one group of g slots
+               (canvas_loop.sampler_group: float32 ones in XLA's stage, model-dtype ones in
+               the canvas sampler kernel's) and the soft embeddings [B, L, D];
   state        the rest of the decode state (slots, split over the data axis, and the
                replicated request and result rings; exact).
 The pass's activations are dead by the time the sampler's logits live: the larger counts.
@@ -31,7 +32,7 @@ import jax.numpy as jnp
 
 from dllm_jax.models import diffusion_gemma as dg
 from dllm_jax.models.diffusion_gemma_config import AttentionKind
-from dllm_jax.runtime.canvas_loop import SAMPLER_F32_COPIES, CanvasLoop
+from dllm_jax.runtime.canvas_loop import CanvasLoop
 from dllm_jax.runtime.chunked_attention import default_block_k
 from dllm_jax.runtime.memory_estimate import (
     DeviceMemory,
@@ -75,7 +76,7 @@ def estimate_canvas_loop(
         # one chunk of cached keys plus the L own rows: float32 logits and the rounded probabilities
         + B * (c.n_heads // tensor) * L * (block_k + L) * (4 + itemsize)
     )
-    logits = SAMPLER_F32_COPIES * loop.sampler_slots * L * V * 4 + rows * D * itemsize
+    logits = loop.sampler_bytes_per_logit * loop.sampler_slots * L * V + rows * D * itemsize
     state = jax.eval_shape(
         loop.init_state,
         jax.ShapeDtypeStruct((queue_capacity, prompt_width), jnp.int32),
