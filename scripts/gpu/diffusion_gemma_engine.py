@@ -8,6 +8,9 @@
 --xla-option KEY=VALUE (repeatable): an XLA option over the engine's defaults for every loop (e.g.
 xla_allow_excess_precision=false), kept in the report's compiler_options.
 
+--sampler-budget-bytes N: the denoising stage's temporaries per group of slots (canvas_loop's
+SAMPLER_BUDGET_BYTES, read when a loop is traced); with a small N the stage runs one slot at a time.
+
 --quantization fp8 / int8-weights: the random bf16 weights quantized on the device, layer by layer,
 each bf16 layer freed once quantized (dllm_jax.models.quantization: the projections and the
 experts in 8 bits), and the engine run on them (fp8 with the quantization's compiler options);
@@ -325,6 +328,7 @@ def compile_and_time(engine, config, slots: int, prompt_ids, iterations: int, ro
     decode_config = loop_config(config, slots, canvas_rows)
     compiled = engine.compile(decode_config, len(prompt_ids), num_slots=slots)
     row.update(compile_s=compiled.compile_seconds, memory_gib=compiled.memory.total / 2**30, **lowering(compiled))
+    row["sampler_slots"] = compiled.loop.sampler_slots
     row["step_ms"] = step_time(engine, compiled, prompt_ids, slots, iterations, args.repeats)
     return decode_config
 
@@ -537,6 +541,9 @@ def write(out: Path, report: dict, show: bool = False) -> None:
         lines += [f"| {k['name'][:100]} | {k['ms']:.3f} | {k['calls']:.0f} |" for k in profile["top"][:20]]
     if report.get("backend"):
         lines.append(f"\nbackend: {report['backend']}")
+    groups = [f"{row['slots']} slots: {row['sampler_slots']}" for row in report["rows"] if "sampler_slots" in row]
+    if groups:
+        lines.append(f"denoising stage, slots per group: {', '.join(groups)}")
     if report.get("stopped"):
         lines.append(f"\nstopped {report['stopped']}")
     status = report.get("transformers", {}).get("status")
@@ -609,6 +616,12 @@ def main(argv=None) -> int:
         metavar="KEY=VALUE",
         help="an XLA option the loops are compiled with, over the engine's defaults (repeatable; true/false/ints parsed)",
     )
+    p.add_argument(
+        "--sampler-budget-bytes",
+        type=int,
+        default=None,
+        help="the denoising stage's temporaries per group of slots (default: canvas_loop.SAMPLER_BUDGET_BYTES)",
+    )
     p.add_argument("--transformers-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     began = time.perf_counter()
@@ -631,7 +644,12 @@ def main(argv=None) -> int:
         write(args.out, report)
 
     from dllm_jax.engine.engine import Engine
+    from dllm_jax.runtime import canvas_loop
     from dllm_jax.runtime.compiler_options import default_compiler_options
+
+    if args.sampler_budget_bytes is not None:  # read when a loop is traced
+        canvas_loop.SAMPLER_BUDGET_BYTES = args.sampler_budget_bytes
+    report["sampler_budget_bytes"] = canvas_loop.SAMPLER_BUDGET_BYTES
 
     report.update(device=str(jax.devices()[0].device_kind), jax=jax.__version__)
     report["ceilings"] = ceilings(args.tiny)

@@ -17,8 +17,10 @@ starting new work once --budget-s is spent):
            quantized_matmul routes it, or at every pass up to 1024 rows), each with the
            engine's compiler options (whole-loop command buffers on NVIDIA GPUs) or without
            command buffers ("nocmdbuf"), or with every dot on cuBLAS ("cublas": XLA's Triton
-           GEMM fusions off), or with XLA's DotMerger off ("nodotmerge": it merges dots that
-           share an input by concatenating their weights on every call); the first full pass
+           GEMM fusions off), or with every dot on XLA's Triton GEMM ("triton": every dot a
+           Triton GEMM fusion, no cuBLAS fallback in XLA's GEMM autotuner), or with XLA's
+           DotMerger off ("nodotmerge": it merges dots that share an input by concatenating
+           their weights on every call); the first full pass
            (640 positions) of the first request and later ones (the median of LATER_PASSES),
            against its FLOP floor, each a call of one iteration, also without the engine's
            zero-iteration first execution ("cold": the first run of a fresh executable); the
@@ -425,6 +427,8 @@ def steps_part(report: Report, tiny: bool, variants: list[str], profile: bool) -
             options["xla_enable_command_buffers_during_profiling"] = True
         if "cublas" in variant:  # XLA's Triton GEMM fusions off: every dot to cuBLAS
             options["xla_gpu_enable_triton_gemm"] = False
+        if "triton" in variant:  # every dot a Triton GEMM fusion, kept even where cuBLAS measured faster
+            options.update(xla_gpu_triton_gemm_any=True, xla_gpu_cublas_fallback=False)
         if "nodotmerge" in variant:  # dots sharing an input kept apart: no per-call copy of their concatenated weights
             options["xla_gpu_dot_merger_threshold_mb"] = 0
         routed = quantization.WEIGHT_ONLY_MAX_ROWS
@@ -551,7 +555,7 @@ def main(argv=None) -> int:
         default=["bf16 cold", "bf16", "int8 xla", "int8 kernel"],
         help="1-slot step variants: bf16 | int8 xla | int8 kernel | int8 kernel 1024, each optionally + "
         "' nocmdbuf' (without the engine's default whole-loop command buffers) / ' cublas' (no XLA Triton "
-        "GEMM fusions) / ' nodotmerge' (XLA's DotMerger off) / ' cold' (no zero-iteration first execution at compile time)",
+        "GEMM fusions) / ' triton' (no cuBLAS fallback) / ' nodotmerge' (XLA's DotMerger off) / ' cold' (no zero-iteration first execution at compile time)",
     )
     p.add_argument("--sweep", action="store_true", help="time every tiling of sweep_configs, not only the default")
     p.add_argument(
