@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from dllm_jax.models.layers import Linear
+from pallas_kernels.projection.rope import apply_rope
 
 
 def gelu_tanh(x: jax.Array) -> jax.Array:
@@ -17,11 +18,24 @@ def gelu_tanh(x: jax.Array) -> jax.Array:
     return jax.nn.gelu(x, approximate=True)
 
 
-def rms_normalize(x: jax.Array, eps: float, weight: jax.Array | None = None) -> jax.Array:
+def rms_normalize(
+    x: jax.Array, eps: float, weight: jax.Array | None = None, rope: tuple[jax.Array, jax.Array] | None = None
+) -> jax.Array:
     """Gemma's RMSNorm: x * (mean(x^2) + eps)^-1/2 (times weight, when given) in float32, then
-    rounded once to x's dtype. x [..., D], weight [D]."""
+    rounded once to x's dtype. x [..., D], weight [D].
+
+    With rope (cos, sin, float32 broadcasting against x[..., : D // 2]): the normed rows
+    rotated (pallas_kernels.projection.rope.apply_rope), returned in float32, unrounded. The
+    rotation keeps each row's mean square, so this is rope(x * weight) times the rows'
+    reciprocal RMS: XLA:GPU then reads x in two passes (the mean square, and the rotation with
+    the scale) instead of writing the float32 normed rows for a separate rotation pass.
+    """
     x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    inverse_rms = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if rope is not None:
+        scaled = x32 if weight is None else x32 * weight.astype(jnp.float32)
+        return apply_rope(scaled, *rope) * inverse_rms
+    normed = x32 * inverse_rms
     if weight is not None:
         normed = normed * weight.astype(jnp.float32)
     return normed.astype(x.dtype)
@@ -35,9 +49,11 @@ class GemmaRMSNorm(nn.Module):
     with_scale: bool = True
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+        """x [..., D] -> normed in x's dtype; with rope (cos, sin), normed and rotated in float32
+        (rms_normalize)."""
         weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype) if self.with_scale else None
-        return rms_normalize(x, self.eps, weight)
+        return rms_normalize(x, self.eps, weight, rope)
 
 
 class GatedMLP(nn.Module):
