@@ -57,6 +57,7 @@ from dllm_jax.models.gemma_layers import GatedMLP, GemmaRMSNorm, gelu_tanh, rms_
 from dllm_jax.models.layers import INIT, Linear
 from dllm_jax.models.quantization import quantize_params
 from pallas_kernels.attention.reference import dense_attention
+from pallas_kernels.projection.rope import apply_rope
 from pallas_kernels.sampling.inverse_cdf import soft_cap
 
 Weights = Any
@@ -106,15 +107,15 @@ class DiffusionGemmaLayer(nn.Module):
         dt, head_dim = c.jnp_dtype, c.head_dim(kind)
         x = self.input_layernorm(h)
         lead = x.shape[:-1]
-        # [..., T, 1, Dh / 2]: one angle per row and frequency, shared by the heads
-        angles = positions.astype(jnp.float32)[..., None] * c.rope(kind).inverse_frequencies(head_dim)
-        rope = jnp.cos(angles)[..., None, :], jnp.sin(angles)[..., None, :]
-        q = self.q_norm(self.q_proj(x).reshape(*lead, c.n_heads, head_dim), rope)
+        q = self.q_norm(self.q_proj(x).reshape(*lead, c.n_heads, head_dim))
         k_raw = self.k_proj(x).reshape(*lead, c.kv_heads(kind), head_dim)
         v_raw = self.v_proj(x).reshape(k_raw.shape) if kind is AttentionKind.SLIDING else k_raw
-        k = self.k_norm(k_raw, rope)
+        k = self.k_norm(k_raw)
         v = rms_normalize(v_raw, c.rms_norm_eps)
-        return q.astype(dt), k.astype(dt), v
+        # [..., T, 1, Dh / 2]: one angle per row and frequency, shared by the heads
+        angles = positions.astype(jnp.float32)[..., None] * c.rope(kind).inverse_frequencies(head_dim)
+        cos, sin = jnp.cos(angles)[..., None, :], jnp.sin(angles)[..., None, :]
+        return apply_rope(q, cos, sin).astype(dt), apply_rope(k, cos, sin).astype(dt), v
 
     def output_and_mlp(self, h: jax.Array, attn: jax.Array, encoder: bool | jax.Array) -> jax.Array:
         """Residual rows h [..., T, D] and attention output [..., T, H*Dh] -> the layer's

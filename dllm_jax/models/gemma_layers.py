@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 
 from dllm_jax.models.layers import Linear
-from pallas_kernels.projection.rope import apply_rope
 
 
 def gelu_tanh(x: jax.Array) -> jax.Array:
@@ -18,24 +17,11 @@ def gelu_tanh(x: jax.Array) -> jax.Array:
     return jax.nn.gelu(x, approximate=True)
 
 
-def rms_normalize(
-    x: jax.Array, eps: float, weight: jax.Array | None = None, rope: tuple[jax.Array, jax.Array] | None = None
-) -> jax.Array:
+def rms_normalize(x: jax.Array, eps: float, weight: jax.Array | None = None) -> jax.Array:
     """Gemma's RMSNorm: x * (mean(x^2) + eps)^-1/2 (times weight, when given) in float32, then
-    rounded once to x's dtype. x [..., D], weight [D].
-
-    With rope (cos, sin, float32 broadcasting against x[..., : D // 2]): the normed rows
-    rotated (pallas_kernels.projection.rope.apply_rope), returned in float32, unrounded. The
-    rotation keeps each row's mean square, so this is rope(x * weight) times the rows'
-    reciprocal RMS: XLA:GPU then reads x in two passes (the mean square, and the rotation with
-    the scale) instead of writing the float32 normed rows for a separate rotation pass.
-    """
+    rounded once to x's dtype. x [..., D], weight [D]."""
     x32 = x.astype(jnp.float32)
-    inverse_rms = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    if rope is not None:
-        scaled = x32 if weight is None else x32 * weight.astype(jnp.float32)
-        return apply_rope(scaled, *rope) * inverse_rms
-    normed = x32 * inverse_rms
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     if weight is not None:
         normed = normed * weight.astype(jnp.float32)
     return normed.astype(x.dtype)
@@ -49,11 +35,9 @@ class GemmaRMSNorm(nn.Module):
     with_scale: bool = True
 
     @nn.compact
-    def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
-        """x [..., D] -> normed in x's dtype; with rope (cos, sin), normed and rotated in float32
-        (rms_normalize)."""
+    def __call__(self, x: jax.Array) -> jax.Array:
         weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype) if self.with_scale else None
-        return rms_normalize(x, self.eps, weight, rope)
+        return rms_normalize(x, self.eps, weight)
 
 
 class GatedMLP(nn.Module):
