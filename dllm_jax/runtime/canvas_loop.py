@@ -86,9 +86,7 @@ SAMPLER_F32_COPIES = 6
 KERNEL_SAMPLER_COPIES = 2
 
 
-def sampler_group(
-    num_slots: int, canvas_length: int, vocab_size: int, bytes_per_logit: int = SAMPLER_F32_COPIES * 4
-) -> int:
+def sampler_group(num_slots: int, canvas_length: int, vocab_size: int, bytes_per_logit: int) -> int:
     """Slots per group of the denoising stage: the largest divisor of num_slots whose
     temporaries (bytes_per_logit for each of a slot's canvas_length x vocab_size logits) fit
     SAMPLER_BUDGET_BYTES (at least one)."""
