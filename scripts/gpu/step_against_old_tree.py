@@ -185,6 +185,8 @@ def main(argv=None) -> int:
         print(compare(*opts.compare))
         return 0
     bench = _import_tree(opts.tree)
+    if opts.model_shape not in bench.MODEL_SHAPES:
+        p.error(f"--model-shape {opts.model_shape!r}: expected one of {', '.join(sorted(bench.MODEL_SHAPES))}")
     slots = opts.slots or ([1, 2] if opts.smoke else [1, 8, 32])
     gen_length, prompt_len = (32, 16) if opts.smoke else (256, 256)
     backend = "xla" if opts.smoke else "auto"
