@@ -53,11 +53,10 @@ from flax import struct
 
 from dllm_jax.models.diffusion_gemma_config import STACKS, AttentionKind, DiffusionGemmaConfig
 from dllm_jax.models.experts import ExpertMLP, Experts, Router
-from dllm_jax.models.gemma_layers import GatedMLP, GemmaRMSNorm, gelu_tanh, rms_normalize
+from dllm_jax.models.gemma_layers import GatedMLP, GemmaRMSNorm, HeadNormRope, HeadRMSNorm, gelu_tanh, rms_normalize
 from dllm_jax.models.layers import INIT, Linear
 from dllm_jax.models.quantization import quantize_params
 from pallas_kernels.attention.reference import dense_attention
-from pallas_kernels.projection.rope import apply_rope
 from pallas_kernels.sampling.inverse_cdf import soft_cap
 
 Weights = Any
@@ -69,11 +68,14 @@ class DiffusionGemmaLayer(nn.Module):
     The methods are the pieces around attention, which the caller supplies (over the cache in
     ``encode``, over the cache plus the canvas in ``decode``). expert_mlp: what computes the
     routed experts (None: experts.grouped_expert_mlp; a mesh's, dllm_jax.runtime.expert_sharding).
+    head_norm: what norms q, k and v per head and rotates q and k (gemma_layers.HeadRMSNorm's
+    kernel; None: XLA).
     """
 
     config: DiffusionGemmaConfig
     kind: AttentionKind
     expert_mlp: ExpertMLP | None = None
+    head_norm: HeadNormRope | None = None
 
     def setup(self):
         c, kind = self.config, self.kind
@@ -86,8 +88,9 @@ class DiffusionGemmaLayer(nn.Module):
         if kind is AttentionKind.SLIDING:
             self.v_proj = Linear(kv, dt, q)
         self.o_proj = Linear(c.d_model, dt, q)
-        self.q_norm = GemmaRMSNorm(eps, dt)
-        self.k_norm = GemmaRMSNorm(eps, dt)
+        self.q_norm = HeadRMSNorm(eps, dt, kernel=self.head_norm)
+        self.k_norm = HeadRMSNorm(eps, dt, kernel=self.head_norm)
+        self.v_norm = HeadRMSNorm(eps, dt, with_scale=False, kernel=self.head_norm)
         self.post_attention_layernorm = GemmaRMSNorm(eps, dt)
         self.pre_feedforward_layernorm = GemmaRMSNorm(eps, dt)
         self.mlp = GatedMLP(c.mlp_hidden_size, c.d_model, dt, q)
@@ -104,18 +107,16 @@ class DiffusionGemmaLayer(nn.Module):
         """Residual rows h [..., T, D] and positions int [..., T] -> q [..., T, H, Dh] and k, v
         [..., T, KVH, Dh] in config.dtype: normed per head, q and k rotated (in float32)."""
         c, kind = self.config, self.kind
-        dt, head_dim = c.jnp_dtype, c.head_dim(kind)
+        head_dim = c.head_dim(kind)
         x = self.input_layernorm(h)
         lead = x.shape[:-1]
-        q = self.q_norm(self.q_proj(x).reshape(*lead, c.n_heads, head_dim))
+        # [..., T, Dh / 2]: one angle per row and frequency, shared by the heads
+        angles = positions.astype(jnp.float32)[..., None] * c.rope(kind).inverse_frequencies(head_dim)
+        cos, sin = jnp.cos(angles), jnp.sin(angles)
+        q = self.q_norm(self.q_proj(x).reshape(*lead, c.n_heads, head_dim), cos, sin)
         k_raw = self.k_proj(x).reshape(*lead, c.kv_heads(kind), head_dim)
         v_raw = self.v_proj(x).reshape(k_raw.shape) if kind is AttentionKind.SLIDING else k_raw
-        k = self.k_norm(k_raw)
-        v = rms_normalize(v_raw, c.rms_norm_eps)
-        # [..., T, 1, Dh / 2]: one angle per row and frequency, shared by the heads
-        angles = positions.astype(jnp.float32)[..., None] * c.rope(kind).inverse_frequencies(head_dim)
-        cos, sin = jnp.cos(angles)[..., None, :], jnp.sin(angles)[..., None, :]
-        return apply_rope(q, cos, sin).astype(dt), apply_rope(k, cos, sin).astype(dt), v
+        return q, self.k_norm(k_raw, cos, sin), self.v_norm(v_raw)
 
     def output_and_mlp(self, h: jax.Array, attn: jax.Array, encoder: bool | jax.Array) -> jax.Array:
         """Residual rows h [..., T, D] and attention output [..., T, H*Dh] -> the layer's

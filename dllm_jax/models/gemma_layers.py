@@ -1,8 +1,9 @@
 """Building blocks of the Gemma family (DiffusionGemma's text model): Gemma's RMSNorm, with or
-without a weight, and the GELU-gated MLP. (The shared Linear and embedding live in layers.py.)"""
+without a weight, its per-head form followed by RoPE, and the GELU-gated MLP. (The shared Linear and embedding live in layers.py.)"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -10,21 +11,16 @@ import jax
 import jax.numpy as jnp
 
 from dllm_jax.models.layers import Linear
+from pallas_kernels.norm.head_norm_rope import head_norm_rope_reference
+from pallas_kernels.norm.rms_norm import rms_normalize
+
+# head_norm_rope's signature: (x [N, H, Dh], weight [Dh] | None, cos, sin [N, Dh / 2] | None, *, eps) -> [N, H, Dh]
+HeadNormRope = Callable[..., jax.Array]
 
 
 def gelu_tanh(x: jax.Array) -> jax.Array:
     """GELU with the tanh approximation (transformers' gelu_pytorch_tanh), in x's dtype."""
     return jax.nn.gelu(x, approximate=True)
-
-
-def rms_normalize(x: jax.Array, eps: float, weight: jax.Array | None = None) -> jax.Array:
-    """Gemma's RMSNorm: x * (mean(x^2) + eps)^-1/2 (times weight, when given) in float32, then
-    rounded once to x's dtype. x [..., D], weight [D]."""
-    x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    if weight is not None:
-        normed = normed * weight.astype(jnp.float32)
-    return normed.astype(x.dtype)
 
 
 class GemmaRMSNorm(nn.Module):
@@ -38,6 +34,27 @@ class GemmaRMSNorm(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype) if self.with_scale else None
         return rms_normalize(x, self.eps, weight)
+
+
+class HeadRMSNorm(nn.Module):
+    """Gemma's RMSNorm of each head of x [..., H, Dh] (``weight`` [Dh] when with_scale), then
+    rotate-half RoPE by cos, sin [..., Dh / 2] (x's leading axes) when given, in one function:
+    ``kernel``, head_norm_rope's signature (None: pallas_kernels.norm.head_norm_rope's reference,
+    XLA; the model's runtime passes the Pallas kernel where it runs)."""
+
+    eps: float
+    dtype: Any
+    with_scale: bool = True
+    kernel: HeadNormRope | None = None
+
+    @nn.compact
+    def __call__(self, x: jax.Array, cos: jax.Array | None = None, sin: jax.Array | None = None) -> jax.Array:
+        weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype) if self.with_scale else None
+        *lead, heads, head_dim = x.shape
+        rows = x.reshape(-1, heads, head_dim)
+        if cos is not None:
+            cos, sin = (jnp.broadcast_to(t, (*lead, head_dim // 2)).reshape(-1, head_dim // 2) for t in (cos, sin))
+        return (self.kernel or head_norm_rope_reference)(rows, weight, cos, sin, eps=self.eps).reshape(x.shape)
 
 
 class GatedMLP(nn.Module):

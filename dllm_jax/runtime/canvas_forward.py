@@ -33,10 +33,12 @@ from jax.sharding import Mesh
 
 from dllm_jax.models import diffusion_gemma as dg
 from dllm_jax.models.diffusion_gemma_config import AttentionKind, DiffusionGemmaConfig
+from dllm_jax.models.gemma_layers import HeadNormRope
 from dllm_jax.runtime.cached_forward import SCORE_START_LAYER
 from dllm_jax.runtime.canvas_attention import canvas_attention_fn
 from dllm_jax.runtime.canvas_cache import CanvasCache
 from dllm_jax.runtime.expert_sharding import sharded_expert_mlp
+from pallas_kernels.norm import head_norm_rope as head_norm_kernel
 
 
 @struct.dataclass
@@ -57,6 +59,28 @@ class CanvasRows:
     decoder: jax.Array
     start: jax.Array
     soft: jax.Array
+
+
+# what may norm and rotate q/k/v per head: XLA, the Triton kernel, the kernel in interpret mode
+HEAD_NORMS = ("xla", "pallas", "interpret")
+
+
+def head_norm_fn(implementation: str) -> HeadNormRope | None:
+    """The per-head norm an implementation name (HEAD_NORMS) stands for, as
+    DiffusionGemmaLayer's ``head_norm``: None for XLA; the kernel for the shapes it takes
+    (powers of two: head_norm_rope.supports), XLA's function for the others."""
+    if implementation not in HEAD_NORMS:
+        raise ValueError(f"implementation={implementation!r}: expected one of {HEAD_NORMS}")
+    if implementation == "xla":
+        return None
+    interpret = implementation == "interpret"
+
+    def run(x, weight, cos, sin, *, eps):
+        if not head_norm_kernel.supports(*x.shape[1:]):
+            return head_norm_kernel.head_norm_rope_reference(x, weight, cos, sin, eps=eps)
+        return head_norm_kernel.head_norm_rope(x, weight, cos, sin, eps=eps, interpret=interpret)
+
+    return run
 
 
 def _key_windows(
@@ -99,6 +123,7 @@ def canvas_forward(
     mesh: Mesh | None = None,
     grouped_gemm: str = "xla",
     attention: str = "xla",
+    head_norm: str = "xla",
 ) -> tuple[jax.Array, CanvasCache] | tuple[jax.Array, CanvasCache, jax.Array]:
     """Runs the model on the rows over the cache.
 
@@ -117,6 +142,7 @@ def canvas_forward(
         the kernel routing's choice, kernel_routing.grouped_gemm).
       attention: what runs the attention over [cache; own rows]
         (dllm_jax.runtime.canvas_attention.CANVAS_ATTENTIONS; kernel_routing.canvas_attention).
+      head_norm: what norms q/k/v per head and rotates q and k (HEAD_NORMS; kernel_routing.head_norm).
     Returns:
       the last layer's output rows [S, R, D] (before the final norm), the cache with the
       written rows (the encoder groups' valid rows; with canvas_length, the decoder groups'
@@ -139,6 +165,7 @@ def canvas_forward(
     targets = jnp.where(written, slots[:, None] * max_len + rows.positions, cache_rows)
     encoder = ~rows.decoder[:, None, None]
     expert_mlp = sharded_expert_mlp(mesh, grouped_gemm)
+    norm = head_norm_fn(head_norm)
     attends = {
         kind: canvas_attention_fn(
             attention, config.full_head_dim if kind is AttentionKind.FULL else config.sliding_head_dim
@@ -149,7 +176,7 @@ def canvas_forward(
     for layer in range(config.n_layers):
         kind = config.layer_types[layer]
         j, name = config.stack_index(layer), kind.value
-        module = dg.DiffusionGemmaLayer(config, kind, expert_mlp)
+        module = dg.DiffusionGemmaLayer(config, kind, expert_mlp, norm)
         variables = {"params": dg.layer_params(config, weights, layer)}
         q, k, v = module.apply(variables, h, rows.positions, method=dg.DiffusionGemmaLayer.project_qkv)
         # the writes land at or after each group's start, where no row of this pass reads

@@ -83,6 +83,10 @@ class Kernels:
     # (pallas_kernels.sampling.canvas_sampler: two reads of the LM head's model-dtype output and
     # one write, instead of XLA's float32 copies and about seven passes); not part of the name
     canvas_sampler: bool = False
+    # DiffusionGemma's per-head q/k/v RMSNorm and RoPE by one kernel pass
+    # (pallas_kernels.norm.head_norm_rope) instead of XLA's three or four; backend "pallas" only
+    # until measured in the step; not part of the name
+    head_norm: bool = False
     # fp8 models: each projection's input quantized once, in the epilogue of its producer (the
     # RMSNorms before q/k/v and gate/up, SwiGLU before down: layers.Fp8Producers) instead of
     # by XLA before every GEMM (pass_producers()); changes nothing for other models, so not part
@@ -144,7 +148,13 @@ def _backend_kernels(backend: str | Kernels, interpret: bool) -> Kernels:
         return Kernels(attention=True, mosaic=True, interpret=interpret)
     if backend == "pallas":
         return Kernels(
-            qkv=True, attention=True, top_p_top_k=True, experts=True, canvas_sampler=True, interpret=interpret
+            qkv=True,
+            attention=True,
+            top_p_top_k=True,
+            experts=True,
+            canvas_sampler=True,
+            head_norm=True,
+            interpret=interpret,
         )
     if backend == "auto" and platform.on_nvidia_gpu():
         return Kernels(attention=True, scatter=True, top_p_top_k=True, experts=True, canvas_sampler=True)
@@ -217,6 +227,15 @@ def canvas_attention(kernels: Kernels, mesh=None) -> str:
     runs (backend "auto" or "pallas" on an NVIDIA GPU), else XLA. Under a tensor axis XLA too:
     the kernel is not wired through per_tensor_shard for DiffusionGemma's caches yet."""
     if not kernels.attention or kernels.mosaic or axis_size(mesh, TENSOR) > 1:
+        return "xla"
+    return "interpret" if kernels.interpret else "pallas"
+
+
+def head_norm(kernels: Kernels, mesh=None) -> str:
+    """What norms DiffusionGemma's q/k/v per head and rotates q and k
+    (dllm_jax.runtime.canvas_forward.HEAD_NORMS): the Triton kernel where the routing asks for
+    it, else XLA; XLA too under a tensor axis (GSPMD cannot split a kernel over the heads)."""
+    if not kernels.head_norm or axis_size(mesh, TENSOR) > 1:
         return "xla"
     return "interpret" if kernels.interpret else "pallas"
 

@@ -1,4 +1,5 @@
-"""RMSNorm: weight * cast(x * rsqrt(mean(x^2) + eps)), statistics in float32."""
+"""RMSNorm, statistics in float32: Llama's weight * cast(x * rsqrt(mean(x^2) + eps)) (rms_norm)
+and Gemma's cast(x * rsqrt(mean(x^2) + eps) * weight) (rms_normalize)."""
 
 from __future__ import annotations
 
@@ -12,3 +13,13 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return normed.astype(x.dtype) * weight.astype(x.dtype)
+
+
+def rms_normalize(x: jax.Array, eps: float, weight: jax.Array | None = None) -> jax.Array:
+    """Gemma's RMSNorm: x * (mean(x^2) + eps)^-1/2 (times weight, when given) in float32, then
+    rounded once to x's dtype. x [..., D], weight [D]."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if weight is not None:
+        normed = normed * weight.astype(jnp.float32)
+    return normed.astype(x.dtype)
