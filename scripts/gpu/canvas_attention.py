@@ -98,7 +98,9 @@ def sweep_tilings(head_dim: int, defaults: AttentionBlockSizes) -> list[Attentio
     if head_dim <= 128:
         shapes = [(128, 64, 8, 2), (64, 64, 4, 2)]
     elif head_dim <= 256:
+        # 64-key steps on 4 warps: half the q tile's shared-memory reads per key (2026-12-07)
         shapes = [(128, 32, 8, 2), (64, 64, 8, 2), (64, 32, 4, 2), (64, 32, 8, 3), (32, 32, 4, 2)]
+        shapes += [(64, 64, 4, 2), (64, 64, 4, 1), (128, 64, 8, 1)]
     else:
         shapes = [(64, 32, 8, 1), (64, 16, 8, 2), (32, 16, 4, 2), (32, 32, 8, 1), (16, 32, 4, 2)]
     tilings = [AttentionBlockSizes(bq, bk, defaults.num_splits, num_warps=w, num_stages=s) for bq, bk, w, s in shapes]
