@@ -36,9 +36,11 @@ with fill_tail=False left unwritten, for callers that mask them anyway (an exper
 device's rows for other devices' experts: they then cost nothing).
 
 Gated (grouped_matmul_gated, for a gated MLP's gate_up weights [G, 2F, K]): each program
-reads its rows once into two accumulators, the gate's columns [c, c + BN) and the up's [F + c,
-F + c + BN), and writes gelu_tanh(gate) * up [M, F] with the products rounded where the plain
-kernel stores them: the [M, 2F] product and the separate XLA pass over it are never written.
+computes one [BM, 2 BN] product of its rows with a weight tile gathered from the gate's rows [c,
+c + BN) and the up's [F + c, F + c + BN) (so each MMA step reads the rows' tile once for both,
+at twice the MMA width), splits it into gate and up, and writes gelu_tanh(gate) * up [M, F]
+with the products rounded where the plain kernel stores them: the [M, 2F] product and the
+separate XLA pass over it are never written.
 
 Shapes: N a multiple of 16, K of 16 (block_n and block_k divide them; `supports`); M >= 1
 (fewer rows than BM are padded). Pallas Triton: lowers on a CPU for CUDA and runs in interpret
@@ -125,6 +127,11 @@ def default_gated_block_sizes(m: int, f: int, k: int, groups: int) -> GroupedMat
     tile). scripts/gpu/grouped_gemm.py --impls gated times it against other tilings.
     """
     plain = default_grouped_block_sizes(m, 2 * f, k, groups)
+    if plain.block_m == 128 and m >= 256 * groups and f >= 128:
+        # groups of 256 rows and more on average (26B-A4B at 32 slots): 128 columns of each half,
+        # a [128, 256] product per program, measured on the H100 (BENCHMARKS.md, 2026-12-07):
+        # 1.195 against 1.245 ms per layer with 64 (F = 704: the last program overlaps)
+        return dataclasses.replace(plain, block_n=128)
     return dataclasses.replace(plain, block_n=max(16, plain.block_n // 2))
 
 
@@ -220,41 +227,41 @@ def _kernel(
         col0 = pl.multiple_of(first, bn)
     mask = jnp.broadcast_to(mask, (bm, bn))
     target = o_ref.at[pl.ds(window, bm), pl.ds(col0, bn)]
-    # the weight rows of each accumulator: the output columns', or (gated) the gate's and the up's
-    columns = (col0, col0 + n) if gated else (col0,)
+    if gated:
+        # one [BM, 2 BN] product over the gate's rows [c, c + BN) and the up's [F + c, F + c + BN),
+        # loaded as one [2 BN, BK] weight tile: each MMA step reads the rows' tile once for both
+        # (2.4% faster than a product each at 32 slots' rows on the H100, BENCHMARKS.md 2026-12-07)
+        j = jnp.arange(2 * bn, dtype=jnp.int32)
+        rows_of_w = jnp.where(j < bn, col0 + j, n + col0 + j - bn)
+    else:
+        rows_of_w = pl.ds(col0, bn)
 
     @pl.when(group < n_groups)
     def _():
         # the window's rows of x: themselves, or (gathered) the rows row_index names
         source = pl.ds(window, bm) if index_ref is None else index_ref[pl.ds(window, bm)]
 
-        def step(i, accs):
+        def step(i, acc):
             k0 = pl.multiple_of(i * bk, bk)
             x = x_ref[source, pl.ds(k0, bk)]
+            w = w_ref[group, rows_of_w, pl.ds(k0, bk)]
+            if w.dtype != x.dtype:  # int8 weights: exact in bf16 / f16 / f32 for |q| <= 127
+                w = w.astype(x.dtype)
+            return acc + dot_t(x, w)
 
-            def product(col):
-                w = w_ref[group, pl.ds(col, bn), pl.ds(k0, bk)]
-                if w.dtype != x.dtype:  # int8 weights: exact in bf16 / f16 / f32 for |q| <= 127
-                    w = w.astype(x.dtype)
-                return dot_t(x, w)
-
-            return tuple(acc + product(col) for acc, col in zip(accs, columns))
-
-        zeros = (jnp.zeros((bm, bn), jnp.float32),) * len(columns)
-        products = []
-        for acc, col in zip(lax.fori_loop(0, k // bk, step, zeros), columns):
-            if xs_ref is not None:
-                acc = acc * xs_ref[pl.ds(window, bm)][:, None]
-            if ws_ref is not None:
-                acc = acc * ws_ref[group, pl.ds(col, bn)][None, :]
-            products.append(acc)
+        acc = lax.fori_loop(0, k // bk, step, jnp.zeros((bm, 2 * bn if gated else bn), jnp.float32))
+        if xs_ref is not None:
+            acc = acc * xs_ref[pl.ds(window, bm)][:, None]
+        if ws_ref is not None:
+            acc = acc * ws_ref[group, rows_of_w][None, :]
         if gated:
+            products = jnp.split(acc, 2, axis=1)
             # gate and up rounded as the plain kernel stores them, then gelu(gate) * up as XLA
             # computes it on those values (each op rounded to the output dtype; gelu_tanh)
             gate, up = (y.astype(o_ref.dtype).astype(jnp.float32) for y in products)
             out = gelu_tanh(gate, o_ref.dtype) * up
         else:
-            (out,) = products
+            out = acc
         plgpu.store(target, out.astype(o_ref.dtype), mask=mask)
 
     @pl.when(group == n_groups)
@@ -319,8 +326,8 @@ def grouped_matmul_gated(
 
     w [G, 2F, K] is a gated MLP's gate_up weights (rows [0, F) the gate, [F, 2F) the up
     projection); a program computes gate columns [c, c + block_n) and the same up columns
-    [F + c, F + c + block_n) from one load of its rows (two float32 accumulators, so block_n is
-    half the columns it reads), rounds both to out_dtype as grouped_matmul stores them, and
+    [F + c, F + c + block_n) from one load of its rows (one [block_m, 2 block_n] float32
+    accumulator, so block_n is half the columns it reads), rounds both to out_dtype as grouped_matmul stores them, and
     writes gelu_tanh(gate) * up, computed as XLA computes it on out_dtype values (each op
     rounded; common.gelu_tanh). So it equals grouped_matmul followed by jax.nn.gelu(gate,
     approximate=True) * up in out_dtype but for tanh's last bit (Triton's libdevice tanhf where
