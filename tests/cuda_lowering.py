@@ -22,7 +22,7 @@ from dllm_jax.runtime.kernel_routing import FP8_FUSED_QKV_ROWS, Kernels
 from dllm_jax.runtime.slots import zero_sampling
 
 # what backend="auto" picks on an NVIDIA GPU
-GPU_AUTO = Kernels(attention=True, scatter=True, top_p_top_k=True, experts=True, canvas_sampler=True)
+GPU_AUTO = Kernels(attention=True, scatter=True, top_p_top_k=True, experts=True, canvas_sampler=True, head_norm=True)
 # auto with the fp8 producers and, on Hopper, the fused FP8 q/k/v kernel (opt-in: they change
 # only fp8 models' programs)
 GPU_FP8_FUSED = dataclasses.replace(GPU_AUTO, fp8_producers=True, fp8_fused_qkv_rows=FP8_FUSED_QKV_ROWS)

@@ -22,7 +22,10 @@ step 23.5 / 74.6 / 260.5 ms against 177.5 / 1305 / out of memory at 1 / 8 / 32 s
 2026-12-03); DiffusionGemma's denoising stage by the canvas sampler kernel
 (pallas_kernels.sampling.canvas_sampler: about 4-5 ms of a 32-slot 26B-A4B step by its bytes
 against XLA's ~20 ms; measured 11.7 ms on the H200, 1.15x XLA's per slot: compute-bound,
-scripts/gpu/canvas_sampler_kernel.py); on a TPU the
+scripts/gpu/canvas_sampler_kernel.py); DiffusionGemma's per-head q/k/v norms and RoPE by
+pallas_kernels.norm.head_norm_rope (1.3-1.6x XLA's passes alone; the 26B-A4B step with it and
+the one-product gated GEMM 178.6 against 181.2 ms at 32 slots, 55.6 against 55.7 at 8, H100
+2026-12-07; 1 slot not measured); on a TPU the
 Mosaic version of the attention kernel (never run on a real TPU: tested in interpret mode and
 lowered for TPU on the CPU); pure XLA elsewhere
 (CPUs, other GPUs), whose attention is chunked over keys (dllm_jax.runtime.chunked_attention).
@@ -84,8 +87,7 @@ class Kernels:
     # one write, instead of XLA's float32 copies and about seven passes); not part of the name
     canvas_sampler: bool = False
     # DiffusionGemma's per-head q/k/v RMSNorm and RoPE by one kernel pass
-    # (pallas_kernels.norm.head_norm_rope) instead of XLA's three or four; backend "pallas" only
-    # until measured in the step; not part of the name
+    # (pallas_kernels.norm.head_norm_rope) instead of XLA's three or four; not part of the name
     head_norm: bool = False
     # fp8 models: each projection's input quantized once, in the epilogue of its producer (the
     # RMSNorms before q/k/v and gate/up, SwiGLU before down: layers.Fp8Producers) instead of
@@ -157,7 +159,9 @@ def _backend_kernels(backend: str | Kernels, interpret: bool) -> Kernels:
             interpret=interpret,
         )
     if backend == "auto" and platform.on_nvidia_gpu():
-        return Kernels(attention=True, scatter=True, top_p_top_k=True, experts=True, canvas_sampler=True)
+        return Kernels(
+            attention=True, scatter=True, top_p_top_k=True, experts=True, canvas_sampler=True, head_norm=True
+        )
     return Kernels()
 
 

@@ -5,13 +5,19 @@ q and k:
 
     y[n, h] = rope(round(x[n, h] * rsqrt(mean(x[n, h]^2) + eps) * weight), cos[n], sin[n])
 
-with the normed rows rounded to x's dtype before the rotation (as the model writes it: the norm
-returns its dtype, RoPE computes in float32) and the result rounded to x's dtype.
-XLA runs this as three or four passes over the projection's output: the mean square, the normed
-rows (float32 where excess precision lets it keep them), the rotation's concatenation, and at
-512-wide heads a transpose: about 8 ms of a 32-slot 26B-A4B decoder step on an H100, against
-about 2.6 ms for reading and writing each tensor once (BENCHMARKS.md). A program here owns
-``block_rows`` rows of all heads, reads each half of every head once, and writes the result once.
+with the normed rows rounded to x's dtype before the rotation (as the model writes it, and as
+transformers' bf16 model computes it: the norm returns its dtype, RoPE computes in float32) and
+the result rounded to x's dtype. XLA:GPU, allowed excess precision, keeps the normed rows in
+float32 instead, so in bf16 its results and the kernel's differ by one rounding step in about a
+third of the rotated elements (none in float32).
+
+XLA runs this as three or four passes over the projection's output (the mean square, the normed
+rows, the rotation's concatenation, at 512-wide heads a transpose): about 8 ms of a 32-slot
+26B-A4B decoder step on an H100. A program here owns ``block_rows`` rows of all heads, reads
+each half of every head once and writes the result once: 3.4 ms in that step, 1.3-1.6x XLA's
+passes per tensor (BENCHMARKS.md, 2026-12-07), plus 1.7 ms of copies XLA now makes of the
+slices of its merged projection GEMMs (DotMerger: k with v in sliding layers, q with k in full
+ones), which its own fusions read in place.
 
 Shapes: x [N, H, Dh] with H and Dh / 2 powers of two (``supports``); weight [Dh] or None (no
 weight); cos, sin float32 [N, Dh / 2] or both None (no rotation): column i rotates the pair
@@ -33,9 +39,10 @@ from pallas_kernels.common import check_float, check_launch, check_power_of_two,
 from pallas_kernels.norm.rms_norm import rms_normalize
 from pallas_kernels.projection.rope import apply_rope
 
-# elements of x one program holds (block_rows x H x Dh) at most, by default: 32 float32 values
-# per thread and half on 4 warps
-ELEMENTS_PER_PROGRAM = 8192
+# elements of x one program holds (block_rows x H x Dh) at most, by default, on 8 warps: 8
+# float32 values per thread and half. On the H100 at 32 slots' rows (BENCHMARKS.md, 2026-12-07)
+# the fastest of 1-16 rows x 4 / 8 warps for each of the 26B-A4B layer's four tensors.
+ELEMENTS_PER_PROGRAM = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +51,7 @@ class HeadNormBlockSizes:
     <= it that divides N); num_warps, num_stages: Triton's."""
 
     block_rows: int = 1
-    num_warps: int = 4
+    num_warps: int = 8
     num_stages: int = 1
 
     def __post_init__(self):
@@ -53,8 +60,8 @@ class HeadNormBlockSizes:
 
 
 def default_block_sizes(n_heads: int, head_dim: int) -> HeadNormBlockSizes:
-    """As many rows as keep a program at ELEMENTS_PER_PROGRAM elements (one row of 16 heads of
-    512, two of 16 x 256, 32 of 2 x 128)."""
+    """As many rows as keep a program at ELEMENTS_PER_PROGRAM elements, at least one (one row of
+    16 heads of 256 or 512, two of 8 x 256, four of 2 x 512)."""
     rows = 1
     while 2 * rows * n_heads * head_dim <= ELEMENTS_PER_PROGRAM:
         rows *= 2
