@@ -19,8 +19,6 @@ from dllm_jax.models import diffusion_gemma as dg
 from dllm_jax.models.checkpoint.hf_reader import read_checkpoint
 from dllm_jax.models.diffusion_gemma_config import (
     AttentionKind,
-    DiffusionGemmaConfig,
-    RopeSettings,
     diffusion_gemma_26b_a4b_config,
 )
 from dllm_jax.models.embedded import tiny_model_path
@@ -38,6 +36,7 @@ from dllm_jax.runtime.canvas_loop import CanvasLoop
 from dllm_jax.runtime.canvas_memory import estimate_canvas_loop
 from dllm_jax.runtime.decode_config import DecodeConfig
 from dllm_jax.sampling.params import SamplingParams
+from tests.diffusion_gemma_small import small_config
 
 pytestmark = pytest.mark.unit
 
@@ -48,31 +47,6 @@ SLIDING, FULL = AttentionKind.SLIDING, AttentionKind.FULL
 def rel(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
-def small_config(**overrides) -> DiffusionGemmaConfig:
-    """Every feature: a sliding and a full layer (wider heads, one kv head, k = v), 4 experts top-2."""
-    values = dict(
-        d_model=32,
-        n_heads=4,
-        layer_types=(SLIDING, FULL),
-        sliding_head_dim=8,
-        sliding_kv_heads=2,
-        full_head_dim=16,
-        full_kv_heads=1,
-        mlp_hidden_size=48,
-        n_experts=4,
-        top_k_experts=2,
-        expert_hidden_size=16,
-        vocab_size=96,
-        sliding_window=4,
-        sliding_rope=RopeSettings(10_000.0),
-        full_rope=RopeSettings(1_000_000.0, rotated_fraction=0.25),
-        canvas_length=6,
-        max_sequence_length=64,
-        dtype="float32",
-    )
-    return DiffusionGemmaConfig(**{**values, **overrides})
 
 
 @pytest.fixture(scope="module")

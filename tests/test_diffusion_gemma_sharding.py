@@ -15,8 +15,6 @@ data=2,tensor=2, the embedded model's on one device and on data=2,expert=2; the 
 parameter layout of tensor=2,expert=2 without compiling.
 """
 
-import dataclasses
-
 import jax
 import numpy as np
 import pytest
@@ -24,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from dllm_jax.engine.engine import Engine
 from dllm_jax.models import diffusion_gemma as dg
-from dllm_jax.models.diffusion_gemma_config import AttentionKind, DiffusionGemmaConfig, RopeSettings
+from dllm_jax.models.diffusion_gemma_config import DiffusionGemmaConfig
 from dllm_jax.models.experts import grouped_expert_mlp
 from dllm_jax.models.quantization import quantize_experts
 from dllm_jax.runtime.decode_config import DecodeConfig
@@ -34,6 +32,7 @@ from dllm_jax.runtime.weights_memory import expert_bytes
 from dllm_jax.sampling.params import SamplingParams
 from tests.collectives import collectives
 from tests.conftest import tiny_config
+from tests.diffusion_gemma_small import small_config as shared_small_config
 
 pytestmark = pytest.mark.engine
 
@@ -46,30 +45,8 @@ REQUESTS = ((0, 12, 4, 1, 3.0), (1, 12, 3, 0, 9.0), (2, 7, 4, 2, 9.0), (3, 12, 2
 def small_config(**overrides) -> DiffusionGemmaConfig:
     """Two layers (sliding, full), 4 query heads over 2 kv heads in both kinds, 4 experts of
     which 2 per token."""
-    base = DiffusionGemmaConfig(
-        d_model=32,
-        n_heads=4,
-        layer_types=(AttentionKind.SLIDING, AttentionKind.FULL),
-        sliding_head_dim=8,
-        sliding_kv_heads=2,
-        full_head_dim=16,
-        full_kv_heads=2,
-        mlp_hidden_size=48,
-        n_experts=4,
-        top_k_experts=2,
-        expert_hidden_size=16,
-        vocab_size=64,
-        sliding_window=4,
-        sliding_rope=RopeSettings(10_000.0),
-        full_rope=RopeSettings(1_000_000.0, rotated_fraction=0.25),
-        canvas_length=CANVAS,
-        max_sequence_length=128,
-        pad_token_id=0,
-        bos_token_id=2,
-        eos_token_ids=(1,),
-        dtype="float32",
-    )
-    return dataclasses.replace(base, **overrides)
+    base = dict(full_kv_heads=2, vocab_size=64, canvas_length=CANVAS, max_sequence_length=128)
+    return shared_small_config(**{**base, "pad_token_id": 0, "bos_token_id": 2, "eos_token_ids": (1,), **overrides})
 
 
 def mesh_of(spec: str):

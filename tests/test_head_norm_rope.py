@@ -107,28 +107,10 @@ def test_diffusion_gemma_q_k_v_through_the_kernel_equal_xla():
     """A sliding and a full layer of a small DiffusionGemma (float32): project_qkv with the
     kernel (interpret mode) gives XLA's q, k and v."""
     from dllm_jax.models import diffusion_gemma as dg
-    from dllm_jax.models.diffusion_gemma_config import AttentionKind, DiffusionGemmaConfig, RopeSettings
+    from dllm_jax.models.diffusion_gemma_config import AttentionKind
+    from tests.diffusion_gemma_small import small_config
 
-    config = DiffusionGemmaConfig(
-        d_model=32,
-        n_heads=4,
-        layer_types=(AttentionKind.SLIDING, AttentionKind.FULL),
-        sliding_head_dim=8,
-        sliding_kv_heads=2,
-        full_head_dim=16,
-        full_kv_heads=1,
-        mlp_hidden_size=48,
-        n_experts=4,
-        top_k_experts=2,
-        expert_hidden_size=16,
-        vocab_size=96,
-        sliding_window=4,
-        sliding_rope=RopeSettings(10_000.0),
-        full_rope=RopeSettings(1_000_000.0, rotated_fraction=0.25),
-        canvas_length=6,
-        max_sequence_length=64,
-        dtype="float32",
-    )
+    config = small_config()
     kernel = functools.partial(head_norm_rope, interpret=True)
     rng = np.random.default_rng(0)
     h = jnp.asarray(rng.standard_normal((2, 8, config.d_model)), jnp.float32)
