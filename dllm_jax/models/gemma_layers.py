@@ -1,5 +1,6 @@
 """Building blocks of the Gemma family (DiffusionGemma's text model): Gemma's RMSNorm, with or
-without a weight, its per-head form followed by RoPE, and the GELU-gated MLP. (The shared Linear and embedding live in layers.py.)"""
+without a weight, its per-head form followed by RoPE, and the GELU-gated MLP. (The shared
+Linear and embedding live in layers.py.)"""
 
 from __future__ import annotations
 

@@ -119,7 +119,8 @@ def default_grouped_block_sizes(m: int, n: int, k: int, groups: int) -> GroupedM
 
 
 def default_gated_block_sizes(m: int, f: int, k: int, groups: int) -> GroupedMatmulBlockSizes:
-    """The gated kernel's tiling: the plain kernel's for the [M, 2F] product with block_n halved.
+    """The gated kernel's tiling: the plain kernel's for the [M, 2F] product with block_n halved
+    (at 256 rows per group and more on average, 128 columns of each half: measured faster).
 
     A program then holds as many accumulator columns (block_n of the gate's, block_n of the
     up's) and reads as many weight bytes per step as the plain kernel's, so its registers,
