@@ -9,7 +9,9 @@ rotation: full layers rotate a quarter of the pairs), this times (median of --re
 of chained calls, scripts/bench_kernels.time_chain) pallas_kernels.norm.head_norm_rope's
 jnp reference as XLA compiles it alone, the kernel's default tiling and a few others, and
 prints each one's rate in TB/s of its bytes (x read once, the result written once) and the
-share of elements that differ from XLA's (bf16 rounding of differently ordered sums: ~0).
+share of elements that differ from XLA's: the kernel rounds the normed rows to bf16 before
+rotating them, as the model's code does, and XLA:GPU (excess precision) does not, so about a
+third of the rotated elements differ by one bf16 step (H100, 2026-12-07); on a CPU, none.
 Inside the model XLA fuses the reference with its neighbours (the projection's layout, the
 attention's transpose), so the step, not this table, decides (diffusion_gemma_engine.py).
 """
