@@ -109,16 +109,26 @@ def expected(engine, prompts):
     return out
 
 
+def _generate(engine, prompts, decode_config=DECODE):
+    """The engine's answers to REQUESTS."""
+    sampling = [_sampling(seed, max_new, settings) for _, seed, max_new, settings in REQUESTS]
+    return engine.generate(prompts, sampling, decode_config=decode_config)
+
+
+def _assert_reference_answers(out, expected) -> None:
+    """Every request's tokens and denoising steps are the reference's."""
+    for i, (result, (tokens, passes)) in enumerate(zip(out.results, expected)):
+        assert result.token_ids == tokens, f"request {i}"
+        assert result.steps == passes, f"request {i}: denoising steps"
+
+
 @pytest.fixture(scope="module")
 def answers(engine, prompts):
-    sampling = [_sampling(seed, max_new, settings) for _, seed, max_new, settings in REQUESTS]
-    return engine.generate(prompts, sampling, decode_config=DECODE)
+    return _generate(engine, prompts)
 
 
 def test_answers_are_token_identical_to_the_reference(answers, expected):
-    for i, (result, (tokens, passes)) in enumerate(zip(answers.results, expected)):
-        assert result.token_ids == tokens, f"request {i}"
-        assert result.steps == passes, f"request {i}: denoising steps"
+    _assert_reference_answers(answers, expected)
     reasons = [r.finish_reason for r in answers.results]
     assert reasons[0] == "stop" and len(answers.results[0].token_ids) < 2 * CANVAS  # the EOS in canvas 2
     assert reasons[2] == "length" and len(answers.results[2].token_ids) == 7
@@ -298,11 +308,7 @@ def test_the_cached_canvas_path_recomputing_every_row_matches_the_reference(engi
     # cache (written, then read back) and the full pass runs in lanes, the answers as before
     cached = Engine(engine.config, engine.weights, engine.tokenizer, full_pass_lanes=())
     decode_config = dataclasses.replace(DECODE, canvas_rows=CANVAS)
-    sampling = [_sampling(seed, max_new, settings) for _, seed, max_new, settings in REQUESTS]
-    out = cached.generate(prompts, sampling, decode_config=decode_config)
-    for i, (result, (tokens, passes)) in enumerate(zip(out.results, expected)):
-        assert result.token_ids == tokens, f"request {i}"
-        assert result.steps == passes, f"request {i}: denoising steps"
+    _assert_reference_answers(_generate(cached, prompts, decode_config), expected)
 
 
 @pytest.mark.integration  # full tier: one more compiled loop (the denoising stage in groups)
@@ -314,11 +320,7 @@ def test_the_denoising_stage_one_slot_at_a_time_gives_the_same_answers(engine, p
     monkeypatch.setattr(canvas_loop, "SAMPLER_BUDGET_BYTES", 6 * 4 * CANVAS * engine.config.vocab_size)
     grouped = Engine(engine.config, engine.weights, engine.tokenizer)
     assert grouped.decode_loop(DECODE, WIDTH).sampler_slots == 1 < DECODE.batch_size
-    sampling = [_sampling(seed, max_new, settings) for _, seed, max_new, settings in REQUESTS]
-    out = grouped.generate(prompts, sampling, decode_config=DECODE)
-    for i, (result, (tokens, passes)) in enumerate(zip(out.results, expected)):
-        assert result.token_ids == tokens, f"request {i}"
-        assert result.steps == passes, f"request {i}: denoising steps"
+    _assert_reference_answers(_generate(grouped, prompts), expected)
 
 
 @pytest.mark.integration  # full tier: the interpreted kernels inside the decode loop
@@ -340,11 +342,7 @@ def test_the_gpu_kernels_give_the_reference_tokens(checkpoint, prompts, expected
     )
     assert kernel.decode_loop(DECODE, WIDTH).kernel_sampler and canvas_attention(kernel.kernels) == "interpret"
     assert grouped_gemm(kernel.kernels) == "interpret" == head_norm(kernel.kernels)
-    sampling = [_sampling(seed, max_new, settings) for _, seed, max_new, settings in REQUESTS]
-    out = kernel.generate(prompts, sampling, decode_config=DECODE)
-    for i, (result, (tokens, passes)) in enumerate(zip(out.results, expected)):
-        assert result.token_ids == tokens, f"request {i}"
-        assert result.steps == passes, f"request {i}: denoising steps"
+    _assert_reference_answers(_generate(kernel, prompts), expected)
     assert kernel.num_compilations == 1
 
 
