@@ -218,11 +218,17 @@ def fp8_qkv_to_cache(config: ModelConfig, spec, weights, x: QuantizedRows, posit
     return q.reshape(S, R, config.n_heads, config.head_dim), k_cache, v_cache
 
 
-def grouped_gemm(kernels: Kernels) -> str:
-    """What runs the routed experts' grouped GEMMs (dllm_jax.models.experts.GROUPED_GEMMS)."""
-    if not kernels.experts:
+def _implementation(kernels: Kernels, kernel: bool) -> str:
+    """An op's implementation name ("xla", "pallas" or "interpret": GROUPED_GEMMS,
+    CANVAS_ATTENTIONS, HEAD_NORMS): its kernel where ``kernel``, interpreted where asked."""
+    if not kernel:
         return "xla"
     return "interpret" if kernels.interpret else "pallas"
+
+
+def grouped_gemm(kernels: Kernels) -> str:
+    """What runs the routed experts' grouped GEMMs (dllm_jax.models.experts.GROUPED_GEMMS)."""
+    return _implementation(kernels, kernels.experts)
 
 
 def canvas_attention(kernels: Kernels, mesh=None) -> str:
@@ -230,18 +236,14 @@ def canvas_attention(kernels: Kernels, mesh=None) -> str:
     CANVAS_ATTENTIONS): the Triton cache-attention kernel wherever the Triton attention kernel
     runs (backend "auto" or "pallas" on an NVIDIA GPU), else XLA. Under a tensor axis XLA too:
     the kernel is not wired through per_tensor_shard for DiffusionGemma's caches yet."""
-    if not kernels.attention or kernels.mosaic or axis_size(mesh, TENSOR) > 1:
-        return "xla"
-    return "interpret" if kernels.interpret else "pallas"
+    return _implementation(kernels, kernels.attention and not kernels.mosaic and axis_size(mesh, TENSOR) <= 1)
 
 
 def head_norm(kernels: Kernels, mesh=None) -> str:
     """What norms DiffusionGemma's q/k/v per head and rotates q and k
     (dllm_jax.runtime.canvas_forward.HEAD_NORMS): the Triton kernel where the routing asks for
     it, else XLA; XLA too under a tensor axis (GSPMD cannot split a kernel over the heads)."""
-    if not kernels.head_norm or axis_size(mesh, TENSOR) > 1:
-        return "xla"
-    return "interpret" if kernels.interpret else "pallas"
+    return _implementation(kernels, kernels.head_norm and axis_size(mesh, TENSOR) <= 1)
 
 
 def pallas_qkv_to_cache(config: ModelConfig, spec, stacked, x, positions, rows, k_cache, v_cache, layer):
