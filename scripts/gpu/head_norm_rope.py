@@ -31,6 +31,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_kernels import time_chain  # noqa: E402
 
+from dllm_jax.common.atomic_write import write_text_atomically  # noqa: E402
 from pallas_kernels.norm.head_norm_rope import (  # noqa: E402
     HeadNormBlockSizes,
     default_block_sizes,
@@ -114,8 +115,8 @@ def main(argv=None) -> int:
                 report["rows"].append(row)
                 lines.append(f"| {slots} | {name} | {variant} | {row['us']:.1f} | {row['tb_s']:.2f} | {differ:.4f} |")
                 print(lines[-1], flush=True)
-    (args.out / "head_norm_rope.json").write_text(json.dumps(report, indent=1))
-    (args.out / "head_norm_rope.md").write_text("\n".join(lines) + "\n")
+    write_text_atomically(args.out / "head_norm_rope.json", json.dumps(report, indent=1))
+    write_text_atomically(args.out / "head_norm_rope.md", "\n".join(lines) + "\n")
     return 0
 
 
