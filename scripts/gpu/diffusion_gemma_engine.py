@@ -11,6 +11,10 @@ xla_allow_excess_precision=false), kept in the report's compiler_options.
 --sampler-budget-bytes N: the denoising stage's temporaries per group of slots (canvas_loop's
 SAMPLER_BUDGET_BYTES, read when a loop is traced); with a small N the stage runs one slot at a time.
 
+--canvas-attention-max-head-dim N: the widest heads the canvas attention kernel takes
+(canvas_attention.KERNEL_MAX_HEAD_DIM, read when a loop is traced); 512 runs the full layers'
+attention on the kernel too.
+
 --quantization fp8 / int8-weights: the random bf16 weights quantized on the device, layer by layer,
 each bf16 layer freed once quantized (dllm_jax.models.quantization: the projections and the
 experts in 8 bits), and the engine run on them (fp8 with the quantization's compiler options);
@@ -622,6 +626,12 @@ def main(argv=None) -> int:
         default=None,
         help="the denoising stage's temporaries per group of slots (default: canvas_loop.SAMPLER_BUDGET_BYTES)",
     )
+    p.add_argument(
+        "--canvas-attention-max-head-dim",
+        type=int,
+        default=None,
+        help="the widest heads the canvas attention kernel takes (default: canvas_attention.KERNEL_MAX_HEAD_DIM)",
+    )
     p.add_argument("--transformers-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     began = time.perf_counter()
@@ -650,6 +660,11 @@ def main(argv=None) -> int:
     if args.sampler_budget_bytes is not None:  # read when a loop is traced
         canvas_loop.SAMPLER_BUDGET_BYTES = args.sampler_budget_bytes
     report["sampler_budget_bytes"] = canvas_loop.SAMPLER_BUDGET_BYTES
+    from dllm_jax.runtime import canvas_attention
+
+    if args.canvas_attention_max_head_dim is not None:  # read when a loop is traced
+        canvas_attention.KERNEL_MAX_HEAD_DIM = args.canvas_attention_max_head_dim
+    report["canvas_attention_max_head_dim"] = canvas_attention.KERNEL_MAX_HEAD_DIM
 
     report.update(device=str(jax.devices()[0].device_kind), jax=jax.__version__)
     report["ceilings"] = ceilings(args.tiny)
