@@ -28,6 +28,16 @@ which XLA keeps): there expect most probs equal and the others a unit or two of 
 entry whose float32 logit differs in its last bit can still round the other way).
 The soft embeddings' relative L2 difference says whether any of it matters.
 
+--ablations (a study of where the kernel's time goes, not a result to use): the default kernel
+again with one part of its per-element math replaced by a cheaper one, by swapping the module's
+function for the trace (its outputs then differ; only the time is reported):
+  no-tanh      the soft-cap left out (the logits as float32)
+  exp-tanh     cap * tanh(x / cap) as cap - 2 cap / (exp(2 x / cap) + 1)
+  no-rounding  the processed logits not rounded to bf16 before the softmax's exp
+  times-1/T    the processed logits as capped * (1 / T) instead of capped / T
+  all          the four together
+beside "read", XLA's row max of the logits (one read of [R, V] bf16, the pass's memory floor).
+
 Writes canvas_sampler_kernel.json and .md in --out (after every case, so a run cut short keeps
 what it measured); a case that fails is recorded with its error; no new case starts after
 --budget-s seconds.
@@ -48,6 +58,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+import pallas_kernels.sampling.canvas_sampler as sampler_module  # noqa: E402
 from dllm_jax.models.diffusion_gemma_config import diffusion_gemma_26b_a4b_config  # noqa: E402
 from dllm_jax.policies.canvas import CanvasPolicy  # noqa: E402
 from dllm_jax.runtime.canvas_loop import CanvasLoop  # noqa: E402
@@ -170,6 +181,56 @@ def sampler_case(group: int, rows: int, vocab: int, args, interpret: bool) -> di
     return out
 
 
+def _exp_tanh(logits: jax.Array, cap: float) -> jax.Array:
+    cap = jnp.float32(cap)
+    return cap - 2 * cap / (jnp.exp(2 * logits.astype(jnp.float32) / cap) + 1)
+
+
+def _times_reciprocal(logits_ref, temperature, row, start, *, vocab: int, softcap: float, block_v: int):
+    valid = start + jnp.arange(block_v, dtype=jnp.int32) < vocab
+    x = sampler_module.plgpu.load(logits_ref.at[row, sampler_module.pl.ds(start, block_v)], mask=valid, other=0)
+    capped = sampler_module.soft_cap(x, softcap)
+    return capped, jnp.where(valid, capped * (1 / temperature), -jnp.inf), valid
+
+
+# name -> the module attributes swapped for the trace
+ABLATIONS = {
+    "no-tanh": {"soft_cap": lambda x, cap: x.astype(jnp.float32)},
+    "exp-tanh": {"soft_cap": _exp_tanh},
+    "no-rounding": {"_rounded": lambda x, dtype: x},
+    "times-1/T": {"_load_processed": _times_reciprocal},
+}
+ABLATIONS["all"] = {
+    "soft_cap": lambda x, cap: x.astype(jnp.float32),
+    "_rounded": lambda x, dtype: x,
+    "_load_processed": _times_reciprocal,
+}
+
+
+def ablation_case(group: int, rows: int, vocab: int, args, interpret: bool) -> dict:
+    """The default kernel with each of ABLATIONS swapped in (see the module doc), and one read."""
+    logits, temperature, uniform = sampler_inputs(group * rows, vocab)
+    out = {"case": "ablation", "group": group, "rows": group * rows}
+    out["read_ms"] = timed(
+        jax.jit(lambda x: jnp.max(x.astype(jnp.float32), axis=1)), (logits,), args.calls, args.repeats
+    )
+    for name, swaps in (("default", {}), *ABLATIONS.items()):
+        saved = {attr: getattr(sampler_module, attr) for attr in swaps}
+        try:
+            for attr, fn in swaps.items():
+                setattr(sampler_module, attr, fn)
+            jax.clear_caches()
+            kernel = jax.jit(lambda x, t, u: sampler_module.canvas_sampler(x, t, u, softcap=30.0, interpret=interpret))
+            out[f"{name}_ms"] = timed(kernel, (logits, temperature, uniform), args.calls, args.repeats)
+        except Exception as e:  # noqa: BLE001 (a failing ablation is reported)
+            out[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        finally:
+            for attr, fn in saved.items():
+                setattr(sampler_module, attr, fn)
+            jax.clear_caches()
+    return out
+
+
 def stage_case(group: int, config, args, interpret: bool) -> dict:
     """CanvasLoop._denoise for `group` slots, with and without the kernel."""
     rows, vocab, d_model = config.canvas_length, config.vocab_size, config.d_model
@@ -211,6 +272,9 @@ def write_report(report: dict, out: Path) -> None:
     for case in report["cases"]:
         if "error" in case:
             lines.append(f"| {case['case']} | {case.get('group')} | error: {case['error'][:120]} | | | | | |")
+        elif case["case"] == "ablation":
+            times = ", ".join(f"{k[:-3]} {v:.3f}" for k, v in case.items() if k.endswith("_ms"))
+            lines.append(f"| ablation (ms per call) | {case['group']} | {times} | | | | | |")
         elif case["case"] == "sampler":
             for row in case["kernel"]:
                 blocks = row["block_sizes"]
@@ -246,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--groups", type=int, nargs="+", default=None, help="slots per call (default 1 2 4; tiny: 1 2)")
     p.add_argument("--calls", type=int, default=10)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--ablations", action="store_true", help="time the kernel's parts (see the module doc) only")
     p.add_argument("--budget-s", type=float, default=600.0, help="no new case starts after this many seconds")
     p.add_argument("--out", type=Path, default=Path("canvas_sampler_kernel_out"))
     args = p.parse_args(argv)
@@ -266,12 +331,16 @@ def main(argv: list[str] | None = None) -> int:
         "cases": [],
     }
     cases = [("sampler", g) for g in groups] + [("stage", g) for g in groups]
+    if args.ablations:
+        cases = [("ablation", g) for g in groups]
     for kind, group in cases:
         if time.time() - start > args.budget_s:
             report["cases"].append({"case": kind, "group": group, "error": "skipped: --budget-s spent"})
             continue
         try:
-            if kind == "sampler":
+            if kind == "ablation":
+                case = ablation_case(group, config.canvas_length, config.vocab_size, args, interpret)
+            elif kind == "sampler":
                 case = sampler_case(group, config.canvas_length, config.vocab_size, args, interpret)
             else:
                 case = stage_case(group, config, args, interpret)
