@@ -33,11 +33,9 @@ Performance at LLaDA-8B layer shapes (H=KVH=32, Dh=128, R=128 rows per slot, bf1
   queries (1/BQ of the QK^T work) and a [S, KVH, max_len] float32 partial (8 MiB at 32 slots)
   reduced by XLA; the published kernel's [rows, heads, keys] logits buffer is never written.
 * Wider heads (DiffusionGemma: Dh 256 in sliding layers, 512 in full ones) take smaller
-  tiles (default_attention_block_sizes): the accumulator [BQ, Dh] float32 stays at the
-  128 x 128 budget (BQ 64 at Dh 256), and the K and V tiles at [32, Dh] so that q + K/V x
-  stages fit the 228 KiB of shared memory. At Dh 512 the values are split into blocks of 256
-  columns (``block_dv``, one program each, the logits computed in both): BQ stays 64, and q
-  [64, 512] + 2 stages of K [32, 512] and V [32, 256] take 160 KiB.
+  tiles (default_attention_block_sizes): the accumulator [BQ, Dh] float32 and the q tile stay
+  at the 128 x 128 budget (BQ 64 at Dh 256, 32 at 512), and the K and V tiles at [32, Dh] so
+  that q + K/V x stages fit the 228 KiB of shared memory (at Dh 512: 32 + 2 x 2 x 32 KiB).
   The extra keys go through the same [block_k, Dh] tiles as the cached ones (256 own rows of
   a canvas would be 256 KiB of K and V at Dh 256 in one tile).
 The bench script sweeps block_k, splits, warps and stages per case
@@ -84,9 +82,6 @@ class AttentionBlockSizes:
         min(num_splits, ceil(key_len / (2 * block_k))) of them, cut from its own key range at
         run time. 1 = no combine step.
       num_warps, num_stages: Triton launch parameters.
-      block_dv: value columns per program, a power of two >= 16 that divides Dh (the
-        programs of one kv head share its logits' work and split its output columns); None:
-        all of Dh.
     """
 
     block_q: int = 128
@@ -94,13 +89,10 @@ class AttentionBlockSizes:
     num_splits: int = 1
     num_warps: int = 8
     num_stages: int = 2
-    block_dv: int | None = None
 
     def __post_init__(self):
         check_power_of_two("block_q", self.block_q, 16)
         check_power_of_two("block_k", self.block_k, 16)
-        if self.block_dv is not None:
-            check_power_of_two("block_dv", self.block_dv, 16)
         if not isinstance(self.num_splits, int) or self.num_splits < 1:
             raise ValueError(f"num_splits={self.num_splits!r}: expected an int >= 1")
         check_launch(self.num_warps, self.num_stages)
@@ -119,12 +111,9 @@ def default_attention_block_sizes(
     Wider heads keep BQ * Dh at 128 * 128 (the accumulator's registers) and take 32-key steps
     over two stages on 4 warps: the H200 sweep at Dh 256 (DiffusionGemma's sliding layers,
     BENCHMARKS.md, 2026-12-03) ran 64x32 on 4 warps 2.0-2.2x faster than on 8 (e.g. 32 slots
-    x 1024 keys: 0.839 against 1.833 ms).
-    Heads wider than 256 (DiffusionGemma's full layers, Dh 512) take Dh-256's tiling in value
-    blocks of 256 columns: the accumulator stays [64, 256] and only the logits' q tile widens."""
+    x 1024 keys: 0.839 against 1.833 ms)."""
     group_rows = rows * (n_heads // n_kv_heads)
-    block_dv = min(head_dim, 256)
-    most_rows = max(16, min(128, 128 * 128 // block_dv))
+    most_rows = max(16, min(128, 128 * 128 // head_dim))
     block_q = min(most_rows, max(16, next_power_of_two(group_rows)))
     programs = num_groups * n_kv_heads * cdiv(group_rows, block_q)
     splits = 1
@@ -137,7 +126,6 @@ def default_attention_block_sizes(
         splits,
         num_warps=8 if block_q * head_dim >= 64 * 128 and splits > 1 and not wide else 4,
         num_stages=3 if block_q >= 64 and not wide else 2,
-        block_dv=block_dv if block_dv < head_dim else None,
     )
 
 
@@ -346,9 +334,6 @@ def cache_attention(
         if key_start is not None:
             # padded rows see no cached key (and, above, no extra key)
             key_start = jnp.pad(key_start, ((0, 0), (0, pad)), constant_values=max_len)
-    block_dv = blocks.block_dv or args.head_dim
-    if args.head_dim % block_dv:
-        raise ValueError(f"block_dv={block_dv}: expected a divisor of the head dim {args.head_dim}")
     q_tiles = padded_rows * group // block_q
     n_splits = min(blocks.num_splits, cdiv(max_len, 2 * blocks.block_k))
     # whole key steps of extra keys (hidden by the mask past R2)
@@ -356,7 +341,6 @@ def cache_attention(
     lay = KernelLayout(
         group=group,
         head_dim=args.head_dim,
-        block_dv=block_dv,
         block_q=block_q,
         block_k=blocks.block_k,
         q_tiles=q_tiles,
@@ -391,7 +375,7 @@ def cache_attention(
 
     results = pl.pallas_call(
         functools.partial(attention_kernel, lay=lay),
-        grid=(q_tiles, n_kv_heads * (args.head_dim // block_dv), n_splits, n_groups),
+        grid=(q_tiles, n_kv_heads, n_splits, n_groups),
         out_shape=out_shape,
         compiler_params=compiler_params(blocks.num_warps, blocks.num_stages),
         interpret=interpret,

@@ -1,6 +1,6 @@
 """The Pallas Triton body of ``cache_attention`` (the wrapper and reference are in cache_attention.py).
 
-One program = one (query tile, kv head and value block, key split, group). It loads its query rows once
+One program = one (query tile, kv head, key split, group). It loads its query rows once
 (the G query heads of the kv head, flattened to rows f = r * G + g), then streams its share of
 the group's cache keys [key_first, key_len) (the split is cut from that range at run time) in
 ``block_k`` tiles with an online softmax (float32 logits, P rounded to the value dtype before
@@ -11,12 +11,6 @@ a program whose rows all start later skips the key tiles before them (not with s
 program writes the score partials of the whole range). The tracking score is linear in q: the
 program sums its score rows' queries into one float32 vector and takes one dot product per key,
 on the K tile it already holds.
-
-Value blocks (``block_dv`` < Dh): each program computes the logits over all Dh columns but
-accumulates and writes only its block_dv columns of the values, so a wide head's [BQ, Dh]
-float32 accumulator becomes [BQ, block_dv] at the cost of the logits computed once per block
-(DiffusionGemma's full layers: Dh 512). The first value block writes the tracking score and the
-split's log-sum-exp, which every block computes alike.
 """
 
 from __future__ import annotations
@@ -41,7 +35,6 @@ class KernelLayout:
     Attributes:
       group: G = H // KVH query heads per kv head.
       head_dim: Dh.
-      block_dv: value columns per program (a divisor of Dh; Dh: no value blocks).
       block_q: query rows (flattened r * G + g) per program.
       block_k: keys per step.
       q_tiles: programs along the flattened rows: R * G / block_q (the wrapper pads R).
@@ -57,7 +50,6 @@ class KernelLayout:
 
     group: int
     head_dim: int
-    block_dv: int
     block_q: int
     block_k: int
     q_tiles: int
@@ -103,10 +95,8 @@ def attention_kernel(*refs, lay: KernelLayout):
     out_refs = [rest.pop(0) for _ in range(2 if lay.split_output else 1)]
     score_ref = rest.pop(0) if lay.scores else None
 
-    q_tile, head_block, split, g_idx = (pl.program_id(i) for i in range(4))
-    bq, bk, dh, dv, group = lay.block_q, lay.block_k, lay.head_dim, lay.block_dv, lay.group
-    kv_head, dv_block = head_block // (dh // dv), head_block % (dh // dv)
-    first_block = dv_block == 0
+    q_tile, kv_head, split, g_idx = (pl.program_id(i) for i in range(4))
+    bq, bk, dh, group = lay.block_q, lay.block_k, lay.head_dim, lay.group
     layer = layer_ref[0]
     key_len = len_ref[g_idx]
     first_row = slot_ref[g_idx] * lay.max_len
@@ -118,8 +108,6 @@ def attention_kernel(*refs, lay: KernelLayout):
     cols = heads[:, None] * dh + jnp.arange(dh, dtype=jnp.int32)[None, :]
     # [BQ, Dh]: row f holds q[g_idx, f // G, head kv_head * G + f % G]
     q = q_ref[g_idx, rows[:, None], cols]
-    # [BQ, dv]: the output columns of this value block
-    out_cols = heads[:, None] * dh + dv_block * dv + jnp.arange(dv, dtype=jnp.int32)[None, :]
     scale = lay.scale
 
     if lay.scores:
@@ -127,7 +115,6 @@ def attention_kernel(*refs, lay: KernelLayout):
         q_sum = jnp.sum(q.astype(jnp.float32) * weight_ref[g_idx, rows][:, None], axis=0)
 
     kv_cols = pl.ds(kv_head * dh, dh)
-    v_cols = pl.ds(kv_head * dh + dv_block * dv, dv)
     # this group's keys [key_first, key_len), cut into `splits` chunks of whole steps (run time)
     key_first = key_first_ref[g_idx]
     n_keys = jnp.maximum(key_len - key_first, 0)
@@ -152,14 +139,15 @@ def attention_kernel(*refs, lay: KernelLayout):
         if lay.exclude:
             skipped = plgpu.load(exclude_ref.at[g_idx, pl.ds(first, bk)], mask=in_range, other=True)
             visible = in_range & jnp.logical_not(skipped)
+        kv_mask = jnp.broadcast_to(visible[:, None], (bk, dh))
         cache_rows = pl.ds(first_row + first, bk)
-        k = plgpu.load(k_ref.at[layer, cache_rows, kv_cols], mask=jnp.broadcast_to(visible[:, None], (bk, dh)), other=0)
-        v = plgpu.load(v_ref.at[layer, cache_rows, v_cols], mask=jnp.broadcast_to(visible[:, None], (bk, dv)), other=0)
+        k = plgpu.load(k_ref.at[layer, cache_rows, kv_cols], mask=kv_mask, other=0)
+        v = plgpu.load(v_ref.at[layer, cache_rows, kv_cols], mask=kv_mask, other=0)
         if lay.scores:
             # hidden keys were loaded as 0, so their partial score is 0
             part = jnp.sum(k.astype(jnp.float32) * q_sum[None, :], axis=1)
             score_row = kv_head * lay.q_tiles + q_tile
-            plgpu.store(score_ref.at[g_idx, score_row, pl.ds(first, bk)], part, mask=in_range & first_block)
+            plgpu.store(score_ref.at[g_idx, score_row, pl.ds(first, bk)], part, mask=in_range)
         if not lay.key_start:
             logits = jnp.where(visible[None, :], dot_t(q, k) * scale, MASKED_LOGIT)
             return _softmax_step(carry, logits, v)
@@ -168,7 +156,7 @@ def attention_kernel(*refs, lay: KernelLayout):
         logits = jnp.where(seen, dot_t(q, k) * scale, MASKED_LOGIT)
         return _softmax_step(carry, logits, v, seen)
 
-    carry = lax.fori_loop(first_step, n_steps, key_step, initial_state((bq,), dv))
+    carry = lax.fori_loop(first_step, n_steps, key_step, initial_state((bq,), dh))
 
     if lay.extra_width:
         k_extra_ref, v_extra_ref, extra_mask_ref = extra_refs
@@ -176,7 +164,7 @@ def attention_kernel(*refs, lay: KernelLayout):
         def extra_step(t, carry):
             extra_rows = pl.ds(t * bk, bk)
             k = k_extra_ref[g_idx, extra_rows, kv_cols]
-            v = v_extra_ref[g_idx, extra_rows, v_cols]
+            v = v_extra_ref[g_idx, extra_rows, kv_cols]
             # [BQ, BK]
             seen = extra_mask_ref[g_idx, rows[:, None], t * bk + jnp.arange(bk, dtype=jnp.int32)[None, :]]
             logits = jnp.where(seen, dot_t(q, k) * scale, MASKED_LOGIT)
@@ -196,10 +184,10 @@ def attention_kernel(*refs, lay: KernelLayout):
 
         @pl.when(split < splits)
         def _write_partial():
-            plgpu.store(part_ref.at[split, g_idx, rows[:, None], out_cols], out.astype(part_ref.dtype))
+            plgpu.store(part_ref.at[split, g_idx, rows[:, None], cols], out.astype(part_ref.dtype))
             lse = jnp.where(has_keys, m + jnp.log(l_safe), MASKED_LOGIT)
-            plgpu.store(lse_ref.at[split, g_idx, rows, heads], lse, mask=jnp.broadcast_to(first_block, (bq,)))
+            plgpu.store(lse_ref.at[split, g_idx, rows, heads], lse)
 
     else:
         (out_ref,) = out_refs
-        plgpu.store(out_ref.at[g_idx, rows[:, None], out_cols], out.astype(out_ref.dtype))
+        plgpu.store(out_ref.at[g_idx, rows[:, None], cols], out.astype(out_ref.dtype))

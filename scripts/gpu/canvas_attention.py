@@ -18,8 +18,7 @@ Each slot's cache rows past what the case reads are NaN, so a kernel that reads 
 shows a non-finite output. Per case (one row each in the table):
   xla       canvas_cache_attention (chunked online softmax in XLA), the engine's path until now;
   kernel    canvas_cache_attention_pallas with the default tiling, then in canvas mode (unless
-            --no-sweep) a few other tilings ("kernel BQxBK wW sS [dvN]", the default's key
-            splits, dvN: value blocks of N columns); a
+            --no-sweep) a few other tilings ("kernel BQxBK wW sS", the default's key splits); a
             tiling the compiler rejects (shared memory) is reported as an error row;
 times are the median over --repeats rounds of --chain back-to-back calls (ms per call), and
 "rel err" is the relative L2 difference of the output (and the scores) to xla's on the device.
@@ -103,17 +102,7 @@ def sweep_tilings(head_dim: int, defaults: AttentionBlockSizes) -> list[Attentio
         shapes = [(128, 32, 8, 2), (64, 64, 8, 2), (64, 32, 4, 2), (64, 32, 8, 3), (32, 32, 4, 2)]
         shapes += [(64, 64, 4, 2), (64, 64, 4, 1), (128, 64, 8, 1)]
     else:
-        # value blocks (the fifth entry, block_dv; None: all 512 columns, the tilings before it)
-        shapes = [(32, 32, 4, 2, None), (16, 32, 4, 2, None), (64, 32, 8, 2, 256), (32, 32, 4, 2, 256)]
-        shapes += [(64, 32, 4, 2, 128), (128, 32, 8, 2, 128), (64, 64, 4, 2, 128), (64, 16, 4, 2, 256)]
-        return [
-            t
-            for t in (
-                AttentionBlockSizes(bq, bk, defaults.num_splits, num_warps=w, num_stages=s, block_dv=dv)
-                for bq, bk, w, s, dv in shapes
-            )
-            if t != defaults
-        ]
+        shapes = [(64, 32, 8, 1), (64, 16, 8, 2), (32, 16, 4, 2), (32, 32, 8, 1), (16, 32, 4, 2)]
     tilings = [AttentionBlockSizes(bq, bk, defaults.num_splits, num_warps=w, num_stages=s) for bq, bk, w, s in shapes]
     return [t for t in tilings if t != defaults]
 
@@ -239,11 +228,7 @@ def run_case(case: Case, shape: Shape, args) -> list[dict]:
     tilings = [("kernel", default)]
     if not args.no_sweep and case.mode == "canvas":
         tilings += [
-            (
-                f"kernel {b.block_q}x{b.block_k} w{b.num_warps} s{b.num_stages}"
-                + (f" dv{b.block_dv}" if b.block_dv else ""),
-                b,
-            )
+            (f"kernel {b.block_q}x{b.block_k} w{b.num_warps} s{b.num_stages}", b)
             for b in sweep_tilings(shape.head_dim, default)
         ]
     for name, blocks in tilings:
