@@ -234,6 +234,9 @@ def test_the_routing_runs_the_kernel_only_where_the_triton_attention_runs():
     assert canvas_attention(Kernels(attention=True, interpret=True)) == "interpret"
     assert canvas_attention(Kernels(attention=True, mosaic=True)) == "xla"  # TPU: XLA's path
     assert canvas_attention_fn("xla") is canvas_cache_attention
+    # the 26B-A4B full layers' 512-wide heads on the kernel, wider ones on XLA
+    assert canvas_attention_fn("pallas", head_dim=512).func is canvas_cache_attention_pallas
+    assert canvas_attention_fn("pallas", head_dim=1024) is canvas_cache_attention
     with pytest.raises(ValueError, match="implementation"):
         canvas_attention_fn("triton")
 

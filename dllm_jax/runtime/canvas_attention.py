@@ -182,10 +182,11 @@ def canvas_cache_attention_pallas(
     return (out, scores) if score_rows is not None else out
 
 
-# The widest heads the kernel takes: on the H200 (scripts/gpu/canvas_attention.py, 2026-12-03,
-# BENCHMARKS.md) a 26B-A4B sliding layer (Dh 256) ran 2.7-3.2x faster than XLA's chunked
-# softmax at 8 and 32 slots, a full layer (Dh 512) 0.71-1.03x, so wider heads stay on XLA.
-KERNEL_MAX_HEAD_DIM = 256
+# The widest heads the kernel takes (scripts/gpu/canvas_attention.py, BENCHMARKS.md): a 26B-A4B
+# sliding layer (Dh 256) ran 2.7-3.2x faster than XLA's chunked softmax at 8 and 32 slots (H200,
+# 2026-12-03), a full layer (Dh 512) 1.83-1.96x on its default 32 x 32 tiling (H100, 2026-12-07).
+# Wider heads (no model of ours has them; never timed) stay on XLA.
+KERNEL_MAX_HEAD_DIM = 512
 
 
 def canvas_attention_fn(implementation: str, head_dim: int | None = None):

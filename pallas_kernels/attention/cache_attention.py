@@ -111,7 +111,9 @@ def default_attention_block_sizes(
     Wider heads keep BQ * Dh at 128 * 128 (the accumulator's registers) and take 32-key steps
     over two stages on 4 warps: the H200 sweep at Dh 256 (DiffusionGemma's sliding layers,
     BENCHMARKS.md, 2026-12-03) ran 64x32 on 4 warps 2.0-2.2x faster than on 8 (e.g. 32 slots
-    x 1024 keys: 0.839 against 1.833 ms)."""
+    x 1024 keys: 0.839 against 1.833 ms), and the H100 sweep at Dh 512 (the full layers,
+    2026-12-07) ran 32x32 on 4 warps fastest: 1.005 ms at 32 slots x 256 keys against 1.27-2.57
+    for 16- and 64-row tiles and value columns split over programs (tried, removed)."""
     group_rows = rows * (n_heads // n_kv_heads)
     most_rows = max(16, min(128, 128 * 128 // head_dim))
     block_q = min(most_rows, max(16, next_power_of_two(group_rows)))
