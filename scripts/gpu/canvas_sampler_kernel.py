@@ -34,6 +34,8 @@ function for the trace (its outputs then differ; only the time is reported):
   no-tanh      the soft-cap left out (the logits as float32)
   exp-tanh     cap * tanh(x / cap) as cap - 2 cap / (exp(2 x / cap) + 1)
   no-rounding  the processed logits not rounded to bf16 before the softmax's exp
+  cvt-rounding the rounding as a conversion to bf16 and back (the GPU's cvt.rn) instead of
+               the kernel's integer operations on the bits (equal results on the GPU)
   times-1/T    the processed logits as capped * (1 / T) instead of capped / T
   all          the four together
 beside "read", XLA's row max of the logits (one read of [R, V] bf16, the pass's memory floor).
@@ -199,6 +201,7 @@ ABLATIONS = {
     "exp-tanh": {"soft_cap": _exp_tanh},
     "no-rounding": {"_rounded": lambda x, dtype: x},
     "times-1/T": {"_load_processed": _times_reciprocal},
+    "cvt-rounding": {"_rounded": lambda x, dtype: x.astype(dtype).astype(jnp.float32)},
 }
 ABLATIONS["all"] = {
     "soft_cap": lambda x, cap: x.astype(jnp.float32),
