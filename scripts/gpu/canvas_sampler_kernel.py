@@ -37,7 +37,7 @@ function for the trace (its outputs then differ; only the time is reported):
   cvt-rounding the rounding as a conversion to bf16 and back (the GPU's cvt.rn) instead of
                the kernel's integer operations on the bits (equal results on the GPU)
   times-1/T    the processed logits as capped * (1 / T) instead of capped / T
-  all          the four together
+  all          no-tanh, no-rounding and times-1/T together
 beside "read", XLA's row max of the logits (one read of [R, V] bf16, the pass's memory floor).
 
 Writes canvas_sampler_kernel.json and .md in --out (after every case, so a run cut short keeps
