@@ -13,11 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from cuda_lowering import GPU_AUTO, lower_for_cuda
+from diffusion_gemma_small import small_config
 from tolerances import assert_close
 
 import dllm_jax.common.platform
 from dllm_jax.models import diffusion_gemma as dg
-from dllm_jax.models.diffusion_gemma_config import AttentionKind, DiffusionGemmaConfig, RopeSettings
+from dllm_jax.models.diffusion_gemma_config import DiffusionGemmaConfig
 from dllm_jax.models.experts import expert_mlp_with, grouped_expert_mlp, routed_sum
 from dllm_jax.models.gemma_layers import gelu_tanh
 from dllm_jax.models.quantization import quantize_experts
@@ -429,28 +430,15 @@ def test_auto_routes_the_experts_to_the_kernel_on_nvidia_gpus_only(monkeypatch):
 
 
 def _canvas_config() -> DiffusionGemmaConfig:
-    """Two layers, 4 experts of 2 per token, widths the kernel tiles (multiples of 16)."""
-    return DiffusionGemmaConfig(
-        d_model=32,
+    """The shared small config with 2 heads and widths the kernel tiles (multiples of 16), bf16."""
+    return small_config(
         n_heads=2,
-        layer_types=(AttentionKind.SLIDING, AttentionKind.FULL),
         sliding_head_dim=16,
         sliding_kv_heads=1,
-        full_head_dim=16,
-        full_kv_heads=1,
         mlp_hidden_size=32,
-        n_experts=4,
-        top_k_experts=2,
-        expert_hidden_size=16,
         vocab_size=64,
-        sliding_window=4,
-        sliding_rope=RopeSettings(10_000.0),
-        full_rope=RopeSettings(1_000_000.0, rotated_fraction=0.25),
         canvas_length=16,
         max_sequence_length=128,
-        pad_token_id=0,
-        bos_token_id=2,
-        eos_token_ids=(1,),
         dtype="bfloat16",
     )
 
