@@ -152,6 +152,39 @@ def test_bad_arguments_are_named():
         SamplerBlockSizes(block_v=48)
 
 
+def _kernel_bodies(jaxpr) -> dict[str, str]:
+    """The jaxpr text of every pallas_call body in a closed jaxpr, by the call's name."""
+    bodies = {}
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            # jax 0.10 names the call "name"; later ones "name_and_src_info"
+            name = eqn.params.get("name") or eqn.params["name_and_src_info"].name
+            bodies[str(name)] = str(eqn.params["jaxpr"])
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)
+            if hasattr(inner, "eqns"):
+                bodies.update(_kernel_bodies(inner))
+    return bodies
+
+
+def test_soft_cap_multiplies_by_the_reciprocal_as_xla_compiles_the_division():
+    """soft_cap is, bit for bit, the model's cap * tanh(x / cap) as XLA compiles it, and the
+    kernels divide per element only by the temperature (and pass 2 by the denominator): a
+    division by the cap would cost the kernel an IEEE division per element that XLA never runs."""
+    x = jax.random.normal(jax.random.key(3), (64, 1024), jnp.float32) * 60
+    got = jax.jit(lambda x: soft_cap(x, SOFTCAP))(x)
+    written = jax.jit(lambda x: jnp.tanh(x / jnp.float32(SOFTCAP)) * jnp.float32(SOFTCAP))(x)
+    assert bool(jnp.all(got == written))
+    spec = jax.ShapeDtypeStruct
+    jaxpr = jax.make_jaxpr(lambda a, t, u: canvas_sampler(a, t, u, softcap=SOFTCAP))(
+        spec((4, 1024), jnp.bfloat16), spec((4,), jnp.float32), spec((4,), jnp.float32)
+    )
+    divisions = {name: body.count(" div ") for name, body in _kernel_bodies(jaxpr.jaxpr).items()}
+    assert divisions == {"canvas_sampler_stats": 1, "canvas_sampler_probs": 2}
+    with pytest.raises(ValueError, match="cap=0.0: expected a number > 0"):
+        soft_cap(x, 0.0)
+
+
 def test_lowers_for_cuda_at_the_26b_a4b_shape():
     # one slot's canvas (256 rows) over DiffusionGemma's vocabulary, bf16 logits
     rows, vocab = 256, 262144

@@ -99,7 +99,14 @@ def token_entropy(logits: jax.Array) -> jax.Array:
     return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
 
 
-def soft_cap(logits: jax.Array, cap: float | jax.Array) -> jax.Array:
-    """float32 [...]: cap * tanh(logits / cap) (Gemma's final-logit soft-cap)."""
-    cap = jnp.float32(cap)
-    return jnp.tanh(logits.astype(jnp.float32) / cap) * cap
+def soft_cap(logits: jax.Array, cap: float) -> jax.Array:
+    """float32 [...]: cap * tanh(logits / cap) (Gemma's final-logit soft-cap).
+
+    The division is a product with cap's float32 reciprocal: what XLA compiles ``logits / cap``
+    to (its algebraic simplifier turns a division by a constant into that product, on the CPU
+    and the GPU alike), written out so that a Triton kernel computes the same bits without an
+    IEEE division per element.
+    """
+    if not isinstance(cap, (int, float)) or not cap > 0:
+        raise ValueError(f"cap={cap!r}: expected a number > 0")
+    return jnp.tanh(logits.astype(jnp.float32) * jnp.float32(1.0 / cap)) * jnp.float32(cap)
