@@ -43,7 +43,8 @@ ends whatever runs:
   profile   with --profile-slots, for each of those slot counts a device trace (jax.profiler)
             of --profile-iterations loop iterations: device-busy ms per iteration, the kernels
             summed per name (with the HLO ops the trace names), and by kind (the grouped GEMM's
-            kernels, other GEMMs, the rest); the loop's optimized HLO as OUT/loop_<slots>.hlo.txt.gz;
+            kernels, the attention kernel, other GEMMs, the rest), each beside its share of the
+            FLOP floor (the rest has none); the loop's optimized HLO as OUT/loop_<slots>.hlo.txt.gz;
   e2e       for each slot count, the equal-work schedule on its compiled loop: --requests
             requests of one canvas (256 tokens) after the prompt, --steps denoising steps each
             (no early stop), through Engine.generate (the session's host loop included): canvas
@@ -216,15 +217,27 @@ def floors(config: DiffusionGemmaConfig, slots: int, prompt: int, ceiling: dict)
     reached = 1 - (1 - K / E) ** rows
     read = (total - experts) + experts * reached
     plain = dataclasses.replace(config, quantization="none")
-    active = dg.active_params_per_token(plain, dg.abstract_params(plain))
+    plain_shapes = dg.abstract_params(plain)
+    active = dg.active_params_per_token(plain, plain_shapes)
+    # the routed experts' share of a token's parameters (K of E experts per layer)
+    routed = dg.count_params([plain_shapes[n]["experts"] for n in dg.STACKS.values() if n in plain_shapes]) * K // E
     attention = 0
     for kind in AttentionKind:
         cached = prompt if kind is AttentionKind.FULL else min(prompt, config.sliding_window - 1)
         attention += config.layers_of(kind) * 4 * (cached + L) * config.n_heads * config.head_dim(kind)
-    flops = rows * (2 * active + 2 * config.vocab_size * config.d_model + attention)
+    # per kernel kind (kernel_kind's names): the experts' grouped GEMMs, the other GEMMs (the
+    # projections, the dense MLP, the LM head and the soft embeddings), the attention; the rest
+    # (norms, routing, the sampler, copies) has no FLOPs counted
+    kinds = {
+        "grouped GEMM (experts)": 2 * routed,
+        "other GEMMs": 2 * (active - routed) + 2 * config.vocab_size * config.d_model,
+        "attention": attention,
+    }
+    flops = rows * sum(kinds.values())
     return {
         "weight_floor_ms": 1e3 * read / ceiling["bytes_per_s"],
         "flop_floor_ms": 1e3 * flops / ceiling["flops_per_s"],
+        "flop_floor_ms_by_kind": {k: 1e3 * rows * f / ceiling["flops_per_s"] for k, f in kinds.items()},
         "weight_gb": read / 1e9,
         "gflop": flops / 1e9,
     }
@@ -262,10 +275,13 @@ def step_time(engine, compiled, prompt_ids, slots: int, iterations: int, repeats
 
 
 def kernel_kind(name: str) -> str:
-    """What a traced kernel is: the Pallas grouped GEMM, another GEMM (cuBLAS, cuDNN, XLA's
-    Triton GEMM fusions), or the rest (attention, norms, routing, the sampler, copies)."""
+    """What a traced kernel is: the Pallas grouped GEMM, the Pallas cache-attention kernel,
+    another GEMM (cuBLAS, cuDNN, XLA's Triton GEMM fusions: with the attention on XLA its GEMMs
+    count here), or the rest (norms, routing, the sampler, copies, XLA's softmax passes)."""
     if "grouped_matmul" in name:
         return "grouped GEMM (experts)"
+    if name.startswith("cache_attention"):
+        return "attention"
     if is_gemm_kernel(name):
         return "other GEMMs"
     return "rest"
@@ -540,9 +556,16 @@ def write(out: Path, report: dict, show: bool = False) -> None:
             f"\nprofile, {row['slots']} slots: {profile['device_busy_ms']:.2f} ms busy of "
             f"{profile['wall_ms_profiled']:.2f} ms per iteration, {profile['kernels_per_iteration']:.0f} kernels"
         )
-        lines += ["", "| kind or kernel | ms per iteration | calls |", "|---|---|---|"]
-        lines += [f"| **{k}** | {v['ms']:.2f} | {v['calls']:.0f} |" for k, v in profile["by_kind"].items()]
-        lines += [f"| {k['name'][:100]} | {k['ms']:.3f} | {k['calls']:.0f} |" for k in profile["top"][:20]]
+        lines += [
+            "",
+            "| kind or kernel | ms per iteration | calls | FLOP floor ms | over it ms |",
+            "|---|---|---|---|---|",
+        ]
+        floor = row.get("flop_floor_ms_by_kind", {})
+        for k, v in profile["by_kind"].items():
+            f = floor.get(k, 0.0)
+            lines.append(f"| **{k}** | {v['ms']:.2f} | {v['calls']:.0f} | {f:.2f} | {v['ms'] - f:.2f} |")
+        lines += [f"| {k['name'][:100]} | {k['ms']:.3f} | {k['calls']:.0f} | | |" for k in profile["top"][:20]]
     if report.get("backend"):
         lines.append(f"\nbackend: {report['backend']}")
     groups = [f"{row['slots']} slots: {row['sampler_slots']}" for row in report["rows"] if "sampler_slots" in row]
