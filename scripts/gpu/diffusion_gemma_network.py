@@ -41,8 +41,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+try:  # run as a file (scripts/gpu is sys.path[0]), or imported in process as scripts.gpu.NAME
+    from repo_root import ROOT, put_checkout_on_path
+except ImportError:
+    from scripts.gpu.repo_root import ROOT, put_checkout_on_path
+put_checkout_on_path()
 
 REPORT = "diffusion_gemma_network"
 ROWS = (1, 8, 32)

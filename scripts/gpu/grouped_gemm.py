@@ -92,7 +92,11 @@ import time
 import types
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+try:  # run as a file (scripts/gpu is sys.path[0]), or imported in process as scripts.gpu.NAME
+    from repo_root import put_checkout_on_path
+except ImportError:
+    from scripts.gpu.repo_root import put_checkout_on_path
+put_checkout_on_path()
 
 # the families of variants --impls picks from
 IMPLS = ("xla", "pallas", "pallas-sweep", "8bit", "tokamax", "gated", "jax-mgpu")

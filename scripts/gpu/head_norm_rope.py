@@ -21,14 +21,17 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+try:  # run as a file (scripts/gpu is sys.path[0]), or imported in process as scripts.gpu.NAME
+    from repo_root import put_checkout_on_path
+except ImportError:
+    from scripts.gpu.repo_root import put_checkout_on_path
+put_checkout_on_path()
 from bench_kernels import time_chain  # noqa: E402
 
 from dllm_jax.common.atomic_write import write_text_atomically  # noqa: E402

@@ -55,8 +55,11 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+try:  # run as a file (scripts/gpu is sys.path[0]), or imported in process as scripts.gpu.NAME
+    from repo_root import put_checkout_on_path
+except ImportError:
+    from scripts.gpu.repo_root import put_checkout_on_path
+put_checkout_on_path()
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

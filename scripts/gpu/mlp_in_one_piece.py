@@ -3,9 +3,14 @@
 import runpy
 import sys
 
-import dllm_jax.runtime.cached_forward as c
+try:  # run as a file (scripts/gpu is sys.path[0]), or imported in process as scripts.gpu.NAME
+    from repo_root import put_checkout_on_path
+except ImportError:
+    from scripts.gpu.repo_root import put_checkout_on_path
+put_checkout_on_path()
+
+import dllm_jax.runtime.cached_forward as c  # noqa: E402
 
 c.MLP_CHUNK_ROWS = 10**9
 sys.argv = sys.argv[1:]
-sys.path.insert(0, "scripts")
 runpy.run_path(sys.argv[0], run_name="__main__")

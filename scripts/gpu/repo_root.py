@@ -1,0 +1,29 @@
+"""The checkout these scripts belong to, put on sys.path behind PYTHONPATH.
+
+A script run as ``python3 scripts/gpu/NAME.py`` sees scripts/gpu first on sys.path, then the
+PYTHONPATH entries. ``put_checkout_on_path`` adds the checkout's root and its scripts/ after
+those entries (not before them), so ``PYTHONPATH=$PWD/.old python3 scripts/gpu/NAME.py`` runs
+the older tree's dllm_jax and pallas_kernels under this checkout's script: the A/B the
+BENCHMARKS commands use. Inserting the root at sys.path[0], as these scripts did until
+2026-12-08, shadowed PYTHONPATH, so such an "old" run measured this checkout.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def put_checkout_on_path() -> None:
+    """ROOT and ROOT/scripts on sys.path right after the last PYTHONPATH entry (after
+    sys.path[0], the script's folder, without one); entries already there are left alone."""
+    wanted = {os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
+    seen = [i for i, p in enumerate(sys.path) if p and os.path.abspath(p) in wanted]
+    at = max(seen) + 1 if seen else min(1, len(sys.path))
+    present = {os.path.abspath(p) for p in sys.path if p}
+    for path in (str(ROOT / "scripts"), str(ROOT)):
+        if path not in present:
+            sys.path.insert(at, path)
