@@ -32,7 +32,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+try:  # run as a file (scripts/ is sys.path[0]), or imported in process as scripts.NAME
+    from gpu.repo_root import put_checkout_on_path
+except ImportError:
+    from scripts.gpu.repo_root import put_checkout_on_path
+put_checkout_on_path()
 
 # --batch-invariant: XLA reads its (deterministic) flags once, when the backend starts
 if "--batch-invariant" in sys.argv:
@@ -43,6 +47,7 @@ if "--batch-invariant" in sys.argv:
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from bench_kernels import Shapes, measure_ceilings, time_chain  # noqa: E402
 
 from dllm_jax.common.atomic_write import write_text_atomically  # noqa: E402
 from dllm_jax.engine.engine import Engine  # noqa: E402
@@ -54,16 +59,13 @@ from dllm_jax.models.quantization import (  # noqa: E402
     quantizes_embedding,
     weight_bytes,
 )
-from dllm_jax.models.quantization import (
+from dllm_jax.models.quantization import (  # noqa: E402
     QUANTIZED_MODULES as QUANTIZED,
 )
 from dllm_jax.models.transformer import init_params, init_params_per_layer  # noqa: E402
 from dllm_jax.runtime.decode_config import DecodeConfig  # noqa: E402
 from dllm_jax.runtime.sharding import parse_mesh  # noqa: E402
 from dllm_jax.sampling.params import SamplingParams  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import Shapes, measure_ceilings, time_chain  # noqa: E402
 
 WINDOW = 16
 METHODS = ("llada", "fast_dllm", "flash_cache", "flash_verify")

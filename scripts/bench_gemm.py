@@ -37,15 +37,18 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+try:  # run as a file (scripts/ is sys.path[0]), or imported in process as scripts.NAME
+    from gpu.repo_root import put_checkout_on_path
+except ImportError:
+    from scripts.gpu.repo_root import put_checkout_on_path
+put_checkout_on_path()
+from bench_kernels import rel_l2, time_chain  # noqa: E402
+
 from dllm_jax.common.atomic_write import write_text_atomically  # noqa: E402
 from dllm_jax.common.platform import on_nvidia_gpu  # noqa: E402
 from dllm_jax.models.quantization import quantize_kernel, quantized_matmul  # noqa: E402
 from pallas_kernels.common import next_power_of_two  # noqa: E402
 from pallas_kernels.matmul.int8_matmul import Int8MatmulBlockSizes, int8_weight_matmul, supports  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import rel_l2, time_chain  # noqa: E402
 
 SHAPES = {"qkvo 4096x4096": (4096, 4096), "gate/up 4096x12288": (4096, 12288), "down 12288x4096": (12288, 4096)}
 TINY_SHAPES = {"tiny 128x256": (128, 256)}

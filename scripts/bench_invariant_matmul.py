@@ -22,7 +22,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+try:  # run as a file (scripts/ is sys.path[0]), or imported in process as scripts.NAME
+    from gpu.repo_root import put_checkout_on_path
+except ImportError:
+    from scripts.gpu.repo_root import put_checkout_on_path
+put_checkout_on_path()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -32,7 +32,11 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+try:  # run as a file (scripts/ is sys.path[0]), or imported in process as scripts.NAME
+    from gpu.repo_root import put_checkout_on_path
+except ImportError:
+    from scripts.gpu.repo_root import put_checkout_on_path
+put_checkout_on_path()
 
 
 def parse_args(argv):

@@ -19,12 +19,15 @@ import dataclasses
 import hashlib
 import re
 import sys
-from pathlib import Path
 
 import jax
 from jax._src import source_info_util
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+try:  # run as a file (scripts/ is sys.path[0]), or imported in process as scripts.NAME
+    from gpu.repo_root import put_checkout_on_path
+except ImportError:
+    from scripts.gpu.repo_root import put_checkout_on_path
+put_checkout_on_path()
 
 import jax.numpy as jnp  # noqa: E402
 

@@ -26,7 +26,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+try:  # run as a file (scripts/ is sys.path[0]), or imported in process as scripts.NAME
+    from gpu.repo_root import put_checkout_on_path
+except ImportError:
+    from scripts.gpu.repo_root import put_checkout_on_path
+put_checkout_on_path()
 
 # ~645 M parameters = 1.29 GB in bf16: 10 blocks of d_model 2048, MLP 5632, vocab 32000.
 CONFIG = dict(

@@ -23,11 +23,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+try:  # run as a file (scripts/ is sys.path[0]), or imported in process as scripts.NAME
+    from gpu.repo_root import put_checkout_on_path
+except ImportError:
+    from scripts.gpu.repo_root import put_checkout_on_path
+put_checkout_on_path()
 from dllm_jax.common.atomic_write import write_text_atomically  # noqa: E402
 from dllm_jax.models.config import llada_8b_config  # noqa: E402
 from dllm_jax.models.embedded import tiny_model_path  # noqa: E402
-from dllm_jax.models.llada import LLaDABlock, LLaDAModel
+from dllm_jax.models.llada import LLaDABlock, LLaDAModel  # noqa: E402
 from dllm_jax.models.loading import load_model  # noqa: E402
 from dllm_jax.models.quantization import QUANTIZED_MODULES, dequantize_embedding, dequantize_kernel, quantize_params  # noqa: E402
 from dllm_jax.models.transformer import init_params_per_layer, unstack_layers  # noqa: E402

@@ -43,7 +43,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+try:  # run as a file (scripts/ is sys.path[0]), or imported in process as scripts.NAME
+    from gpu.repo_root import put_checkout_on_path
+except ImportError:
+    from scripts.gpu.repo_root import put_checkout_on_path
+put_checkout_on_path()
 
 from dllm_jax.common.atomic_write import write_text_atomically  # noqa: E402
 from scripts.load_test import percentile  # noqa: E402

@@ -1,11 +1,13 @@
-"""The checkout these scripts belong to, put on sys.path behind PYTHONPATH.
+"""The checkout the scripts belong to, put on sys.path behind PYTHONPATH.
 
-A script run as ``python3 scripts/gpu/NAME.py`` sees scripts/gpu first on sys.path, then the
-PYTHONPATH entries. ``put_checkout_on_path`` adds the checkout's root and its scripts/ after
-those entries (not before them), so ``PYTHONPATH=$PWD/.old python3 scripts/gpu/NAME.py`` runs
-the older tree's dllm_jax and pallas_kernels under this checkout's script: the A/B the
-BENCHMARKS commands use. Inserting the root at sys.path[0], as these scripts did until
-2026-12-08, shadowed PYTHONPATH, so such an "old" run measured this checkout.
+A script run as ``python3 scripts/gpu/NAME.py`` (or ``scripts/NAME.py``) sees its own folder
+first on sys.path, then the PYTHONPATH entries. ``put_checkout_on_path`` adds the checkout's
+root and its scripts/ after those entries (not before them), so ``PYTHONPATH=$PWD/.old python3
+scripts/gpu/NAME.py`` runs the older tree's dllm_jax and pallas_kernels under this checkout's
+script: the A/B the BENCHMARKS commands use. Every script in scripts/ and scripts/gpu calls it
+before importing either package (scripts/ as ``gpu.repo_root``); one that inserted the root at
+sys.path[0], as all did until 2026-12-08, shadowed PYTHONPATH for the whole process, so such an
+"old" run measured this checkout.
 """
 
 from __future__ import annotations
