@@ -21,7 +21,6 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
 try:  # run as a file (scripts/ is sys.path[0]), or imported in process as scripts.NAME
     from gpu.repo_root import put_checkout_on_path
 except ImportError:
