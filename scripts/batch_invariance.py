@@ -396,7 +396,6 @@ def build_leak_engine(args) -> tuple[Engine, str]:
         from dllm_jax.models.embedded import tiny_model_path
 
         return Engine.from_pretrained(str(tiny_model_path()), dtype=args.dtype, **kwargs), "the embedded tiny model"
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench import MODEL_SHAPES
 
     full = MODEL_SHAPES[args.model_shape]()
