@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -60,6 +61,14 @@ from pallas_kernels.attention.reference import dense_attention
 from pallas_kernels.sampling.inverse_cdf import soft_cap
 
 Weights = Any
+# the MoE block's three post-norms, as moe_output takes their weights: the dense MLP's, the
+# experts', the block's
+MOE_POST_NORMS = ("post_feedforward_layernorm_1", "post_feedforward_layernorm_2", "post_feedforward_layernorm")
+# (rows [T, D], dense MLP output [T, D], the experts' normed rows [T, D], routing weights float32
+# [T, K], experts int32 [T, K], gate_up, down, the MOE_POST_NORMS' weights [D] each, the rows'
+# layer scalars [T], *, eps) -> the layer's output rows [T, D]:
+# (rows + norm(norm(dense) + norm(experts' sum))) * scalar, as output_and_mlp computes it
+MoEOutput = Callable[..., jax.Array]
 
 
 class DiffusionGemmaLayer(nn.Module):
@@ -69,13 +78,15 @@ class DiffusionGemmaLayer(nn.Module):
     ``encode``, over the cache plus the canvas in ``decode``). expert_mlp: what computes the
     routed experts (None: experts.grouped_expert_mlp; a mesh's, dllm_jax.runtime.expert_sharding).
     head_norm: what norms q, k and v per head and rotates q and k (gemma_layers.HeadRMSNorm's
-    kernel; None: XLA).
+    kernel; None: XLA). moe_output: what computes the routed experts and the block's end from
+    them in one function (MoEOutput; None: the experts by expert_mlp, the post-norms by XLA).
     """
 
     config: DiffusionGemmaConfig
     kind: AttentionKind
     expert_mlp: ExpertMLP | None = None
     head_norm: HeadNormRope | None = None
+    moe_output: MoEOutput | None = None
 
     def setup(self):
         c, kind = self.config, self.kind
@@ -123,15 +134,34 @@ class DiffusionGemmaLayer(nn.Module):
         output rows; ``encoder`` picks the encoder's layer scalar (else the decoder's): a bool
         for all rows, or a bool array broadcast against h (e.g. [B, 1, 1], one per group of rows)."""
         h = h + self.post_attention_layernorm(self.o_proj(attn))
-        dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(h)))
+        mlp_out = self.mlp(self.pre_feedforward_layernorm(h))
         # [T', D]: the experts see the rows flat; the router reads the residual before any norm
         rows = h.reshape(-1, h.shape[-1])
         weights, experts = self.router(rows)
-        routed = self.experts(self.pre_feedforward_layernorm_2(rows), weights, experts).reshape(h.shape)
-        h = h + self.post_feedforward_layernorm(dense + self.post_feedforward_layernorm_2(routed))
+        expert_rows = self.pre_feedforward_layernorm_2(rows)
         if isinstance(encoder, bool):
-            return h * (self.encoder_layer_scalar if encoder else self.layer_scalar)
-        return h * jnp.where(encoder, self.encoder_layer_scalar, self.layer_scalar)
+            scalar = self.encoder_layer_scalar if encoder else self.layer_scalar
+        else:
+            scalar = jnp.where(encoder, self.encoder_layer_scalar, self.layer_scalar)
+        if self.moe_output is None or self.is_initializing():
+            dense = self.post_feedforward_layernorm_1(mlp_out)
+            routed = self.experts(expert_rows, weights, experts).reshape(h.shape)
+            return (h + self.post_feedforward_layernorm(dense + self.post_feedforward_layernorm_2(routed))) * scalar
+        # the post-norms' weights, read from the params: their modules are not called here
+        norms = self.variables["params"]
+        out = self.moe_output(
+            rows,
+            mlp_out.reshape(rows.shape),
+            expert_rows,
+            weights,
+            experts,
+            self.experts.gate_up_proj,
+            self.experts.down_proj,
+            *(norms[name]["weight"] for name in MOE_POST_NORMS),
+            jnp.broadcast_to(scalar, (*h.shape[:-1], 1)).reshape(-1),
+            eps=self.config.rms_norm_eps,
+        )
+        return out.reshape(h.shape)
 
     def __call__(self, h: jax.Array, positions: jax.Array) -> jax.Array:
         """The layer over rows [B, T, D] that attend only to each other, bidirectionally (the

@@ -9,8 +9,11 @@ it; a row's output is the weighted sum of its k experts' outputs (accumulated in
 ``grouped_expert_mlp`` computes this as two grouped GEMMs (``jax.lax.ragged_dot_general``,
 ragged_dot with the weights' input axis last) over the rows sorted by expert;
 ``dense_expert_mlp`` is the plain reference that runs every expert on every row and masks.
-``routed_sum`` is the grouped GEMMs' float32 sum over a contiguous block of the experts only
-(a device's share of them under a mesh, dllm_jax.runtime.expert_sharding).
+``routed_products`` are the grouped GEMMs' per-assignment outputs over a contiguous block of
+the experts (a device's share of them under a mesh, dllm_jax.runtime.expert_sharding) with
+each assignment's row, and ``routed_sum`` their float32 weighted sum
+(pallas_kernels.norm.moe_residual.weighted_sum; its kernel fuses that sum with the layer's
+post-norms).
 
 Which grouped GEMM (``grouped_gemm``, GROUPED_GEMMS): "xla", jax.lax.ragged_dot_general, which
 CPUs and TPUs run well and XLA:GPU (jax 0.11.2) rewrites into a dense product of every row with
@@ -42,6 +45,7 @@ import jax.numpy as jnp
 from dllm_jax.models.gemma_layers import gelu_tanh, rms_normalize
 from dllm_jax.models.layers import INIT, Linear
 from dllm_jax.models.quantization import GROUPED_ROWS, fp8_rows, quantized_ragged_dot, weight_dtype
+from pallas_kernels.norm.moe_residual import weighted_sum
 
 # An expert weight stack: [E, out, in] in the model dtype, or its 8-bit {"qkernel", "scale"}
 ExpertWeights = Any
@@ -131,7 +135,7 @@ def expert_mlp_with(grouped_gemm: str) -> ExpertMLP | None:
     return None if grouped_gemm == "xla" else functools.partial(grouped_expert_mlp, grouped_gemm=grouped_gemm)
 
 
-def routed_sum(
+def routed_products(
     x: jax.Array,
     weights: jax.Array,
     experts: jax.Array,
@@ -139,16 +143,15 @@ def routed_sum(
     down: ExpertWeights,
     first_expert: int | jax.Array = 0,
     grouped_gemm: str = "xla",
-) -> jax.Array:
-    """grouped_expert_mlp's sum before its rounding, over the experts gate_up and down hold:
-    the E experts from ``first_expert`` on (all of them by default).
+) -> tuple[jax.Array, jax.Array]:
+    """Each assignment's expert output, by the grouped GEMMs over the rows sorted by expert,
+    for the E experts gate_up and down hold: those from ``first_expert`` on (all of them by
+    default).
 
-    Returns float32 [T, D]: sum over the rows' assignments to those experts of the routing
-    weight times the expert's output (rounded to x's dtype, as transformers rounds it); the
-    other assignments add nothing. Summed over disjoint blocks of experts, the blocks' sums
-    are all experts' (exactly so for top-2 routing: each block adds a row's two terms, or one,
-    or none, to zeros). The other assignments are sorted last, in no group: the Pallas grouped
-    GEMM skips them (no MMA, no store) and the result masks them.
+    Returns (products [T * K, D] in x's dtype, the expert outputs in expert order, rounded as
+    transformers rounds them; position int32 [T, K], each assignment's row of products, -1 for
+    an assignment to another block's expert). The other assignments are sorted last, in no
+    group: the Pallas grouped GEMM skips them (no MMA, no store), so their rows hold anything.
     """
     T, K = experts.shape
     E = _shape(gate_up)[0]
@@ -165,15 +168,31 @@ def routed_sum(
     # [T * K, F] in x's dtype: gelu(gate) * up of the token rows in expert order (gathered by
     # the GEMM: order // K)
     hidden = gated(x, gate_up, group_sizes, sorted_experts, (order // K).astype(jnp.int32))
-    # [T * K, D]
-    out = gemm(hidden, down, group_sizes, sorted_experts).astype(x.dtype)
-    # each assignment's row in the sorted order; gathering the products back (rather than
-    # scattering a float32 copy of them) lets XLA read them once, inside the weighted sum
+    products = gemm(hidden, down, group_sizes, sorted_experts).astype(x.dtype)
     position = jnp.zeros((T * K,), jnp.int32).at[order].set(jnp.arange(T * K, dtype=jnp.int32))
-    mine = here.reshape(T, K, 1)
-    # rows in no group were never written: masked, not multiplied by a zero weight (NaN * 0)
-    products = jnp.where(mine, out[position].reshape(T, K, -1).astype(jnp.float32), 0.0)
-    return jnp.sum(products * weights[:, :, None], axis=1)
+    return products, jnp.where(here, position, -1).reshape(T, K)
+
+
+def routed_sum(
+    x: jax.Array,
+    weights: jax.Array,
+    experts: jax.Array,
+    gate_up: ExpertWeights,
+    down: ExpertWeights,
+    first_expert: int | jax.Array = 0,
+    grouped_gemm: str = "xla",
+) -> jax.Array:
+    """grouped_expert_mlp's sum before its rounding, over the experts gate_up and down hold
+    (routed_products' block).
+
+    Returns float32 [T, D]: sum over the rows' assignments to those experts of the routing
+    weight times the expert's output (rounded to x's dtype, as transformers rounds it); the
+    other assignments add nothing. Summed over disjoint blocks of experts, the blocks' sums
+    are all experts' (exactly so for top-2 routing: each block adds a row's two terms, or one,
+    or none, to zeros).
+    """
+    products, position = routed_products(x, weights, experts, gate_up, down, first_expert, grouped_gemm)
+    return weighted_sum(products, position, weights)
 
 
 def _shape(w: ExpertWeights) -> tuple[int, ...]:

@@ -33,12 +33,14 @@ from jax.sharding import Mesh
 
 from dllm_jax.models import diffusion_gemma as dg
 from dllm_jax.models.diffusion_gemma_config import AttentionKind, DiffusionGemmaConfig
+from dllm_jax.models.experts import routed_products
 from dllm_jax.models.gemma_layers import HeadNormRope
 from dllm_jax.runtime.cached_forward import SCORE_START_LAYER
 from dllm_jax.runtime.canvas_attention import canvas_attention_fn
 from dllm_jax.runtime.canvas_cache import CanvasCache
-from dllm_jax.runtime.expert_sharding import sharded_expert_mlp
+from dllm_jax.runtime.expert_sharding import experts_split, sharded_expert_mlp
 from pallas_kernels.norm import head_norm_rope as head_norm_kernel
+from pallas_kernels.norm import moe_residual as moe_residual_kernel
 
 
 @struct.dataclass
@@ -79,6 +81,32 @@ def head_norm_fn(implementation: str) -> HeadNormRope | None:
         if not head_norm_kernel.supports(*x.shape[1:]):
             return head_norm_kernel.head_norm_rope_reference(x, weight, cos, sin, eps=eps)
         return head_norm_kernel.head_norm_rope(x, weight, cos, sin, eps=eps, interpret=interpret)
+
+    return run
+
+
+# what may compute the routed experts' weighted sum with the MoE block's post-norms and residual:
+# XLA, the Triton kernel, the kernel in interpret mode
+MOE_OUTPUTS = ("xla", "pallas", "interpret")
+
+
+def moe_output_fn(implementation: str, grouped_gemm: str) -> dg.MoEOutput | None:
+    """DiffusionGemmaLayer's ``moe_output`` an implementation name (MOE_OUTPUTS) stands for:
+    None for XLA; else the experts' grouped GEMMs by ``grouped_gemm`` (experts.routed_products)
+    and their sum, the post-norms, the residual and the layer scalar by
+    pallas_kernels.norm.moe_residual (its reference for widths the kernel does not take)."""
+    if implementation not in MOE_OUTPUTS:
+        raise ValueError(f"implementation={implementation!r}: expected one of {MOE_OUTPUTS}")
+    if implementation == "xla":
+        return None
+    interpret = implementation == "interpret"
+
+    def run(h, dense, x, weights, experts, gate_up, down, w_dense, w_routed, w_out, scale, *, eps):
+        products, position = routed_products(x, weights, experts, gate_up, down, grouped_gemm=grouped_gemm)
+        args = (h, dense, products, position, weights, w_dense, w_routed, w_out, scale)
+        if not moe_residual_kernel.supports(h.shape[-1]):
+            return moe_residual_kernel.moe_residual_reference(*args, eps=eps)
+        return moe_residual_kernel.moe_residual(*args, eps=eps, interpret=interpret)
 
     return run
 
@@ -124,6 +152,7 @@ def canvas_forward(
     grouped_gemm: str = "xla",
     attention: str = "xla",
     head_norm: str = "xla",
+    moe_output: str = "xla",
 ) -> tuple[jax.Array, CanvasCache] | tuple[jax.Array, CanvasCache, jax.Array]:
     """Runs the model on the rows over the cache.
 
@@ -143,6 +172,9 @@ def canvas_forward(
       attention: what runs the attention over [cache; own rows]
         (dllm_jax.runtime.canvas_attention.CANVAS_ATTENTIONS; kernel_routing.canvas_attention).
       head_norm: what norms q/k/v per head and rotates q and k (HEAD_NORMS; kernel_routing.head_norm).
+      moe_output: what sums the routed experts' outputs and applies the MoE block's post-norms
+        and residual (MOE_OUTPUTS; kernel_routing.moe_output); XLA where the mesh splits the
+        experts (an expert or tensor axis).
     Returns:
       the last layer's output rows [S, R, D] (before the final norm), the cache with the
       written rows (the encoder groups' valid rows; with canvas_length, the decoder groups'
@@ -166,6 +198,7 @@ def canvas_forward(
     encoder = ~rows.decoder[:, None, None]
     expert_mlp = sharded_expert_mlp(mesh, grouped_gemm)
     norm = head_norm_fn(head_norm)
+    moe = moe_output_fn("xla" if experts_split(mesh) else moe_output, grouped_gemm)
     attends = {
         kind: canvas_attention_fn(
             attention, config.full_head_dim if kind is AttentionKind.FULL else config.sliding_head_dim
@@ -176,7 +209,7 @@ def canvas_forward(
     for layer in range(config.n_layers):
         kind = config.layer_types[layer]
         j, name = config.stack_index(layer), kind.value
-        module = dg.DiffusionGemmaLayer(config, kind, expert_mlp, norm)
+        module = dg.DiffusionGemmaLayer(config, kind, expert_mlp, norm, moe)
         variables = {"params": dg.layer_params(config, weights, layer)}
         q, k, v = module.apply(variables, h, rows.positions, method=dg.DiffusionGemmaLayer.project_qkv)
         # the writes land at or after each group's start, where no row of this pass reads

@@ -60,7 +60,7 @@ from dllm_jax.runtime.decode_loop import (
     record_results,
     run_while_work,
 )
-from dllm_jax.runtime.kernel_routing import Kernels, canvas_attention, grouped_gemm, head_norm
+from dllm_jax.runtime.kernel_routing import Kernels, canvas_attention, grouped_gemm, head_norm, moe_output
 from dllm_jax.runtime.sharding import (
     CACHE_ROWS,
     DATA,
@@ -153,11 +153,12 @@ class CanvasLoop:
     @property
     def _experts(self) -> dict:
         """canvas_forward's kernel choices (the kernel routing's): the routed experts'
-        grouped GEMMs, the attention and the per-head norms."""
+        grouped GEMMs, the attention, the per-head norms and the MoE block's end."""
         return {
             "grouped_gemm": grouped_gemm(self.kernels),
             "attention": canvas_attention(self.kernels, self.mesh),
             "head_norm": head_norm(self.kernels, self.mesh),
+            "moe_output": moe_output(self.kernels),
         }
 
     # ----- state -------------------------------------------------------------------------

@@ -22,13 +22,18 @@ from dllm_jax.models.experts import ExpertMLP, expert_mlp_with, num_experts, rou
 from dllm_jax.runtime.sharding import EXPERT, EXPERT_ROWS, EXPERTS, REPLICATED, TENSOR, axis_size, per_expert_shard
 
 
+def experts_split(mesh: Mesh | None) -> bool:
+    """Whether the mesh splits each layer's experts over devices (an expert or tensor axis)."""
+    return axis_size(mesh, EXPERT) * axis_size(mesh, TENSOR) > 1
+
+
 def sharded_expert_mlp(mesh: Mesh | None, grouped_gemm: str = "xla") -> ExpertMLP | None:
     """experts.grouped_expert_mlp under `mesh` (same signature and result: x [T, D], weights
     float32 [T, K], experts int32 [T, K], gate_up [E, 2F, D], down [E, D, F] split along E ->
     [T, D] in x's dtype, replicated; 8-bit expert weights likewise), its grouped GEMMs run
     with `grouped_gemm` (experts.GROUPED_GEMMS); None when neither the mesh splits an expert
     nor a kernel is asked for (the model's own)."""
-    if axis_size(mesh, EXPERT) * axis_size(mesh, TENSOR) == 1:
+    if not experts_split(mesh):
         return expert_mlp_with(grouped_gemm)
 
     def own_experts(x, weights, experts, gate_up, down):

@@ -89,6 +89,10 @@ class Kernels:
     # DiffusionGemma's per-head q/k/v RMSNorm and RoPE by one kernel pass
     # (pallas_kernels.norm.head_norm_rope) instead of XLA's three or four; not part of the name
     head_norm: bool = False
+    # DiffusionGemma's routed experts' weighted sum, the MoE block's three post-norms, the
+    # residual and the layer scalar by one kernel pass (pallas_kernels.norm.moe_residual)
+    # instead of XLA's two (with the [T, D] sum written between them); not part of the name
+    moe_output: bool = False
     # fp8 models: each projection's input quantized once, in the epilogue of its producer (the
     # RMSNorms before q/k/v and gate/up, SwiGLU before down: layers.Fp8Producers) instead of
     # by XLA before every GEMM (pass_producers()); changes nothing for other models, so not part
@@ -156,6 +160,7 @@ def _backend_kernels(backend: str | Kernels, interpret: bool) -> Kernels:
             experts=True,
             canvas_sampler=True,
             head_norm=True,
+            moe_output=True,
             interpret=interpret,
         )
     if backend == "auto" and platform.on_nvidia_gpu():
@@ -244,6 +249,13 @@ def head_norm(kernels: Kernels, mesh=None) -> str:
     (dllm_jax.runtime.canvas_forward.HEAD_NORMS): the Triton kernel where the routing asks for
     it, else XLA; XLA too under a tensor axis (GSPMD cannot split a kernel over the heads)."""
     return _implementation(kernels, kernels.head_norm and axis_size(mesh, TENSOR) <= 1)
+
+
+def moe_output(kernels: Kernels) -> str:
+    """What ends DiffusionGemma's MoE block, the experts' sum through the residual
+    (dllm_jax.runtime.canvas_forward.MOE_OUTPUTS): the Triton kernel where the routing asks for
+    it, else XLA (canvas_forward keeps XLA where a mesh splits the experts)."""
+    return _implementation(kernels, kernels.moe_output)
 
 
 def pallas_qkv_to_cache(config: ModelConfig, spec, stacked, x, positions, rows, k_cache, v_cache, layer):

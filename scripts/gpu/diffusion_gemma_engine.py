@@ -615,6 +615,17 @@ def xla_option(text: str) -> tuple[str, bool | int | str]:
         return key, value
 
 
+def kernel_switch(text: str) -> tuple[str, bool]:
+    """--kernel's NAME=true|false: a Kernels field switched over the backend's choice."""
+    from dllm_jax.runtime.kernel_routing import Kernels
+
+    name, sep, value = text.partition("=")
+    names = sorted(f.name for f in dataclasses.fields(Kernels) if f.type in ("bool", bool) and f.name != "interpret")
+    if not sep or name not in names or value.lower() not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=true|false, NAME one of {names}")
+    return name, value.lower() == "true"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="tiny shapes on any device (a smoke test)")
@@ -644,6 +655,15 @@ def main(argv=None) -> int:
         default=[],
         metavar="KEY=VALUE",
         help="an XLA option the loops are compiled with, over the engine's defaults (repeatable; true/false/ints parsed)",
+    )
+    p.add_argument(
+        "--kernel",
+        dest="kernel_switches",
+        type=kernel_switch,
+        action="append",
+        default=[],
+        metavar="NAME=BOOL",
+        help="switch one of the kernel routing's kernels (Kernels' field) on or off over --backend's choice (repeatable)",
     )
     p.add_argument(
         "--sampler-budget-bytes",
@@ -707,11 +727,14 @@ def main(argv=None) -> int:
     # off a GPU the kernels run in interpret mode (the CPU smoke: --tiny --backend pallas)
     interpret = jax.devices()[0].platform != "gpu"
     options = {**default_compiler_options(config.quantization), **dict(args.xla_options)}
+    from dllm_jax.runtime.kernel_routing import resolve_kernels
+
+    kernels = dataclasses.replace(resolve_kernels(args.backend, interpret), **dict(args.kernel_switches))
     engine = Engine(
         config,
         weights,
         None,
-        backend=args.backend,
+        backend=kernels,
         interpret=interpret,
         unroll_layers=True,
         full_pass_lanes=(),
@@ -719,6 +742,7 @@ def main(argv=None) -> int:
     )
     report["compiler_options"] = options
     report["backend"] = engine.backend + (" +experts" if engine.kernels.experts else "")
+    report["kernel_switches"] = dict(args.kernel_switches)
     rows = {
         slots: {"slots": slots, **floors(config, slots, args.prompt, report["ceilings"])} for slots in args.slots_counts
     }
