@@ -51,13 +51,21 @@ def inputs(seed: int, t: int, d: int, k: int, m: int, dtype):
 
 
 def assert_close(got, want, dtype, what=""):
-    """Within a few of the dtype's last places of the largest value: the kernel sums the k
-    products in order and each norm's squares per segment, XLA in an order of its own, so the
-    norms' scales may differ in their last bit and move a rounding."""
+    """Within a few of the dtype's last places of the largest value: the kernel sums each
+    norm's squares per column segment, XLA in an order of its own, so the norms' scales may
+    differ in their last float32 bit and move a rounding."""
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
     assert np.isfinite(got).all(), what
     tolerance = 4 * float(jnp.finfo(dtype).eps) * float(np.abs(want).max())
     np.testing.assert_allclose(got, want, rtol=0, atol=tolerance, err_msg=what)
+
+
+def op_by_op_reference(*args):
+    """The reference with every op rounded to the model dtype, as the model's ops round one by
+    one (and transformers' do): XLA compiling them together may skip intermediate bfloat16
+    roundings (excess precision), which moves about 15% of the bfloat16 results by one step."""
+    with jax.disable_jit():
+        return moe_residual_reference(*args, eps=EPS)
 
 
 @pytest.mark.parametrize(
@@ -73,7 +81,11 @@ def test_matches_the_reference(t, d, k, dtype, blocks):
     args = inputs(t + d + k, t, d, k, 3 * t, dtype)
     got = moe_residual(*args, eps=EPS, interpret=True, block_sizes=blocks)
     assert got.dtype == dtype and got.shape == (t, d)
-    assert_close(got, moe_residual_reference(*args, eps=EPS), dtype, f"{t}x{d} k {k}")
+    want = op_by_op_reference(*args)
+    assert_close(got, want, dtype, f"{t}x{d} k {k}")
+    if dtype == jnp.bfloat16:  # the roundings are the model's: equal but where a scale's last bit moves one
+        assert np.mean(np.asarray(got != want)) < 1e-3
+    assert_close(got, moe_residual_reference(*args, eps=EPS), dtype, "against XLA's compiled reference")
 
 
 def test_weighted_sum_masks_rows_of_no_assignment():
@@ -174,5 +186,6 @@ def test_the_gpu_script_runs_its_cpu_smoke(tmp_path):
     assert main(["--tiny", "--slots", "1", "--repeats", "1", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "moe_residual.json").read_text())["rows"]
     assert rows[0]["variant"] == "xla" and rows[0]["differ"] == 0.0
-    assert len(rows) > 2 and all(row["variant"].startswith("kernel") and row["differ"] < 0.5 for row in rows[1:])
+    assert len(rows) > 2 and all(row["variant"].startswith("kernel") for row in rows[1:])
+    assert all(row["differ_op_by_op"] < 1e-3 for row in rows[1:])  # bf16: the kernel rounds as the ops do
     assert (tmp_path / "moe_residual.md").read_text().count("| 1 |") == len(rows)

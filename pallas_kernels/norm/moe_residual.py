@@ -13,6 +13,13 @@ norms and the residual, 3.1 ms), writing the [T, D] sum between them and reading
 each program reads its rows' k products, the dense MLP's output and the residual once and
 writes the layer's output once.
 
+Rounding: each op's result is rounded to the model dtype, as the model's ops round one by one
+(and transformers' do); the k products are summed in order with fused multiply-adds. On the CPU
+in bfloat16 this equals the reference run op by op bit for bit but where a norm's sum of squares
+(per segment here) moves a result by one step (1 element in 20000 at D 2816), while XLA compiling
+the reference skips some of the intermediate roundings (excess precision) and differs from both
+in about 15% of the elements by one step.
+
 Shapes: D a multiple of 16 (``supports``): a program holds its rows as power-of-two column
 segments (2816 = 2048 + 512 + 256), so no load or store is masked and no lane is idle.
 Pallas Triton: lowers on a CPU for CUDA and runs in interpret mode; moe_residual_reference is

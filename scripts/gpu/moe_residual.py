@@ -9,8 +9,9 @@ times (median of --repeats samples of chained calls, scripts/bench_kernels.time_
 pallas_kernels.norm.moe_residual's jnp reference as XLA compiles it alone, the kernel's
 default tiling and a few others, and prints each one's rate in TB/s of its bytes (the k
 products, the dense MLP's output and the residual read once, the result written once) and the
-share of elements that differ from XLA's (the kernel sums the k products in order and each
-norm's squares per column segment, XLA in orders of its own). In the model XLA splits the
+share of elements that differ from XLA's and from the reference run op by op (every op
+rounded to bf16, as the kernel rounds; XLA compiling the reference skips some of those
+roundings). In the model XLA splits the
 reference into the gathered sum and a fusion of the norms, with the [T, D] sum written
 between them; the step (diffusion_gemma_engine.py --kernel moe_output=true) decides.
 """
@@ -82,13 +83,18 @@ def main(argv=None) -> int:
     rows_per_slot = 4 if args.tiny else 256
     inner = 2 if args.tiny else 10
     report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": []}
-    lines = ["| slots | variant | us per call | TB/s | differ from XLA |", "|---|---|---|---|---|"]
+    lines = [
+        "| slots | variant | us per call | TB/s | differ from XLA | differ from op by op |",
+        "|---|---|---|---|---|---|",
+    ]
     for slots in args.slots:
         t = slots * rows_per_slot
         h, *consts = operands(t, d, k)
         moved = (k + 3) * t * d * h.dtype.itemsize
         xla = jax.jit(functools.partial(moe_residual_reference, eps=EPS))
         want = np.asarray(xla(h, *consts), np.float32)
+        with jax.disable_jit():
+            op_by_op = np.asarray(moe_residual_reference(h, *consts, eps=EPS), np.float32)
         variants = [("xla", xla)] + [
             (
                 f"kernel {b.block_rows}r w{b.num_warps}",
@@ -98,7 +104,7 @@ def main(argv=None) -> int:
         ]
         for variant, fn in variants:
             got = np.asarray(fn(h, *consts), np.float32)
-            differ = float(np.mean(got != want))
+            differ, differ_ops = float(np.mean(got != want)), float(np.mean(got != op_by_op))
             seconds = time_chain(
                 lambda i, c, consts, fn=fn: fn(c, *consts),
                 jnp.array(h, copy=True),  # time_chain donates its carry
@@ -106,9 +112,18 @@ def main(argv=None) -> int:
                 inner=inner,
                 repeats=args.repeats,
             )
-            row = dict(slots=slots, variant=variant, us=seconds * 1e6, tb_s=moved / seconds / 1e12, differ=differ)
+            row = dict(
+                slots=slots,
+                variant=variant,
+                us=seconds * 1e6,
+                tb_s=moved / seconds / 1e12,
+                differ=differ,
+                differ_op_by_op=differ_ops,
+            )
             report["rows"].append(row)
-            lines.append(f"| {slots} | {variant} | {row['us']:.1f} | {row['tb_s']:.2f} | {differ:.4f} |")
+            lines.append(
+                f"| {slots} | {variant} | {row['us']:.1f} | {row['tb_s']:.2f} | {differ:.4f} | {differ_ops:.4f} |"
+            )
             print(lines[-1], flush=True)
     write_text_atomically(args.out / "moe_residual.json", json.dumps(report, indent=1))
     write_text_atomically(args.out / "moe_residual.md", "\n".join(lines) + "\n")
