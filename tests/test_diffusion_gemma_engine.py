@@ -28,7 +28,14 @@ from dllm_jax.policies.entropy_bound import DenoiseSettings
 from dllm_jax.runtime.canvas_cache import canvas_cache_bytes
 from dllm_jax.runtime.canvas_memory import check_canvas_loop
 from dllm_jax.runtime.decode_config import DecodeConfig
-from dllm_jax.runtime.kernel_routing import Kernels, canvas_attention, grouped_gemm, head_norm, moe_output
+from dllm_jax.runtime.kernel_routing import (
+    Kernels,
+    cache_write,
+    canvas_attention,
+    grouped_gemm,
+    head_norm,
+    moe_output,
+)
 from dllm_jax.runtime.memory_estimate import DeviceMemory, InsufficientMemoryError
 from dllm_jax.sampling.params import SamplingParams
 from dllm_jax.text.tiny_tokenizer import save_tiny_tokenizer
@@ -330,20 +337,24 @@ def test_the_gpu_kernels_give_the_reference_tokens(checkpoint, prompts, expected
     sliding window per row; canvases: all own rows), the experts by the grouped GEMM kernels
     (gate/up with gelu(gate) * up in its epilogue), q/k/v's per-head norms and RoPE by the
     head-norm kernel, the experts' sum with the MoE block's post-norms and residual by the
-    moe_residual kernel (backend "pallas"; "auto" does not run it yet) and the denoising stage
-    by the canvas sampler kernel; the same answers and denoising steps as the reference. One
+    moe_residual kernel and the cache writes by the row-scatter kernel (both backend "pallas";
+    "auto" does not run them yet) and the denoising stage by the canvas sampler kernel; the
+    same answers and denoising steps as the reference. One
     more compiled loop than the shared engine's (the kernels change the loop's program); each
     kernel alone against its reference: tests/test_canvas_attention.py,
     tests/test_grouped_matmul.py, tests/test_head_norm_rope.py, tests/test_moe_residual.py,
-    tests/test_canvas_sampler.py."""
+    tests/test_scatter_rows.py, tests/test_canvas_sampler.py."""
     kernel = Engine.from_pretrained(
         str(checkpoint),
         dtype="float32",
-        backend=Kernels(attention=True, experts=True, canvas_sampler=True, head_norm=True, moe_output=True),
+        backend=Kernels(
+            attention=True, experts=True, canvas_sampler=True, head_norm=True, moe_output=True, canvas_scatter=True
+        ),
         interpret=True,
     )
     assert kernel.decode_loop(DECODE, WIDTH).kernel_sampler and canvas_attention(kernel.kernels) == "interpret"
     assert grouped_gemm(kernel.kernels) == "interpret" == head_norm(kernel.kernels) == moe_output(kernel.kernels)
+    assert cache_write(kernel.kernels) == "interpret"
     _assert_reference_answers(_generate(kernel, prompts), expected)
     assert kernel.num_compilations == 1
 

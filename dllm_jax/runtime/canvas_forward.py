@@ -41,6 +41,7 @@ from dllm_jax.runtime.canvas_cache import CanvasCache
 from dllm_jax.runtime.expert_sharding import experts_split, sharded_expert_mlp
 from pallas_kernels.norm import head_norm_rope as head_norm_kernel
 from pallas_kernels.norm import moe_residual as moe_residual_kernel
+from pallas_kernels.projection.scatter_rows import scatter_kv_rows
 
 
 @struct.dataclass
@@ -111,6 +112,26 @@ def moe_output_fn(implementation: str, grouped_gemm: str) -> dg.MoEOutput | None
     return run
 
 
+# what may write the K/V rows into the cache: XLA's scatter, the row-scatter kernel (it skips
+# the rows a pass drops), the kernel in interpret mode
+CACHE_WRITES = ("xla", "pallas", "interpret")
+
+
+def cache_write_fn(implementation: str):
+    """(k_cache, v_cache [NL, M, W], k_rows, v_rows [N, W], rows int32 [N] (M: not written),
+    layer) -> the caches with the rows written, by XLA's scatter or
+    pallas_kernels.projection.scatter_rows (CACHE_WRITES)."""
+    if implementation not in CACHE_WRITES:
+        raise ValueError(f"implementation={implementation!r}: expected one of {CACHE_WRITES}")
+    if implementation == "xla":
+        return lambda k_cache, v_cache, k_rows, v_rows, rows, layer: (
+            k_cache.at[layer, rows].set(k_rows, mode="drop"),
+            v_cache.at[layer, rows].set(v_rows, mode="drop"),
+        )
+    interpret = implementation == "interpret"
+    return lambda *args: scatter_kv_rows(*args, interpret=interpret)
+
+
 def _key_windows(
     config: DiffusionGemmaConfig, rows: CanvasRows, cached_canvas: bool
 ) -> dict[AttentionKind, tuple[jax.Array, jax.Array]]:
@@ -153,6 +174,7 @@ def canvas_forward(
     attention: str = "xla",
     head_norm: str = "xla",
     moe_output: str = "xla",
+    cache_write: str = "xla",
 ) -> tuple[jax.Array, CanvasCache] | tuple[jax.Array, CanvasCache, jax.Array]:
     """Runs the model on the rows over the cache.
 
@@ -175,6 +197,8 @@ def canvas_forward(
       moe_output: what sums the routed experts' outputs and applies the MoE block's post-norms
         and residual (MOE_OUTPUTS; kernel_routing.moe_output); XLA where the mesh splits the
         experts (an expert or tensor axis).
+      cache_write: what writes the K/V rows into the cache (CACHE_WRITES;
+        kernel_routing.cache_write).
     Returns:
       the last layer's output rows [S, R, D] (before the final norm), the cache with the
       written rows (the encoder groups' valid rows; with canvas_length, the decoder groups'
@@ -199,6 +223,7 @@ def canvas_forward(
     expert_mlp = sharded_expert_mlp(mesh, grouped_gemm)
     norm = head_norm_fn(head_norm)
     moe = moe_output_fn("xla" if experts_split(mesh) else moe_output, grouped_gemm)
+    write = cache_write_fn(cache_write)
     attends = {
         kind: canvas_attention_fn(
             attention, config.full_head_dim if kind is AttentionKind.FULL else config.sliding_head_dim
@@ -213,8 +238,9 @@ def canvas_forward(
         variables = {"params": dg.layer_params(config, weights, layer)}
         q, k, v = module.apply(variables, h, rows.positions, method=dg.DiffusionGemmaLayer.project_qkv)
         # the writes land at or after each group's start, where no row of this pass reads
-        keys[name] = keys[name].at[j, targets].set(k.reshape(S, R, -1), mode="drop")
-        values[name] = values[name].at[j, targets].set(v.reshape(S, R, -1), mode="drop")
+        keys[name], values[name] = write(
+            keys[name], values[name], k.reshape(S * R, -1), v.reshape(S * R, -1), targets.reshape(S * R), j
+        )
         key_start, own_mask = windows[kind]
         scored = score_rows if layer >= SCORE_START_LAYER else None
         attn = attends[kind](

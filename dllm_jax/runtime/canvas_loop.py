@@ -60,7 +60,14 @@ from dllm_jax.runtime.decode_loop import (
     record_results,
     run_while_work,
 )
-from dllm_jax.runtime.kernel_routing import Kernels, canvas_attention, grouped_gemm, head_norm, moe_output
+from dllm_jax.runtime.kernel_routing import (
+    Kernels,
+    cache_write,
+    canvas_attention,
+    grouped_gemm,
+    head_norm,
+    moe_output,
+)
 from dllm_jax.runtime.sharding import (
     CACHE_ROWS,
     DATA,
@@ -151,14 +158,16 @@ class CanvasLoop:
         )
 
     @property
-    def _experts(self) -> dict:
+    def _kernel_choices(self) -> dict:
         """canvas_forward's kernel choices (the kernel routing's): the routed experts'
-        grouped GEMMs, the attention, the per-head norms and the MoE block's end."""
+        grouped GEMMs, the attention, the per-head norms, the MoE block's end and the cache
+        writes."""
         return {
             "grouped_gemm": grouped_gemm(self.kernels),
             "attention": canvas_attention(self.kernels, self.mesh),
             "head_norm": head_norm(self.kernels, self.mesh),
             "moe_output": moe_output(self.kernels),
+            "cache_write": cache_write(self.kernels, self.mesh),
         }
 
     # ----- state -------------------------------------------------------------------------
@@ -263,7 +272,7 @@ class CanvasLoop:
         the cache. B: the slots of one data shard."""
         B, L, D = self.shard_slots, self.policy.canvas_length, self.model.d_model
         dtype = self.model.jnp_dtype
-        run = dict(max_len=self.max_len, canvas_length=L, with_scores=True, mesh=self.mesh, **self._experts)
+        run = dict(max_len=self.max_len, canvas_length=L, with_scores=True, mesh=self.mesh, **self._kernel_choices)
         full = slots.active & jax.vmap(self.policy.needs_full)(slots)
         sparse = slots.active & ~full
         nothing = (jnp.zeros((B, L, D), dtype), jnp.zeros((B, self.max_len), jnp.float32))
@@ -342,7 +351,7 @@ class CanvasLoop:
         if self.policy.cached_rows is None:
             rows = jax.vmap(self.policy.rows)(slots)
             hidden, cache = canvas_forward(
-                self.model, weights, cache, rows, max_len=self.max_len, mesh=self.mesh, **self._experts
+                self.model, weights, cache, rows, max_len=self.max_len, mesh=self.mesh, **self._kernel_choices
             )
         else:
             slots, hidden, cache = self._cached_passes(weights, slots, cache, branch, any_sparse)

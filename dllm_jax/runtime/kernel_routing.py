@@ -93,6 +93,10 @@ class Kernels:
     # residual and the layer scalar by one kernel pass (pallas_kernels.norm.moe_residual)
     # instead of XLA's two (with the [T, D] sum written between them); not part of the name
     moe_output: bool = False
+    # DiffusionGemma's K/V cache writes by the row-scatter kernel
+    # (pallas_kernels.projection.scatter_rows), which skips the rows a pass drops (a denoising
+    # pass writes none), instead of XLA's scatter; not part of the name
+    canvas_scatter: bool = False
     # fp8 models: each projection's input quantized once, in the epilogue of its producer (the
     # RMSNorms before q/k/v and gate/up, SwiGLU before down: layers.Fp8Producers) instead of
     # by XLA before every GEMM (pass_producers()); changes nothing for other models, so not part
@@ -161,6 +165,7 @@ def _backend_kernels(backend: str | Kernels, interpret: bool) -> Kernels:
             canvas_sampler=True,
             head_norm=True,
             moe_output=True,
+            canvas_scatter=True,
             interpret=interpret,
         )
     if backend == "auto" and platform.on_nvidia_gpu():
@@ -256,6 +261,13 @@ def moe_output(kernels: Kernels) -> str:
     (dllm_jax.runtime.canvas_forward.MOE_OUTPUTS): the Triton kernel where the routing asks for
     it, else XLA (canvas_forward keeps XLA where a mesh splits the experts)."""
     return _implementation(kernels, kernels.moe_output)
+
+
+def cache_write(kernels: Kernels, mesh=None) -> str:
+    """What writes DiffusionGemma's K/V rows into its cache (dllm_jax.runtime.canvas_forward.
+    CACHE_WRITES): the row-scatter kernel where the routing asks for it, else XLA's scatter; XLA
+    too under a tensor axis (the cache's columns are split by heads there)."""
+    return _implementation(kernels, kernels.canvas_scatter and axis_size(mesh, TENSOR) <= 1)
 
 
 def pallas_qkv_to_cache(config: ModelConfig, spec, stacked, x, positions, rows, k_cache, v_cache, layer):

@@ -5,8 +5,15 @@ XLA's scatter of [N, kv_dim] rows into the flat cache ran at about 0.23 TB/s on 
 copy: each program loads a [block_rows, block_cols] tile of K (or V) and stores it to the
 tile's cache rows. Bytes: N * kv_dim * 2 read + the same written, for K and V.
 
-Used by the XLA projection path (backend "auto" on NVIDIA GPUs); the fused projection kernel
-(qkv_rope_cache) writes the cache itself.
+Rows named outside the cache ([0, M)) are not written, as XLA's scatter with mode="drop"
+leaves them, and a program whose rows are all outside loads nothing: DiffusionGemma's canvas
+passes name the cache's length for the rows they do not write (its denoising passes write
+none), where XLA's scatter still spent 21-43 us per layer and tensor on the H100 (26B-A4B, 32
+slots, 2026-12-07).
+
+Used by the XLA projection path (backend "auto" on NVIDIA GPUs) and DiffusionGemma's canvas
+passes (Kernels.canvas_scatter); the fused projection kernel (qkv_rope_cache) writes the cache
+itself.
 """
 
 from __future__ import annotations
@@ -46,17 +53,25 @@ def _scatter_kernel(layer_ref, rows_ref, k_vals_ref, v_vals_ref, _k_in, _v_in, k
     row0 = pl.program_id(0) * br
     chunk = pl.program_id(1)
     layer = layer_ref[0]
-    rows = rows_ref[pl.ds(row0, br)][:, None]
+    rows = rows_ref[pl.ds(row0, br)]
+    m = k_ref.shape[1]
+    written = (rows >= 0) & (rows < m)
+    mask = jnp.broadcast_to(written[:, None], (br, bc))
+    # dropped rows point past the cache (interpret mode's masked store gathers and scatters
+    # every lane: a negative row would wrap onto the last one)
+    targets = jnp.where(written, rows, m)[:, None]
 
     def copy(vals_ref, cache_ref, col0):
         cols = col0 + jnp.arange(bc, dtype=jnp.int32)[None, :]
-        plgpu.store(cache_ref.at[layer, rows, cols], vals_ref[pl.ds(row0, br), pl.ds(col0, bc)])
+        plgpu.store(cache_ref.at[layer, targets, cols], vals_ref[pl.ds(row0, br), pl.ds(col0, bc)], mask=mask)
 
-    @pl.when(chunk < n_col_blocks)
+    some = jnp.max(written.astype(jnp.int32)) > 0
+
+    @pl.when(some & (chunk < n_col_blocks))
     def _k():
         copy(k_vals_ref, k_ref, chunk * bc)
 
-    @pl.when(chunk >= n_col_blocks)
+    @pl.when(some & (chunk >= n_col_blocks))
     def _v():
         copy(v_vals_ref, v_ref, (chunk - n_col_blocks) * bc)
 
@@ -89,8 +104,9 @@ def scatter_kv_rows(
     """k_cache[layer, rows[i]] = k_rows[i] and the same for v, in place.
 
     k_cache, v_cache: [NL, M, W]; k_rows, v_rows: [N, W] in the cache dtype; rows: int32 [N]
-    cache rows (each in [0, M); no two rows equal unless their values are equal, e.g. padding
-    rows that all write one trash row); layer: int32 scalar. Returns the updated caches.
+    cache rows (no two rows in [0, M) equal unless their values are equal, e.g. padding rows
+    that all write one trash row; rows outside [0, M) are dropped: not written); layer: int32
+    scalar. Returns the updated caches.
     """
     _check(k_cache, v_cache, k_rows, v_rows, rows)
     n, width = k_rows.shape
@@ -100,10 +116,9 @@ def scatter_kv_rows(
     pad = cdiv(n, blocks.block_rows) * blocks.block_rows - n
     rows = rows.astype(jnp.int32)
     if pad:
-        # padding rows repeat the last row: the same value to the same place
-        rows = jnp.concatenate([rows, jnp.broadcast_to(rows[-1:], (pad,))])
-        k_rows = jnp.concatenate([k_rows, jnp.broadcast_to(k_rows[-1:], (pad, width))])
-        v_rows = jnp.concatenate([v_rows, jnp.broadcast_to(v_rows[-1:], (pad, width))])
+        # padding rows are dropped
+        rows = jnp.pad(rows, (0, pad), constant_values=-1)
+        k_rows, v_rows = (jnp.pad(x, ((0, pad), (0, 0))) for x in (k_rows, v_rows))
     n_col_blocks = width // blocks.block_cols
     kernel = functools.partial(_scatter_kernel, blocks=blocks, n_col_blocks=n_col_blocks)
     return pl.pallas_call(
@@ -122,7 +137,9 @@ def scatter_kv_rows(
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_sizes"), donate_argnums=(0, 1))
 def scatter_kv_rows_reference(k_cache, v_cache, k_rows, v_rows, rows, layer, *, interpret=False, block_sizes=None):
-    """Pure jnp: the same update through XLA's scatter."""
+    """Pure jnp: the same update through XLA's scatter (rows outside [0, M) dropped)."""
     del interpret, block_sizes
     _check(k_cache, v_cache, k_rows, v_rows, rows)
-    return k_cache.at[layer, rows].set(k_rows), v_cache.at[layer, rows].set(v_rows)
+    # negative rows would count from the end: moved past it, where mode="drop" drops them
+    rows = jnp.where(rows < 0, k_cache.shape[1], rows)
+    return k_cache.at[layer, rows].set(k_rows, mode="drop"), v_cache.at[layer, rows].set(v_rows, mode="drop")
