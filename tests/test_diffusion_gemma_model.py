@@ -415,3 +415,38 @@ def test_an_image_token_in_the_prompt_is_an_error(loaded):
     image_cfg = dataclasses.replace(cfg, image_token_id=90)
     with pytest.raises(ValueError, match="image inputs are not supported"):
         generate(image_cfg, params, np.array([[5, 90, 7]]), jax.random.key(0), max_new_tokens=CANVAS)
+
+
+def test_dots_that_share_an_input_read_it_apart_past_the_merge_limit(monkeypatch):
+    """Past MERGED_DOTS_MAX_ROWS, q/k/v and both gate/up pairs (the dense MLP's and
+    self-conditioning's) read their rows through an optimization barrier (XLA:GPU's DotMerger then
+    cannot concatenate their weights on every call); the values are the merged path's."""
+    from tests.diffusion_gemma_small import small_config
+
+    config = small_config()
+    rng = np.random.default_rng(0)
+    h = jnp.asarray(rng.standard_normal((2, 8, config.d_model)), jnp.float32)
+    positions = jnp.asarray(rng.integers(0, 64, (2, 8)), jnp.int32)
+
+    def run(kind, params):
+        layer = dg.DiffusionGemmaLayer(config, kind)
+        q, k, v = layer.apply(params, h, positions, method=dg.DiffusionGemmaLayer.project_qkv)
+        out = layer.apply(params, h, q.reshape(2, 8, -1), True, method=dg.DiffusionGemmaLayer.output_and_mlp)
+        conditioning = dg.SelfConditioning(config)
+        signal = conditioning.apply(conditioning.init(jax.random.key(3), h, h), h, 2 * h)
+        return q, k, v, out, signal
+
+    for kind in (AttentionKind.SLIDING, AttentionKind.FULL):
+        params = dg.DiffusionGemmaLayer(config, kind).init(jax.random.key(1), h, positions)
+        results, barriers = {}, {}
+        for limit in (None, 16, 15):  # 16 rows: merged
+            monkeypatch.setattr(dg, "MERGED_DOTS_MAX_ROWS", limit)
+            barriers[limit] = (
+                jax.jit(functools.partial(run, kind)).lower(params).as_text().count("optimization_barrier")
+            )
+            results[limit] = run(kind, params)
+        assert barriers[None] == barriers[16] == 0
+        # q/k(/v) once, the dense MLP's gate/up once, self-conditioning's gate/up once
+        assert barriers[15] == 3
+        for a, b in zip(results[None], results[15]):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(kind))

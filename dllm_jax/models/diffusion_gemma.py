@@ -55,7 +55,7 @@ from flax import struct
 from dllm_jax.models.diffusion_gemma_config import STACKS, AttentionKind, DiffusionGemmaConfig
 from dllm_jax.models.experts import ExpertMLP, Experts, Router
 from dllm_jax.models.gemma_layers import GatedMLP, GemmaRMSNorm, HeadNormRope, HeadRMSNorm, gelu_tanh, rms_normalize
-from dllm_jax.models.layers import INIT, Linear
+from dllm_jax.models.layers import INIT, Linear, dot_inputs
 from dllm_jax.models.quantization import quantize_params
 from pallas_kernels.attention.reference import dense_attention
 from pallas_kernels.sampling.inverse_cdf import soft_cap
@@ -69,6 +69,12 @@ MOE_POST_NORMS = ("post_feedforward_layernorm_1", "post_feedforward_layernorm_2"
 # layer scalars [T], *, eps) -> the layer's output rows [T, D]:
 # (rows + norm(norm(dense) + norm(experts' sum))) * scalar, as output_and_mlp computes it
 MoEOutput = Callable[..., jax.Array]
+# Past this many rows the dots that share an input (q/k/v, the dense MLP's and
+# self-conditioning's gate/up) read it apart (layers.dot_inputs), so XLA:GPU's DotMerger does not
+# concatenate their weights on every step (1.1 ms of copies in the 32-slot 26B-A4B step on the
+# H100, 2026-12-07-h, and 1.8 ms of slice copies for the head-norm kernel's operands). None
+# (always merged) until timed in the step: diffusion_gemma_engine.py --merged-dots-max-rows 256
+MERGED_DOTS_MAX_ROWS: int | None = None
 
 
 class DiffusionGemmaLayer(nn.Module):
@@ -104,7 +110,7 @@ class DiffusionGemmaLayer(nn.Module):
         self.v_norm = HeadRMSNorm(eps, dt, with_scale=False, kernel=self.head_norm)
         self.post_attention_layernorm = GemmaRMSNorm(eps, dt)
         self.pre_feedforward_layernorm = GemmaRMSNorm(eps, dt)
-        self.mlp = GatedMLP(c.mlp_hidden_size, c.d_model, dt, q)
+        self.mlp = GatedMLP(c.mlp_hidden_size, c.d_model, dt, q, MERGED_DOTS_MAX_ROWS)
         self.post_feedforward_layernorm_1 = GemmaRMSNorm(eps, dt)
         self.router = Router(c.n_experts, c.top_k_experts, eps, dt)
         self.pre_feedforward_layernorm_2 = GemmaRMSNorm(eps, dt)
@@ -121,12 +127,14 @@ class DiffusionGemmaLayer(nn.Module):
         head_dim = c.head_dim(kind)
         x = self.input_layernorm(h)
         lead = x.shape[:-1]
+        sliding = kind is AttentionKind.SLIDING
+        xq, xk, *xv = dot_inputs(x, 3 if sliding else 2, MERGED_DOTS_MAX_ROWS)
         # [..., T, Dh / 2]: one angle per row and frequency, shared by the heads
         angles = positions.astype(jnp.float32)[..., None] * c.rope(kind).inverse_frequencies(head_dim)
         cos, sin = jnp.cos(angles), jnp.sin(angles)
-        q = self.q_norm(self.q_proj(x).reshape(*lead, c.n_heads, head_dim), cos, sin)
-        k_raw = self.k_proj(x).reshape(*lead, c.kv_heads(kind), head_dim)
-        v_raw = self.v_proj(x).reshape(k_raw.shape) if kind is AttentionKind.SLIDING else k_raw
+        q = self.q_norm(self.q_proj(xq).reshape(*lead, c.n_heads, head_dim), cos, sin)
+        k_raw = self.k_proj(xk).reshape(*lead, c.kv_heads(kind), head_dim)
+        v_raw = self.v_proj(xv[0]).reshape(k_raw.shape) if sliding else k_raw
         return q, self.k_norm(k_raw, cos, sin), self.v_norm(v_raw)
 
     def output_and_mlp(self, h: jax.Array, attn: jax.Array, encoder: bool | jax.Array) -> jax.Array:
@@ -180,8 +188,9 @@ class SelfConditioning(nn.Module):
         c = self.config
         dt = c.jnp_dtype
         x = GemmaRMSNorm(c.rms_norm_eps, dt, name="pre_norm")(soft_embeddings)
-        gate = Linear(c.mlp_hidden_size, dt, name="gate_proj")(x)
-        up = Linear(c.mlp_hidden_size, dt, name="up_proj")(x)
+        x_gate, x_up = dot_inputs(x, 2, MERGED_DOTS_MAX_ROWS)
+        gate = Linear(c.mlp_hidden_size, dt, name="gate_proj")(x_gate)
+        up = Linear(c.mlp_hidden_size, dt, name="up_proj")(x_up)
         signal = Linear(c.d_model, dt, name="down_proj")(gelu_tanh(gate) * up)
         return rms_normalize(embeddings + signal, c.rms_norm_eps)
 

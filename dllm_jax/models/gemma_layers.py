@@ -11,7 +11,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from dllm_jax.models.layers import Linear
+from dllm_jax.models.layers import Linear, dot_inputs
 from pallas_kernels.norm.head_norm_rope import head_norm_rope_reference
 from pallas_kernels.norm.rms_norm import rms_normalize
 
@@ -60,16 +60,19 @@ class HeadRMSNorm(nn.Module):
 
 class GatedMLP(nn.Module):
     """down_proj(gelu_tanh(gate_proj(x)) * up_proj(x)): [..., D] -> [..., features], in dtype
-    (the three projections 8-bit with quantization "fp8" or "int8-weights")."""
+    (the three projections 8-bit with quantization "fp8" or "int8-weights"); gate and up read x
+    apart past max_merged_rows rows (layers.dot_inputs; None: never)."""
 
     hidden: int
     features: int
     dtype: Any
     quantization: str = "none"
+    max_merged_rows: int | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         q = self.quantization
-        gate = Linear(self.hidden, self.dtype, q, name="gate_proj")(x)
-        up = Linear(self.hidden, self.dtype, q, name="up_proj")(x)
+        x_gate, x_up = dot_inputs(x, 2, self.max_merged_rows)
+        gate = Linear(self.hidden, self.dtype, q, name="gate_proj")(x_gate)
+        up = Linear(self.hidden, self.dtype, q, name="up_proj")(x_up)
         return Linear(self.features, self.dtype, q, name="down_proj")(gelu_tanh(gate) * up)

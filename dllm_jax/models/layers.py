@@ -9,6 +9,7 @@ dllm_jax.runtime.cached_forward (over the flat cache); RoPE in pallas_kernels.pr
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -116,6 +117,18 @@ class RMSNorm(nn.Module):
         if producers is not None:
             return producers.rms_norm(x, weight, self.eps)
         return rms_norm(x, weight, self.eps)
+
+
+def dot_inputs(x: jax.Array, n: int, max_merged_rows: int | None) -> tuple[jax.Array, ...]:
+    """x for n dots that read it: x itself n times up to max_merged_rows rows (the product of
+    x's leading axes), where XLA:GPU's DotMerger may merge the dots (it concatenates their
+    weights, on every call unless XLA fuses the concatenation into a Triton GEMM); past it, the
+    n outputs of one optimization barrier, which the merger cannot take for one input, so the
+    dots stay apart. None: always x itself."""
+    rows = math.prod(x.shape[:-1])
+    if max_merged_rows is None or rows <= max_merged_rows:
+        return (x,) * n
+    return jax.lax.optimization_barrier((x,) * n)
 
 
 def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any
 
 import flax.linen as nn
@@ -43,7 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from dllm_jax.models.config import ModelConfig
-from dllm_jax.models.layers import Embedding, Fp8Producers, Linear, RMSNorm, swiglu
+from dllm_jax.models.layers import Embedding, Fp8Producers, Linear, RMSNorm, dot_inputs, swiglu
 from dllm_jax.models.quantization import QuantizedRows, quantize_params, quantizes_embedding
 from pallas_kernels.attention.reference import dense_attention
 from pallas_kernels.projection.rope import apply_rope, rope_cos_sin
@@ -101,8 +100,8 @@ class Block(nn.Module):
         dt = c.jnp_dtype
         lead = x.shape[:-1]
         xq = xk = xv = x
-        if isinstance(x, jax.Array) and math.prod(lead) > MERGED_QKV_MAX_ROWS:  # fp8 rows: the merger is off
-            xq, xk, xv = jax.lax.optimization_barrier((x, x, x))
+        if isinstance(x, jax.Array):  # fp8 rows: the merger is off
+            xq, xk, xv = dot_inputs(x, 3, MERGED_QKV_MAX_ROWS)
         q = self.q_proj(xq, jnp.float32).reshape(*lead, c.n_heads, c.head_dim)
         k = self.k_proj(xk, jnp.float32).reshape(*lead, c.n_kv_heads, c.head_dim)
         v = self.v_proj(xv, jnp.float32).reshape(*lead, c.n_kv_heads, c.head_dim)

@@ -677,6 +677,13 @@ def main(argv=None) -> int:
         default=None,
         help="the widest heads the canvas attention kernel takes (default: canvas_attention.KERNEL_MAX_HEAD_DIM)",
     )
+    p.add_argument(
+        "--merged-dots-max-rows",
+        type=int,
+        default=None,
+        help="past this many rows the dots that share an input read it apart "
+        "(default: diffusion_gemma.MERGED_DOTS_MAX_ROWS)",
+    )
     p.add_argument("--transformers-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     began = time.perf_counter()
@@ -710,6 +717,11 @@ def main(argv=None) -> int:
     if args.canvas_attention_max_head_dim is not None:  # read when a loop is traced
         canvas_attention.KERNEL_MAX_HEAD_DIM = args.canvas_attention_max_head_dim
     report["canvas_attention_max_head_dim"] = canvas_attention.KERNEL_MAX_HEAD_DIM
+    from dllm_jax.models import diffusion_gemma
+
+    if args.merged_dots_max_rows is not None:  # read when a loop is traced
+        diffusion_gemma.MERGED_DOTS_MAX_ROWS = args.merged_dots_max_rows
+    report["merged_dots_max_rows"] = diffusion_gemma.MERGED_DOTS_MAX_ROWS
 
     report.update(device=str(jax.devices()[0].device_kind), jax=jax.__version__)
     report["ceilings"] = ceilings(args.tiny)
