@@ -145,6 +145,33 @@ def test_diffusion_gemma_layer_through_the_kernel_equals_xla():
             assert_close(got, want, jnp.float32, f"{kind} encoder {encoder is True}")
 
 
+@pytest.mark.parametrize("mode", ["int8-weights", "fp8"])
+def test_diffusion_gemma_layer_on_8_bit_experts_through_the_kernel_equals_xla(mode):
+    """The kernel takes the products of 8-bit experts as it takes bf16 ones: the first layer of
+    a quantized small DiffusionGemma (float32 activations) through it gives XLA's rows."""
+    import dataclasses
+
+    from dllm_jax.models import diffusion_gemma as dg
+    from dllm_jax.models.quantization import quantize_params
+    from dllm_jax.runtime.canvas_forward import moe_output_fn
+    from tests.diffusion_gemma_small import small_config
+
+    config = small_config()
+    weights = jax.tree.map(np.asarray, jax.jit(dg.init_params, static_argnums=0)(config, jax.random.key(0)))
+    config = dataclasses.replace(config, quantization=mode)
+    params = {"params": dg.layer_params(config, quantize_params(weights, mode), 0)}
+    kind = config.layer_types[0]
+    rng = np.random.default_rng(1)
+    h = jnp.asarray(rng.standard_normal((2, 8, config.d_model)), jnp.float32)
+    attn = jnp.asarray(rng.standard_normal((2, 8, config.n_heads * config.head_dim(kind))), jnp.float32)
+    want = dg.DiffusionGemmaLayer(config, kind).apply(
+        params, h, attn, False, method=dg.DiffusionGemmaLayer.output_and_mlp
+    )
+    fused = dg.DiffusionGemmaLayer(config, kind, moe_output=moe_output_fn("interpret", "xla"))
+    got = fused.apply(params, h, attn, False, method=dg.DiffusionGemmaLayer.output_and_mlp)
+    assert_close(got, want, jnp.float32, mode)
+
+
 @pytest.mark.parametrize("t", [256, 8192])  # 1 and 32 slots' canvas rows
 def test_triton_lowering_at_26b_a4b_shape(t):
     spec = jax.ShapeDtypeStruct
