@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -43,6 +44,35 @@ def dividing_block(name: str, size: int, most: int, kernel: str) -> int:
     if block < 16:
         raise ValueError(f"{name}={size}: {kernel} needs a multiple of 16")
     return block
+
+
+@dataclasses.dataclass(frozen=True)
+class RowBlockSizes:
+    """Tiling of a kernel that gives each program a block of whole rows: block_rows rows per
+    program (a power of two; a call takes rows_for(n) of them), num_warps and num_stages Triton's."""
+
+    block_rows: int = 1
+    num_warps: int = 8
+    num_stages: int = 1
+
+    def __post_init__(self):
+        check_power_of_two("block_rows", self.block_rows, 1)
+        check_launch(self.num_warps, self.num_stages)
+
+    def rows_for(self, n: int) -> int:
+        """The largest power of two <= block_rows that divides n rows."""
+        rows = self.block_rows
+        while n % rows:
+            rows //= 2
+        return rows
+
+
+def rows_within(elements_per_row: int, most_elements: int) -> int:
+    """The most rows, a power of two, whose elements stay within most_elements; one at least."""
+    rows = 1
+    while 2 * rows * elements_per_row <= most_elements:
+        rows *= 2
+    return rows
 
 
 def dot_t(a: jax.Array, b: jax.Array) -> jax.Array:

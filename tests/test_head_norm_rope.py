@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from cuda_lowering import lower_for_cuda
 
+from pallas_kernels.common import RowBlockSizes
 from pallas_kernels.norm.head_norm_rope import (
-    HeadNormBlockSizes,
     default_block_sizes,
     head_norm_rope,
     head_norm_rope_reference,
@@ -50,10 +50,10 @@ def inputs(seed: int, n: int, heads: int, head_dim: int, dtype, rotated_pairs: i
 @pytest.mark.parametrize(
     ("n", "heads", "head_dim", "dtype", "rotated_pairs", "blocks"),
     [
-        (37, 4, 64, jnp.bfloat16, None, HeadNormBlockSizes(block_rows=4)),  # 37 rows: blocks of 1
-        (24, 8, 32, jnp.float32, None, HeadNormBlockSizes(block_rows=8)),  # blocks of 8
+        (37, 4, 64, jnp.bfloat16, None, RowBlockSizes(block_rows=4)),  # 37 rows: blocks of 1
+        (24, 8, 32, jnp.float32, None, RowBlockSizes(block_rows=8)),  # blocks of 8
         (16, 2, 128, jnp.bfloat16, 16, None),  # a quarter of the pairs rotated (full layers)
-        (6, 16, 32, jnp.float32, 4, HeadNormBlockSizes(block_rows=2, num_warps=8)),
+        (6, 16, 32, jnp.float32, 4, RowBlockSizes(block_rows=2, num_warps=8)),
     ],
 )
 def test_matches_the_reference(n, heads, head_dim, dtype, rotated_pairs, blocks):
@@ -93,7 +93,7 @@ def test_refuses_what_it_does_not_take():
     with pytest.raises(ValueError, match="cos"):
         head_norm_rope(x, weight, cos[:4], sin[:4], eps=EPS, interpret=True)
     with pytest.raises(ValueError, match="block_rows"):
-        HeadNormBlockSizes(block_rows=3)
+        RowBlockSizes(block_rows=3)
     assert supports(16, 512) and supports(2, 256) and not supports(6, 256) and not supports(4, 48)
 
 

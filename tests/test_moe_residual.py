@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from cuda_lowering import lower_for_cuda
 
+from pallas_kernels.common import RowBlockSizes
 from pallas_kernels.norm.moe_residual import (
-    MoEResidualBlockSizes,
     default_block_sizes,
     moe_residual,
     moe_residual_reference,
@@ -72,8 +72,8 @@ def op_by_op_reference(*args):
     ("t", "d", "k", "dtype", "blocks"),
     [
         (8, 2816, 8, jnp.bfloat16, None),  # 26B-A4B's width: segments of 2048, 512 and 256
-        (37, 48, 2, jnp.float32, MoEResidualBlockSizes(block_rows=4)),  # 37 rows: blocks of 1
-        (24, 32, 3, jnp.bfloat16, MoEResidualBlockSizes(block_rows=8, num_warps=8)),
+        (37, 48, 2, jnp.float32, RowBlockSizes(block_rows=4)),  # 37 rows: blocks of 1
+        (24, 32, 3, jnp.bfloat16, RowBlockSizes(block_rows=8, num_warps=8)),
         (6, 16, 1, jnp.float32, None),  # 6 rows of one segment: blocks of 2
     ],
 )

@@ -27,7 +27,6 @@ weight); cos, sin float32 [N, Dh / 2] or both None (no rotation): column i rotat
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -35,7 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import check_float, check_launch, check_power_of_two, compiler_params, is_power_of_two
+from pallas_kernels.common import RowBlockSizes, check_float, compiler_params, is_power_of_two, rows_within
 from pallas_kernels.norm.rms_norm import rms_normalize
 from pallas_kernels.projection.rope import apply_rope
 
@@ -45,27 +44,10 @@ from pallas_kernels.projection.rope import apply_rope
 ELEMENTS_PER_PROGRAM = 4096
 
 
-@dataclasses.dataclass(frozen=True)
-class HeadNormBlockSizes:
-    """block_rows: rows of x per program (a power of two; a call uses the largest power of two
-    <= it that divides N); num_warps, num_stages: Triton's."""
-
-    block_rows: int = 1
-    num_warps: int = 8
-    num_stages: int = 1
-
-    def __post_init__(self):
-        check_power_of_two("block_rows", self.block_rows, 1)
-        check_launch(self.num_warps, self.num_stages)
-
-
-def default_block_sizes(n_heads: int, head_dim: int) -> HeadNormBlockSizes:
+def default_block_sizes(n_heads: int, head_dim: int) -> RowBlockSizes:
     """As many rows as keep a program at ELEMENTS_PER_PROGRAM elements, at least one (one row of
-    16 heads of 256 or 512, two of 8 x 256, four of 2 x 512)."""
-    rows = 1
-    while 2 * rows * n_heads * head_dim <= ELEMENTS_PER_PROGRAM:
-        rows *= 2
-    return HeadNormBlockSizes(block_rows=rows)
+    16 heads of 256 or 512, two of 8 x 256, four of 2 x 512), on 8 warps."""
+    return RowBlockSizes(block_rows=rows_within(n_heads * head_dim, ELEMENTS_PER_PROGRAM))
 
 
 def supports(n_heads: int, head_dim: int) -> bool:
@@ -122,7 +104,7 @@ def head_norm_rope(
     *,
     eps: float,
     interpret: bool = False,
-    block_sizes: HeadNormBlockSizes | None = None,
+    block_sizes: RowBlockSizes | None = None,
 ) -> jax.Array:
     """Per-head RMSNorm (times weight) of x [N, H, Dh], then RoPE by cos/sin -> [N, H, Dh] in x's dtype.
 
@@ -138,9 +120,7 @@ def head_norm_rope(
     if not supports(heads, dh):
         raise ValueError(f"x.shape={x.shape}: H and Dh / 2 must be powers of two")
     blocks = block_sizes or default_block_sizes(heads, dh)
-    block_rows = blocks.block_rows
-    while n % block_rows:
-        block_rows //= 2
+    block_rows = blocks.rows_for(n)
     inputs = [x]
     if weight is not None:
         inputs.append(weight)

@@ -29,7 +29,6 @@ dllm_jax.models.experts).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -37,7 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import check_float, check_launch, check_power_of_two, check_shape, compiler_params
+from pallas_kernels.common import RowBlockSizes, check_float, check_shape, compiler_params, rows_within
 from pallas_kernels.norm.rms_norm import rms_normalize
 
 # elements of a row block one program holds per tensor, at most, by default: one 26B-A4B row
@@ -45,26 +44,9 @@ from pallas_kernels.norm.rms_norm import rms_normalize
 ELEMENTS_PER_PROGRAM = 4096
 
 
-@dataclasses.dataclass(frozen=True)
-class MoEResidualBlockSizes:
-    """block_rows: token rows per program (a power of two; a call uses the largest power of two
-    <= it that divides T); num_warps, num_stages: Triton's."""
-
-    block_rows: int = 1
-    num_warps: int = 4
-    num_stages: int = 1
-
-    def __post_init__(self):
-        check_power_of_two("block_rows", self.block_rows, 1)
-        check_launch(self.num_warps, self.num_stages)
-
-
-def default_block_sizes(d: int) -> MoEResidualBlockSizes:
-    """As many rows as keep a program at ELEMENTS_PER_PROGRAM elements per tensor, at least one."""
-    rows = 1
-    while 2 * rows * d <= ELEMENTS_PER_PROGRAM:
-        rows *= 2
-    return MoEResidualBlockSizes(block_rows=rows)
+def default_block_sizes(d: int) -> RowBlockSizes:
+    """As many rows as keep a program at ELEMENTS_PER_PROGRAM elements per tensor, at least one, on 4 warps."""
+    return RowBlockSizes(block_rows=rows_within(d, ELEMENTS_PER_PROGRAM), num_warps=4)
 
 
 def supports(d: int) -> bool:
@@ -175,7 +157,7 @@ def moe_residual(
     *,
     eps: float,
     interpret: bool = False,
-    block_sizes: MoEResidualBlockSizes | None = None,
+    block_sizes: RowBlockSizes | None = None,
 ) -> jax.Array:
     """The MoE block's output rows (see the module doc) -> [T, D] in h's dtype.
 
@@ -197,9 +179,7 @@ def moe_residual(
     if not supports(d):
         raise ValueError(f"h.shape={h.shape}: D must be a multiple of 16")
     blocks = block_sizes or default_block_sizes(d)
-    block_rows = blocks.block_rows
-    while t % block_rows:
-        block_rows //= 2
+    block_rows = blocks.rows_for(t)
     return pl.pallas_call(
         functools.partial(_kernel, block_rows=block_rows, eps=float(eps)),
         grid=(t // block_rows,),

@@ -35,8 +35,8 @@ put_checkout_on_path()
 from bench_kernels import time_chain  # noqa: E402
 
 from dllm_jax.common.atomic_write import write_text_atomically  # noqa: E402
+from pallas_kernels.common import RowBlockSizes  # noqa: E402
 from pallas_kernels.norm.head_norm_rope import (  # noqa: E402
-    HeadNormBlockSizes,
     default_block_sizes,
     head_norm_rope,
     head_norm_rope_reference,
@@ -58,12 +58,12 @@ def operands(n: int, heads: int, head_dim: int, fraction: float):
     return x, weight, jnp.cos(angles), jnp.sin(angles)
 
 
-def tilings(heads: int, head_dim: int) -> list[HeadNormBlockSizes]:
+def tilings(heads: int, head_dim: int) -> list[RowBlockSizes]:
     default = default_block_sizes(heads, head_dim)
     out = [default]
     for rows in (default.block_rows // 2, default.block_rows, 2 * default.block_rows):
         for warps in (4, 8):
-            blocks = HeadNormBlockSizes(block_rows=max(1, rows), num_warps=warps)
+            blocks = RowBlockSizes(block_rows=max(1, rows), num_warps=warps)
             if blocks not in out:
                 out.append(blocks)
     return out

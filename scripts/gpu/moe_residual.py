@@ -35,8 +35,8 @@ put_checkout_on_path()
 from bench_kernels import time_chain  # noqa: E402
 
 from dllm_jax.common.atomic_write import write_text_atomically  # noqa: E402
+from pallas_kernels.common import RowBlockSizes  # noqa: E402
 from pallas_kernels.norm.moe_residual import (  # noqa: E402
-    MoEResidualBlockSizes,
     default_block_sizes,
     moe_residual,
     moe_residual_reference,
@@ -59,12 +59,12 @@ def operands(t: int, d: int, k: int):
     return h, dense, products, position, weights, *norms, scale
 
 
-def tilings(d: int) -> list[MoEResidualBlockSizes]:
+def tilings(d: int) -> list[RowBlockSizes]:
     default = default_block_sizes(d)
     out = [default]
     for rows in (default.block_rows, 2 * default.block_rows, 4 * default.block_rows):
         for warps in (4, 8):
-            blocks = MoEResidualBlockSizes(block_rows=rows, num_warps=warps)
+            blocks = RowBlockSizes(block_rows=rows, num_warps=warps)
             if blocks not in out:
                 out.append(blocks)
     return out
