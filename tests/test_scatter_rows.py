@@ -43,7 +43,7 @@ def test_scatter_writes_exactly_the_named_rows(n_rows, width, dtype, blocks):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_rows_outside_the_cache_are_dropped(dtype):
-    """As XLA's scatter with mode="drop": rows past the cache (DiffusionGemma's canvas passes name
+    """With drop=True, as XLA's scatter with mode="drop": rows past the cache (DiffusionGemma's canvas passes name
     its length) or negative are not written, nor do they disturb the written rows; a block of
     dropped rows only (the first 16 here) writes nothing."""
     rng = np.random.RandomState(0)
@@ -56,8 +56,8 @@ def test_rows_outside_the_cache_are_dropped(dtype):
     as_dev = lambda a: jnp.asarray(a, dtype)  # noqa: E731
     args = lambda: (as_dev(cache), as_dev(cache), as_dev(k), as_dev(v), jnp.asarray(rows), jnp.int32(1))  # noqa: E731
     blocks = ScatterBlockSizes(block_rows=16, block_cols=16)
-    got_k, got_v = scatter_kv_rows(*args(), interpret=True, block_sizes=blocks)
-    want_k, want_v = scatter_kv_rows_reference(*args())
+    got_k, got_v = scatter_kv_rows(*args(), drop=True, interpret=True, block_sizes=blocks)
+    want_k, want_v = scatter_kv_rows_reference(*args(), drop=True)
     np.testing.assert_array_equal(np.asarray(got_k, np.float32), np.asarray(want_k, np.float32))
     np.testing.assert_array_equal(np.asarray(got_v, np.float32), np.asarray(want_v, np.float32))
     kept = (rows >= 0) & (rows < m)

@@ -129,7 +129,7 @@ def cache_write_fn(implementation: str):
             v_cache.at[layer, rows].set(v_rows, mode="drop"),
         )
     interpret = implementation == "interpret"
-    return lambda *args: scatter_kv_rows(*args, interpret=interpret)
+    return lambda *args: scatter_kv_rows(*args, drop=True, interpret=interpret)
 
 
 def _key_windows(

@@ -5,8 +5,8 @@ XLA's scatter of [N, kv_dim] rows into the flat cache ran at about 0.23 TB/s on 
 copy: each program loads a [block_rows, block_cols] tile of K (or V) and stores it to the
 tile's cache rows. Bytes: N * kv_dim * 2 read + the same written, for K and V.
 
-Rows named outside the cache ([0, M)) are not written, as XLA's scatter with mode="drop"
-leaves them, and a program whose rows are all outside loads nothing: DiffusionGemma's canvas
+With drop=True, rows named outside the cache ([0, M)) are not written, as XLA's scatter with
+mode="drop" leaves them, and a program whose rows are all outside loads nothing: DiffusionGemma's canvas
 passes name the cache's length for the rows they do not write (its denoising passes write
 none), where XLA's scatter still spent 12-22 us per call, 1.2 ms per 32-slot 26B-A4B step, on
 the H100 (2026-12-07).
@@ -48,30 +48,36 @@ def default_scatter_block_sizes(kv_width: int) -> ScatterBlockSizes:
     return ScatterBlockSizes(block_cols=min(512, kv_width))
 
 
-def _scatter_kernel(layer_ref, rows_ref, k_vals_ref, v_vals_ref, _k_in, _v_in, k_ref, v_ref, *, blocks, n_col_blocks):
+def _scatter_kernel(
+    layer_ref, rows_ref, k_vals_ref, v_vals_ref, _k_in, _v_in, k_ref, v_ref, *, blocks, n_col_blocks, drop
+):
     br, bc = blocks.block_rows, blocks.block_cols
     row0 = pl.program_id(0) * br
     chunk = pl.program_id(1)
     layer = layer_ref[0]
     rows = rows_ref[pl.ds(row0, br)]
-    m = k_ref.shape[1]
-    written = (rows >= 0) & (rows < m)
-    mask = jnp.broadcast_to(written[:, None], (br, bc))
-    # dropped rows point past the cache (interpret mode's masked store gathers and scatters
-    # every lane: a negative row would wrap onto the last one)
-    targets = jnp.where(written, rows, m)[:, None]
+    if drop:
+        m = k_ref.shape[1]
+        written = (rows >= 0) & (rows < m)
+        mask = jnp.broadcast_to(written[:, None], (br, bc))
+        # dropped rows point past the cache (interpret mode's masked store gathers and scatters
+        # every lane: a negative row would wrap onto the last one)
+        rows = jnp.where(written, rows, m)
+        some = jnp.max(written.astype(jnp.int32)) > 0
+        when = lambda condition: pl.when(some & condition)  # noqa: E731
+    else:
+        mask, when = None, pl.when
+    rows = rows[:, None]
 
     def copy(vals_ref, cache_ref, col0):
         cols = col0 + jnp.arange(bc, dtype=jnp.int32)[None, :]
-        plgpu.store(cache_ref.at[layer, targets, cols], vals_ref[pl.ds(row0, br), pl.ds(col0, bc)], mask=mask)
+        plgpu.store(cache_ref.at[layer, rows, cols], vals_ref[pl.ds(row0, br), pl.ds(col0, bc)], mask=mask)
 
-    some = jnp.max(written.astype(jnp.int32)) > 0
-
-    @pl.when(some & (chunk < n_col_blocks))
+    @when(chunk < n_col_blocks)
     def _k():
         copy(k_vals_ref, k_ref, chunk * bc)
 
-    @pl.when(some & (chunk >= n_col_blocks))
+    @when(chunk >= n_col_blocks)
     def _v():
         copy(v_vals_ref, v_ref, (chunk - n_col_blocks) * bc)
 
@@ -89,7 +95,7 @@ def _check(k_cache, v_cache, k_rows, v_rows, rows):
         raise ValueError(f"rows {rows.shape} {rows.dtype}: expected int [N]")
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "block_sizes"), donate_argnums=(0, 1))
+@functools.partial(jax.jit, static_argnames=("drop", "interpret", "block_sizes"), donate_argnums=(0, 1))
 def scatter_kv_rows(
     k_cache: jax.Array,
     v_cache: jax.Array,
@@ -98,6 +104,7 @@ def scatter_kv_rows(
     rows: jax.Array,
     layer: jax.Array,
     *,
+    drop: bool = False,
     interpret: bool = False,
     block_sizes: ScatterBlockSizes | None = None,
 ) -> tuple[jax.Array, jax.Array]:
@@ -105,8 +112,9 @@ def scatter_kv_rows(
 
     k_cache, v_cache: [NL, M, W]; k_rows, v_rows: [N, W] in the cache dtype; rows: int32 [N]
     cache rows (no two rows in [0, M) equal unless their values are equal, e.g. padding rows
-    that all write one trash row; rows outside [0, M) are dropped: not written); layer: int32
-    scalar. Returns the updated caches.
+    that all write one trash row); layer: int32 scalar. drop: rows outside [0, M) are dropped
+    (not written), else every row must be inside (the kernel LLaDA's step was measured with:
+    no masks). Returns the updated caches.
     """
     _check(k_cache, v_cache, k_rows, v_rows, rows)
     n, width = k_rows.shape
@@ -115,12 +123,16 @@ def scatter_kv_rows(
         raise ValueError(f"kv width {width} is not a multiple of block_cols={blocks.block_cols}")
     pad = cdiv(n, blocks.block_rows) * blocks.block_rows - n
     rows = rows.astype(jnp.int32)
-    if pad:
-        # padding rows are dropped
+    if pad and drop:
         rows = jnp.pad(rows, (0, pad), constant_values=-1)
         k_rows, v_rows = (jnp.pad(x, ((0, pad), (0, 0))) for x in (k_rows, v_rows))
+    elif pad:
+        # padding rows repeat the last row: the same value to the same place
+        rows = jnp.concatenate([rows, jnp.broadcast_to(rows[-1:], (pad,))])
+        k_rows = jnp.concatenate([k_rows, jnp.broadcast_to(k_rows[-1:], (pad, width))])
+        v_rows = jnp.concatenate([v_rows, jnp.broadcast_to(v_rows[-1:], (pad, width))])
     n_col_blocks = width // blocks.block_cols
-    kernel = functools.partial(_scatter_kernel, blocks=blocks, n_col_blocks=n_col_blocks)
+    kernel = functools.partial(_scatter_kernel, blocks=blocks, n_col_blocks=n_col_blocks, drop=drop)
     return pl.pallas_call(
         kernel,
         grid=((n + pad) // blocks.block_rows, 2 * n_col_blocks),
@@ -135,10 +147,12 @@ def scatter_kv_rows(
     )(jnp.reshape(layer, (1,)).astype(jnp.int32), rows, k_rows, v_rows, k_cache, v_cache)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "block_sizes"), donate_argnums=(0, 1))
-def scatter_kv_rows_reference(k_cache, v_cache, k_rows, v_rows, rows, layer, *, interpret=False, block_sizes=None):
-    """Pure jnp: the same update through XLA's scatter (rows outside [0, M) dropped)."""
-    del interpret, block_sizes
+@functools.partial(jax.jit, static_argnames=("drop", "interpret", "block_sizes"), donate_argnums=(0, 1))
+def scatter_kv_rows_reference(
+    k_cache, v_cache, k_rows, v_rows, rows, layer, *, drop=False, interpret=False, block_sizes=None
+):
+    """Pure jnp: the same update through XLA's scatter (drop: rows outside [0, M) dropped)."""
+    del drop, interpret, block_sizes
     _check(k_cache, v_cache, k_rows, v_rows, rows)
     # negative rows would count from the end: moved past it, where mode="drop" drops them
     rows = jnp.where(rows < 0, k_cache.shape[1], rows)
