@@ -93,6 +93,7 @@ def test_diffusion_gemma_writes_through_the_kernel_where_asked(monkeypatch):
     import dllm_jax.common.platform
     from dllm_jax.runtime.canvas_forward import cache_write_fn
     from dllm_jax.runtime.kernel_routing import Kernels, cache_write, resolve_kernels
+    from pallas_kernels.projection import scatter_rows
 
     assert cache_write(resolve_kernels("pallas", interpret=True)) == "interpret"
     assert cache_write(Kernels(canvas_scatter=True)) == "pallas"
@@ -105,9 +106,20 @@ def test_diffusion_gemma_writes_through_the_kernel_where_asked(monkeypatch):
     # the XLA function drops the same rows the kernel drops
     rows = jnp.asarray([8, 3, 8, 0], jnp.int32)
     values = jnp.arange(64.0).reshape(4, 16)
+    assert scatter_rows.supports(2048) and scatter_rows.supports(64) and not scatter_rows.supports(96)
     expected = np.zeros((2, 8, 16), np.float32)
     expected[1, 3], expected[1, 0] = values[1], values[3]
     for implementation in ("xla", "interpret"):
         k, v = cache_write_fn(implementation)(jnp.zeros((2, 8, 16)), jnp.zeros((2, 8, 16)), values, -values, rows, 1)
         np.testing.assert_array_equal(np.asarray(k), expected, err_msg=implementation)
         np.testing.assert_array_equal(np.asarray(v), -expected, err_msg=implementation)
+    # a width the kernel does not tile (96) is written by XLA's scatter
+    k, _ = cache_write_fn("interpret")(
+        jnp.zeros((1, 8, 96)),
+        jnp.zeros((1, 8, 96)),
+        jnp.ones((2, 96)),
+        jnp.ones((2, 96)),
+        jnp.asarray([8, 2], jnp.int32),
+        0,
+    )
+    assert float(k.sum()) == 96.0 and float(k[0, 2].sum()) == 96.0

@@ -26,6 +26,8 @@ Shapes: S slots (group s is slot s), R rows per slot, D model width, M = S * max
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -41,7 +43,7 @@ from dllm_jax.runtime.canvas_cache import CanvasCache
 from dllm_jax.runtime.expert_sharding import experts_split, sharded_expert_mlp
 from pallas_kernels.norm import head_norm_rope as head_norm_kernel
 from pallas_kernels.norm import moe_residual as moe_residual_kernel
-from pallas_kernels.projection.scatter_rows import scatter_kv_rows
+from pallas_kernels.projection import scatter_rows
 
 
 @struct.dataclass
@@ -117,19 +119,23 @@ def moe_output_fn(implementation: str, grouped_gemm: str) -> dg.MoEOutput | None
 CACHE_WRITES = ("xla", "pallas", "interpret")
 
 
-def cache_write_fn(implementation: str):
+def cache_write_fn(implementation: str) -> Callable[..., tuple[jax.Array, jax.Array]]:
     """(k_cache, v_cache [NL, M, W], k_rows, v_rows [N, W], rows int32 [N] (M: not written),
     layer) -> the caches with the rows written, by XLA's scatter or
-    pallas_kernels.projection.scatter_rows (CACHE_WRITES)."""
+    pallas_kernels.projection.scatter_rows (CACHE_WRITES; XLA's for widths the kernel does not
+    tile)."""
     if implementation not in CACHE_WRITES:
         raise ValueError(f"implementation={implementation!r}: expected one of {CACHE_WRITES}")
-    if implementation == "xla":
-        return lambda k_cache, v_cache, k_rows, v_rows, rows, layer: (
-            k_cache.at[layer, rows].set(k_rows, mode="drop"),
-            v_cache.at[layer, rows].set(v_rows, mode="drop"),
-        )
     interpret = implementation == "interpret"
-    return lambda *args: scatter_kv_rows(*args, drop=True, interpret=interpret)
+
+    def write(k_cache, v_cache, k_rows, v_rows, rows, layer):
+        if implementation == "xla" or not scatter_rows.supports(k_cache.shape[-1]):
+            return k_cache.at[layer, rows].set(k_rows, mode="drop"), v_cache.at[layer, rows].set(v_rows, mode="drop")
+        return scatter_rows.scatter_kv_rows(
+            k_cache, v_cache, k_rows, v_rows, rows, layer, drop=True, interpret=interpret
+        )
+
+    return write
 
 
 def _key_windows(

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import cdiv, check_float, check_launch, check_power_of_two, compiler_params
+from pallas_kernels.common import cdiv, check_float, check_launch, check_power_of_two, compiler_params, is_power_of_two
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +46,13 @@ class ScatterBlockSizes:
 
 def default_scatter_block_sizes(kv_width: int) -> ScatterBlockSizes:
     return ScatterBlockSizes(block_cols=min(512, kv_width))
+
+
+def supports(kv_width: int) -> bool:
+    """Whether the default tiling takes rows of this width (its column blocks: a power of two
+    >= 16 dividing it)."""
+    block = min(512, kv_width)
+    return is_power_of_two(block) and block >= 16 and kv_width % block == 0
 
 
 def _scatter_kernel(
