@@ -339,11 +339,10 @@ def test_the_gpu_kernels_give_the_reference_tokens(checkpoint, prompts, expected
     head-norm kernel, the experts' sum with the MoE block's post-norms and residual by the
     moe_residual kernel and the cache writes by the row-scatter kernel (both backend "pallas";
     "auto" does not run them yet) and the denoising stage by the canvas sampler kernel; the
-    same answers and denoising steps as the reference. One
-    more compiled loop than the shared engine's (the kernels change the loop's program); each
-    kernel alone against its reference: tests/test_canvas_attention.py,
-    tests/test_grouped_matmul.py, tests/test_head_norm_rope.py, tests/test_moe_residual.py,
-    tests/test_scatter_rows.py, tests/test_canvas_sampler.py."""
+    same answers and denoising steps as the reference. One more compiled loop than the shared
+    engine's (the kernels change the loop's program); each kernel alone against its reference:
+    tests/test_canvas_attention.py, tests/test_grouped_matmul.py, tests/test_head_norm_rope.py,
+    tests/test_moe_residual.py, tests/test_scatter_rows.py, tests/test_canvas_sampler.py."""
     kernel = Engine.from_pretrained(
         str(checkpoint),
         dtype="float32",
