@@ -41,6 +41,7 @@ from pallas_kernels.attention.cache_attention import (
     cache_attention_reference,
     default_attention_block_sizes,
 )
+from pallas_kernels.common import RowBlockSizes
 from pallas_kernels.projection.qkv_rope_cache import (
     QKVBlockSizes,
     default_qkv_block_sizes,
@@ -171,6 +172,18 @@ def attention_candidates(default: AttentionBlockSizes, shapes: Shapes) -> list[A
 
 
 RUNS_PER_SAMPLE = 4
+
+
+def row_block_tilings(default: RowBlockSizes, block_rows: tuple[int, ...]) -> list[RowBlockSizes]:
+    """A row-block kernel's tilings to time: its default first, then each of block_rows (at
+    least 1) on 4 and on 8 warps, each tiling once."""
+    out = [default]
+    for rows in block_rows:
+        for warps in (4, 8):
+            blocks = RowBlockSizes(block_rows=max(1, rows), num_warps=warps)
+            if blocks not in out:
+                out.append(blocks)
+    return out
 
 
 def time_chain(step: Callable, carry: Any, consts: Any, *, inner: int, repeats: int) -> float:

@@ -32,7 +32,7 @@ try:  # run as a file (scripts/gpu is sys.path[0]), or imported in process as sc
 except ImportError:
     from scripts.gpu.repo_root import put_checkout_on_path
 put_checkout_on_path()
-from bench_kernels import time_chain  # noqa: E402
+from bench_kernels import row_block_tilings, time_chain  # noqa: E402
 
 from dllm_jax.common.atomic_write import write_text_atomically  # noqa: E402
 from pallas_kernels.common import RowBlockSizes  # noqa: E402
@@ -60,13 +60,8 @@ def operands(n: int, heads: int, head_dim: int, fraction: float):
 
 def tilings(heads: int, head_dim: int) -> list[RowBlockSizes]:
     default = default_block_sizes(heads, head_dim)
-    out = [default]
-    for rows in (default.block_rows // 2, default.block_rows, 2 * default.block_rows):
-        for warps in (4, 8):
-            blocks = RowBlockSizes(block_rows=max(1, rows), num_warps=warps)
-            if blocks not in out:
-                out.append(blocks)
-    return out
+    rows = default.block_rows
+    return row_block_tilings(default, (rows // 2, rows, 2 * rows))
 
 
 def main(argv=None) -> int:
