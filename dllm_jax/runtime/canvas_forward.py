@@ -66,16 +66,21 @@ class CanvasRows:
     soft: jax.Array
 
 
-# what may norm and rotate q/k/v per head: XLA, the Triton kernel, the kernel in interpret mode
-HEAD_NORMS = ("xla", "pallas", "interpret")
+# what may run each of the ops below (the per-head norms, the MoE block's end, the cache
+# writes): XLA, the Triton kernel, the kernel in interpret mode
+IMPLEMENTATIONS = ("xla", "pallas", "interpret")
+
+
+def _check_implementation(implementation: str) -> None:
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation={implementation!r}: expected one of {IMPLEMENTATIONS}")
 
 
 def head_norm_fn(implementation: str) -> HeadNormRope | None:
-    """The per-head norm an implementation name (HEAD_NORMS) stands for, as
+    """The per-head norm an implementation name (IMPLEMENTATIONS) stands for, as
     DiffusionGemmaLayer's ``head_norm``: None for XLA; the kernel for the shapes it takes
     (powers of two: head_norm_rope.supports), XLA's function for the others."""
-    if implementation not in HEAD_NORMS:
-        raise ValueError(f"implementation={implementation!r}: expected one of {HEAD_NORMS}")
+    _check_implementation(implementation)
     if implementation == "xla":
         return None
     interpret = implementation == "interpret"
@@ -88,18 +93,12 @@ def head_norm_fn(implementation: str) -> HeadNormRope | None:
     return run
 
 
-# what may compute the routed experts' weighted sum with the MoE block's post-norms and residual:
-# XLA, the Triton kernel, the kernel in interpret mode
-MOE_OUTPUTS = ("xla", "pallas", "interpret")
-
-
 def moe_output_fn(implementation: str, grouped_gemm: str) -> dg.MoEOutput | None:
-    """DiffusionGemmaLayer's ``moe_output`` an implementation name (MOE_OUTPUTS) stands for:
+    """DiffusionGemmaLayer's ``moe_output`` an implementation name (IMPLEMENTATIONS) stands for:
     None for XLA; else the experts' grouped GEMMs by ``grouped_gemm`` (experts.routed_products)
     and their sum, the post-norms, the residual and the layer scalar by
     pallas_kernels.norm.moe_residual (its reference for widths the kernel does not take)."""
-    if implementation not in MOE_OUTPUTS:
-        raise ValueError(f"implementation={implementation!r}: expected one of {MOE_OUTPUTS}")
+    _check_implementation(implementation)
     if implementation == "xla":
         return None
     interpret = implementation == "interpret"
@@ -114,18 +113,12 @@ def moe_output_fn(implementation: str, grouped_gemm: str) -> dg.MoEOutput | None
     return run
 
 
-# what may write the K/V rows into the cache: XLA's scatter, the row-scatter kernel (it skips
-# the rows a pass drops), the kernel in interpret mode
-CACHE_WRITES = ("xla", "pallas", "interpret")
-
-
 def cache_write_fn(implementation: str) -> Callable[..., tuple[jax.Array, jax.Array]]:
     """(k_cache, v_cache [NL, M, W], k_rows, v_rows [N, W], rows int32 [N] (M: not written),
     layer) -> the caches with the rows written, by XLA's scatter or
-    pallas_kernels.projection.scatter_rows (CACHE_WRITES; XLA's for widths the kernel does not
-    tile)."""
-    if implementation not in CACHE_WRITES:
-        raise ValueError(f"implementation={implementation!r}: expected one of {CACHE_WRITES}")
+    pallas_kernels.projection.scatter_rows, which skips the rows a pass drops (IMPLEMENTATIONS;
+    XLA's scatter for widths the kernel does not tile)."""
+    _check_implementation(implementation)
     interpret = implementation == "interpret"
 
     def write(k_cache, v_cache, k_rows, v_rows, rows, layer):
@@ -199,11 +192,11 @@ def canvas_forward(
         the kernel routing's choice, kernel_routing.grouped_gemm).
       attention: what runs the attention over [cache; own rows]
         (dllm_jax.runtime.canvas_attention.CANVAS_ATTENTIONS; kernel_routing.canvas_attention).
-      head_norm: what norms q/k/v per head and rotates q and k (HEAD_NORMS; kernel_routing.head_norm).
+      head_norm: what norms q/k/v per head and rotates q and k (IMPLEMENTATIONS; kernel_routing.head_norm).
       moe_output: what sums the routed experts' outputs and applies the MoE block's post-norms
-        and residual (MOE_OUTPUTS; kernel_routing.moe_output); XLA where the mesh splits the
+        and residual (IMPLEMENTATIONS; kernel_routing.moe_output); XLA where the mesh splits the
         experts (an expert or tensor axis).
-      cache_write: what writes the K/V rows into the cache (CACHE_WRITES;
+      cache_write: what writes the K/V rows into the cache (IMPLEMENTATIONS;
         kernel_routing.cache_write).
     Returns:
       the last layer's output rows [S, R, D] (before the final norm), the cache with the

@@ -230,7 +230,7 @@ def fp8_qkv_to_cache(config: ModelConfig, spec, weights, x: QuantizedRows, posit
 
 def _implementation(kernels: Kernels, kernel: bool) -> str:
     """An op's implementation name ("xla", "pallas" or "interpret": GROUPED_GEMMS,
-    CANVAS_ATTENTIONS, HEAD_NORMS): its kernel where ``kernel``, interpreted where asked."""
+    CANVAS_ATTENTIONS, canvas_forward.IMPLEMENTATIONS): its kernel where ``kernel``, interpreted where asked."""
     if not kernel:
         return "xla"
     return "interpret" if kernels.interpret else "pallas"
@@ -251,21 +251,21 @@ def canvas_attention(kernels: Kernels, mesh=None) -> str:
 
 def head_norm(kernels: Kernels, mesh=None) -> str:
     """What norms DiffusionGemma's q/k/v per head and rotates q and k
-    (dllm_jax.runtime.canvas_forward.HEAD_NORMS): the Triton kernel where the routing asks for
+    (dllm_jax.runtime.canvas_forward.IMPLEMENTATIONS): the Triton kernel where the routing asks for
     it, else XLA; XLA too under a tensor axis (GSPMD cannot split a kernel over the heads)."""
     return _implementation(kernels, kernels.head_norm and axis_size(mesh, TENSOR) <= 1)
 
 
 def moe_output(kernels: Kernels) -> str:
     """What ends DiffusionGemma's MoE block, the experts' sum through the residual
-    (dllm_jax.runtime.canvas_forward.MOE_OUTPUTS): the Triton kernel where the routing asks for
+    (dllm_jax.runtime.canvas_forward.IMPLEMENTATIONS): the Triton kernel where the routing asks for
     it, else XLA (canvas_forward keeps XLA where a mesh splits the experts)."""
     return _implementation(kernels, kernels.moe_output)
 
 
 def cache_write(kernels: Kernels, mesh=None) -> str:
     """What writes DiffusionGemma's K/V rows into its cache (dllm_jax.runtime.canvas_forward.
-    CACHE_WRITES): the row-scatter kernel where the routing asks for it, else XLA's scatter; XLA
+    IMPLEMENTATIONS): the row-scatter kernel where the routing asks for it, else XLA's scatter; XLA
     too under a tensor axis (the cache's columns are split by heads there)."""
     return _implementation(kernels, kernels.canvas_scatter and axis_size(mesh, TENSOR) <= 1)
 
